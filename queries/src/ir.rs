@@ -1,0 +1,399 @@
+//! The workload IR: the TOML workload file, its validation, and the graph of values and operations.
+//!
+//! A workload names tensors (inputs and weights, each with an initialiser), operations over
+//! values, and outputs. Parsing checks every name, shape and dtype and reports problems with
+//! the operation or tensor they concern. Initialiser data is never read here: the runtime
+//! produces it, so a seed change cannot disturb any compile stage.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::hash::{KeyHasher, StableHash};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+    rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DType {
+    F16,
+    F32,
+}
+
+impl DType {
+    pub fn bytes(self) -> u32 {
+        match self {
+            DType::F16 => 2,
+            DType::F32 => 4,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F16 => "f16",
+            DType::F32 => "f32",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    Input,
+    Weight,
+}
+
+/// How the runtime fills a tensor before a run.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase", deny_unknown_fields)]
+pub enum Init {
+    Gaussian { seed: u64, std: f64 },
+    Uniform { seed: u64, low: f64, high: f64 },
+    Zeros,
+    /// A `.npy` file, relative to the workload file's folder.
+    Npy { path: String },
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TensorDecl {
+    pub name: String,
+    pub shape: Vec<u32>,
+    pub dtype: DType,
+    pub role: Role,
+    pub init: Init,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OperationDecl {
+    /// The name of the value this operation produces.
+    pub name: String,
+    pub op: String,
+    pub inputs: Vec<String>,
+    /// matmul: the second operand is given as [.., N, K].
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub transpose_b: bool,
+    /// scale: the factor.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub factor: Option<f64>,
+    /// reshape: the new shape.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shape: Option<Vec<u32>>,
+    /// transpose: the permutation of axes (output axis a is input axis perm[a]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub perm: Option<Vec<u32>>,
+}
+
+/// The file as written: `name`, optional `[family]` parameters, `[[tensor]]`, `[[operation]]`, `outputs`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkloadFile {
+    pub name: String,
+    /// Parameters of the family the workload belongs to (printed in the result line).
+    #[serde(default)]
+    pub family: BTreeMap<String, toml::Value>,
+    #[serde(rename = "tensor")]
+    pub tensors: Vec<TensorDecl>,
+    #[serde(rename = "operation")]
+    pub operations: Vec<OperationDecl>,
+    pub outputs: Vec<String>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ValueId(pub u32);
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum OpKind {
+    /// Batched matrix product; the leading axis of a rank-3 operand is the batch. When A has
+    /// more batches than B (grouped heads), batch b of A uses batch b / (Ba / Bb) of B.
+    MatMul { transpose_b: bool },
+    /// GELU, tanh approximation.
+    Gelu,
+    /// Softmax over the last axis.
+    Softmax,
+    Scale { factor: f64 },
+    Add,
+    Reshape { shape: Vec<u32> },
+    Transpose { perm: Vec<u32> },
+}
+
+impl OpKind {
+    pub fn name(&self) -> &'static str {
+        match self {
+            OpKind::MatMul { .. } => "matmul",
+            OpKind::Gelu => "gelu",
+            OpKind::Softmax => "softmax",
+            OpKind::Scale { .. } => "scale",
+            OpKind::Add => "add",
+            OpKind::Reshape { .. } => "reshape",
+            OpKind::Transpose { .. } => "transpose",
+        }
+    }
+    /// Views move no data of their own: consumers read through them.
+    pub fn is_view(&self) -> bool {
+        matches!(self, OpKind::Reshape { .. } | OpKind::Transpose { .. })
+    }
+}
+
+pub const KNOWN_OPERATIONS: &str = "matmul, gelu, softmax, scale, add, reshape, transpose";
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Producer {
+    Tensor { index: usize, role: Role },
+    Operation(usize),
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Value {
+    pub name: String,
+    pub shape: Vec<u32>,
+    pub dtype: DType,
+    pub producer: Producer,
+}
+
+impl Value {
+    pub fn elements(&self) -> u64 {
+        self.shape.iter().map(|&d| d as u64).product()
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Operation {
+    pub kind: OpKind,
+    pub inputs: Vec<ValueId>,
+    pub output: ValueId,
+}
+
+/// A validated workload: values in definition order (tensors first), operations in order.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Graph {
+    pub name: String,
+    pub file: WorkloadFile,
+    pub values: Vec<Value>,
+    pub operations: Vec<Operation>,
+    pub outputs: Vec<ValueId>,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq, Clone)]
+pub enum WorkloadError {
+    #[error("workload {origin}: malformed file: {message}")]
+    Malformed { origin: String, message: String },
+    #[error("workload {origin}: {location}: {message}")]
+    Invalid { origin: String, location: String, message: String },
+}
+
+impl Graph {
+    pub fn value(&self, id: ValueId) -> &Value {
+        &self.values[id.0 as usize]
+    }
+    pub fn find(&self, name: &str) -> Option<ValueId> {
+        self.values.iter().position(|v| v.name == name).map(|i| ValueId(i as u32))
+    }
+    /// Operations other than views: the ones that compute.
+    pub fn compute_operation_count(&self) -> usize {
+        self.operations.iter().filter(|o| !o.kind.is_view()).count()
+    }
+
+    /// Parse and validate a workload file; `origin` names it in every error.
+    pub fn parse(text: &str, origin: &str) -> Result<Graph, WorkloadError> {
+        let file: WorkloadFile = toml::from_str(text).map_err(|e| WorkloadError::Malformed {
+            origin: origin.to_string(),
+            message: e.to_string().trim().replace('\n', " "),
+        })?;
+        Graph::from_file(file, origin)
+    }
+
+    pub fn from_file(file: WorkloadFile, origin: &str) -> Result<Graph, WorkloadError> {
+        let invalid = |location: String, message: String| WorkloadError::Invalid { origin: origin.to_string(), location, message };
+        if file.name.is_empty() || !file.name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) {
+            return Err(invalid("name".into(), format!("workload name {:?} must be non-empty and use only letters, digits, '-', '_' and '.'", file.name)));
+        }
+        let mut values: Vec<Value> = Vec::new();
+        let mut by_name: BTreeMap<String, ValueId> = BTreeMap::new();
+        for (index, t) in file.tensors.iter().enumerate() {
+            let location = format!("tensor '{}' (#{index})", t.name);
+            check_name(&t.name).map_err(|m| invalid(location.clone(), m))?;
+            check_shape(&t.shape).map_err(|m| invalid(location.clone(), m))?;
+            if let Init::Gaussian { std, .. } = t.init {
+                if !(std.is_finite() && std >= 0.0) {
+                    return Err(invalid(location, format!("gaussian std must be finite and non-negative, got {std}")));
+                }
+            }
+            if let Init::Uniform { low, high, .. } = t.init {
+                if !(low.is_finite() && high.is_finite() && low <= high) {
+                    return Err(invalid(location, format!("uniform bounds must be finite with low <= high, got [{low}, {high}]")));
+                }
+            }
+            let id = ValueId(values.len() as u32);
+            if by_name.insert(t.name.clone(), id).is_some() {
+                return Err(invalid(location, format!("the name '{}' is defined twice", t.name)));
+            }
+            values.push(Value { name: t.name.clone(), shape: t.shape.clone(), dtype: t.dtype, producer: Producer::Tensor { index, role: t.role } });
+        }
+        let mut operations = Vec::new();
+        for (index, o) in file.operations.iter().enumerate() {
+            let location = format!("operation '{}' (#{index}, {})", o.name, o.op);
+            check_name(&o.name).map_err(|m| invalid(location.clone(), m))?;
+            let kind = match o.op.as_str() {
+                "matmul" => OpKind::MatMul { transpose_b: o.transpose_b },
+                "gelu" => OpKind::Gelu,
+                "softmax" => OpKind::Softmax,
+                "scale" => OpKind::Scale {
+                    factor: o.factor.filter(|f| f.is_finite()).ok_or_else(|| invalid(location.clone(), "scale needs a finite 'factor'".into()))?,
+                },
+                "add" => OpKind::Add,
+                "reshape" => OpKind::Reshape { shape: o.shape.clone().ok_or_else(|| invalid(location.clone(), "reshape needs 'shape'".into()))? },
+                "transpose" => OpKind::Transpose { perm: o.perm.clone().ok_or_else(|| invalid(location.clone(), "transpose needs 'perm'".into()))? },
+                other => return Err(invalid(location, format!("unknown operation '{other}'; known operations: {KNOWN_OPERATIONS}"))),
+            };
+            let mut inputs = Vec::new();
+            for name in &o.inputs {
+                let id = *by_name.get(name).ok_or_else(|| invalid(location.clone(), format!("input '{name}' is not defined before this operation")))?;
+                inputs.push(id);
+            }
+            let input_values: Vec<&Value> = inputs.iter().map(|id| &values[id.0 as usize]).collect();
+            let (shape, dtype) = infer(&kind, &input_values).map_err(|m| invalid(location.clone(), m))?;
+            let id = ValueId(values.len() as u32);
+            if by_name.insert(o.name.clone(), id).is_some() {
+                return Err(invalid(location, format!("the name '{}' is defined twice", o.name)));
+            }
+            values.push(Value { name: o.name.clone(), shape, dtype, producer: Producer::Operation(index) });
+            operations.push(Operation { kind, inputs, output: id });
+        }
+        if file.outputs.is_empty() {
+            return Err(invalid("outputs".into(), "a workload needs at least one output".into()));
+        }
+        let mut outputs = Vec::new();
+        for name in &file.outputs {
+            let id = *by_name.get(name).ok_or_else(|| invalid("outputs".into(), format!("output '{name}' is not defined")))?;
+            if !matches!(values[id.0 as usize].producer, Producer::Operation(_)) {
+                return Err(invalid("outputs".into(), format!("output '{name}' is a tensor, not the result of an operation")));
+            }
+            if outputs.contains(&id) {
+                return Err(invalid("outputs".into(), format!("output '{name}' is listed twice")));
+            }
+            outputs.push(id);
+        }
+        if operations.iter().all(|o: &Operation| o.kind.is_view()) {
+            return Err(invalid("operation".into(), "a workload needs at least one operation that computes".into()));
+        }
+        Ok(Graph { name: file.name.clone(), file, values, operations, outputs })
+    }
+
+    /// Canonical text of the workload (no comments, fixed order): what keys and the package hold.
+    pub fn canonical_toml(&self) -> String {
+        toml::to_string(&self.file).expect("a workload always serialises")
+    }
+}
+
+fn check_name(name: &str) -> Result<(), String> {
+    if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) {
+        return Err(format!("name {name:?} must be non-empty and use only letters, digits, '-', '_' and '.'"));
+    }
+    Ok(())
+}
+
+/// The largest tensor ipuq accepts: element offsets are 32-bit in packages.
+pub const MAX_ELEMENTS: u64 = 1 << 31;
+
+fn check_shape(shape: &[u32]) -> Result<(), String> {
+    if shape.is_empty() || shape.len() > 4 {
+        return Err(format!("shape {shape:?} must have 1 to 4 axes"));
+    }
+    if shape.iter().any(|&d| d == 0) {
+        return Err(format!("shape {shape:?} has an empty axis"));
+    }
+    let elements: u64 = shape.iter().map(|&d| d as u64).product();
+    if elements > MAX_ELEMENTS {
+        return Err(format!("shape {shape:?} has {elements} elements, more than the {MAX_ELEMENTS} ipuq supports"));
+    }
+    Ok(())
+}
+
+fn arity(kind: &OpKind, inputs: &[&Value], n: usize) -> Result<(), String> {
+    if inputs.len() != n {
+        return Err(format!("{} takes {n} input(s), got {}", kind.name(), inputs.len()));
+    }
+    Ok(())
+}
+
+fn infer(kind: &OpKind, inputs: &[&Value]) -> Result<(Vec<u32>, DType), String> {
+    match kind {
+        OpKind::MatMul { transpose_b } => {
+            arity(kind, inputs, 2)?;
+            let (a, b) = (inputs[0], inputs[1]);
+            if a.dtype != DType::F16 || b.dtype != DType::F16 {
+                return Err(format!("matmul runs on the AMP in f16; operands are {} and {}", a.dtype.name(), b.dtype.name()));
+            }
+            if a.dtype != b.dtype {
+                return Err(format!("operands have dtypes {} and {}", a.dtype.name(), b.dtype.name()));
+            }
+            if !(2..=3).contains(&a.shape.len()) || !(2..=3).contains(&b.shape.len()) {
+                return Err(format!("matmul operands must have 2 or 3 axes, got {:?} and {:?}", a.shape, b.shape));
+            }
+            let (ab, m, k) = split3(&a.shape);
+            let (bb, b0, b1) = split3(&b.shape);
+            let (kb, n) = if *transpose_b { (b1, b0) } else { (b0, b1) };
+            if k != kb {
+                return Err(format!("inner dimensions differ: A {:?} has K = {k}, B {:?}{} has K = {kb}", a.shape, b.shape, if *transpose_b { " (transposed)" } else { "" }));
+            }
+            if bb > ab || ab % bb != 0 {
+                return Err(format!("batch of B ({bb}) must divide batch of A ({ab})"));
+            }
+            let shape = if a.shape.len() == 3 { vec![ab, m, n] } else { vec![m, n] };
+            Ok((shape, a.dtype))
+        }
+        OpKind::Gelu | OpKind::Softmax | OpKind::Scale { .. } => {
+            arity(kind, inputs, 1)?;
+            if inputs[0].dtype != DType::F16 {
+                return Err(format!("{} is implemented for f16 values, got {}", kind.name(), inputs[0].dtype.name()));
+            }
+            Ok((inputs[0].shape.clone(), inputs[0].dtype))
+        }
+        OpKind::Add => {
+            arity(kind, inputs, 2)?;
+            if inputs[0].shape != inputs[1].shape || inputs[0].dtype != inputs[1].dtype {
+                return Err(format!("add needs equal shapes and dtypes, got {:?} {} and {:?} {}", inputs[0].shape, inputs[0].dtype.name(), inputs[1].shape, inputs[1].dtype.name()));
+            }
+            if inputs[0].dtype != DType::F16 {
+                return Err("add is implemented for f16 values".into());
+            }
+            Ok((inputs[0].shape.clone(), inputs[0].dtype))
+        }
+        OpKind::Reshape { shape } => {
+            arity(kind, inputs, 1)?;
+            check_shape(shape)?;
+            let new: u64 = shape.iter().map(|&d| d as u64).product();
+            if new != inputs[0].elements() {
+                return Err(format!("cannot reshape {:?} ({} elements) to {shape:?} ({new} elements)", inputs[0].shape, inputs[0].elements()));
+            }
+            Ok((shape.clone(), inputs[0].dtype))
+        }
+        OpKind::Transpose { perm } => {
+            arity(kind, inputs, 1)?;
+            let rank = inputs[0].shape.len();
+            let mut seen = vec![false; rank];
+            if perm.len() != rank || perm.iter().any(|&p| (p as usize) >= rank || std::mem::replace(&mut seen[p as usize], true)) {
+                return Err(format!("perm {perm:?} is not a permutation of the {rank} axes of {:?}", inputs[0].shape));
+            }
+            if perm[rank - 1] as usize != rank - 1 {
+                return Err(format!("perm {perm:?} moves the innermost axis; ipuq moves whole words, so use matmul's transpose_b instead"));
+            }
+            Ok((perm.iter().map(|&p| inputs[0].shape[p as usize]).collect(), inputs[0].dtype))
+        }
+    }
+}
+
+/// (batch, rows, cols) of a rank-2 or rank-3 shape.
+pub fn split3(shape: &[u32]) -> (u32, u32, u32) {
+    match shape.len() {
+        2 => (1, shape[0], shape[1]),
+        3 => (shape[0], shape[1], shape[2]),
+        _ => panic!("split3 on rank {}", shape.len()),
+    }
+}
+
+impl StableHash for Graph {
+    fn stable_hash(&self, h: &mut KeyHasher) {
+        h.add(&self.canonical_toml());
+    }
+}

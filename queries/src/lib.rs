@@ -1,0 +1,9 @@
+//! ipuq's compiler: the IR, the target description, the stages as salsa queries, the package.
+//!
+//! This crate does no I/O of its own: files enter as salsa inputs set by the caller, and the
+//! disk cache is reached through a small trait.
+
+pub mod hash;
+pub mod ir;
+pub mod package;
+pub mod target;

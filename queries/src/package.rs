@@ -1,0 +1,306 @@
+//! The application package (`model.ipuexe`): everything a device needs to run a workload, and
+//! nothing of the workload graph that a device may use to compute.
+//!
+//! A package holds, per tile, a memory image (initial segments, load-time zero fill, the
+//! allocation map) and a program (vertex calls per compute step); per exchange phase, each
+//! tile's send and receive tables; and the host tables that say where the host writes inputs
+//! and weights and reads outputs and checkpoints. The workload text travels along so that a
+//! package can be run and verified on its own: the runtime makes the input data from it and
+//! the verifier computes the host reference from it, but the simulator never reads it.
+//!
+//! File layout: a 96-byte header (magic, format version, rkyv flags, payload length, blake3 of
+//! the payload, target digest), then the rkyv payload, whose root sits at its end.
+
+use crate::hash::Digest;
+use crate::ir::DType;
+
+pub const PACKAGE_MAGIC: [u8; 8] = *b"IPUQPKG\0";
+/// Bump when the layout of anything below changes.
+pub const PACKAGE_FORMAT_VERSION: u32 = 1;
+/// rkyv's format flags this build writes (little endian, aligned, 32-bit offsets).
+pub const RKYV_FLAGS: u32 = 0x0000_0001;
+pub const HEADER_BYTES: usize = 96;
+
+#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct Package {
+    /// "ipuq 0.1.0": the compiler that wrote it.
+    pub compiler: String,
+    pub target_toml: String,
+    pub target_digest: Digest,
+    pub workload_name: String,
+    pub workload_toml: String,
+    pub tiles: Vec<TileImage>,
+    /// The BSP sequence the device executes.
+    pub steps: Vec<Step>,
+    pub exchanges: Vec<ExchangePhase>,
+    pub host: HostTables,
+    /// Interned labels for allocations (value names, "code", ...), for error messages.
+    pub labels: Vec<String>,
+    pub summary: Summary,
+}
+
+/// Compile-time facts the reports print beside the measured ones.
+#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct Summary {
+    /// Operations that compute (views excluded).
+    pub operations: u32,
+    /// Tiles that run at least one vertex.
+    pub active_tiles: u32,
+    /// Floating-point operations of all matrix products (2 M K N summed).
+    pub gemm_flops: u64,
+    /// The compiler's own estimate of the run, from the target's cost formulas.
+    pub estimated_cycles: u64,
+    pub estimated_exchange_cycles: u64,
+    pub logical_shards: u32,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub enum Step {
+    /// Every tile runs its vertex calls of compute set `index`.
+    Compute { index: u32 },
+    /// Global sync, then exchange phase `phase`.
+    Exchange { phase: u32 },
+}
+
+#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct TileImage {
+    pub tile: u32,
+    /// Bytes written at load time (code, vertex state, exchange tables, constants).
+    pub segments: Vec<Segment>,
+    /// Ranges cleared to zero at load time.
+    pub zero_fill: Vec<AddressRange>,
+    /// Every allocated range; a vertex or exchange access outside them is an error.
+    pub allocations: Vec<Allocation>,
+    /// Vertex calls per compute set; sets without work on this tile are absent.
+    pub compute_sets: Vec<ComputeSet>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct Segment {
+    pub address: u32,
+    pub bytes: Vec<u8>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct AddressRange {
+    pub start: u32,
+    pub end: u32,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub enum AllocationKind {
+    /// Code, vertex state and exchange tables: must lie below the instruction fetch limit.
+    Code,
+    /// Tensor data (f16 or f32), in either region.
+    Data,
+    /// AMP fp32 partials: interleaved memory, 16-byte aligned.
+    Partials,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct Allocation {
+    pub start: u32,
+    pub end: u32,
+    pub kind: AllocationKind,
+    /// Index into `Package::labels`.
+    pub label: u32,
+}
+
+#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct ComputeSet {
+    pub index: u32,
+    pub calls: Vec<VertexCall>,
+}
+
+/// A 2-D strided operand: `rows` x `cols` elements, row r at `address + r * row_stride * bytes`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct Operand {
+    pub address: u32,
+    /// Elements between the starts of consecutive rows.
+    pub row_stride: u32,
+}
+
+/// One vertex (codelet) call. Every kernel works on `rows` x `cols` 2-D strided operands.
+#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub enum VertexCall {
+    /// C[m x n] = A[m x k] . B[k x n] (or B given as [n x k] when `b_transposed`), f16 inputs,
+    /// fp32 accumulation; C is f16, or fp32 partials when `partials`.
+    MatMul { m: u32, k: u32, n: u32, a: Operand, b: Operand, b_transposed: bool, c: Operand, partials: bool },
+    /// out (f16) = sum of fp32 partial blocks, rows x cols each.
+    Reduce { rows: u32, cols: u32, parts: Vec<Operand>, out: Operand },
+    /// GELU (tanh approximation), f16.
+    Gelu { rows: u32, cols: u32, input: Operand, output: Operand },
+    /// output = input * factor, f16.
+    Scale { rows: u32, cols: u32, factor: f32, input: Operand, output: Operand },
+    /// output = a + b, f16.
+    Add { rows: u32, cols: u32, a: Operand, b: Operand, output: Operand },
+    /// Softmax over each row, f16 in and out, fp32 arithmetic.
+    Softmax { rows: u32, cols: u32, input: Operand, output: Operand },
+    /// Local copy of rows x cols elements of `dtype`.
+    Copy { rows: u32, cols: u32, dtype: DType, input: Operand, output: Operand },
+}
+
+#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct ExchangePhase {
+    pub index: u32,
+    /// Per-tile tables, sorted by tile; tiles with nothing to do are absent.
+    pub tiles: Vec<TileExchange>,
+    /// The compiler's horizon (the device recomputes it from the tables).
+    pub horizon: u32,
+    pub endpoint_lower_bound: u32,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct TileExchange {
+    pub tile: u32,
+    /// Sorted by cycle.
+    pub sends: Vec<SendEntry>,
+    /// Sorted by cycle.
+    pub receives: Vec<ReceiveEntry>,
+}
+
+/// Send `words` 32-bit words from `address` on consecutive cycles starting at `cycle`.
+/// Paired: two words per cycle (`words` even, 8-byte aligned) using this tile's and its
+/// supertile partner's send ports, for `words / 2` cycles.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct SendEntry {
+    pub cycle: u32,
+    pub address: u32,
+    pub words: u32,
+    pub paired: bool,
+}
+
+/// Point the incoming mux at `source` from `cycle` (the arrival cycle: the source's send cycle
+/// plus the route delay) and store `words` words at `address`. Paired: two words per cycle,
+/// occupying the partner's receive port too unless the partner receives the same words.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct ReceiveEntry {
+    pub cycle: u32,
+    pub source: u32,
+    pub address: u32,
+    pub words: u32,
+    pub paired: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct HostTables {
+    /// Written by the "initialize" call, in this order.
+    pub inputs: Vec<HostTensor>,
+    /// Read after the "run" call.
+    pub outputs: Vec<HostTensor>,
+    /// Intermediate values that can be read right after the step that completes them.
+    pub checkpoints: Vec<Checkpoint>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub enum HostRole {
+    Input,
+    Weight,
+    Output,
+    Intermediate,
+}
+
+/// A tensor as the host sees it: where each run of its elements (row-major logical order)
+/// lives. An input element may live on several tiles (replicas); each is written.
+#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct HostTensor {
+    pub name: String,
+    pub shape: Vec<u32>,
+    pub dtype: DType,
+    pub role: HostRole,
+    pub segments: Vec<HostSegment>,
+}
+
+/// `count` consecutive logical elements starting at flat index `element`, stored contiguously
+/// at `address` on `tile`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct HostSegment {
+    pub tile: u32,
+    pub address: u32,
+    pub element: u32,
+    pub count: u32,
+}
+
+#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct Checkpoint {
+    /// Index of the operation (in workload order) that produced the value.
+    pub operation: u32,
+    /// Index into `Package::steps`: the value is complete after this step.
+    pub after_step: u32,
+    pub tensor: HostTensor,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum PackageError {
+    #[error("{origin}: not an ipuq package (bad magic)")]
+    BadMagic { origin: String },
+    #[error("{origin}: package format v{found}, this ipuq reads v{expected}")]
+    Version { origin: String, found: u32, expected: u32 },
+    #[error("{origin}: package written with rkyv flags {found:#x}, this ipuq uses {expected:#x}")]
+    Flags { origin: String, found: u32, expected: u32 },
+    #[error("{origin}: truncated package: {message}")]
+    Truncated { origin: String, message: String },
+    #[error("{origin}: damaged package: payload checksum mismatch")]
+    Checksum { origin: String },
+    #[error("{origin}: damaged package: {message}")]
+    Decode { origin: String, message: String },
+    #[error("{origin}: package was compiled for target {found}, not {expected}")]
+    Target { origin: String, found: String, expected: String },
+}
+
+impl Package {
+    /// Serialise with header; deterministic for equal packages.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let payload = rkyv::to_bytes::<rkyv::rancor::Error>(self).expect("rkyv serialisation of a package cannot fail");
+        let mut out = Vec::with_capacity(HEADER_BYTES + payload.len());
+        out.extend_from_slice(&PACKAGE_MAGIC);
+        out.extend_from_slice(&PACKAGE_FORMAT_VERSION.to_le_bytes());
+        out.extend_from_slice(&RKYV_FLAGS.to_le_bytes());
+        out.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+        out.extend_from_slice(blake3::hash(&payload).as_bytes());
+        out.extend_from_slice(&self.target_digest.0);
+        out.resize(HEADER_BYTES, 0);
+        out.extend_from_slice(&payload);
+        out
+    }
+
+    /// Check header, length and checksum, validate the archive, and decode.
+    pub fn from_bytes(bytes: &[u8], origin: &str) -> Result<Package, PackageError> {
+        let origin_s = || origin.to_string();
+        if bytes.len() < 8 || bytes[..8] != PACKAGE_MAGIC {
+            return Err(PackageError::BadMagic { origin: origin_s() });
+        }
+        if bytes.len() < HEADER_BYTES {
+            return Err(PackageError::Truncated { origin: origin_s(), message: format!("{} bytes, shorter than the {HEADER_BYTES}-byte header", bytes.len()) });
+        }
+        let u32_at = |o: usize| u32::from_le_bytes(bytes[o..o + 4].try_into().unwrap());
+        let version = u32_at(8);
+        if version != PACKAGE_FORMAT_VERSION {
+            return Err(PackageError::Version { origin: origin_s(), found: version, expected: PACKAGE_FORMAT_VERSION });
+        }
+        let flags = u32_at(12);
+        if flags != RKYV_FLAGS {
+            return Err(PackageError::Flags { origin: origin_s(), found: flags, expected: RKYV_FLAGS });
+        }
+        let length = u64::from_le_bytes(bytes[16..24].try_into().unwrap()) as usize;
+        let payload = &bytes[HEADER_BYTES..];
+        if payload.len() != length {
+            return Err(PackageError::Truncated { origin: origin_s(), message: format!("header says {length} payload bytes, file has {}", payload.len()) });
+        }
+        if blake3::hash(payload).as_bytes()[..] != bytes[24..56] {
+            return Err(PackageError::Checksum { origin: origin_s() });
+        }
+        let mut aligned = rkyv::util::AlignedVec::<16>::with_capacity(payload.len());
+        aligned.extend_from_slice(payload);
+        let package = rkyv::from_bytes::<Package, rkyv::rancor::Error>(&aligned)
+            .map_err(|e| PackageError::Decode { origin: origin_s(), message: e.to_string() })?;
+        if package.target_digest.0[..] != bytes[56..88] {
+            return Err(PackageError::Decode { origin: origin_s(), message: "header and payload disagree on the target".into() });
+        }
+        Ok(package)
+    }
+
+    pub fn tile_count(&self) -> u32 {
+        self.tiles.len() as u32
+    }
+}
