@@ -1,1 +1,14 @@
+//! ipuq: the command line, the devices (the simulator by default), the host exchange runtime,
+//! verification against the host reference, profiles and reports. Only this crate prints,
+//! reads files and touches devices; the compiler lives in `ipuq_queries`.
 
+pub mod build;
+pub mod cli;
+pub mod device;
+pub mod logging;
+pub mod profile;
+pub mod reference;
+pub mod report;
+pub mod runtime;
+pub mod verify;
+pub mod workload;

@@ -1,9 +1,16 @@
 //! ipuq's compiler: the IR, the target description, the stages as salsa queries, the package.
 //!
 //! This crate does no I/O of its own: files enter as salsa inputs set by the caller, and the
-//! disk cache is reached through a small trait.
+//! disk cache is reached through a small trait (`db::StageStore`).
 
+pub mod cost;
+pub mod emit;
+pub mod exchange;
 pub mod hash;
 pub mod ir;
+pub mod lower;
 pub mod package;
+pub mod storage;
 pub mod target;
+pub mod db;
+pub mod pipeline;

@@ -1,0 +1,132 @@
+//! Cost formulas of the machine model: cycles of each vertex call and of an exchange phase.
+//!
+//! The constants come from the target description; the formulas are those of
+//! `shared/design/machine-model.md` (hardware-measured where the seed's compiler measured them,
+//! poplibs' cycle estimators elsewhere). The planner estimates with them and the simulator
+//! charges them for the vertex calls it executes, so the two can only disagree where the
+//! planner's picture of a call differs from the call the package really makes.
+
+use crate::package::VertexCall;
+use crate::target::Target;
+
+fn ceil_div(a: u64, b: u64) -> u64 {
+    a.div_ceil(b.max(1))
+}
+
+/// Where a matrix product's weights (B operand) sit: 128-bit loads need interleaved memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightClass {
+    Interleaved,
+    Standard,
+}
+
+/// One AMP call: C[m x n] = A[m x k] . B[k x n] (fp32 accumulation).
+pub fn gemm(t: &Target, m: u32, k: u32, n: u32, weights: WeightClass, b_transposed: bool) -> u64 {
+    let c = &t.costs;
+    let blocks = ceil_div(k as u64, c.gemm_block) * ceil_div(n as u64, c.gemm_block);
+    let mut per_block = c.gemm_per_row * m as u64 + c.gemm_per_block;
+    if weights == WeightClass::Standard {
+        per_block += c.gemm_standard_weight_extra_per_block;
+    }
+    if b_transposed {
+        per_block += c.gemm_transposed_weight_extra_per_block;
+    }
+    c.kernel_launch + c.gemm_base + blocks * per_block
+}
+
+/// Sum of `parts` fp32 partial blocks of `n` elements into f16.
+pub fn reduce(t: &Target, parts: u32, n: u64) -> u64 {
+    let c = &t.costs;
+    let extra = parts.saturating_sub(1) as u64;
+    c.kernel_launch + c.reduce_base + 6 * ceil_div(n, c.reduce_chunk) * (c.reduce_chunk_base + c.reduce_per_partial * extra)
+}
+
+pub fn gelu(t: &Target, n: u64) -> u64 {
+    let c = &t.costs;
+    c.kernel_launch + c.gelu_base + c.gelu_per_chunk * ceil_div(n, c.gelu_chunk)
+}
+
+fn workers(t: &Target) -> u64 {
+    t.chip.workers as u64
+}
+
+/// poplibs' unary elementwise estimate over n half elements with `cpl` cycles per loop.
+pub fn unary_half(t: &Target, n: u64, cpl: u64, is_exp: bool) -> u64 {
+    let c = &t.costs;
+    let w = workers(t);
+    let per_worker = ceil_div(n, w);
+    let body = ceil_div(per_worker, t.compute.vector_f16_lanes as u64) * (cpl + 4);
+    let base = if is_exp { c.unary_exp_base } else { c.unary_base };
+    c.kernel_launch + w * (base + body) + c.unary_tail
+}
+
+/// poplibs' binary elementwise estimate over n half elements.
+pub fn binary_half(t: &Target, n: u64, cpl: u64) -> u64 {
+    let c = &t.costs;
+    let w = workers(t);
+    let body = ceil_div(ceil_div(n, w), t.compute.vector_f16_lanes as u64) * (cpl + 2);
+    c.kernel_launch + w * (c.binary_base + body) + c.binary_tail
+}
+
+/// Softmax over rows, composed of four elementwise passes (max, exp, sum, scale by the
+/// reciprocal) at the poplibs costs; the row structure adds no cost of its own in this model.
+pub fn softmax(t: &Target, rows: u32, cols: u32) -> u64 {
+    let c = &t.costs;
+    let n = rows as u64 * cols as u64;
+    unary_half(t, n, c.cpl_max_half, false)
+        + unary_half(t, n, c.cpl_exp_half, true)
+        + unary_half(t, n, c.cpl_add_half, false)
+        + unary_half(t, n, c.cpl_mul_half, false)
+}
+
+pub fn copy(t: &Target, bytes: u64, both_interleaved: bool) -> u64 {
+    let c = &t.costs;
+    let rate = if both_interleaved { c.copy_interleaved_bytes_per_cycle } else { c.copy_standard_bytes_per_cycle };
+    c.kernel_launch + c.copy_overhead + ceil_div(bytes, rate)
+}
+
+/// Cycles of an exchange phase with the given horizon, sync included.
+pub fn exchange_phase(t: &Target, horizon: u32) -> u64 {
+    t.exchange.sync_cycles + horizon as u64
+}
+
+/// Cycles of one vertex call as the package states it. `interleaved(address)` says whether an
+/// address lies in interleaved memory (it decides the weight class of a matrix product).
+pub fn vertex(t: &Target, call: &VertexCall) -> u64 {
+    let interleaved = |address: u32| address >= t.memory.interleaved_start;
+    match call {
+        VertexCall::MatMul { m, k, n, b, b_transposed, .. } => {
+            let class = if interleaved(b.address) { WeightClass::Interleaved } else { WeightClass::Standard };
+            gemm(t, *m, *k, *n, class, *b_transposed)
+        }
+        VertexCall::Reduce { rows, cols, parts, .. } => reduce(t, parts.len() as u32, *rows as u64 * *cols as u64),
+        VertexCall::Gelu { rows, cols, .. } => gelu(t, *rows as u64 * *cols as u64),
+        VertexCall::Scale { rows, cols, .. } => unary_half(t, *rows as u64 * *cols as u64, t.costs.cpl_mul_half, false),
+        VertexCall::Add { rows, cols, .. } => binary_half(t, *rows as u64 * *cols as u64, t.costs.cpl_add_half),
+        VertexCall::Softmax { rows, cols, .. } => softmax(t, *rows, *cols),
+        VertexCall::Copy { rows, cols, dtype, input, output } => {
+            copy(t, *rows as u64 * *cols as u64 * dtype.bytes() as u64, interleaved(input.address) && interleaved(output.address))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::target::{fixtures, Target};
+
+    #[test]
+    fn gemm_matches_the_measured_formula() {
+        let t = Target::from_toml(fixtures::IPU21, "ipu21").unwrap();
+        // 294 + ceil(288/16) * ceil(48/16) * (4 * 183 + 160) + launch 11
+        assert_eq!(gemm(&t, 183, 288, 48, WeightClass::Interleaved, false), 11 + 294 + 18 * 3 * (4 * 183 + 160));
+        assert!(gemm(&t, 183, 288, 48, WeightClass::Standard, false) > gemm(&t, 183, 288, 48, WeightClass::Interleaved, false));
+    }
+
+    #[test]
+    fn reduction_and_gelu_match_the_measured_formulas() {
+        let t = Target::from_toml(fixtures::IPU21, "ipu21").unwrap();
+        assert_eq!(reduce(&t, 4, 96), 11 + 282 + 6 * 2 * (9 + 6 * 3));
+        assert_eq!(gelu(&t, 97), 11 + 300 + 558 * 2);
+    }
+}

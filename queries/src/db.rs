@@ -1,0 +1,179 @@
+//! The salsa database and the stages as tracked queries, each consulting the on-disk cache.
+//!
+//! A stage's value is `Staged<T>`: the value and the blake3 digest of its canonical bytes.
+//! Equality is digest equality, so a stage that re-runs and produces the same bytes backdates
+//! and wakes none of its dependents (salsa's early cutoff); across processes the same digests
+//! form the disk-cache keys of downstream stages (`caching.md`).
+
+use std::sync::{Arc, Mutex};
+
+use crate::hash::{Digest, KeyHasher};
+use crate::ir::Graph;
+use crate::target::Target;
+
+/// Bump when any stage's output format or meaning changes.
+pub const CACHE_FORMAT_VERSION: u32 = 1;
+
+/// The disk cache as the compiler sees it: bytes in, bytes out, keyed by digest.
+pub trait StageStore: Send + Sync {
+    fn load(&self, stage: &str, key: &Digest, schema: u64) -> Option<rkyv::util::AlignedVec<16>>;
+    fn store(&self, stage: &str, key: &Digest, schema: u64, bytes: &[u8]);
+}
+
+/// A stage output with the digest of its canonical bytes.
+#[derive(Clone, Debug)]
+pub struct Staged<T> {
+    pub digest: Digest,
+    pub value: Arc<T>,
+}
+
+impl<T> PartialEq for Staged<T> {
+    fn eq(&self, other: &Self) -> bool {
+        self.digest == other.digest
+    }
+}
+impl<T> Eq for Staged<T> {}
+
+/// Any error a stage can report, as text naming what and where (errors must compare equal
+/// for salsa, and every one already carries its context).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct CompileError(pub String);
+
+impl CompileError {
+    pub fn from(e: impl std::fmt::Display) -> Self {
+        CompileError(e.to_string())
+    }
+}
+
+pub type StageResult<T> = Result<Staged<T>, CompileError>;
+
+/// How a stage's value was obtained in this process, for `--timings` and the logs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Origin {
+    Computed,
+    DiskHit,
+}
+
+#[salsa::input]
+pub struct Sources {
+    #[returns(ref)]
+    pub workload_text: String,
+    #[returns(ref)]
+    pub workload_origin: String,
+    #[returns(ref)]
+    pub target_text: String,
+    #[returns(ref)]
+    pub target_origin: String,
+}
+
+#[salsa::db]
+#[derive(Clone)]
+pub struct Database {
+    storage: salsa::Storage<Self>,
+    store: Option<Arc<dyn StageStore>>,
+    /// (stage, origin) each time a stage body runs: what re-ran, and whether from disk.
+    runs: Arc<Mutex<Vec<(&'static str, Origin)>>>,
+}
+
+#[salsa::db]
+impl salsa::Database for Database {}
+
+impl Default for Database {
+    fn default() -> Self {
+        Database::new(None)
+    }
+}
+
+impl Database {
+    pub fn new(store: Option<Arc<dyn StageStore>>) -> Self {
+        Database { storage: salsa::Storage::new(None), store, runs: Arc::default() }
+    }
+
+    /// Stage bodies that ran since the last call (for timings and event-log tests).
+    pub fn take_runs(&self) -> Vec<(&'static str, Origin)> {
+        std::mem::take(&mut *self.runs.lock().expect("run log lock"))
+    }
+
+    pub(crate) fn note(&self, stage: &'static str, origin: Origin) {
+        self.runs.lock().expect("run log lock").push((stage, origin));
+    }
+
+    /// Load a stage output from disk, or compute and publish it.
+    pub(crate) fn cached<T>(&self, stage: &'static str, version: u32, key: Digest, compute: impl FnOnce() -> Result<T, CompileError>) -> StageResult<T>
+    where
+        T: rkyv::Archive
+            + for<'a> rkyv::Serialize<rkyv::api::high::HighSerializer<rkyv::util::AlignedVec, rkyv::ser::allocator::ArenaHandle<'a>, rkyv::rancor::Error>>,
+        T::Archived: for<'a> rkyv::bytecheck::CheckBytes<rkyv::api::high::HighValidator<'a, rkyv::rancor::Error>>
+            + rkyv::Deserialize<T, rkyv::api::high::HighDeserializer<rkyv::rancor::Error>>,
+    {
+        let schema = schema(stage, version);
+        if let Some(store) = &self.store {
+            if let Some(bytes) = store.load(stage, &key, schema) {
+                match rkyv::from_bytes::<T, rkyv::rancor::Error>(&bytes) {
+                    Ok(value) => {
+                        self.note(stage, Origin::DiskHit);
+                        return Ok(Staged { digest: Digest::of_bytes(&bytes), value: Arc::new(value) });
+                    }
+                    Err(e) => tracing::warn!(stage, error = %e, "cache entry failed to decode; recomputing"),
+                }
+            }
+        }
+        let value = compute()?;
+        self.note(stage, Origin::Computed);
+        let bytes = rkyv::to_bytes::<rkyv::rancor::Error>(&value).map_err(CompileError::from)?;
+        if let Some(store) = &self.store {
+            store.store(stage, &key, schema, &bytes);
+        }
+        Ok(Staged { digest: Digest::of_bytes(&bytes), value: Arc::new(value) })
+    }
+}
+
+/// Schema id of a stage's payload: the stage, its version and the cache format.
+pub fn schema(stage: &str, version: u32) -> u64 {
+    let d = KeyHasher::new("ipuq schema v1").add(stage).add(&version).add(&CACHE_FORMAT_VERSION).finish();
+    u64::from_le_bytes(d.0[..8].try_into().expect("8 bytes"))
+}
+
+/// Key of a stage: its name and version, the cache format, and the digests it read.
+pub fn stage_key(stage: &str, version: u32, inputs: &[Digest]) -> Digest {
+    let mut h = KeyHasher::new("ipuq stage key v1");
+    h.add(stage).add(&version).add(&CACHE_FORMAT_VERSION).add(&inputs.len());
+    for d in inputs {
+        h.add(d);
+    }
+    h.finish()
+}
+
+#[salsa::tracked(returns(clone))]
+pub fn target(db: &dyn Db, sources: Sources) -> StageResult<Target> {
+    let t = Target::from_toml(sources.target_text(db), sources.target_origin(db)).map_err(CompileError::from)?;
+    Ok(Staged { digest: t.digest(), value: Arc::new(t) })
+}
+
+/// The validated workload. Its digest covers the structure only (initialisers blanked), so an
+/// initialiser change re-plans nothing: the data is made by the runtime, not the compiler.
+#[salsa::tracked(returns(clone))]
+pub fn graph(db: &dyn Db, sources: Sources) -> StageResult<Graph> {
+    let g = Graph::parse(sources.workload_text(db), sources.workload_origin(db)).map_err(CompileError::from)?;
+    let mut structure = g.file.clone();
+    for t in &mut structure.tensors {
+        t.init = crate::ir::Init::Zeros;
+    }
+    let text = toml::to_string(&structure).map_err(CompileError::from)?;
+    let digest = KeyHasher::new("ipuq graph structure v1").add(&text).finish();
+    Ok(Staged { digest, value: Arc::new(g) })
+}
+
+/// The database as stage queries see it.
+#[salsa::db]
+pub trait Db: salsa::Database {
+    fn ipuq(&self) -> &Database;
+}
+
+#[salsa::db]
+impl Db for Database {
+    fn ipuq(&self) -> &Database {
+        self
+    }
+}

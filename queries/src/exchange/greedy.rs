@@ -1,0 +1,181 @@
+//! "full-duplex": a preemptive list schedule for any phase (multicast, pairs), and the choice
+//! of which transfers go paired.
+//!
+//! Senders are visited in order of the cycle their port frees up. A free sender starts, from
+//! among its pending transfers that can start now (every receiver free when the word arrives),
+//! the one whose most loaded port has the most work left, for a chunk of at most
+//! `chunk_words` words; when none can start it waits for the earliest that can. Serving the
+//! most-loaded ports first is the classic open-shop rule (a port whose remaining load equals
+//! the remaining time must never idle); chunks of 64–256 words let urgent work preempt.
+//! Multicast is handled by requiring all receivers at once. It must not try to be optimal:
+//! `matching.rs` is for bipartite phases, `search.rs` polishes.
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+
+use super::problem::Problem;
+use super::timing::{self, Timeline};
+use super::types::Piece;
+
+/// Which eligible transfers go paired.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Pairing {
+    /// None: every word through one 32-bit port.
+    Ordinary,
+    /// Every eligible transfer.
+    All,
+    /// Eligible transfers whose pairing lowers the busiest port they touch (largest first).
+    Balanced,
+}
+
+/// Per transfer, whether it goes paired under `mode`.
+pub(crate) fn choose_pairing(problem: &Problem, mode: Pairing) -> Vec<bool> {
+    let n = problem.jobs.len();
+    match mode {
+        Pairing::Ordinary => return vec![false; n],
+        Pairing::All => return (0..n).map(|j| problem.eligible(j)).collect(),
+        Pairing::Balanced => {}
+    }
+    let tiles = problem.tiles as usize;
+    let (mut send, mut receive) = (vec![0u64; tiles], vec![0u64; tiles]);
+    for (j, job) in problem.jobs.iter().enumerate() {
+        send[job.source as usize] += job.words as u64;
+        for p in problem.receive_ports(j, false) {
+            receive[p.tile as usize] += job.words as u64;
+        }
+    }
+    let mut order: Vec<usize> = (0..n).filter(|&j| problem.eligible(j)).collect();
+    order.sort_by_key(|&j| (Reverse(problem.jobs[j].words), j));
+    let mut paired = vec![false; n];
+    for j in order {
+        let job = &problem.jobs[j];
+        let (w, half) = (job.words as u64, job.words as u64 / 2);
+        let s = job.source as usize;
+        let ordinary = problem.receive_ports(j, false);
+        let pairs = problem.receive_ports(j, true);
+        let before = send[s].max(send[s ^ 1]).max(pairs.iter().map(|p| receive[p.tile as usize]).max().unwrap_or(0));
+        // Loads if this transfer went paired instead.
+        let own = |tile: usize| if ordinary.iter().any(|p| p.tile as usize == tile) { w } else { 0 };
+        let after_receive = pairs.iter().map(|p| receive[p.tile as usize] - own(p.tile as usize) + half).max().unwrap_or(0);
+        let after = (send[s] - w + half).max(send[s ^ 1] + half).max(after_receive);
+        if after < before {
+            paired[j] = true;
+            send[s] = send[s] - w + half;
+            send[s ^ 1] += half;
+            for p in pairs {
+                let tile = p.tile as usize;
+                receive[tile] = receive[tile] - own(tile) + half;
+            }
+        }
+    }
+    paired
+}
+
+/// Shortest chunk a cut may leave, so that cuts do not shred messages into tiny pieces.
+const MINIMUM_CHUNK: u32 = 16;
+
+/// The greedy list schedule with the given pairing choice and chunk size.
+pub(crate) fn full_duplex(problem: &Problem, paired: &[bool], chunk_words: u32) -> Vec<Piece> {
+    let tiles = problem.tiles as usize;
+    let cycles = |j: usize, words: u32| if paired[j] { words / 2 } else { words };
+    // Remaining port cycles: the urgency of every port.
+    let (mut send_load, mut receive_load) = (vec![0u64; tiles], vec![0u64; tiles]);
+    let mut pending: Vec<Vec<u32>> = vec![Vec::new(); tiles];
+    for (j, job) in problem.jobs.iter().enumerate() {
+        let c = cycles(j, job.words) as u64;
+        send_load[job.source as usize] += c;
+        if paired[j] {
+            send_load[job.source as usize ^ 1] += c;
+        }
+        for p in problem.receive_ports(j, paired[j]) {
+            receive_load[p.tile as usize] += c;
+        }
+        pending[job.source as usize].push(j as u32);
+    }
+    let mut sent = vec![0u32; problem.jobs.len()];
+    let mut timeline = Timeline::new(problem.tiles);
+    let mut heap: BinaryHeap<Reverse<(u32, u32)>> = (0..tiles as u32).filter(|&t| !pending[t as usize].is_empty()).map(|t| Reverse((0, t))).collect();
+    let mut pieces = Vec::new();
+    while let Some(Reverse((now, s))) = heap.pop() {
+        let su = s as usize;
+        if now < timeline.send_free[su] {
+            // A paired piece of the partner took this port meanwhile.
+            heap.push(Reverse((timeline.send_free[su], s)));
+            continue;
+        }
+        // Urgency of a transfer: the latest projected end among its ports if they were served
+        // without a break from now on. The most urgent startable transfer goes first; a more
+        // urgent one that can start soon cuts the chunk short so the sender is free for it.
+        let urgency = |j: usize, timeline: &Timeline| -> u64 {
+            let mut end = 0u64;
+            for p in problem.receive_ports(j, paired[j]) {
+                let d = p.tile as usize;
+                end = end.max(timeline.receive_free[d].max(now + p.delay) as u64 + receive_load[d]);
+            }
+            if paired[j] {
+                end = end.max(timeline.send_free[su ^ 1].max(now) as u64 + send_load[su ^ 1]);
+            }
+            end
+        };
+        let mut best: Option<(u64, u32)> = None;
+        let mut soonest = u32::MAX;
+        let mut waiting: Vec<(u64, u32)> = Vec::new();
+        for &j in &pending[su] {
+            let ju = j as usize;
+            let start = timeline.earliest(problem, ju, paired[ju], now);
+            let u = urgency(ju, &timeline);
+            if start > now {
+                soonest = soonest.min(start);
+                waiting.push((u, start));
+                continue;
+            }
+            if best.is_none_or(|(b, k)| u > b || (u == b && j < k)) {
+                best = Some((u, j));
+            }
+        }
+        let Some((chosen_urgency, j)) = best else {
+            if soonest != u32::MAX {
+                heap.push(Reverse((soonest, s)));
+            }
+            continue;
+        };
+        let cut = waiting.iter().filter(|w| w.0 > chosen_urgency).map(|w| w.1 - now).min().unwrap_or(u32::MAX);
+        let ju = j as usize;
+        let words = problem.jobs[ju].words;
+        let width = if paired[ju] { 2 } else { 1 };
+        let mut take = (words - sent[ju]).min(chunk_words).min(cut.saturating_mul(width).max(MINIMUM_CHUNK));
+        if paired[ju] {
+            take &= !1;
+        }
+        let piece = Piece { transfer: j, offset_words: sent[ju], words: take, send_cycle: now, paired: paired[ju] };
+        let c = piece.cycles();
+        timeline.occupy(problem, ju, paired[ju], now, c);
+        send_load[su] -= c as u64;
+        if paired[ju] {
+            send_load[su ^ 1] -= c as u64;
+        }
+        for p in problem.receive_ports(ju, paired[ju]) {
+            receive_load[p.tile as usize] -= c as u64;
+        }
+        sent[ju] += take;
+        pieces.push(piece);
+        if sent[ju] == words {
+            pending[su].retain(|&k| k != j);
+        }
+        if !pending[su].is_empty() {
+            heap.push(Reverse((timeline.send_free[su], s)));
+        }
+    }
+    timing::merge_adjacent(&mut pieces);
+    pieces
+}
+
+/// The plain fallback: whole transfers, in request order, each as soon as possible.
+pub(crate) fn in_request_order(problem: &Problem) -> Vec<Piece> {
+    let mut pieces: Vec<Piece> = (0..problem.jobs.len() as u32)
+        .map(|j| Piece { transfer: j, offset_words: 0, words: problem.jobs[j as usize].words, send_cycle: 0, paired: false })
+        .collect();
+    timing::retime_in_order(problem, &mut pieces);
+    timing::sort_pieces(&mut pieces);
+    pieces
+}

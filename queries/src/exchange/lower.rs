@@ -1,0 +1,136 @@
+//! Lowering: an address-free schedule plus this phase's addresses become the per-tile send and
+//! receive tables the device executes.
+//!
+//! Pieces become entries; entries that continue each other on one tile (next cycle, next
+//! address, same width and, for receives, same source) are joined, which is why sticky
+//! schedules give short rows. The output is sorted and deterministic. This module must not
+//! change any cycle: it only writes down what the schedule says.
+//!
+//! Row size: the device reads a send entry as 3 words (cycle, address, words with the paired
+//! flag in the top bit) and a receive entry as 4 words (cycle, source, address, words and
+//! flag); a tile's `row_words` is the sum over its entries.
+
+use tracing::info;
+
+use crate::package::{ExchangePhase, ReceiveEntry, SendEntry, TileExchange};
+use crate::target::Target;
+
+use super::problem::{alignment_class, Problem};
+use super::types::{ExchangeError, PhaseRequest, Schedule};
+
+pub const SEND_ENTRY_WORDS: u32 = 3;
+pub const RECEIVE_ENTRY_WORDS: u32 = 4;
+
+/// Table size of one tile in words.
+pub fn table_row_words(tile: &TileExchange) -> u32 {
+    tile.sends.len() as u32 * SEND_ENTRY_WORDS + tile.receives.len() as u32 * RECEIVE_ENTRY_WORDS
+}
+
+/// The tile with the largest table and its size in words (lowest tile on ties).
+pub fn row_words(tables: &ExchangePhase) -> (u32, u32) {
+    tables.tiles.iter().map(|t| (t.tile, table_row_words(t))).fold((0, 0), |best, (tile, w)| if w > best.1 { (tile, w) } else { best })
+}
+
+/// Write the tables of a schedule with the phase's addresses (see the module header).
+pub fn lower_to_tables(target: &Target, phase: &PhaseRequest, schedule: &Schedule) -> ExchangePhase {
+    let tiles = target.chip.tiles as usize;
+    let mut sends: Vec<Vec<SendEntry>> = vec![Vec::new(); tiles];
+    let mut receives: Vec<Vec<ReceiveEntry>> = vec![Vec::new(); tiles];
+    for piece in &schedule.pieces {
+        // A piece naming a transfer that does not exist is skipped; the validator then
+        // reports the words it fails to deliver.
+        let Some(t) = phase.transfers.get(piece.transfer as usize) else { continue };
+        if t.source as usize >= tiles {
+            continue;
+        }
+        let offset = piece.offset_words.wrapping_mul(4);
+        sends[t.source as usize].push(SendEntry { cycle: piece.send_cycle, address: t.source_address.wrapping_add(offset), words: piece.words, paired: piece.paired });
+        for d in t.destinations.iter().filter(|d| (d.tile as usize) < tiles) {
+            receives[d.tile as usize].push(ReceiveEntry {
+                cycle: piece.send_cycle + target.delay(t.source, d.tile),
+                source: t.source,
+                address: d.address.wrapping_add(offset),
+                words: piece.words,
+                paired: piece.paired,
+            });
+        }
+    }
+    let mut out = Vec::new();
+    let mut horizon = 0;
+    for tile in 0..tiles {
+        let (mut s, mut r) = (std::mem::take(&mut sends[tile]), std::mem::take(&mut receives[tile]));
+        if s.is_empty() && r.is_empty() {
+            continue;
+        }
+        s.sort_unstable_by_key(|e| (e.cycle, e.address));
+        r.sort_unstable_by_key(|e| (e.cycle, e.source, e.address));
+        let s = join_sends(s);
+        let r = join_receives(r);
+        for e in &r {
+            horizon = horizon.max(e.cycle + if e.paired { e.words / 2 } else { e.words });
+        }
+        out.push(TileExchange { tile: tile as u32, sends: s, receives: r });
+    }
+    let tables = ExchangePhase { index: phase.index, tiles: out, horizon, endpoint_lower_bound: schedule.endpoint_lower_bound };
+    let (tile, words) = row_words(&tables);
+    info!(phase = phase.index, tile, row_words = words, horizon, "finished large physical exchange phase");
+    tables
+}
+
+fn cycles(words: u32, paired: bool) -> u32 {
+    if paired {
+        words / 2
+    } else {
+        words
+    }
+}
+
+fn join_sends(entries: Vec<SendEntry>) -> Vec<SendEntry> {
+    let mut out: Vec<SendEntry> = Vec::with_capacity(entries.len());
+    for e in entries {
+        if let Some(last) = out.last_mut() {
+            if last.paired == e.paired && last.cycle + cycles(last.words, last.paired) == e.cycle && last.address.wrapping_add(last.words * 4) == e.address {
+                last.words += e.words;
+                continue;
+            }
+        }
+        out.push(e);
+    }
+    out
+}
+
+fn join_receives(entries: Vec<ReceiveEntry>) -> Vec<ReceiveEntry> {
+    let mut out: Vec<ReceiveEntry> = Vec::with_capacity(entries.len());
+    for e in entries {
+        if let Some(last) = out.last_mut() {
+            if last.paired == e.paired
+                && last.source == e.source
+                && last.cycle + cycles(last.words, last.paired) == e.cycle
+                && last.address.wrapping_add(last.words * 4) == e.address
+            {
+                last.words += e.words;
+                continue;
+            }
+        }
+        out.push(e);
+    }
+    out
+}
+
+/// Whether a cached schedule can be replayed on this phase: same transfer count, pieces
+/// inside their transfers, paired pieces only where the new addresses allow them.
+pub(crate) fn check_fits(problem: &Problem, phase: &PhaseRequest, schedule: &Schedule) -> Result<(), ExchangeError> {
+    let mismatch = |message: String| ExchangeError::CachedMismatch { phase: phase.index, message };
+    for (i, p) in schedule.pieces.iter().enumerate() {
+        let Some(job) = problem.jobs.get(p.transfer as usize) else {
+            return Err(mismatch(format!("piece {i} names transfer {}, the phase has {}", p.transfer, problem.jobs.len())));
+        };
+        if p.words == 0 || p.offset_words as u64 + p.words as u64 > job.words as u64 {
+            return Err(mismatch(format!("piece {i} covers words {}..{} of transfer {} ({} words)", p.offset_words, p.offset_words as u64 + p.words as u64, p.transfer, job.words)));
+        }
+        if p.paired && (!problem.eligible(p.transfer as usize) || alignment_class(phase, p.transfer as usize) != 0 || p.words % 2 != 0 || p.offset_words % 2 != 0) {
+            return Err(mismatch(format!("piece {i} is paired but transfer {} can no longer go paired (alignment moved)", p.transfer)));
+        }
+    }
+    Ok(())
+}

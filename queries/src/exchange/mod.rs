@@ -1,0 +1,192 @@
+//! The exchange scheduler: one phase's transfers in, a validated cycle-exact schedule out.
+//!
+//! Pipeline of a phase, one line each:
+//! 1. `problem` checks the request and normalises it (ports, delays, pairing eligibility);
+//! 2. `bound` computes the endpoint lower bound (and the multicast clique bound);
+//! 3. constructions run side by side: `matching` (optimal blocks for bipartite phases, then
+//!    timed with delays) and `greedy` (preemptive, most-loaded ports first), ordinary and paired;
+//! 4. `search` improves the best along its critical path, within a fixed work budget;
+//! 5. `lower` patches addresses in and writes the sorted per-tile tables;
+//! 6. `validate` checks the tables against the request, independently of everything above.
+//!
+//! Architecture Invariant: the output depends only on the target and the request, never on
+//! thread count, clocks or hash order: budgets count work, not time, and ties break by index.
+//! This module does no I/O; caching the address-free `Schedule` is the caller's business,
+//! keyed by [`pattern_digest`].
+
+mod bound;
+mod greedy;
+mod lower;
+mod matching;
+mod problem;
+mod search;
+pub mod synthetic;
+mod timing;
+mod types;
+mod validate;
+
+#[cfg(test)]
+mod tests;
+#[cfg(test)]
+mod validate_tests;
+
+use rayon::prelude::*;
+use tracing::info;
+
+use crate::package::ExchangePhase;
+use crate::target::Target;
+
+pub use lower::{lower_to_tables, row_words, table_row_words};
+pub use problem::pattern_digest;
+pub use types::{Destination, ExchangeError, PhaseRequest, Piece, Schedule, ScheduleKind, Transfer, ValidationError};
+pub use validate::validate;
+
+use greedy::Pairing;
+use problem::Problem;
+
+/// Chunk sizes of the greedy constructions (words): small ones preempt, large ones keep rows short.
+const CHUNKS: [u32; 2] = [96, 256];
+
+/// The endpoint lower bound of a phase (see `bound.rs` for exactly what is counted).
+pub fn endpoint_lower_bound(target: &Target, phase: &PhaseRequest) -> u32 {
+    match problem::prepare(target, phase) {
+        Ok(problem) => bound::endpoint_bound(&problem),
+        Err(_) => 0,
+    }
+}
+
+/// One construction to try.
+#[derive(Clone, Copy, Debug)]
+enum Candidate {
+    Matching,
+    Greedy { pairing: Pairing, chunk: u32 },
+}
+
+struct Built {
+    kind: ScheduleKind,
+    paired: bool,
+    pieces: Vec<Piece>,
+    horizon: u32,
+}
+
+fn build(problem: &Problem, candidate: Candidate) -> Option<Built> {
+    let clock = std::time::Instant::now();
+    let r = build_inner(problem, candidate);
+    if std::env::var_os("IPUQ_EXCHANGE_TRACE").is_some() {
+        eprintln!("candidate {candidate:?}: {:?} in {:?}", r.as_ref().map(|b| (b.horizon, b.pieces.len())), clock.elapsed());
+    }
+    r
+}
+
+fn build_inner(problem: &Problem, candidate: Candidate) -> Option<Built> {
+    let (kind, pieces) = match candidate {
+        Candidate::Matching => (ScheduleKind::MatchingWaves, matching::matching_waves(problem)?),
+        Candidate::Greedy { pairing, chunk } => {
+            let choice = greedy::choose_pairing(problem, pairing);
+            if pairing != Pairing::Ordinary && !choice.iter().any(|&p| p) {
+                return None;
+            }
+            (ScheduleKind::FullDuplex, greedy::full_duplex(problem, &choice, chunk))
+        }
+    };
+    let horizon = timing::horizon(problem, &pieces);
+    let paired = pieces.iter().any(|p| p.paired);
+    Some(Built { kind, paired, pieces, horizon })
+}
+
+/// Best of several: lowest horizon, then fewest pieces, then the earlier candidate.
+fn best(built: Vec<Option<Built>>) -> Option<Built> {
+    built.into_iter().flatten().enumerate().min_by_key(|(i, b)| (b.horizon, b.pieces.len(), *i)).map(|(_, b)| b)
+}
+
+/// Schedule one phase: constructions, comparison of ordinary and paired, local search.
+pub fn schedule_phase(target: &Target, phase: &PhaseRequest) -> Result<Schedule, ExchangeError> {
+    let problem = problem::prepare(target, phase)?;
+    info!(
+        phase = phase.index,
+        transfers = phase.transfers.len(),
+        maximum_identical_destinations = problem.maximum_identical_destinations(),
+        "prepared large physical exchange phase"
+    );
+    let bounds = bound::bounds(&problem);
+    if let Some((name, value)) = &bounds.stronger {
+        info!(phase = phase.index, bound = name.as_str(), value = *value, endpoint_lower_bound = bounds.endpoint, "stronger exchange bound applies");
+    }
+    let mut candidates = vec![Candidate::Matching];
+    candidates.extend(CHUNKS.iter().map(|&chunk| Candidate::Greedy { pairing: Pairing::Ordinary, chunk }));
+    let eligible = problem.eligible_count();
+    if eligible > 0 {
+        for pairing in [Pairing::Balanced, Pairing::All] {
+            candidates.extend(CHUNKS.iter().map(|&chunk| Candidate::Greedy { pairing, chunk }));
+        }
+    }
+    let built: Vec<Option<Built>> = candidates.par_iter().map(|&c| build(&problem, c)).collect();
+    let (ordinary, paired): (Vec<_>, Vec<_>) = built.into_iter().partition(|b| b.as_ref().is_none_or(|b| !b.paired));
+    let ordinary = best(ordinary);
+    let paired = best(paired);
+    if eligible > 0 {
+        let horizon = |b: &Option<Built>| b.as_ref().map_or(0, |b| b.horizon);
+        info!(
+            phase = phase.index,
+            candidates = eligible,
+            ordinary_horizon = horizon(&ordinary),
+            paired_horizon = horizon(&paired),
+            use_paired = horizon(&paired) != 0 && horizon(&paired) < horizon(&ordinary),
+            "compared ordinary and paired exchange schedules"
+        );
+    }
+    let chosen = best(vec![ordinary, paired]);
+    let Some(chosen) = chosen else {
+        // Only an empty phase has no candidate at all.
+        return Ok(finish(phase, &bounds, Built { kind: ScheduleKind::Greedy, paired: false, pieces: greedy::in_request_order(&problem), horizon: 0 }, 0, 0));
+    };
+    let initial = chosen.horizon;
+    let floor = bounds.stronger.as_ref().map_or(bounds.endpoint, |s| s.1.max(bounds.endpoint));
+    let (pieces, horizon, improvements) = search::critical_neighborhood(&problem, chosen.pieces, floor);
+    let kind = if improvements > 0 { ScheduleKind::CriticalNeighborhood } else { chosen.kind };
+    let paired_used = pieces.iter().any(|p| p.paired);
+    Ok(finish(phase, &bounds, Built { kind, paired: paired_used, pieces, horizon }, initial, improvements))
+}
+
+fn finish(phase: &PhaseRequest, bounds: &bound::Bounds, built: Built, initial: u32, improvements: u32) -> Schedule {
+    let schedule = Schedule {
+        pieces: built.pieces,
+        horizon: built.horizon,
+        endpoint_lower_bound: bounds.endpoint,
+        stronger_bound: bounds.stronger.clone(),
+        kind: built.kind,
+        initial_horizon: initial.max(built.horizon),
+        neighborhood_improvements: improvements,
+        paired: built.paired,
+    };
+    info!(
+        phase = phase.index,
+        initial_horizon = schedule.initial_horizon,
+        selected_horizon = schedule.horizon,
+        endpoint_lower_bound = schedule.endpoint_lower_bound,
+        lower_bound_gap = schedule.horizon.saturating_sub(schedule.endpoint_lower_bound),
+        selected_kind = schedule.kind.name(),
+        neighborhood_improvements = schedule.neighborhood_improvements,
+        "optimized physical exchange schedule"
+    );
+    schedule
+}
+
+/// Schedule, lower and validate one phase: what the package builder calls.
+pub fn compile_phase(target: &Target, phase: &PhaseRequest) -> Result<(Schedule, ExchangePhase), ExchangeError> {
+    let schedule = schedule_phase(target, phase)?;
+    let tables = lower_to_tables(target, phase, &schedule);
+    validate(target, phase, &tables).map_err(|source| ExchangeError::Invalid { phase: phase.index, source })?;
+    Ok((schedule, tables))
+}
+
+/// Replay a cached schedule of an identical pattern with this phase's addresses: patch,
+/// validate, and return the tables. Fails when the schedule does not fit (then schedule anew).
+pub fn reuse(target: &Target, phase: &PhaseRequest, cached: &Schedule) -> Result<ExchangePhase, ExchangeError> {
+    let problem = problem::prepare(target, phase)?;
+    lower::check_fits(&problem, phase, cached)?;
+    let tables = lower_to_tables(target, phase, cached);
+    validate(target, phase, &tables).map_err(|source| ExchangeError::Invalid { phase: phase.index, source })?;
+    info!(phase = phase.index, "reused exchange optimization after validating relocated rows");
+    Ok(tables)
+}

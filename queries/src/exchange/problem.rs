@@ -1,0 +1,217 @@
+//! The checked, normalised form of a phase request that every scheduler works on: per transfer,
+//! its source, words, receive ports with their route delays, and whether it may go paired.
+//!
+//! This is the only place that rejects malformed requests; the schedulers trust a `Problem`.
+//! It must not look at addresses beyond alignment and overlap checks: schedules are
+//! address-free so that they survive relocation.
+
+use std::collections::BTreeMap;
+
+use crate::hash::{Digest, KeyHasher};
+use crate::target::Target;
+
+use super::types::{ExchangeError, PhaseRequest};
+
+/// A receive port a piece occupies and the delay after which the data reaches it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Port {
+    pub tile: u32,
+    pub delay: u32,
+}
+
+#[derive(Clone, Debug)]
+pub(crate) struct Job {
+    pub source: u32,
+    pub words: u32,
+    /// Range of `Problem::ordinary_ports`: the destinations themselves.
+    pub ordinary: (u32, u32),
+    /// Range of `Problem::paired_ports` (destinations and their partners, once each), when
+    /// the transfer may move paired: even words, every address 8-byte aligned, and a partner
+    /// that is also a destination hearing the words at the same cycles.
+    pub paired: Option<(u32, u32)>,
+    /// Largest delay to any destination: when the transfer's last word has landed everywhere.
+    pub max_delay: u32,
+}
+
+pub(crate) struct Problem {
+    pub phase: u32,
+    pub tiles: u32,
+    pub jobs: Vec<Job>,
+    pub ordinary_ports: Vec<Port>,
+    pub paired_ports: Vec<Port>,
+    /// Receiver class of each tile: tiles with identical incoming transfer sets share one.
+    pub receiver_class: Vec<u32>,
+    pub class_sizes: Vec<u32>,
+}
+
+impl Problem {
+    pub fn receive_ports(&self, job: usize, paired: bool) -> &[Port] {
+        let j = &self.jobs[job];
+        match (paired, j.paired) {
+            (true, Some((a, b))) => &self.paired_ports[a as usize..b as usize],
+            _ => &self.ordinary_ports[j.ordinary.0 as usize..j.ordinary.1 as usize],
+        }
+    }
+
+    pub fn eligible(&self, job: usize) -> bool {
+        self.jobs[job].paired.is_some()
+    }
+
+    /// Largest number of destination tiles sharing one identical incoming transfer set.
+    pub fn maximum_identical_destinations(&self) -> u32 {
+        self.class_sizes.iter().copied().max().unwrap_or(0)
+    }
+
+    /// Whether every transfer goes to exactly one receiver class, so that merging identical
+    /// receivers leaves a bipartite (sender, class) graph.
+    pub fn is_bipartite(&self) -> bool {
+        self.jobs.iter().all(|j| {
+            let ports = &self.ordinary_ports[j.ordinary.0 as usize..j.ordinary.1 as usize];
+            let class = self.receiver_class[ports[0].tile as usize];
+            ports.iter().all(|p| self.receiver_class[p.tile as usize] == class)
+                && ports.len() as u32 == self.class_sizes[class as usize]
+        })
+    }
+
+    pub fn eligible_count(&self) -> usize {
+        self.jobs.iter().filter(|j| j.paired.is_some()).count()
+    }
+}
+
+/// Check a request and build its `Problem`; the error names the first bad transfer.
+pub(crate) fn prepare(target: &Target, phase: &PhaseRequest) -> Result<Problem, ExchangeError> {
+    let tiles = target.chip.tiles;
+    let bad = |transfer: usize, message: String| ExchangeError::Malformed { phase: phase.index, transfer: transfer as u32, message };
+    let mut jobs = Vec::with_capacity(phase.transfers.len());
+    let mut ordinary_ports = Vec::new();
+    let mut paired_ports = Vec::new();
+    let mut writes: Vec<(u32, u32, u32, u32)> = Vec::new();
+    let mut seen = vec![u32::MAX; tiles as usize];
+    for (index, t) in phase.transfers.iter().enumerate() {
+        if t.source >= tiles {
+            return Err(bad(index, format!("source tile {} is outside the chip ({} tiles)", t.source, tiles)));
+        }
+        if t.words == 0 {
+            return Err(bad(index, "has zero words".into()));
+        }
+        if t.destinations.is_empty() {
+            return Err(bad(index, "has no destination".into()));
+        }
+        let bytes = t.words as u64 * 4;
+        if t.source_address % 4 != 0 || t.source_address as u64 + bytes > u32::MAX as u64 {
+            return Err(bad(index, format!("source address {:#x} is not word aligned or overflows", t.source_address)));
+        }
+        let start = ordinary_ports.len() as u32;
+        let mut aligned = t.source_address % 8 == 0 && t.words % 2 == 0;
+        let mut max_delay = 0;
+        for d in &t.destinations {
+            if d.tile >= tiles {
+                return Err(bad(index, format!("destination tile {} is outside the chip ({} tiles)", d.tile, tiles)));
+            }
+            if d.tile == t.source {
+                return Err(bad(index, format!("destination tile {} is its own source", d.tile)));
+            }
+            if seen[d.tile as usize] == index as u32 {
+                return Err(bad(index, format!("destination tile {} appears twice", d.tile)));
+            }
+            seen[d.tile as usize] = index as u32;
+            if d.address % 4 != 0 || d.address as u64 + bytes > u32::MAX as u64 {
+                return Err(bad(index, format!("destination address {:#x} on tile {} is not word aligned or overflows", d.address, d.tile)));
+            }
+            aligned &= d.address % 8 == 0;
+            let delay = target.delay(t.source, d.tile);
+            max_delay = max_delay.max(delay);
+            ordinary_ports.push(Port { tile: d.tile, delay });
+            writes.push((d.tile, d.address, d.address + t.words * 4, index as u32));
+        }
+        let end = ordinary_ports.len() as u32;
+        let paired = if aligned && target.partner(t.source) < tiles { paired_ports_of(target, &ordinary_ports[start as usize..], &mut paired_ports) } else { None };
+        jobs.push(Job { source: t.source, words: t.words, ordinary: (start, end), paired, max_delay });
+    }
+    // Two transfers writing the same words of one tile would make the phase's result depend
+    // on the schedule: reject them rather than pick a winner.
+    writes.sort_unstable();
+    for w in writes.windows(2) {
+        if w[0].0 == w[1].0 && w[1].1 < w[0].2 {
+            return Err(bad(w[1].3 as usize, format!("writes addresses {:#x}.. on tile {} that transfer {} also writes", w[1].1, w[1].0, w[0].3)));
+        }
+    }
+    let (receiver_class, class_sizes) = receiver_classes(tiles, &jobs, &ordinary_ports);
+    Ok(Problem { phase: phase.index, tiles, jobs, ordinary_ports, paired_ports, receiver_class, class_sizes })
+}
+
+/// The receive ports of a paired piece: each destination and its partner, at the destination's
+/// delay. A partner that is itself a destination shares the port only at the same delay.
+fn paired_ports_of(target: &Target, ports: &[Port], out: &mut Vec<Port>) -> Option<(u32, u32)> {
+    let start = out.len();
+    for p in ports {
+        for tile in [p.tile, target.partner(p.tile)] {
+            if tile >= target.chip.tiles {
+                out.truncate(start);
+                return None;
+            }
+            match out[start..].iter().find(|q| q.tile == tile) {
+                Some(q) if q.delay != p.delay => {
+                    out.truncate(start);
+                    return None;
+                }
+                Some(_) => {}
+                None => out.push(Port { tile, delay: p.delay }),
+            }
+        }
+    }
+    Some((start as u32, out.len() as u32))
+}
+
+fn receiver_classes(tiles: u32, jobs: &[Job], ports: &[Port]) -> (Vec<u32>, Vec<u32>) {
+    let mut incoming: Vec<Vec<u32>> = vec![Vec::new(); tiles as usize];
+    for (index, job) in jobs.iter().enumerate() {
+        for p in &ports[job.ordinary.0 as usize..job.ordinary.1 as usize] {
+            incoming[p.tile as usize].push(index as u32);
+        }
+    }
+    // A BTreeMap keeps class numbering independent of hashing: classes are numbered in the
+    // order of their first tile.
+    let mut ids: BTreeMap<&[u32], u32> = BTreeMap::new();
+    let mut class = vec![u32::MAX; tiles as usize];
+    let mut sizes = Vec::new();
+    for tile in 0..tiles as usize {
+        if incoming[tile].is_empty() {
+            continue;
+        }
+        let next = sizes.len() as u32;
+        let id = *ids.entry(incoming[tile].as_slice()).or_insert(next);
+        if id == next {
+            sizes.push(0);
+        }
+        sizes[id as usize] += 1;
+        class[tile] = id;
+    }
+    (class, sizes)
+}
+
+/// Alignment class of a transfer for pairing: 0 when every address is 8-byte aligned, 1 when
+/// every address is 4 mod 8, 2 when they differ.
+pub(crate) fn alignment_class(phase: &PhaseRequest, transfer: usize) -> u8 {
+    let t = &phase.transfers[transfer];
+    let first = t.source_address % 8;
+    if t.destinations.iter().any(|d| d.address % 8 != first) {
+        2
+    } else {
+        (first / 4) as u8
+    }
+}
+
+/// Address-free key of a phase: tiles, words and pairing alignment class of every transfer.
+/// Two phases with equal digests accept the same schedules.
+pub fn pattern_digest(phase: &PhaseRequest) -> Digest {
+    let mut h = KeyHasher::new("ipuq exchange pattern v1");
+    h.add(&(phase.transfers.len() as u64));
+    for (index, t) in phase.transfers.iter().enumerate() {
+        h.add(&t.source).add(&t.words).add(&alignment_class(phase, index)).add(&(t.destinations.len() as u64));
+        for d in &t.destinations {
+            h.add(&d.tile);
+        }
+    }
+    h.finish()
+}

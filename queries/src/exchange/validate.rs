@@ -1,0 +1,253 @@
+//! The independent validator: do these tables, run as the device runs them, deliver exactly
+//! the phase's transfers?
+//!
+//! It re-derives everything from the request, the target's delays and the tables alone, and
+//! shares no code with the schedulers (only the public types). Checks:
+//! - tables sorted, tiles on the chip, no empty entries, paired entries even and 8-byte aligned;
+//! - no port busy twice in one cycle: a paired send holds the partner's send port, a paired
+//!   receive the partner's receive port unless the partner has the identical receive;
+//! - every receive hears a send of its source at `cycle − delay(source, tile)` of the same width;
+//! - every sent word is heard by someone, and no tile sends more words than the phase asks;
+//! - the words each tile receives are exactly the phase's (source tile, source address) →
+//!   destination address mapping: nothing missing, nothing twice, nothing extra;
+//! - the stated horizon is the end of the last receive.
+//!
+//! It works on runs of words, never word by word, so it is cheap enough to run in release.
+
+use crate::package::{ExchangePhase, ReceiveEntry, SendEntry};
+use crate::target::Target;
+
+use super::types::{PhaseRequest, ValidationError};
+
+fn cycles(words: u32, paired: bool) -> u32 {
+    if paired {
+        words / 2
+    } else {
+        words
+    }
+}
+
+/// A run of words: on `tile`, at `address`, from `source` at `source_address`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct Run {
+    tile: u32,
+    address: u32,
+    source: u32,
+    source_address: u32,
+    words: u32,
+}
+
+pub fn validate(target: &Target, phase: &PhaseRequest, tables: &ExchangePhase) -> Result<(), ValidationError> {
+    let tiles = target.chip.tiles;
+    let mut sends_of: Vec<&[SendEntry]> = vec![&[]; tiles as usize];
+    check_shape(tables, tiles, &mut sends_of)?;
+    check_ports(tables, target)?;
+    // Receives against sends.
+    let mut cover: Vec<(u32, u32, u32, u32)> = Vec::new();
+    let mut received: Vec<Run> = Vec::new();
+    let mut horizon = 0;
+    for t in &tables.tiles {
+        for r in &t.receives {
+            horizon = horizon.max(r.cycle + cycles(r.words, r.paired));
+            if r.source >= tiles {
+                return Err(ValidationError::TileOutOfRange { tile: r.source });
+            }
+            hear(target, t.tile, r, sends_of[r.source as usize], &mut cover, &mut received)?;
+        }
+    }
+    if horizon != tables.horizon {
+        return Err(ValidationError::Horizon { stated: tables.horizon, actual: horizon });
+    }
+    // Every send entry fully heard.
+    cover.sort_unstable();
+    check_heard(&sends_of, &cover)?;
+    // Sent volume per tile.
+    let mut expected = vec![0u64; tiles as usize];
+    for tr in &phase.transfers {
+        if tr.source < tiles {
+            expected[tr.source as usize] += tr.words as u64;
+        }
+    }
+    for (tile, sends) in sends_of.iter().enumerate() {
+        let words: u64 = sends.iter().map(|s| s.words as u64).sum();
+        if words > expected[tile] {
+            return Err(ValidationError::SentWords { tile: tile as u32, words, expected: expected[tile] });
+        }
+    }
+    // Delivered mapping against the request.
+    let mut required: Vec<Run> = Vec::new();
+    for tr in &phase.transfers {
+        for d in &tr.destinations {
+            required.push(Run { tile: d.tile, address: d.address, source: tr.source, source_address: tr.source_address, words: tr.words });
+        }
+    }
+    compare(normalise(required), normalise(received))
+}
+
+fn check_shape<'a>(tables: &'a ExchangePhase, tiles: u32, sends_of: &mut [&'a [SendEntry]]) -> Result<(), ValidationError> {
+    let mut previous: Option<u32> = None;
+    for t in &tables.tiles {
+        if t.tile >= tiles {
+            return Err(ValidationError::TileOutOfRange { tile: t.tile });
+        }
+        if previous.is_some_and(|p| p >= t.tile) {
+            return Err(ValidationError::Unsorted { message: format!("tile {} after tile {}", t.tile, previous.unwrap_or(0)) });
+        }
+        previous = Some(t.tile);
+        if t.sends.windows(2).any(|w| w[0].cycle > w[1].cycle) || t.receives.windows(2).any(|w| w[0].cycle > w[1].cycle) {
+            return Err(ValidationError::Unsorted { message: format!("entries of tile {} are not in cycle order", t.tile) });
+        }
+        let entries = t.sends.iter().map(|s| (s.cycle, s.words, s.paired, s.address)).chain(t.receives.iter().map(|r| (r.cycle, r.words, r.paired, r.address)));
+        for (cycle, words, paired, address) in entries {
+            if words == 0 {
+                return Err(ValidationError::Empty { tile: t.tile, cycle });
+            }
+            if paired && (words % 2 != 0 || address % 8 != 0) {
+                return Err(ValidationError::Paired { tile: t.tile, cycle, message: format!("moves {words} words at {address:#x}: needs an even count, 8-byte aligned") });
+            }
+            if paired && (t.tile ^ 1) >= tiles {
+                return Err(ValidationError::Paired { tile: t.tile, cycle, message: "has no partner tile".into() });
+            }
+        }
+        sends_of[t.tile as usize] = &t.sends;
+    }
+    Ok(())
+}
+
+/// No port is used by two different things in one cycle.
+fn check_ports(tables: &ExchangePhase, target: &Target) -> Result<(), ValidationError> {
+    // (port, start, end, share): port = 2 * tile + (0 send, 1 receive). Paired receives carry
+    // `share` = (source, delay): two of them overlapping on one port with the same share hear
+    // the same words at the same cycles, which the hardware allows (partner receives).
+    const ALONE: (u32, u32) = (u32::MAX, u32::MAX);
+    let mut busy: Vec<(u32, u32, u32, (u32, u32))> = Vec::new();
+    for t in &tables.tiles {
+        for s in &t.sends {
+            let end = s.cycle + cycles(s.words, s.paired);
+            busy.push((2 * t.tile, s.cycle, end, ALONE));
+            if s.paired {
+                busy.push((2 * (t.tile ^ 1), s.cycle, end, ALONE));
+            }
+        }
+        for r in &t.receives {
+            let end = r.cycle + cycles(r.words, r.paired);
+            if !r.paired {
+                busy.push((2 * t.tile + 1, r.cycle, end, ALONE));
+                continue;
+            }
+            let share = (r.source, target.delay(r.source.min(target.chip.tiles - 1), t.tile));
+            busy.push((2 * t.tile + 1, r.cycle, end, share));
+            busy.push((2 * (t.tile ^ 1) + 1, r.cycle, end, share));
+        }
+    }
+    busy.sort_unstable();
+    // Sweep each port, remembering the occupation that reaches furthest.
+    let mut reach: Option<(u32, u32, (u32, u32))> = None;
+    for &(port, start, end, share) in &busy {
+        match reach {
+            Some((p, furthest, previous)) if p == port && start < furthest => {
+                if share == ALONE || share != previous {
+                    let name = if port % 2 == 0 { "send" } else { "receive" };
+                    return Err(ValidationError::PortConflict { tile: port / 2, port: name, cycle: start });
+                }
+                reach = Some((port, furthest.max(end), share));
+            }
+            _ => reach = Some((port, end, share)),
+        }
+    }
+    Ok(())
+}
+
+/// Follow a receive through its source's send entries; record what it covers and delivers.
+fn hear(target: &Target, tile: u32, r: &ReceiveEntry, sends: &[SendEntry], cover: &mut Vec<(u32, u32, u32, u32)>, received: &mut Vec<Run>) -> Result<(), ValidationError> {
+    let sent = r.cycle as i64 - target.delay(r.source, tile) as i64;
+    let unmatched = || ValidationError::UnmatchedReceive { tile, cycle: r.cycle, source_tile: r.source, send_cycle: sent };
+    if sent < 0 {
+        return Err(unmatched());
+    }
+    let width = if r.paired { 2 } else { 1 };
+    let mut position = sent as u32;
+    let mut left = cycles(r.words, r.paired);
+    let mut address = r.address;
+    let mut index = sends.partition_point(|s| s.cycle <= position).checked_sub(1).ok_or_else(unmatched)?;
+    while left > 0 {
+        let s = sends.get(index).ok_or_else(unmatched)?;
+        let length = cycles(s.words, s.paired);
+        if s.paired != r.paired || position < s.cycle || position >= s.cycle + length {
+            return Err(unmatched());
+        }
+        let skip = position - s.cycle;
+        let take = left.min(length - skip);
+        cover.push((r.source, index as u32, skip, skip + take));
+        received.push(Run { tile, address, source: r.source, source_address: s.address.wrapping_add(skip * width * 4), words: take * width });
+        address = address.wrapping_add(take * width * 4);
+        position += take;
+        left -= take;
+        index += 1;
+    }
+    Ok(())
+}
+
+fn check_heard(sends_of: &[&[SendEntry]], cover: &[(u32, u32, u32, u32)]) -> Result<(), ValidationError> {
+    let mut c = 0;
+    for (source, sends) in sends_of.iter().enumerate() {
+        for (index, s) in sends.iter().enumerate() {
+            let key = (source as u32, index as u32);
+            let mut reached = 0;
+            while c < cover.len() && (cover[c].0, cover[c].1) < key {
+                c += 1;
+            }
+            while c < cover.len() && (cover[c].0, cover[c].1) == key {
+                if cover[c].2 > reached {
+                    break;
+                }
+                reached = reached.max(cover[c].3);
+                c += 1;
+            }
+            if reached < cycles(s.words, s.paired) {
+                return Err(ValidationError::UnreceivedSend { tile: source as u32, cycle: s.cycle + reached });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Sort runs and join those that continue each other (same tile and source, both addresses
+/// contiguous), so that equal mappings compare equal however they were cut.
+fn normalise(mut runs: Vec<Run>) -> Vec<Run> {
+    runs.sort_unstable();
+    let mut out: Vec<Run> = Vec::with_capacity(runs.len());
+    for r in runs {
+        if let Some(last) = out.last_mut() {
+            if last.tile == r.tile
+                && last.source == r.source
+                && last.address.wrapping_add(last.words * 4) == r.address
+                && last.source_address.wrapping_add(last.words * 4) == r.source_address
+            {
+                last.words += r.words;
+                continue;
+            }
+        }
+        out.push(r);
+    }
+    out
+}
+
+fn compare(required: Vec<Run>, received: Vec<Run>) -> Result<(), ValidationError> {
+    for i in 0..required.len().max(received.len()) {
+        match (required.get(i), received.get(i)) {
+            (Some(a), Some(b)) if a == b => {}
+            (Some(a), Some(b)) if (b.tile, b.address) < (a.tile, a.address) || (b.tile == a.tile && b.address == a.address && b.words > a.words) => {
+                return Err(ValidationError::Coverage { tile: b.tile, address: b.address, message: "receives words the phase does not ask for, or receives them twice".into() });
+            }
+            (Some(a), _) => {
+                return Err(ValidationError::Coverage { tile: a.tile, address: a.address, message: format!("does not receive the {} words from tile {} at {:#x} the phase asks for", a.words, a.source, a.source_address) });
+            }
+            (None, Some(b)) => {
+                return Err(ValidationError::Coverage { tile: b.tile, address: b.address, message: "receives words the phase does not ask for".into() });
+            }
+            (None, None) => {}
+        }
+    }
+    Ok(())
+}

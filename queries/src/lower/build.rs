@@ -1,0 +1,661 @@
+//! The lowering builder: plans each operation in program order, gathers operand blocks onto
+//! the tiles that need them (host segments, exchange transfers, local copies or aliases), and
+//! records the BSP steps, vertex calls and buffer lifetimes.
+//!
+//! This file is long (about 600 lines) because gathering, planning glue and step bookkeeping
+//! share one builder state; each part is a method with one job.
+
+use std::collections::BTreeMap;
+
+use tracing::info;
+
+use super::grid::{block_elements_stored, offset_in_block, row_stride, split, Grid, ViewChain};
+use super::plan::{plan_matmul, MatMulPlan, MatMulProblem};
+use super::{BufferDecl, Call, LCheckpoint, LHostTensor, LRole, LSegment, LStep, Loc, Lowered, OperationPlan, Transfer};
+use crate::cost;
+use crate::ir::{split3, DType, Graph, OpKind, Producer, Role, ValueId};
+use crate::package::AllocationKind;
+use crate::target::Target;
+
+/// Bytes per tile the planner leaves for code, vertex state and exchange tables.
+const CODE_RESERVE_BYTES: u64 = 48 * 1024;
+
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum LowerError {
+    #[error("operation '{operation}': no {kind} plan fits in tile memory ({budget} bytes per tile) on {tiles} tiles")]
+    NoPlan { operation: String, kind: String, budget: u64, tiles: u32 },
+    #[error("operation '{operation}': moving value '{value}' needs sub-word transfers (element offset {offset} of a {dtype} row); ipuq moves whole 32-bit words")]
+    SubWord { operation: String, value: String, offset: u32, dtype: &'static str },
+    #[error("output '{output}' is a view of input '{input}': no operation computes it")]
+    OutputIsInput { output: String, input: String },
+    #[error("operation '{operation}': {message}")]
+    Unsupported { operation: String, message: String },
+}
+
+struct Stored {
+    grid: Grid,
+    dtype: DType,
+}
+
+/// An operand block held on one tile: a buffer and the block of the viewed value it stores.
+struct Held {
+    buffer: u32,
+    block: Vec<(u32, u32)>,
+    dtype: DType,
+}
+
+impl Held {
+    fn loc(&self, index: &[u32]) -> Loc {
+        let cols = self.block[self.block.len() - 1];
+        Loc { buffer: self.buffer, offset: offset_in_block(&self.block, index, self.dtype), row_stride: row_stride(cols.1 - cols.0, self.dtype), dtype_bytes: self.dtype.bytes() }
+    }
+}
+
+struct LocalCopy {
+    rows: u32,
+    cols: u32,
+    src: Loc,
+    dst: Loc,
+}
+
+struct Builder<'a> {
+    graph: &'a Graph,
+    target: &'a Target,
+    labels: Vec<String>,
+    buffers: Vec<BufferDecl>,
+    steps: Vec<LStep>,
+    compute_sets: Vec<Vec<(u32, Call)>>,
+    phases: Vec<Vec<Transfer>>,
+    stored: BTreeMap<ValueId, Stored>,
+    host: BTreeMap<ValueId, LHostTensor>,
+    pending: Vec<(u32, (u32, u32), u32, (u32, u32))>,
+    copies: Vec<LocalCopy>,
+    plans: Vec<OperationPlan>,
+    checkpoints: Vec<LCheckpoint>,
+    gemm_flops: u64,
+    operation_name: String,
+}
+
+pub fn lower(graph: &Graph, target: &Target) -> Result<Lowered, LowerError> {
+    let mut b = Builder {
+        graph,
+        target,
+        labels: vec!["code".into()],
+        buffers: Vec::new(),
+        steps: Vec::new(),
+        compute_sets: Vec::new(),
+        phases: Vec::new(),
+        stored: BTreeMap::new(),
+        host: BTreeMap::new(),
+        pending: Vec::new(),
+        copies: Vec::new(),
+        plans: Vec::new(),
+        checkpoints: Vec::new(),
+        gemm_flops: 0,
+        operation_name: String::new(),
+    };
+    for (index, operation) in graph.operations.iter().enumerate() {
+        if operation.kind.is_view() {
+            continue;
+        }
+        b.operation_name = graph.value(operation.output).name.clone();
+        match &operation.kind {
+            OpKind::MatMul { transpose_b } => b.matmul(index, operation.inputs[0], operation.inputs[1], *transpose_b, operation.output)?,
+            kind => b.elementwise(index, kind.clone(), &operation.inputs, operation.output)?,
+        }
+    }
+    b.finish()
+}
+
+impl<'a> Builder<'a> {
+    fn label(&mut self, name: &str) -> u32 {
+        if let Some(i) = self.labels.iter().position(|l| l == name) {
+            return i as u32;
+        }
+        self.labels.push(name.to_string());
+        (self.labels.len() - 1) as u32
+    }
+
+    fn buffer(&mut self, tile: u32, bytes: u64, kind: AllocationKind, prefer_interleaved: bool, label: &str) -> u32 {
+        let label = self.label(label);
+        self.buffers.push(BufferDecl { tile, bytes: bytes.div_ceil(8) as u32 * 8, kind, prefer_interleaved, label, first_step: u32::MAX, last_step: 0 });
+        (self.buffers.len() - 1) as u32
+    }
+
+    fn touch(&mut self, buffer: u32, step: u32) {
+        let b = &mut self.buffers[buffer as usize];
+        b.first_step = b.first_step.min(step);
+        b.last_step = b.last_step.max(step);
+    }
+
+    fn budget(&self) -> u64 {
+        (self.target.memory.loader_limit - self.target.memory.base) as u64 - CODE_RESERVE_BYTES
+    }
+
+    /// Gather `block` of `value` (in the value's own index space) onto `tile`.
+    fn gather(&mut self, value: ValueId, tile: u32, block: &[(u32, u32)], prefer_interleaved: bool) -> Result<Held, LowerError> {
+        let chain = ViewChain::resolve(self.graph, value);
+        let dtype = self.graph.value(value).dtype;
+        let base = self.graph.value(chain.base).clone();
+        if let Producer::Operation(_) = base.producer {
+            let stored = &self.stored[&chain.base];
+            if chain.is_identity() {
+                let lo: Vec<u32> = block.iter().map(|r| r.0).collect();
+                let (cell, cell_block) = stored.grid.locate(&lo);
+                let inside = block.iter().zip(&cell_block).all(|(r, c)| c.0 <= r.0 && r.1 <= c.1);
+                if inside && stored.grid.tiles[cell] == tile {
+                    return Ok(Held { buffer: stored.grid.buffers[cell], block: cell_block, dtype });
+                }
+            }
+        }
+        let name = self.graph.value(value).name.clone();
+        let buffer = self.buffer(tile, block_elements_stored(block, dtype) * dtype.bytes() as u64, AllocationKind::Data, prefer_interleaved, &name);
+        let held = Held { buffer, block: block.to_vec(), dtype };
+        let rank = block.len();
+        let rows: Vec<u32> = block[..rank - 1].iter().map(|r| r.1 - r.0).collect();
+        let row_count: u64 = rows.iter().map(|&r| r as u64).product();
+        let (c0, c1) = block[rank - 1];
+        let mut index = vec![0u32; rank];
+        for row in 0..row_count {
+            let mut rest = row;
+            for a in (0..rank - 1).rev() {
+                index[a] = block[a].0 + (rest % rows[a] as u64) as u32;
+                rest /= rows[a] as u64;
+            }
+            let mut c = c0;
+            while c < c1 {
+                index[rank - 1] = c;
+                let (base_index, run) = chain.map_run(&index, c1 - c);
+                let dst_offset = held.loc(&index).offset * dtype.bytes();
+                match base.producer {
+                    Producer::Tensor { role, .. } => {
+                        let element = flatten(&base_index, &chain.base_shape);
+                        let entry = self.host.entry(chain.base).or_insert_with(|| LHostTensor {
+                            name: base.name.clone(),
+                            shape: base.shape.clone(),
+                            dtype,
+                            role: if role == Role::Weight { LRole::Weight } else { LRole::Input },
+                            segments: Vec::new(),
+                        });
+                        entry.segments.push(LSegment { buffer, offset: dst_offset, element: element as u32, count: run });
+                        c += run;
+                    }
+                    Producer::Operation(_) => {
+                        let stored = &self.stored[&chain.base];
+                        let (cell, cell_block) = stored.grid.locate(&base_index);
+                        let last = cell_block.len() - 1;
+                        let piece = run.min(cell_block[last].1 - base_index[last]);
+                        let src_held = Held { buffer: stored.grid.buffers[cell], block: cell_block.clone(), dtype };
+                        let src = src_held.loc(&base_index);
+                        let src_tile = stored.grid.tiles[cell];
+                        if src_tile == tile {
+                            let dst = held.loc(&index);
+                            self.local_copy(piece, src, dst);
+                        } else {
+                            let bytes = piece * dtype.bytes();
+                            let src_offset = src.offset * dtype.bytes();
+                            let ends_rows = base_index[last] + piece == cell_block[last].1 && c + piece == c1;
+                            if src_offset % 4 != 0 || dst_offset % 4 != 0 || (bytes % 4 != 0 && !ends_rows) {
+                                return Err(LowerError::SubWord { operation: self.operation_name.clone(), value: name, offset: base_index[last], dtype: dtype.name() });
+                            }
+                            self.pending.push((src_tile, (src.buffer, src_offset), bytes.div_ceil(4), (buffer, dst_offset)));
+                        }
+                        c += piece;
+                    }
+                }
+            }
+        }
+        Ok(held)
+    }
+
+    fn local_copy(&mut self, cols: u32, src: Loc, dst: Loc) {
+        if let Some(last) = self.copies.last_mut() {
+            let same = last.cols == cols && last.src.buffer == src.buffer && last.dst.buffer == dst.buffer;
+            if same && last.rows == 1 && src.offset > last.src.offset && dst.offset > last.dst.offset {
+                last.src.row_stride = src.offset - last.src.offset;
+                last.dst.row_stride = dst.offset - last.dst.offset;
+                last.rows = 2;
+                return;
+            }
+            if same && last.rows > 1 && src.offset == last.src.offset + last.rows * last.src.row_stride && dst.offset == last.dst.offset + last.rows * last.dst.row_stride {
+                last.rows += 1;
+                return;
+            }
+        }
+        self.copies.push(LocalCopy { rows: 1, cols, src, dst });
+    }
+
+    /// Close the gathers of one operation: an exchange phase if anything moves, then the
+    /// compute set the operation's calls go into. Returns the compute step.
+    fn open_compute(&mut self) -> u32 {
+        if !self.pending.is_empty() {
+            let step = self.steps.len() as u32;
+            self.steps.push(LStep::Exchange(self.phases.len() as u32));
+            let mut grouped: BTreeMap<((u32, u32), u32), Vec<(u32, u32)>> = BTreeMap::new();
+            for (_, src, words, dst) in std::mem::take(&mut self.pending) {
+                self.touch(src.0, step);
+                self.touch(dst.0, step);
+                grouped.entry((src, words)).or_default().push(dst);
+            }
+            let transfers = merge_rows(grouped.into_iter().map(|((source, words), mut destinations)| {
+                destinations.sort_unstable();
+                Transfer { source, words, destinations }
+            }));
+            self.phases.push(transfers);
+            self.steps.push(LStep::Compute(self.compute_sets.len() as u32));
+            self.compute_sets.push(Vec::new());
+        } else if !matches!(self.steps.last(), Some(LStep::Compute(_))) {
+            self.steps.push(LStep::Compute(self.compute_sets.len() as u32));
+            self.compute_sets.push(Vec::new());
+        }
+        let step = (self.steps.len() - 1) as u32;
+        for copy in std::mem::take(&mut self.copies) {
+            let tile = self.buffers[copy.src.buffer as usize].tile;
+            let (rows, cols) = (copy.rows, copy.cols);
+            let dtype = if copy.src.dtype_bytes == 2 { DType::F16 } else { DType::F32 };
+            self.emit(step, tile, Call::Copy { rows, cols, dtype, input: copy.src, output: copy.dst });
+        }
+        step
+    }
+
+    fn emit(&mut self, step: u32, tile: u32, call: Call) {
+        for loc in call.locs() {
+            self.touch(loc.buffer, step);
+        }
+        let LStep::Compute(set) = self.steps[step as usize] else { unreachable!("calls go into compute steps") };
+        self.compute_sets[set as usize].push((tile, call));
+    }
+
+    fn record(&mut self, index: usize, output: ValueId, grid: Grid, dtype: DType, step: u32, plan: OperationPlan) {
+        let value = self.graph.value(output).clone();
+        self.stored.insert(output, Stored { grid, dtype });
+        let tensor = self.host_view(output, LRole::Intermediate);
+        self.checkpoints.push(LCheckpoint { operation: index as u32, after_step: step, tensor });
+        info!(operation = index, value = %value.name, kind = %plan.kind, partitions = ?plan.partitions, tiles = plan.tiles,
+            estimated_compute_cycles = plan.estimated_compute_cycles, estimated_exchange_cycles = plan.estimated_exchange_cycles,
+            peak_bytes = plan.peak_bytes, "planned operation");
+        self.plans.push(plan);
+    }
+
+    /// Where the host finds each element of `value` (through views): segments in logical order.
+    fn host_view(&self, value: ValueId, role: LRole) -> LHostTensor {
+        let chain = ViewChain::resolve(self.graph, value);
+        let v = self.graph.value(value);
+        let stored = &self.stored[&chain.base];
+        let shape = &v.shape;
+        let rank = shape.len();
+        let cols = shape[rank - 1];
+        let rows: u64 = shape[..rank - 1].iter().map(|&d| d as u64).product();
+        let mut segments: Vec<LSegment> = Vec::new();
+        let mut index = vec![0u32; rank];
+        for row in 0..rows {
+            let mut rest = row;
+            for a in (0..rank - 1).rev() {
+                index[a] = (rest % shape[a] as u64) as u32;
+                rest /= shape[a] as u64;
+            }
+            let mut c = 0;
+            while c < cols {
+                index[rank - 1] = c;
+                let (base_index, run) = chain.map_run(&index, cols - c);
+                let (cell, cell_block) = stored.grid.locate(&base_index);
+                let last = cell_block.len() - 1;
+                let piece = run.min(cell_block[last].1 - base_index[last]);
+                let held = Held { buffer: stored.grid.buffers[cell], block: cell_block, dtype: stored.dtype };
+                let offset = held.loc(&base_index).offset * stored.dtype.bytes();
+                segments.push(LSegment { buffer: held.buffer, offset, element: (row * cols as u64 + c as u64) as u32, count: piece });
+                c += piece;
+            }
+        }
+        LHostTensor { name: v.name.clone(), shape: shape.clone(), dtype: v.dtype, role, segments: merge_segments(segments, v.dtype) }
+    }
+
+    fn remote_words(&self, value: ValueId, tile: u32, block: &[(u32, u32)]) -> u64 {
+        let chain = ViewChain::resolve(self.graph, value);
+        let dtype = self.graph.value(value).dtype;
+        let total: u64 = block.iter().map(|r| (r.1 - r.0) as u64).product::<u64>() * dtype.bytes() as u64 / 4;
+        let Some(stored) = self.stored.get(&chain.base) else { return 0 };
+        if chain.is_identity() {
+            let lo: Vec<u32> = block.iter().map(|r| r.0).collect();
+            let (cell, cell_block) = stored.grid.locate(&lo);
+            if stored.grid.tiles[cell] == tile && block.iter().zip(&cell_block).all(|(r, c)| c.0 <= r.0 && r.1 <= c.1) {
+                return 0;
+            }
+        }
+        total
+    }
+
+    fn matmul(&mut self, index: usize, a: ValueId, b: ValueId, b_transposed: bool, output: ValueId) -> Result<(), LowerError> {
+        let (av, bv) = (self.graph.value(a).clone(), self.graph.value(b).clone());
+        let (batches, m, k) = split3(&av.shape);
+        let (b_batches, b0, b1) = split3(&bv.shape);
+        let n = if b_transposed { b0 } else { b1 };
+        let group = batches / b_batches;
+        let a_rank3 = av.shape.len() == 3;
+        let b_rank3 = bv.shape.len() == 3;
+        let whole_rows = self.graph.operations.iter().any(|o| o.inputs.contains(&output) && matches!(o.kind, OpKind::Softmax));
+        let a_block = |p: &MatMulPlan, ib: usize, im: usize, ik: usize| -> Vec<(u32, u32)> {
+            let mut blk = vec![(p.m_cuts[im], p.m_cuts[im + 1]), (p.k_cuts[ik], p.k_cuts[ik + 1])];
+            if a_rank3 {
+                blk.insert(0, (p.b_cuts[ib], p.b_cuts[ib + 1]));
+            }
+            blk
+        };
+        let b_block = |p: &MatMulPlan, ib: usize, i_n: usize, ik: usize| -> Vec<(u32, u32)> {
+            let (kr, nr) = ((p.k_cuts[ik], p.k_cuts[ik + 1]), (p.n_cuts[i_n], p.n_cuts[i_n + 1]));
+            let mut blk = if b_transposed { vec![nr, kr] } else { vec![kr, nr] };
+            if b_rank3 {
+                blk.insert(0, (p.b_cuts[ib] / group, (p.b_cuts[ib + 1] - 1) / group + 1));
+            }
+            blk
+        };
+        let coords = |p: &MatMulPlan, tile: u32| -> (usize, usize, usize, usize) {
+            let (nm, nn, nk) = (p.m_cuts.len() - 1, p.n_cuts.len() - 1, p.k_cuts.len() - 1);
+            let t = tile as usize;
+            (t / (nk * nn * nm), t / (nk * nn) % nm, t / nk % nn, t % nk)
+        };
+        let remote_a = |p: &MatMulPlan, tile: u32| {
+            let (ib, im, _, ik) = coords(p, tile);
+            self.remote_words(a, tile, &a_block(p, ib, im, ik))
+        };
+        let remote_b = |p: &MatMulPlan, tile: u32| {
+            let (ib, _, i_n, ik) = coords(p, tile);
+            self.remote_words(b, tile, &b_block(p, ib, i_n, ik))
+        };
+        let problem = MatMulProblem { batches, m, k, n, b_transposed, whole_rows, remote_a_words: &remote_a, remote_b_words: &remote_b, memory_budget: self.budget() };
+        let plan = plan_matmul(self.target, &problem).ok_or_else(|| LowerError::NoPlan {
+            operation: self.operation_name.clone(),
+            kind: "matmul".into(),
+            budget: self.budget(),
+            tiles: self.target.chip.tiles,
+        })?;
+        self.gemm_flops += 2 * batches as u64 * m as u64 * k as u64 * n as u64;
+        let (nb, nm, nn, nk) = (plan.b_cuts.len() - 1, plan.m_cuts.len() - 1, plan.n_cuts.len() - 1, plan.k_cuts.len() - 1);
+        let out_name = self.graph.value(output).name.clone();
+        // Gather operands and allocate outputs (or partials) per work item.
+        let mut work = Vec::new();
+        for ib in 0..nb {
+            for im in 0..nm {
+                for i_n in 0..nn {
+                    for ik in 0..nk {
+                        let tile = plan.tile_of(ib, im, i_n, ik);
+                        let ha = self.gather(a, tile, &a_block(&plan, ib, im, ik), false)?;
+                        let hb = self.gather(b, tile, &b_block(&plan, ib, i_n, ik), true)?;
+                        let (br, mr, nr) = ((plan.b_cuts[ib], plan.b_cuts[ib + 1]), (plan.m_cuts[im], plan.m_cuts[im + 1]), (plan.n_cuts[i_n], plan.n_cuts[i_n + 1]));
+                        let out_block = if a_rank3 { vec![br, mr, nr] } else { vec![mr, nr] };
+                        let (dtype, kind) = if nk > 1 { (DType::F32, AllocationKind::Partials) } else { (DType::F16, AllocationKind::Data) };
+                        let label = if nk > 1 { format!("{out_name}.partials") } else { out_name.clone() };
+                        let buffer = self.buffer(tile, block_elements_stored(&out_block, dtype) * dtype.bytes() as u64, kind, kind == AllocationKind::Partials, &label);
+                        work.push((tile, ib, im, i_n, ik, ha, hb, Held { buffer, block: out_block, dtype }));
+                    }
+                }
+            }
+        }
+        let step = self.open_compute();
+        for (tile, ib, im, i_n, ik, ha, hb, hc) in &work {
+            let (kr, nr, mr) = ((plan.k_cuts[*ik], plan.k_cuts[*ik + 1]), (plan.n_cuts[*i_n], plan.n_cuts[*i_n + 1]), (plan.m_cuts[*im], plan.m_cuts[*im + 1]));
+            for batch in plan.b_cuts[*ib]..plan.b_cuts[*ib + 1] {
+                let with_batch = |rank3: bool, v: Vec<u32>, bi: u32| if rank3 { [vec![bi], v].concat() } else { v };
+                let a_loc = ha.loc(&with_batch(a_rank3, vec![mr.0, kr.0], batch));
+                let b_first = if b_transposed { vec![nr.0, kr.0] } else { vec![kr.0, nr.0] };
+                let b_loc = hb.loc(&with_batch(b_rank3, b_first, batch / group));
+                let c_loc = hc.loc(&with_batch(a_rank3, vec![mr.0, nr.0], batch));
+                let call = Call::MatMul { m: mr.1 - mr.0, k: kr.1 - kr.0, n: nr.1 - nr.0, a: a_loc, b: b_loc, b_transposed, c: c_loc, partials: nk > 1 };
+                self.emit(step, *tile, call);
+            }
+        }
+        let mut grid = Grid { cuts: Vec::new(), tiles: Vec::new(), buffers: Vec::new() };
+        let mut final_step = step;
+        if nk == 1 {
+            grid.cuts = if a_rank3 { vec![plan.b_cuts.clone(), plan.m_cuts.clone(), plan.n_cuts.clone()] } else { vec![plan.m_cuts.clone(), plan.n_cuts.clone()] };
+            for (tile, .., hc) in &work {
+                grid.tiles.push(*tile);
+                grid.buffers.push(hc.buffer);
+            }
+        } else {
+            final_step = self.reduce(&plan, &work.iter().map(|w| (w.0, w.7.buffer)).collect::<Vec<_>>(), a_rank3, &out_name, &mut grid)?;
+        }
+        let op_plan = OperationPlan {
+            operation: index as u32,
+            kind: "matmul".into(),
+            partitions: [plan.pb, plan.pm, plan.pn, plan.pk],
+            tiles: plan.tiles(),
+            estimated_compute_cycles: plan.compute_cycles,
+            estimated_exchange_cycles: plan.exchange_cycles,
+            peak_bytes: plan.peak_bytes,
+        };
+        self.record(index, output, grid, DType::F16, final_step, op_plan);
+        Ok(())
+    }
+
+    /// Reduce the inner partials of each (batch, row, column) block: member j of a group owns
+    /// row chunk j, receives the others' partials for it, and sums them into f16.
+    fn reduce(&mut self, plan: &MatMulPlan, partials: &[(u32, u32)], rank3: bool, name: &str, grid: &mut Grid) -> Result<u32, LowerError> {
+        let (nb, nm, nn, nk) = (plan.b_cuts.len() - 1, plan.m_cuts.len() - 1, plan.n_cuts.len() - 1, plan.k_cuts.len() - 1);
+        let mut row_cuts = vec![0u32];
+        for im in 0..nm {
+            for c in split(plan.m_cuts[im + 1] - plan.m_cuts[im], nk as u32, 1).into_iter().skip(1) {
+                row_cuts.push(plan.m_cuts[im] + c);
+            }
+        }
+        let mut reductions = Vec::new();
+        for ib in 0..nb {
+            for im in 0..nm {
+                let chunks = split(plan.m_cuts[im + 1] - plan.m_cuts[im], nk as u32, 1);
+                for i_n in 0..nn {
+                    let cols = plan.n_cuts[i_n + 1] - plan.n_cuts[i_n];
+                    let stride32 = row_stride(cols, DType::F32);
+                    let group: Vec<(u32, u32)> = (0..nk).map(|ik| partials[(((ib * nm + im) * nn + i_n) * nk) + ik]).collect();
+                    for j in 0..chunks.len() - 1 {
+                        let (owner, owner_partials) = group[j];
+                        let rows = chunks[j + 1] - chunks[j];
+                        let mut parts = Vec::new();
+                        for (i, &(tile, buffer)) in group.iter().enumerate() {
+                            let offset = chunks[j] * stride32;
+                            if i == j {
+                                parts.push(Loc { buffer, offset, row_stride: stride32, dtype_bytes: 4 });
+                            } else {
+                                let words = rows * stride32;
+                                let received = self.buffer(owner, words as u64 * 4, AllocationKind::Data, false, &format!("{name}.partials"));
+                                self.pending.push((tile, (buffer, offset * 4), words, (received, 0)));
+                                parts.push(Loc { buffer: received, offset: 0, row_stride: stride32, dtype_bytes: 4 });
+                            }
+                        }
+                        let out = self.buffer(owner, rows as u64 * row_stride(cols, DType::F16) as u64 * 2, AllocationKind::Data, false, name);
+                        let _ = owner_partials;
+                        reductions.push((ib, plan.m_cuts[im] + chunks[j], i_n, owner, rows, cols, parts, out));
+                    }
+                }
+            }
+        }
+        let step = self.open_compute();
+        let mut cells: BTreeMap<(usize, u32, usize), (u32, u32)> = BTreeMap::new();
+        for (ib, row, i_n, owner, rows, cols, parts, out) in reductions {
+            let out_loc = Loc { buffer: out, offset: 0, row_stride: row_stride(cols, DType::F16), dtype_bytes: 2 };
+            self.emit(step, owner, Call::Reduce { rows, cols, parts, out: out_loc });
+            cells.insert((ib, row, i_n), (owner, out));
+        }
+        grid.cuts = if rank3 { vec![plan.b_cuts.clone(), row_cuts, plan.n_cuts.clone()] } else { vec![row_cuts, plan.n_cuts.clone()] };
+        for (_, (tile, buffer)) in cells {
+            grid.tiles.push(tile);
+            grid.buffers.push(buffer);
+        }
+        Ok(step)
+    }
+
+    fn elementwise(&mut self, index: usize, kind: OpKind, inputs: &[ValueId], output: ValueId) -> Result<(), LowerError> {
+        let out = self.graph.value(output).clone();
+        let chain = ViewChain::resolve(self.graph, inputs[0]);
+        let reuse = chain.is_identity()
+            && self.stored.get(&chain.base).is_some_and(|s| !matches!(kind, OpKind::Softmax) || s.grid.cuts.last().is_some_and(|c| c.len() == 2));
+        let (cuts, tiles): (Vec<Vec<u32>>, Vec<u32>) = if reuse {
+            let s = &self.stored[&chain.base];
+            (s.grid.cuts.clone(), s.grid.tiles.clone())
+        } else {
+            let rank = out.shape.len();
+            let mut cuts: Vec<Vec<u32>> = out.shape.iter().map(|&d| vec![0, d]).collect();
+            let mut cells = 1u32;
+            for a in 0..rank.saturating_sub(1) {
+                let parts = out.shape[a].min(self.target.chip.tiles / cells).max(1);
+                cuts[a] = split(out.shape[a], parts, 1);
+                cells *= (cuts[a].len() - 1) as u32;
+            }
+            if rank == 1 {
+                let align = 8 / out.dtype.bytes();
+                cuts[0] = split(out.shape[0], self.target.chip.tiles.min(out.shape[0] / align).max(1), align);
+                cells = (cuts[0].len() - 1) as u32;
+            }
+            (cuts, (0..cells).collect())
+        };
+        let mut grid = Grid { cuts, tiles, buffers: Vec::new() };
+        let mut work = Vec::new();
+        for cell in 0..grid.tiles.len() {
+            let tile = grid.tiles[cell];
+            let block = grid.cell_block(cell);
+            let held: Vec<Held> = inputs.iter().map(|&v| self.gather(v, tile, &block, false)).collect::<Result<_, _>>()?;
+            let buffer = self.buffer(tile, block_elements_stored(&block, out.dtype) * out.dtype.bytes() as u64, AllocationKind::Data, false, &out.name);
+            grid.buffers.push(buffer);
+            work.push((tile, block, held, Held { buffer, block: grid.cell_block(cell), dtype: out.dtype }));
+        }
+        let step = self.open_compute();
+        let mut peak = 0u64;
+        let mut compute = 0u64;
+        for (tile, block, held, out_held) in work {
+            let rank = block.len();
+            let cols = block[rank - 1].1 - block[rank - 1].0;
+            // One call per leading row block whose rows are contiguous in every operand.
+            let outer: Vec<Vec<u32>> = if rank == 3 { (block[0].0..block[0].1).map(|b| vec![b]).collect() } else { vec![vec![]] };
+            let rows = if rank >= 2 { block[rank - 2].1 - block[rank - 2].0 } else { 1 };
+            for prefix in outer {
+                let mut first: Vec<u32> = prefix.clone();
+                first.extend(block[prefix.len()..].iter().map(|r| r.0));
+                let ins: Vec<Loc> = held.iter().map(|h| h.loc(&first)).collect();
+                let o = out_held.loc(&first);
+                let call = match &kind {
+                    OpKind::Gelu => Call::Gelu { rows, cols, input: ins[0], output: o },
+                    OpKind::Scale { factor } => Call::Scale { rows, cols, factor: *factor as f32, input: ins[0], output: o },
+                    OpKind::Softmax => Call::Softmax { rows, cols, input: ins[0], output: o },
+                    OpKind::Add => Call::Add { rows, cols, a: ins[0], b: ins[1], output: o },
+                    other => return Err(LowerError::Unsupported { operation: out.name.clone(), message: format!("{} is not an elementwise operation", other.name()) }),
+                };
+                compute += call_estimate(self.target, &call);
+                self.emit(step, tile, call);
+            }
+            peak = peak.max(block_elements_stored(&block, out.dtype) * out.dtype.bytes() as u64 * (inputs.len() as u64 + 1));
+        }
+        let cells = grid.tiles.len() as u32;
+        let plan = OperationPlan {
+            operation: index as u32,
+            kind: kind.name().into(),
+            partitions: [cells, 1, 1, 1],
+            tiles: cells,
+            estimated_compute_cycles: compute / cells.max(1) as u64,
+            estimated_exchange_cycles: 0,
+            peak_bytes: peak,
+        };
+        self.record(index, output, grid, out.dtype, step, plan);
+        Ok(())
+    }
+
+    fn finish(mut self) -> Result<Lowered, LowerError> {
+        let end = self.steps.len() as u32;
+        let mut outputs = Vec::new();
+        for &output in &self.graph.outputs.clone() {
+            let chain = ViewChain::resolve(self.graph, output);
+            if !self.stored.contains_key(&chain.base) {
+                return Err(LowerError::OutputIsInput { output: self.graph.value(output).name.clone(), input: self.graph.value(chain.base).name.clone() });
+            }
+            let tensor = self.host_view(output, LRole::Output);
+            for s in &tensor.segments {
+                self.touch(s.buffer, end);
+            }
+            outputs.push(tensor);
+        }
+        let mut inputs: Vec<LHostTensor> = std::mem::take(&mut self.host).into_values().collect();
+        for t in &mut inputs {
+            for s in &t.segments {
+                let b = &mut self.buffers[s.buffer as usize];
+                b.first_step = 0;
+                b.last_step = b.last_step.max(0);
+            }
+            t.segments = merge_segments(std::mem::take(&mut t.segments), t.dtype);
+        }
+        inputs.sort_by_key(|t| self.graph.find(&t.name));
+        let logical_shards = self.stored.values().map(|s| s.grid.tiles.len() as u32).sum();
+        Ok(Lowered {
+            tiles: self.target.chip.tiles,
+            labels: self.labels,
+            buffers: self.buffers,
+            steps: self.steps,
+            compute_sets: self.compute_sets,
+            phases: self.phases,
+            inputs,
+            outputs,
+            checkpoints: self.checkpoints,
+            plans: self.plans,
+            gemm_flops: self.gemm_flops,
+            logical_shards,
+        })
+    }
+}
+
+impl Call {
+    pub fn locs(&self) -> Vec<Loc> {
+        match self {
+            Call::MatMul { a, b, c, .. } => vec![*a, *b, *c],
+            Call::Reduce { parts, out, .. } => parts.iter().copied().chain([*out]).collect(),
+            Call::Gelu { input, output, .. } | Call::Scale { input, output, .. } | Call::Softmax { input, output, .. } | Call::Copy { input, output, .. } => vec![*input, *output],
+            Call::Add { a, b, output, .. } => vec![*a, *b, *output],
+        }
+    }
+}
+
+fn call_estimate(t: &Target, call: &Call) -> u64 {
+    match call {
+        Call::Gelu { rows, cols, .. } => cost::gelu(t, *rows as u64 * *cols as u64),
+        Call::Scale { rows, cols, .. } => cost::unary_half(t, *rows as u64 * *cols as u64, t.costs.cpl_mul_half, false),
+        Call::Add { rows, cols, .. } => cost::binary_half(t, *rows as u64 * *cols as u64, t.costs.cpl_add_half),
+        Call::Softmax { rows, cols, .. } => cost::softmax(t, *rows, *cols),
+        _ => 0,
+    }
+}
+
+fn flatten(index: &[u32], shape: &[u32]) -> u64 {
+    index.iter().zip(shape).fold(0u64, |acc, (&i, &d)| acc * d as u64 + i as u64)
+}
+
+/// Merge segments contiguous both in logical elements and in memory.
+fn merge_segments(mut segments: Vec<LSegment>, dtype: DType) -> Vec<LSegment> {
+    segments.sort_by_key(|s| (s.buffer, s.offset, s.element));
+    let mut out: Vec<LSegment> = Vec::with_capacity(segments.len());
+    for s in segments {
+        if let Some(last) = out.last_mut() {
+            if last.buffer == s.buffer && last.element + last.count == s.element && last.offset + last.count * dtype.bytes() == s.offset {
+                last.count += s.count;
+                continue;
+            }
+        }
+        out.push(s);
+    }
+    out.sort_by_key(|s| (s.element, s.buffer));
+    out
+}
+
+/// Merge transfers whose source and destinations continue each other (consecutive rows).
+fn merge_rows(transfers: impl Iterator<Item = Transfer>) -> Vec<Transfer> {
+    let mut out: Vec<Transfer> = Vec::new();
+    for t in transfers {
+        if let Some(last) = out.last_mut() {
+            let continues = last.source.0 == t.source.0
+                && last.source.1 + last.words * 4 == t.source.1
+                && last.destinations.len() == t.destinations.len()
+                && last.destinations.iter().zip(&t.destinations).all(|(a, b)| a.0 == b.0 && a.1 + last.words * 4 == b.1);
+            if continues {
+                last.words += t.words;
+                continue;
+            }
+        }
+        out.push(t);
+    }
+    out
+}

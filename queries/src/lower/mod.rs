@@ -1,0 +1,127 @@
+//! Lowering: from the validated graph to an address-free program of buffers, vertex calls,
+//! exchange transfers and host segments (`lower_mid` plans, then the lowered graph).
+//!
+//! Every computed value is stored as a grid of cells, one per tile; a consumer gathers the
+//! block it needs into a local buffer (by exchange, or by aliasing a local cell), and the host
+//! writes inputs and weights straight into the layout their consumers want (replicas
+//! included, as the seed's runtime does). Addresses are assigned later by `storage`.
+
+pub mod build;
+pub mod grid;
+pub mod plan;
+
+pub use build::{lower, LowerError};
+
+use crate::ir::DType;
+use crate::package::AllocationKind;
+
+/// A buffer on one tile, placed later.
+#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct BufferDecl {
+    pub tile: u32,
+    pub bytes: u32,
+    pub kind: AllocationKind,
+    /// Prefer interleaved memory (matrix-product weights, for 128-bit weight loads).
+    pub prefer_interleaved: bool,
+    pub label: u32,
+    /// Steps (indices into `Lowered::steps`) of the first write and last read, inclusive.
+    pub first_step: u32,
+    pub last_step: u32,
+}
+
+/// An operand inside a buffer (element offset, row stride in elements).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct Loc {
+    pub buffer: u32,
+    pub offset: u32,
+    pub row_stride: u32,
+    pub dtype_bytes: u32,
+}
+
+#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub enum Call {
+    MatMul { m: u32, k: u32, n: u32, a: Loc, b: Loc, b_transposed: bool, c: Loc, partials: bool },
+    Reduce { rows: u32, cols: u32, parts: Vec<Loc>, out: Loc },
+    Gelu { rows: u32, cols: u32, input: Loc, output: Loc },
+    Scale { rows: u32, cols: u32, factor: f32, input: Loc, output: Loc },
+    Add { rows: u32, cols: u32, a: Loc, b: Loc, output: Loc },
+    Softmax { rows: u32, cols: u32, input: Loc, output: Loc },
+    Copy { rows: u32, cols: u32, dtype: DType, input: Loc, output: Loc },
+}
+
+/// A word transfer between buffers: `words` words from (buffer, byte offset) to each destination.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct Transfer {
+    pub source: (u32, u32),
+    pub words: u32,
+    pub destinations: Vec<(u32, u32)>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub enum LStep {
+    Compute(u32),
+    Exchange(u32),
+}
+
+/// `count` logical elements from flat index `element`, at (buffer, byte offset).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct LSegment {
+    pub buffer: u32,
+    pub offset: u32,
+    pub element: u32,
+    pub count: u32,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub enum LRole {
+    Input,
+    Weight,
+    Output,
+    Intermediate,
+}
+
+#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct LHostTensor {
+    pub name: String,
+    pub shape: Vec<u32>,
+    pub dtype: DType,
+    pub role: LRole,
+    pub segments: Vec<LSegment>,
+}
+
+#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct LCheckpoint {
+    pub operation: u32,
+    pub after_step: u32,
+    pub tensor: LHostTensor,
+}
+
+/// The plan chosen for one operation, for logs and reports.
+#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct OperationPlan {
+    pub operation: u32,
+    pub kind: String,
+    /// (batch, row, column, inner) partitions; elementwise plans use (cells, 1, 1, 1).
+    pub partitions: [u32; 4],
+    pub tiles: u32,
+    pub estimated_compute_cycles: u64,
+    pub estimated_exchange_cycles: u64,
+    pub peak_bytes: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct Lowered {
+    pub tiles: u32,
+    pub labels: Vec<String>,
+    pub buffers: Vec<BufferDecl>,
+    pub steps: Vec<LStep>,
+    /// Per compute set: (tile, call) in execution order per tile.
+    pub compute_sets: Vec<Vec<(u32, Call)>>,
+    pub phases: Vec<Vec<Transfer>>,
+    pub inputs: Vec<LHostTensor>,
+    pub outputs: Vec<LHostTensor>,
+    pub checkpoints: Vec<LCheckpoint>,
+    pub plans: Vec<OperationPlan>,
+    pub gemm_flops: u64,
+    pub logical_shards: u32,
+}

@@ -1,0 +1,164 @@
+//! `lower_mid` for matrix products: enumerate partitions (batch, row, column, inner), cost each
+//! with the target's formulas (AMP calls, reduction, exchange words, sync), drop the ones that
+//! do not fit in tile memory, keep the cheapest.
+//!
+//! Simpler than the seed's planner: one plan per operation chosen greedily in program order,
+//! no finalists, no output-column blocking or weight-staging knobs (see the README's status).
+
+use crate::cost::{self, WeightClass};
+use crate::lower::grid::split;
+use crate::target::Target;
+
+/// A matrix product's partition and its cuts.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MatMulPlan {
+    pub pb: u32,
+    pub pm: u32,
+    pub pn: u32,
+    pub pk: u32,
+    pub b_cuts: Vec<u32>,
+    pub m_cuts: Vec<u32>,
+    pub n_cuts: Vec<u32>,
+    pub k_cuts: Vec<u32>,
+    pub compute_cycles: u64,
+    pub exchange_cycles: u64,
+    pub peak_bytes: u64,
+}
+
+impl MatMulPlan {
+    pub fn tiles(&self) -> u32 {
+        (self.b_cuts.len() - 1) as u32 * (self.m_cuts.len() - 1) as u32 * (self.n_cuts.len() - 1) as u32 * (self.k_cuts.len() - 1) as u32
+    }
+    pub fn total(&self) -> u64 {
+        self.compute_cycles + self.exchange_cycles
+    }
+    /// Tile of work item (ib, im, in, ik): reduction groups are consecutive tiles.
+    pub fn tile_of(&self, ib: usize, im: usize, i_n: usize, ik: usize) -> u32 {
+        let (nm, nn, nk) = (self.m_cuts.len() - 1, self.n_cuts.len() - 1, self.k_cuts.len() - 1);
+        (((ib * nm + im) * nn + i_n) * nk + ik) as u32
+    }
+}
+
+pub struct MatMulProblem<'a> {
+    pub batches: u32,
+    pub m: u32,
+    pub k: u32,
+    pub n: u32,
+    pub b_transposed: bool,
+    /// The consumer needs whole rows (softmax): no column partitions.
+    pub whole_rows: bool,
+    /// Words a tile must receive to hold A's block [b, m, k] (0 when the host places A).
+    pub remote_a_words: &'a dyn Fn(&MatMulPlan, u32) -> u64,
+    pub remote_b_words: &'a dyn Fn(&MatMulPlan, u32) -> u64,
+    /// Bytes a tile may use for this operation's buffers.
+    pub memory_budget: u64,
+}
+
+fn distinct_partitions(blocks: u32, limit: u32) -> Vec<u32> {
+    // For each distinct block size ceil(blocks / p), the smallest p that gives it: the same
+    // per-tile work on the fewest tiles.
+    let mut out: Vec<u32> = Vec::new();
+    let mut last_size = 0;
+    for p in 1..=blocks.min(limit).max(1) {
+        let size = blocks.div_ceil(p);
+        if size != last_size {
+            out.push(p);
+            last_size = size;
+        }
+    }
+    out
+}
+
+fn cuts_len(c: &[u32]) -> u32 {
+    (c.len() - 1) as u32
+}
+
+fn max_extent(c: &[u32]) -> u32 {
+    c.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0)
+}
+
+pub fn plan_matmul(t: &Target, p: &MatMulProblem) -> Option<MatMulPlan> {
+    let tiles = t.chip.tiles;
+    let block = t.costs.gemm_block as u32;
+    let sync = t.exchange.sync_cycles;
+    let (_, max_delay) = t.delay_range();
+    let mut best: Option<MatMulPlan> = None;
+    let k_blocks = p.k.div_ceil(block);
+    let n_blocks = p.n.div_ceil(block);
+    for pb in distinct_partitions(p.batches, tiles) {
+        let b_cuts = split(p.batches, pb, 1);
+        let pk_limit = if max_extent(&b_cuts) > 1 { 1 } else { k_blocks.min(32) };
+        for pk in distinct_partitions(k_blocks, pk_limit) {
+            let k_cuts = split(p.k, pk, block);
+            let n_limit = if p.whole_rows { 1 } else { n_blocks };
+            for pn in distinct_partitions(n_limit, tiles / (cuts_len(&b_cuts) * cuts_len(&k_cuts)).max(1)) {
+                let n_cuts = split(p.n, pn, block);
+                let used = cuts_len(&b_cuts) * cuts_len(&k_cuts) * cuts_len(&n_cuts);
+                if used > tiles {
+                    continue;
+                }
+                let pm_max = (tiles / used).min(p.m).max(1);
+                for pm in [pm_max, pm_max.div_ceil(2)] {
+                    let m_cuts = split(p.m, pm, 1);
+                    let candidate = cost_plan(t, p, b_cuts.clone(), m_cuts, n_cuts.clone(), k_cuts.clone(), sync, max_delay);
+                    let Some(candidate) = candidate else { continue };
+                    if best.as_ref().is_none_or(|b| (candidate.total(), candidate.tiles()) < (b.total(), b.tiles())) {
+                        best = Some(candidate);
+                    }
+                }
+            }
+        }
+    }
+    best
+}
+
+#[allow(clippy::too_many_arguments)]
+fn cost_plan(t: &Target, p: &MatMulProblem, b_cuts: Vec<u32>, m_cuts: Vec<u32>, n_cuts: Vec<u32>, k_cuts: Vec<u32>, sync: u64, max_delay: u32) -> Option<MatMulPlan> {
+    let (bs, ms, ns, ks) = (max_extent(&b_cuts), max_extent(&m_cuts), max_extent(&n_cuts), max_extent(&k_cuts));
+    let pk = cuts_len(&k_cuts);
+    let mut plan = MatMulPlan {
+        pb: cuts_len(&b_cuts),
+        pm: cuts_len(&m_cuts),
+        pn: cuts_len(&n_cuts),
+        pk,
+        b_cuts,
+        m_cuts,
+        n_cuts,
+        k_cuts,
+        compute_cycles: 0,
+        exchange_cycles: 0,
+        peak_bytes: 0,
+    };
+    let ns_f16 = ns.div_ceil(4) * 4;
+    let ks_f16 = ks.div_ceil(4) * 4;
+    let ns_f32 = ns.div_ceil(2) * 2;
+    let a_bytes = bs as u64 * ms as u64 * ks_f16 as u64 * 2;
+    let b_bytes = bs as u64 * if p.b_transposed { ns as u64 * ks_f16 as u64 } else { ks as u64 * ns_f16 as u64 } * 2;
+    let mut compute = bs as u64 * cost::gemm(t, ms, ks, ns, WeightClass::Interleaved, p.b_transposed);
+    let mut exchange = 0u64;
+    let mut bytes = a_bytes + b_bytes;
+    if pk > 1 {
+        let chunk = ms.div_ceil(pk);
+        let partial_bytes = ms as u64 * ns_f32 as u64 * 4;
+        let receive_words = (pk - 1) as u64 * chunk as u64 * ns_f32 as u64;
+        bytes += partial_bytes + receive_words * 4 + chunk as u64 * ns_f16 as u64 * 2;
+        compute += cost::reduce(t, pk, chunk as u64 * ns as u64);
+        exchange += sync + max_delay as u64 + receive_words;
+    } else {
+        bytes += bs as u64 * ms as u64 * ns_f16 as u64 * 2;
+    }
+    if bytes > p.memory_budget {
+        return None;
+    }
+    let mut gather = 0u64;
+    for tile in 0..plan.tiles() {
+        gather = gather.max((p.remote_a_words)(&plan, tile) + (p.remote_b_words)(&plan, tile));
+    }
+    if gather > 0 {
+        exchange += sync + max_delay as u64 + gather;
+    }
+    plan.compute_cycles = compute;
+    plan.exchange_cycles = exchange;
+    plan.peak_bytes = bytes;
+    Some(plan)
+}

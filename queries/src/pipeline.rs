@@ -1,0 +1,142 @@
+//! The pipeline: every stage in order, one line each. The driver (crate `ipuq`) calls them in
+//! this order so that each phase is timed and logged as the seed's are.
+//!
+//! lower_mid                    plan each operation and lower to buffers, calls, transfers
+//! lower_exchanges_provisional  schedule each exchange phase (address-free, cached per pattern)
+//! size_tile_code               bytes of vertex state and exchange tables per tile
+//! place_storage                addresses for every buffer, by region, alignment and lifetime
+//! lower_exchanges              patch final addresses into the schedules and validate them
+//! build_tile_images            tile images, programs and host tables: the package
+
+use std::sync::Arc;
+
+use crate::db::{graph, stage_key, target, CompileError, Db, Sources, StageResult, Staged};
+use crate::emit::{build_package, size_tile_code};
+use crate::exchange::{self, Destination, PhaseRequest, Schedule};
+use crate::hash::{Digest, KeyHasher};
+use crate::lower::{lower, Lowered};
+use crate::package::{ExchangePhase, Package};
+use crate::storage::{place_storage, Placement};
+
+/// The phases in order, as the driver runs and logs them.
+pub const PHASES: &[&str] = &["lower_mid", "lower_exchanges_provisional", "size_tile_code", "place_storage", "lower_exchanges", "build_tile_images"];
+
+const LOWER_VERSION: u32 = 1;
+const SCHEDULE_VERSION: u32 = 1;
+const PLACE_VERSION: u32 = 1;
+const TABLES_VERSION: u32 = 1;
+const PACKAGE_VERSION: u32 = 1;
+
+/// Run one phase by name (the driver's entry point); returns the digest of its output.
+pub fn run_phase(db: &dyn Db, sources: Sources, phase: &str) -> Result<Digest, CompileError> {
+    Ok(match phase {
+        "lower_mid" => lowered(db, sources)?.digest,
+        "lower_exchanges_provisional" => schedules(db, sources)?.digest,
+        "size_tile_code" => code_sizes(db, sources)?.digest,
+        "place_storage" => placement(db, sources)?.digest,
+        "lower_exchanges" => tables(db, sources)?.digest,
+        "build_tile_images" => package(db, sources)?.digest,
+        other => return Err(CompileError(format!("unknown phase '{other}'"))),
+    })
+}
+
+#[salsa::tracked(returns(clone))]
+pub fn lowered(db: &dyn Db, sources: Sources) -> StageResult<Lowered> {
+    let t = target(db, sources)?;
+    let g = graph(db, sources)?;
+    let key = stage_key("lower_mid", LOWER_VERSION, &[t.digest, g.digest]);
+    db.ipuq().cached("lower_mid", LOWER_VERSION, key, || lower(&g.value, &t.value).map_err(CompileError::from))
+}
+
+/// The exchange requests of every phase, with addresses from `address(buffer, offset)`.
+pub fn requests(lowered: &Lowered, address: impl Fn(u32, u32) -> u32) -> Vec<PhaseRequest> {
+    lowered
+        .phases
+        .iter()
+        .enumerate()
+        .map(|(index, transfers)| PhaseRequest {
+            index: index as u32,
+            transfers: transfers
+                .iter()
+                .map(|t| exchange::Transfer {
+                    source: lowered.buffers[t.source.0 as usize].tile,
+                    source_address: address(t.source.0, t.source.1),
+                    words: t.words,
+                    destinations: t.destinations.iter().map(|d| Destination { tile: lowered.buffers[d.0 as usize].tile, address: address(d.0, d.1) }).collect(),
+                })
+                .collect(),
+        })
+        .collect()
+}
+
+#[salsa::tracked(returns(clone))]
+pub fn schedules(db: &dyn Db, sources: Sources) -> StageResult<Vec<Schedule>> {
+    let t = target(db, sources)?;
+    let l = lowered(db, sources)?;
+    // Provisional addresses: offsets inside 16-byte aligned buffers keep every alignment class.
+    let requests = requests(&l.value, |_, offset| offset);
+    let mut out = Vec::with_capacity(requests.len());
+    let mut h = KeyHasher::new("ipuq schedules v1");
+    for request in &requests {
+        let key = stage_key("exchange_schedule", SCHEDULE_VERSION, &[t.digest, exchange::pattern_digest(request)]);
+        let s = db.ipuq().cached("exchange_schedule", SCHEDULE_VERSION, key, || exchange::schedule_phase(&t.value, request).map_err(CompileError::from))?;
+        h.add(&s.digest);
+        out.push((*s.value).clone());
+    }
+    Ok(Staged { digest: h.finish(), value: Arc::new(out) })
+}
+
+#[salsa::tracked(returns(clone))]
+pub fn code_sizes(db: &dyn Db, sources: Sources) -> StageResult<Vec<u32>> {
+    let l = lowered(db, sources)?;
+    let s = schedules(db, sources)?;
+    let mut entries = vec![0u32; l.value.tiles as usize];
+    for (phase, schedule) in l.value.phases.iter().zip(s.value.iter()) {
+        for piece in &schedule.pieces {
+            let t = &phase[piece.transfer as usize];
+            entries[l.value.buffers[t.source.0 as usize].tile as usize] += 1;
+            for d in &t.destinations {
+                entries[l.value.buffers[d.0 as usize].tile as usize] += 1;
+            }
+        }
+    }
+    let sizes = size_tile_code(&l.value, &entries);
+    let digest = KeyHasher::new("ipuq code sizes v1").add(&sizes).finish();
+    Ok(Staged { digest, value: Arc::new(sizes) })
+}
+
+#[salsa::tracked(returns(clone))]
+pub fn placement(db: &dyn Db, sources: Sources) -> StageResult<Placement> {
+    let t = target(db, sources)?;
+    let l = lowered(db, sources)?;
+    let c = code_sizes(db, sources)?;
+    let key = stage_key("place_storage", PLACE_VERSION, &[t.digest, l.digest, c.digest]);
+    db.ipuq().cached("place_storage", PLACE_VERSION, key, || place_storage(&t.value, &l.value, &c.value).map_err(CompileError::from))
+}
+
+#[salsa::tracked(returns(clone))]
+pub fn tables(db: &dyn Db, sources: Sources) -> StageResult<Vec<ExchangePhase>> {
+    let t = target(db, sources)?;
+    let l = lowered(db, sources)?;
+    let s = schedules(db, sources)?;
+    let p = placement(db, sources)?;
+    let key = stage_key("lower_exchanges", TABLES_VERSION, &[t.digest, l.digest, s.digest, p.digest]);
+    db.ipuq().cached("lower_exchanges", TABLES_VERSION, key, || {
+        let addresses = &p.value.addresses;
+        let requests = requests(&l.value, |buffer, offset| addresses[buffer as usize] + offset);
+        requests.iter().zip(s.value.iter()).map(|(r, sched)| exchange::reuse(&t.value, r, sched).map_err(CompileError::from)).collect()
+    })
+}
+
+#[salsa::tracked(returns(clone))]
+pub fn package(db: &dyn Db, sources: Sources) -> StageResult<Package> {
+    let t = target(db, sources)?;
+    let g = graph(db, sources)?;
+    let l = lowered(db, sources)?;
+    let p = placement(db, sources)?;
+    let x = tables(db, sources)?;
+    // The package embeds the workload text (initialisers included), so its key reads it too.
+    let text = Digest::of_bytes(sources.workload_text(db).as_bytes());
+    let key = stage_key("build_tile_images", PACKAGE_VERSION, &[t.digest, g.digest, text, l.digest, p.digest, x.digest]);
+    db.ipuq().cached("build_tile_images", PACKAGE_VERSION, key, || Ok(build_package(&t.value, &g.value, &l.value, &p.value, (*x.value).clone())))
+}

@@ -1,0 +1,135 @@
+//! `place_storage`: final addresses for every buffer, per tile, honouring regions, alignment
+//! and lifetimes (buffers whose step intervals do not overlap may share bytes).
+//!
+//! Code, vertex state and exchange tables sit at the bottom of standard memory (instruction
+//! fetch works only there). AMP partials go to interleaved memory, 16-byte aligned;
+//! matrix-product weights prefer interleaved memory (128-bit weight loads); everything else
+//! prefers standard memory. First fit by start step; a buffer that fits nowhere is an error
+//! naming the tile, the region, the bytes and the capacity.
+
+use rayon::prelude::*;
+
+use crate::lower::Lowered;
+use crate::package::AllocationKind;
+use crate::target::Target;
+
+#[derive(Clone, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct Placement {
+    /// Address of each buffer of the lowering.
+    pub addresses: Vec<u32>,
+    /// Per tile: [start, end) of its code and tables.
+    pub code: Vec<(u32, u32)>,
+    /// Per tile: highest address used in standard and in interleaved memory.
+    pub peak_standard: Vec<u32>,
+    pub peak_interleaved: Vec<u32>,
+}
+
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+#[error("tile {tile}: '{label}' needs {bytes} bytes of {region} memory alive at steps {first}..={last}, but only {capacity} bytes of {region} memory exist and the rest is taken")]
+pub struct PlacementError {
+    pub tile: u32,
+    pub label: String,
+    pub bytes: u32,
+    pub region: &'static str,
+    pub capacity: u32,
+    pub first: u32,
+    pub last: u32,
+}
+
+struct Placed {
+    start: u32,
+    end: u32,
+    first: u32,
+    last: u32,
+}
+
+pub fn place_storage(target: &Target, lowered: &Lowered, code_bytes: &[u32]) -> Result<Placement, PlacementError> {
+    let m = &target.memory;
+    let mut per_tile: Vec<Vec<u32>> = vec![Vec::new(); lowered.tiles as usize];
+    for (i, b) in lowered.buffers.iter().enumerate() {
+        per_tile[b.tile as usize].push(i as u32);
+    }
+    let results: Vec<Result<(Vec<(u32, u32)>, (u32, u32), u32, u32), PlacementError>> = per_tile
+        .par_iter()
+        .enumerate()
+        .map(|(tile, ids)| {
+            let code_end = align(m.base + code_bytes.get(tile).copied().unwrap_or(0), 16);
+            let standard = (code_end, m.interleaved_start);
+            let interleaved = (m.interleaved_start, m.loader_limit);
+            let mut order = ids.clone();
+            order.sort_by_key(|&i| {
+                let b = &lowered.buffers[i as usize];
+                (b.first_step, std::cmp::Reverse(b.bytes), i)
+            });
+            let mut placed_std: Vec<Placed> = Vec::new();
+            let mut placed_int: Vec<Placed> = Vec::new();
+            let mut out = Vec::with_capacity(order.len());
+            let (mut peak_s, mut peak_i) = (code_end, m.interleaved_start);
+            for i in order {
+                let b = &lowered.buffers[i as usize];
+                let alignment = if b.kind == AllocationKind::Partials { m.partial_alignment } else { m.data_alignment };
+                let regions: &[bool] = match (b.kind, b.prefer_interleaved) {
+                    (AllocationKind::Partials, _) => &[true],
+                    (_, true) => &[true, false],
+                    _ => &[false, true],
+                };
+                let mut done = false;
+                for &inter in regions {
+                    let (range, placed) = if inter { (interleaved, &mut placed_int) } else { (standard, &mut placed_std) };
+                    if let Some(start) = first_fit(range, placed, b.bytes, alignment, b.first_step, b.last_step) {
+                        placed.push(Placed { start, end: start + b.bytes, first: b.first_step, last: b.last_step });
+                        if inter { peak_i = peak_i.max(start + b.bytes) } else { peak_s = peak_s.max(start + b.bytes) }
+                        out.push((i, start));
+                        done = true;
+                        break;
+                    }
+                }
+                if !done {
+                    let inter = regions[0];
+                    let range = if inter { interleaved } else { standard };
+                    return Err(PlacementError {
+                        tile: tile as u32,
+                        label: lowered.labels[b.label as usize].clone(),
+                        bytes: b.bytes,
+                        region: if inter { "interleaved" } else { "standard" },
+                        capacity: range.1 - range.0,
+                        first: b.first_step,
+                        last: b.last_step,
+                    });
+                }
+            }
+            Ok((out, (m.base, code_end), peak_s, peak_i))
+        })
+        .collect();
+    let mut placement = Placement { addresses: vec![0; lowered.buffers.len()], code: Vec::new(), peak_standard: Vec::new(), peak_interleaved: Vec::new() };
+    for r in results {
+        let (addresses, code, ps, pi) = r?;
+        for (i, a) in addresses {
+            placement.addresses[i as usize] = a;
+        }
+        placement.code.push(code);
+        placement.peak_standard.push(ps);
+        placement.peak_interleaved.push(pi);
+    }
+    Ok(placement)
+}
+
+fn align(x: u32, a: u32) -> u32 {
+    x.div_ceil(a) * a
+}
+
+/// Lowest aligned start in `range` not overlapping any placed buffer alive at the same time.
+fn first_fit(range: (u32, u32), placed: &[Placed], bytes: u32, alignment: u32, first: u32, last: u32) -> Option<u32> {
+    let mut busy: Vec<(u32, u32)> = placed.iter().filter(|p| p.first <= last && first <= p.last).map(|p| (p.start, p.end)).collect();
+    busy.sort_unstable();
+    let mut start = align(range.0, alignment);
+    for (s, e) in busy {
+        if start as u64 + bytes as u64 <= s as u64 {
+            break;
+        }
+        if e > start {
+            start = align(e, alignment);
+        }
+    }
+    (start as u64 + bytes as u64 <= range.1 as u64).then_some(start)
+}

@@ -1,0 +1,240 @@
+//! The command line: `ipuq workload | build | run | profile | cache`.
+//!
+//! Exit codes: 0 success, 1 a numerical check failed, 2 usage, input, compile or device error.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use ipuq_queries::ir::Graph;
+
+use crate::build::{build, default_cache_dir, print_timings, read_package, BuildOptions};
+use crate::report::{self, Outcome};
+
+#[derive(Parser)]
+#[command(name = "ipuq", version, about = "A compiler and runtime for the Graphcore IPU; runs on its simulator by default")]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(clap::Args, Clone)]
+pub struct CompileArgs {
+    /// Target description: a TOML file, or the built-in `ipu21` (default) or `small16`.
+    #[arg(long)]
+    target: Option<String>,
+    /// Output folder for model.ipuexe (default: out/<workload name>).
+    #[arg(short = 'o', long = "out")]
+    out: Option<PathBuf>,
+    /// Reuse and store stage outputs in the content-addressed cache.
+    #[arg(long)]
+    incremental: bool,
+    /// Cache folder (default: $IPUQ_CACHE_DIR, else ~/.cache/ipuq).
+    #[arg(long)]
+    cache_dir: Option<PathBuf>,
+    /// Print a per-phase table of times, computed stages and disk-cache hits.
+    #[arg(long)]
+    timings: bool,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Write a workload file of one of the seed families.
+    Workload {
+        #[command(subcommand)]
+        family: Family,
+    },
+    /// Compile a workload file into DIR/model.ipuexe.
+    Build {
+        workload: PathBuf,
+        #[command(flatten)]
+        compile: CompileArgs,
+    },
+    /// Build if needed, run on the simulator, verify against the host reference.
+    Run {
+        /// A workload file, or a package (.ipuexe).
+        input: PathBuf,
+        #[command(flatten)]
+        compile: CompileArgs,
+        /// Sample intermediate tensors and compare them with the host reference.
+        #[arg(long)]
+        checkpoints: bool,
+        #[arg(long, default_value_t = 256)]
+        sample_limit: usize,
+        /// Write inputs, weights and outputs as .npy files into this folder.
+        #[arg(long)]
+        dump: Option<PathBuf>,
+        /// Seconds to wait for the device lock before giving up.
+        #[arg(long, default_value_t = 600)]
+        lock_timeout: u64,
+    },
+    /// Summarise an execution profile.
+    Profile {
+        file: PathBuf,
+        /// Export a Chrome trace-event JSON file (Perfetto, chrome://tracing).
+        #[arg(long)]
+        chrome_trace: Option<PathBuf>,
+    },
+    /// Inspect or maintain the stage cache.
+    Cache {
+        #[command(subcommand)]
+        action: CacheAction,
+        #[arg(long, global = true)]
+        cache_dir: Option<PathBuf>,
+    },
+}
+
+#[derive(Subcommand)]
+enum Family {
+    /// SigLIP MLP blocks: y = gelu_tanh(x W1) W2.
+    SiglipMlp {
+        #[arg(long, default_value_t = 729)]
+        tokens: u32,
+        #[arg(long, default_value_t = 1152)]
+        dim: u32,
+        #[arg(long, default_value_t = 4304)]
+        hidden: u32,
+        #[arg(long, default_value_t = 1)]
+        batch: u32,
+        #[arg(long, default_value_t = 1)]
+        blocks: u32,
+        #[arg(long)]
+        biases: bool,
+        #[arg(short = 'o', long = "out")]
+        out: Option<PathBuf>,
+    },
+    /// Grouped-head attention with materialised scores and Gaussian inputs.
+    Attention {
+        #[arg(long, default_value_t = 729)]
+        tokens: u32,
+        #[arg(long, default_value_t = 16)]
+        heads: u32,
+        #[arg(long, default_value_t = 4)]
+        kv_heads: u32,
+        #[arg(long, default_value_t = 72)]
+        head_dim: u32,
+        #[arg(long, default_value_t = 1)]
+        batch: u32,
+        #[arg(short = 'o', long = "out")]
+        out: Option<PathBuf>,
+    },
+}
+
+#[derive(Subcommand)]
+enum CacheAction {
+    Stats,
+    Verify,
+    /// Evict least recently used entries until the cache is under the budget.
+    Gc {
+        #[arg(long, default_value_t = 2 << 30)]
+        max_bytes: u64,
+    },
+    Clear,
+}
+
+pub fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() { ExitCode::from(2) } else { ExitCode::SUCCESS };
+        }
+    };
+    match run(cli) {
+        Ok(outcome) => ExitCode::from(outcome as u8),
+        Err(message) => {
+            eprintln!("error: {message}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn out_dir(compile: &CompileArgs, name: &str) -> PathBuf {
+    compile.out.clone().unwrap_or_else(|| PathBuf::from("out").join(name))
+}
+
+fn workload_name(path: &Path) -> Result<String, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("workload {}: cannot read: {e}", path.display()))?;
+    Graph::parse(&text, &path.display().to_string()).map(|g| g.name).map_err(|e| e.to_string())
+}
+
+fn compile(workload: &Path, args: &CompileArgs) -> Result<crate::build::Built, String> {
+    let name = workload_name(workload)?;
+    let options = BuildOptions { target: args.target.clone(), out_dir: out_dir(args, &name), incremental: args.incremental, cache_dir: args.cache_dir.clone() };
+    let built = build(workload, &options).map_err(|e| e.to_string())?;
+    if args.timings {
+        print_timings(&built.timings);
+    }
+    Ok(built)
+}
+
+fn run(cli: Cli) -> Result<Outcome, String> {
+    match cli.command {
+        Command::Workload { family } => {
+            let (file, out) = match family {
+                Family::SiglipMlp { tokens, dim, hidden, batch, blocks, biases, out } => {
+                    let p = crate::workload::SiglipMlp { batch, tokens, dimension: dim, hidden, blocks, biases };
+                    (crate::workload::siglip_mlp(&p).map_err(|e| e.to_string())?, out)
+                }
+                Family::Attention { tokens, heads, kv_heads, head_dim, batch, out } => {
+                    let p = crate::workload::GroupedAttention { batch, tokens, heads, kv_heads, head_dimension: head_dim };
+                    (crate::workload::grouped_attention(&p).map_err(|e| e.to_string())?, out)
+                }
+            };
+            let path = out.unwrap_or_else(|| PathBuf::from(format!("{}.toml", file.name)));
+            std::fs::write(&path, crate::workload::to_toml(&file)).map_err(|e| format!("{}: {e}", path.display()))?;
+            println!("workload={} file={}", file.name, path.display());
+            Ok(Outcome::Pass)
+        }
+        Command::Build { workload, compile: args } => {
+            let built = compile(&workload, &args)?;
+            println!("package={} tiles={} estimatedCycles={}", built.path.display(), built.package.tile_count(), built.package.summary.estimated_cycles);
+            Ok(Outcome::Pass)
+        }
+        Command::Run { input, compile: args, checkpoints, sample_limit, dump, lock_timeout } => {
+            let (package_path, folder) = if input.extension().is_some_and(|e| e == "ipuexe") {
+                (input.clone(), input.parent().map(Path::to_path_buf).unwrap_or_default())
+            } else {
+                let built = compile(&input, &args)?;
+                (built.path, input.parent().map(Path::to_path_buf).unwrap_or_default())
+            };
+            let package = read_package(&package_path).map_err(|e| e.to_string())?;
+            let options = report::RunRequest { checkpoints, sample_limit, dump, lock_timeout: Duration::from_secs(lock_timeout), workload_folder: folder };
+            report::run_and_verify(&package, &package_path, &options)
+        }
+        Command::Profile { file, chrome_trace } => {
+            let summary = crate::profile::summarize(&file).map_err(|e| e.to_string())?;
+            println!("{summary}");
+            if let Some(out) = chrome_trace {
+                crate::profile::chrome_trace(&file, &out).map_err(|e| e.to_string())?;
+                println!("chromeTrace={}", out.display());
+            }
+            Ok(Outcome::Pass)
+        }
+        Command::Cache { action, cache_dir } => {
+            let dir = cache_dir.unwrap_or_else(default_cache_dir);
+            let cache = ipuq_cache::Cache::open(&dir, ipuq_cache::CacheOptions::default()).map_err(|e| e.to_string())?;
+            match action {
+                CacheAction::Stats => println!("{}", cache.stats().map_err(|e| e.to_string())?),
+                CacheAction::Verify => {
+                    let report = cache.verify().map_err(|e| e.to_string())?;
+                    println!("{report}");
+                    if !report.damaged.is_empty() {
+                        return Ok(Outcome::NumericalFailure);
+                    }
+                }
+                CacheAction::Gc { max_bytes } => println!("{}", cache.gc(max_bytes).map_err(|e| e.to_string())?),
+                CacheAction::Clear => {
+                    cache.clear().map_err(|e| e.to_string())?;
+                    println!("cleared {}", dir.display());
+                }
+            }
+            Ok(Outcome::Pass)
+        }
+    }
+}
+
+/// Decoded row-major values per name, for dumps.
+pub type Dump = BTreeMap<String, Vec<f32>>;

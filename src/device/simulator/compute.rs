@@ -1,0 +1,193 @@
+//! Compute steps: checking each vertex call's operands against its tile's allocation map at
+//! load time, then running the calls on tile memory.
+//!
+//! A call's operands are read into f32 buffers before anything is written, so in-place calls
+//! (output over input) behave as the kernels intend. Cycles are `cost::vertex` per call,
+//! summed per tile and compute set: the simulator charges exactly what the cost model states
+//! for the call the package makes, never a constant of its own.
+//!
+//! This module must not run a call that `check_call` has not accepted: execution indexes
+//! memory without further checks.
+
+use half::f16;
+use ipuq_queries::cost;
+use ipuq_queries::package::{ComputeSet, Operand, VertexCall};
+use ipuq_queries::target::Target;
+
+use super::kernels;
+use super::memory::{extent, Need, TileMemory};
+use crate::device::DeviceError;
+
+/// One tile's calls of one compute set, checked, with their cycles.
+pub struct CheckedSet {
+    pub calls: Vec<VertexCall>,
+    pub cycles: u64,
+}
+
+/// Reused buffers, one set per tile and step.
+#[derive(Default)]
+pub struct Scratch {
+    a: Vec<f32>,
+    b: Vec<f32>,
+    c: Vec<f32>,
+    t: Vec<f32>,
+    bits: Vec<u16>,
+    halves: Vec<f16>,
+    bytes: Vec<u8>,
+}
+
+/// One operand access of a call, as the checks see it.
+struct Access {
+    name: &'static str,
+    op: Operand,
+    rows: u32,
+    cols: u32,
+    element_bytes: u32,
+    need: Need,
+}
+
+fn vertex_name(call: &VertexCall) -> &'static str {
+    match call {
+        VertexCall::MatMul { .. } => "MatMul",
+        VertexCall::Reduce { .. } => "Reduce",
+        VertexCall::Gelu { .. } => "Gelu",
+        VertexCall::Scale { .. } => "Scale",
+        VertexCall::Add { .. } => "Add",
+        VertexCall::Softmax { .. } => "Softmax",
+        VertexCall::Copy { .. } => "Copy",
+    }
+}
+
+fn accesses(call: &VertexCall) -> Vec<Access> {
+    let half = |name, op, rows, cols| Access { name, op, rows, cols, element_bytes: 2, need: Need::Data };
+    match call {
+        VertexCall::MatMul { m, k, n, a, b, b_transposed, c, partials } => {
+            let (b_rows, b_cols) = if *b_transposed { (*n, *k) } else { (*k, *n) };
+            let out = if *partials {
+                Access { name: "c", op: *c, rows: *m, cols: *n, element_bytes: 4, need: Need::Partials }
+            } else {
+                half("c", *c, *m, *n)
+            };
+            vec![half("a", *a, *m, *k), half("b", *b, b_rows, b_cols), out]
+        }
+        VertexCall::Reduce { rows, cols, parts, out } => {
+            let mut list: Vec<Access> = parts
+                .iter()
+                .map(|p| Access { name: "parts", op: *p, rows: *rows, cols: *cols, element_bytes: 4, need: Need::Partials })
+                .collect();
+            list.push(half("out", *out, *rows, *cols));
+            list
+        }
+        VertexCall::Gelu { rows, cols, input, output }
+        | VertexCall::Scale { rows, cols, input, output, .. }
+        | VertexCall::Softmax { rows, cols, input, output } => {
+            vec![half("input", *input, *rows, *cols), half("output", *output, *rows, *cols)]
+        }
+        VertexCall::Add { rows, cols, a, b, output } => {
+            vec![half("a", *a, *rows, *cols), half("b", *b, *rows, *cols), half("output", *output, *rows, *cols)]
+        }
+        VertexCall::Copy { rows, cols, dtype, input, output } => {
+            let bytes = dtype.bytes();
+            let tensor = |name, op| Access { name, op, rows: *rows, cols: *cols, element_bytes: bytes, need: Need::Tensor };
+            vec![tensor("input", *input), tensor("output", *output)]
+        }
+    }
+}
+
+/// Check every call of a tile's compute set and add up its cycles.
+pub fn check_set(target: &Target, memory: &TileMemory, set: &ComputeSet, labels: &[String]) -> Result<CheckedSet, DeviceError> {
+    let m = &target.memory;
+    let mut cycles = 0;
+    for (index, call) in set.calls.iter().enumerate() {
+        for access in accesses(call) {
+            let (start, end) = extent(access.op, access.rows, access.cols, access.element_bytes);
+            let fail = |problem: String| DeviceError::Access {
+                tile: memory.tile,
+                compute_set: set.index,
+                call: index,
+                vertex: vertex_name(call),
+                operand: access.name,
+                start,
+                end,
+                problem,
+            };
+            if start == end {
+                continue;
+            }
+            if start % access.element_bytes as u64 != 0 {
+                return Err(fail(format!("is not aligned to its {}-byte elements", access.element_bytes)));
+            }
+            if access.need == Need::Partials {
+                if start < m.interleaved_start as u64 {
+                    return Err(fail(format!("holds AMP partials but lies in standard memory (interleaved memory starts at {:#x})", m.interleaved_start)));
+                }
+                if start % m.partial_alignment as u64 != 0 {
+                    return Err(fail(format!("holds AMP partials but is not {}-byte aligned", m.partial_alignment)));
+                }
+            }
+            memory.check(start, end, access.need, labels).map_err(fail)?;
+        }
+        cycles += cost::vertex(target, call);
+    }
+    Ok(CheckedSet { calls: set.calls.clone(), cycles })
+}
+
+/// Run one checked call on a tile's memory.
+pub fn execute(memory: &mut TileMemory, call: &VertexCall, s: &mut Scratch) {
+    match call {
+        VertexCall::MatMul { m, k, n, a, b, b_transposed, c, partials } => {
+            memory.read_f16(*a, *m, *k, &mut s.bits, &mut s.a);
+            if *b_transposed {
+                memory.read_f16(*b, *n, *k, &mut s.bits, &mut s.t);
+                kernels::transpose(&s.t, *n as usize, *k as usize, &mut s.b);
+            } else {
+                memory.read_f16(*b, *k, *n, &mut s.bits, &mut s.b);
+            }
+            s.c.clear();
+            s.c.resize(*m as usize * *n as usize, 0.0);
+            kernels::matmul(&s.a, &s.b, &mut s.c, *m as usize, *k as usize, *n as usize);
+            if *partials {
+                memory.write_f32(*c, *m, *n, &s.c);
+            } else {
+                memory.write_f16(*c, *m, *n, &s.c, &mut s.halves);
+            }
+        }
+        VertexCall::Reduce { rows, cols, parts, out } => {
+            s.c.clear();
+            s.c.resize(*rows as usize * *cols as usize, 0.0);
+            for (i, part) in parts.iter().enumerate() {
+                if i == 0 {
+                    memory.read_f32(*part, *rows, *cols, &mut s.c);
+                } else {
+                    memory.read_f32(*part, *rows, *cols, &mut s.a);
+                    kernels::accumulate(&mut s.c, &s.a);
+                }
+            }
+            memory.write_f16(*out, *rows, *cols, &s.c, &mut s.halves);
+        }
+        VertexCall::Gelu { rows, cols, input, output } => {
+            memory.read_f16(*input, *rows, *cols, &mut s.bits, &mut s.a);
+            kernels::gelu(&mut s.a);
+            memory.write_f16(*output, *rows, *cols, &s.a, &mut s.halves);
+        }
+        VertexCall::Scale { rows, cols, factor, input, output } => {
+            memory.read_f16(*input, *rows, *cols, &mut s.bits, &mut s.a);
+            kernels::scale(&mut s.a, *factor);
+            memory.write_f16(*output, *rows, *cols, &s.a, &mut s.halves);
+        }
+        VertexCall::Add { rows, cols, a, b, output } => {
+            memory.read_f16(*a, *rows, *cols, &mut s.bits, &mut s.a);
+            memory.read_f16(*b, *rows, *cols, &mut s.bits, &mut s.b);
+            kernels::accumulate(&mut s.a, &s.b);
+            memory.write_f16(*output, *rows, *cols, &s.a, &mut s.halves);
+        }
+        VertexCall::Softmax { rows, cols, input, output } => {
+            memory.read_f16(*input, *rows, *cols, &mut s.bits, &mut s.a);
+            kernels::softmax_rows(&mut s.a, *cols as usize);
+            memory.write_f16(*output, *rows, *cols, &s.a, &mut s.halves);
+        }
+        VertexCall::Copy { rows, cols, dtype, input, output } => {
+            memory.copy(*input, *output, *rows, *cols, dtype.bytes(), &mut s.bytes);
+        }
+    }
+}

@@ -1,0 +1,252 @@
+//! Exchange phases: checking the send and receive tables at load time, and moving the words.
+//!
+//! The checks have word-level meaning but work on runs (one interval per table entry, sorted):
+//! - a tile's send port carries one run at a time; a paired send (two words per cycle for
+//!   `words / 2` cycles) also holds the supertile partner's send port;
+//! - a tile's receive port (its incoming mux) listens to one run at a time; a paired receive
+//!   also holds the partner's port, unless the partner has the same paired receive (same
+//!   source, cycle and words), which is the supertile receiving one stream together;
+//! - each receive starting at cycle `c` from `source` is covered, word for word, by sends of
+//!   `source` that start at `c - delay(source, tile)`, of the same width, back to back;
+//! - every entry is word aligned (paired: even words, 8-byte aligned) and lies in tensor storage.
+//!
+//! A violation is an error naming the phase, the tile and the cycle: on hardware it would be a
+//! hang or corrupted data. The words moved are the sources' memory as it was when the phase
+//! began (all reads are gathered before any write). This module must not estimate costs: the
+//! phase's horizon is recomputed from the tables, and the caller charges it.
+
+use std::collections::{BTreeMap, HashSet};
+
+use ipuq_queries::package::{ExchangePhase, SendEntry, TileExchange};
+use ipuq_queries::target::Target;
+use rayon::prelude::*;
+
+use super::memory::{Need, TileMemory};
+use crate::device::DeviceError;
+
+/// Bytes in one exchange word: the exchange moves 32-bit words (an ISA fact, not a tunable).
+const WORD_BYTES: u64 = 4;
+
+/// Words received by one tile from one source, at one arrival cycle.
+struct Piece {
+    source: usize,
+    source_address: u32,
+    address: u32,
+    bytes: usize,
+    arrival: u64,
+}
+
+/// A checked phase: what each tile receives, in arrival order, and how long it takes.
+pub struct PhasePlan {
+    pub horizon: u32,
+    /// Per tile slot: the end of the tile's own last send or receive.
+    pub busy: Vec<u64>,
+    incoming: Vec<Vec<Piece>>,
+}
+
+/// One run on a port, for overlap checks and their messages.
+struct PortUse {
+    start: u64,
+    end: u64,
+    /// The tile whose table holds the entry (the partner's, for paired use).
+    owner: u32,
+    source: Option<u32>,
+}
+
+fn describe(u: &PortUse, tile: u32) -> String {
+    let from = u.source.map(|s| format!(" from tile {s}")).unwrap_or_default();
+    let whose = if u.owner == tile { String::new() } else { format!("paired entry of partner tile {} ", u.owner) };
+    format!("{whose}[{}, {}){from}", u.start, u.end)
+}
+
+fn check_port(phase: u32, port: &str, ports: BTreeMap<u32, Vec<PortUse>>) -> Result<(), DeviceError> {
+    for (tile, mut uses) in ports {
+        uses.sort_by_key(|u| (u.start, u.end));
+        if let Some(w) = uses.windows(2).find(|w| w[1].start < w[0].end) {
+            return Err(DeviceError::Exchange {
+                phase,
+                tile,
+                cycle: w[1].start,
+                message: format!("{port} port used twice: {} overlaps {}", describe(&w[0], tile), describe(&w[1], tile)),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Check a phase's tables against the target and the tiles' allocations, and plan its moves.
+/// `slots[tile]` is the memory index of each loaded tile.
+pub fn check_phase(
+    target: &Target,
+    phase: &ExchangePhase,
+    slots: &[Option<usize>],
+    memories: &[TileMemory],
+    labels: &[String],
+) -> Result<PhasePlan, DeviceError> {
+    let x = &target.exchange;
+    let index = phase.index;
+    let fail = |tile: u32, cycle: u64, message: String| DeviceError::Exchange { phase: index, tile, cycle, message };
+    let duration = |words: u32, paired: bool, per_cycle: u32| {
+        let rate = if paired { x.paired_words_per_cycle } else { per_cycle };
+        (words as u64).div_ceil(rate.max(1) as u64)
+    };
+    let send_cycles = |e: &SendEntry| duration(e.words, e.paired, x.send_words_per_cycle);
+    let slot_of = |tile: u32| slots.get(tile as usize).copied().flatten();
+
+    let mut tables: BTreeMap<u32, &TileExchange> = BTreeMap::new();
+    for table in &phase.tiles {
+        if slot_of(table.tile).is_none() {
+            return Err(fail(table.tile, 0, "tile has exchange tables but is not in the package".into()));
+        }
+        if tables.insert(table.tile, table).is_some() {
+            return Err(fail(table.tile, 0, "tile has two exchange tables in one phase".into()));
+        }
+    }
+
+    // Entry shape and memory bounds.
+    for (&tile, table) in &tables {
+        let memory = &memories[slot_of(tile).unwrap_or_default()];
+        let sends = table.sends.iter().map(|s| ("send", s.cycle, s.address, s.words, s.paired));
+        let receives = table.receives.iter().map(|r| ("receive", r.cycle, r.address, r.words, r.paired));
+        for (kind, cycle, address, words, paired) in sends.chain(receives) {
+            let cycle = cycle as u64;
+            if words == 0 {
+                return Err(fail(tile, cycle, format!("empty {kind} entry")));
+            }
+            if address as u64 % WORD_BYTES != 0 {
+                return Err(fail(tile, cycle, format!("{kind} address {address:#x} is not word aligned")));
+            }
+            if paired && (words % 2 != 0 || address as u64 % (2 * WORD_BYTES) != 0) {
+                return Err(fail(tile, cycle, format!("paired {kind} of {words} words at {address:#x} needs an even word count and 8-byte alignment")));
+            }
+            let end = address as u64 + words as u64 * WORD_BYTES;
+            memory
+                .check(address as u64, end, Need::Tensor, labels)
+                .map_err(|problem| fail(tile, cycle, format!("{kind} range [{address:#x}, {end:#x}) {problem}")))?;
+        }
+    }
+
+    // Port occupancy.
+    let mut send_ports: BTreeMap<u32, Vec<PortUse>> = BTreeMap::new();
+    let mut receive_ports: BTreeMap<u32, Vec<PortUse>> = BTreeMap::new();
+    let shared: HashSet<(u32, u32, u32, u32)> = tables
+        .values()
+        .flat_map(|t| t.receives.iter().filter(|r| r.paired).map(move |r| (t.tile, r.source, r.cycle, r.words)))
+        .collect();
+    for (&tile, table) in &tables {
+        let partner = target.partner(tile);
+        for s in &table.sends {
+            let run = |owner| PortUse { start: s.cycle as u64, end: s.cycle as u64 + send_cycles(s), owner, source: None };
+            send_ports.entry(tile).or_default().push(run(tile));
+            if s.paired {
+                send_ports.entry(partner).or_default().push(run(tile));
+            }
+        }
+        for r in &table.receives {
+            let end = r.cycle as u64 + duration(r.words, r.paired, x.receive_words_per_cycle);
+            let run = PortUse { start: r.cycle as u64, end, owner: tile, source: Some(r.source) };
+            if r.paired && !shared.contains(&(partner, r.source, r.cycle, r.words)) {
+                let partner_run = PortUse { start: run.start, end, owner: tile, source: Some(r.source) };
+                receive_ports.entry(partner).or_default().push(partner_run);
+            }
+            receive_ports.entry(tile).or_default().push(run);
+        }
+    }
+    check_port(index, "send", send_ports)?;
+    check_port(index, "receive", receive_ports)?;
+
+    // Match every receive with the sends that feed it.
+    let sorted_sends: BTreeMap<u32, Vec<SendEntry>> = tables
+        .iter()
+        .map(|(&tile, t)| {
+            let mut sends = t.sends.clone();
+            sends.sort_by_key(|s| s.cycle);
+            (tile, sends)
+        })
+        .collect();
+    let mut incoming: Vec<Vec<Piece>> = (0..memories.len()).map(|_| Vec::new()).collect();
+    let mut busy = vec![0u64; memories.len()];
+    let mut horizon = 0u64;
+    for (&tile, table) in &tables {
+        let slot = slot_of(tile).unwrap_or_default();
+        for s in &table.sends {
+            busy[slot] = busy[slot].max(s.cycle as u64 + send_cycles(s));
+        }
+        for r in &table.receives {
+            let arrival = r.cycle as u64;
+            let end = arrival + duration(r.words, r.paired, x.receive_words_per_cycle);
+            busy[slot] = busy[slot].max(end);
+            horizon = horizon.max(end);
+            let source_slot = slot_of(r.source)
+                .ok_or_else(|| fail(tile, arrival, format!("receive names source tile {}, which is not in the package", r.source)))?;
+            let delay = target.delay(r.source, tile) as u64;
+            if arrival < delay {
+                return Err(fail(tile, arrival, format!("receive from tile {} starts before any word could arrive (delay {delay})", r.source)));
+            }
+            let rate = if r.paired { x.paired_words_per_cycle } else { x.send_words_per_cycle } as u64;
+            let sends = sorted_sends.get(&r.source).map(Vec::as_slice).unwrap_or_default();
+            let mut cycle = arrival - delay;
+            let mut remaining = r.words as u64;
+            let mut address = r.address as u64;
+            let mut next = sends.partition_point(|e| e.cycle as u64 <= cycle).checked_sub(1);
+            while remaining > 0 {
+                let covering = next.and_then(|i| sends.get(i)).filter(|e| {
+                    let start = e.cycle as u64;
+                    start <= cycle && cycle < start + send_cycles(e) && e.paired == r.paired
+                });
+                let Some(e) = covering else {
+                    let width = if r.paired { "paired" } else { "single" };
+                    return Err(fail(
+                        tile,
+                        cycle + delay,
+                        format!("receive expects a {width} word from tile {} sent at cycle {cycle}, but that tile sends no such word then", r.source),
+                    ));
+                };
+                let offset = cycle - e.cycle as u64;
+                let available = (send_cycles(e) - offset) * rate;
+                let words = available.min(remaining).min(e.words as u64 - offset * rate);
+                incoming[slot].push(Piece {
+                    source: source_slot,
+                    source_address: (e.address as u64 + offset * rate * WORD_BYTES) as u32,
+                    address: address as u32,
+                    bytes: (words * WORD_BYTES) as usize,
+                    arrival: cycle + delay,
+                });
+                cycle += words.div_ceil(rate);
+                remaining -= words;
+                address += words * WORD_BYTES;
+                next = next.map(|i| i + 1);
+            }
+        }
+    }
+    for pieces in &mut incoming {
+        pieces.sort_by_key(|p| p.arrival);
+    }
+    let horizon = u32::try_from(horizon)
+        .map_err(|_| fail(0, horizon, "the phase's horizon does not fit in 32 bits".into()))?;
+    Ok(PhasePlan { horizon, busy, incoming })
+}
+
+/// Move the phase's words: gather from every source as it was when the phase began, then
+/// write each tile's incoming pieces in arrival order.
+pub fn execute(plan: &PhasePlan, memories: &mut [TileMemory]) {
+    let snapshot: &[TileMemory] = memories;
+    let gathered: Vec<Vec<u8>> = plan
+        .incoming
+        .par_iter()
+        .map(|pieces| {
+            let mut buffer = Vec::with_capacity(pieces.iter().map(|p| p.bytes).sum());
+            for p in pieces {
+                buffer.extend_from_slice(snapshot[p.source].range(p.source_address, p.bytes));
+            }
+            buffer
+        })
+        .collect();
+    memories.par_iter_mut().zip(plan.incoming.par_iter()).zip(gathered).for_each(|((memory, pieces), buffer)| {
+        let mut at = 0;
+        for p in pieces {
+            memory.range_mut(p.address, p.bytes).copy_from_slice(&buffer[at..at + p.bytes]);
+            at += p.bytes;
+        }
+    });
+}

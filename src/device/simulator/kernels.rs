@@ -1,0 +1,135 @@
+//! The arithmetic of the vertex kernels, on contiguous f32 buffers.
+//!
+//! Operands arrive already converted from tile memory (f16 widened exactly to f32) and leave
+//! through the caller, which rounds f16 results to nearest even. All arithmetic is f32, as on
+//! the tile: the AMP accumulates matrix products in fp32, and the vector kernels widen f16 to
+//! f32 before computing. Loops run over slices with a contiguous inner dimension so that the
+//! compiler vectorises them; nothing here interprets one element at a time through a dispatch.
+//!
+//! This module must not touch tile memory, costs or the package: it is pure arithmetic, and
+//! the accumulation order of each kernel is part of its contract (stated per function).
+
+/// `c[m x n] = a[m x k] . b[k x n]`, all row-major and contiguous. Each `c[i][j]` is the fp32
+/// sum over `kk` in increasing order of `a[i][kk] * b[kk][j]`, starting from zero; four rows
+/// share each pass over a row of `b`.
+pub fn matmul(a: &[f32], b: &[f32], c: &mut [f32], m: usize, k: usize, n: usize) {
+    debug_assert!(a.len() == m * k && b.len() == k * n && c.len() == m * n);
+    c.fill(0.0);
+    if n == 0 || k == 0 {
+        return;
+    }
+    let mut row_blocks = c.chunks_exact_mut(4 * n);
+    let mut i = 0;
+    for block in &mut row_blocks {
+        let (c0, rest) = block.split_at_mut(n);
+        let (c1, rest) = rest.split_at_mut(n);
+        let (c2, c3) = rest.split_at_mut(n);
+        let (r0, r1, r2, r3) = (&a[i * k..], &a[(i + 1) * k..], &a[(i + 2) * k..], &a[(i + 3) * k..]);
+        for (kk, b_row) in b.chunks_exact(n).enumerate() {
+            let (x0, x1, x2, x3) = (r0[kk], r1[kk], r2[kk], r3[kk]);
+            let lanes = c0.iter_mut().zip(c1.iter_mut()).zip(c2.iter_mut()).zip(c3.iter_mut()).zip(b_row);
+            for ((((y0, y1), y2), y3), &bv) in lanes {
+                *y0 += x0 * bv;
+                *y1 += x1 * bv;
+                *y2 += x2 * bv;
+                *y3 += x3 * bv;
+            }
+        }
+        i += 4;
+    }
+    for c_row in row_blocks.into_remainder().chunks_exact_mut(n) {
+        let a_row = &a[i * k..(i + 1) * k];
+        for (&x, b_row) in a_row.iter().zip(b.chunks_exact(n)) {
+            for (y, &bv) in c_row.iter_mut().zip(b_row) {
+                *y += x * bv;
+            }
+        }
+        i += 1;
+    }
+}
+
+/// Transpose a row-major `rows` x `cols` buffer into `out` (`cols` x `rows`).
+pub fn transpose(input: &[f32], rows: usize, cols: usize, out: &mut Vec<f32>) {
+    out.clear();
+    out.resize(rows * cols, 0.0);
+    for (r, row) in input.chunks_exact(cols.max(1)).enumerate().take(rows) {
+        for (c, &v) in row.iter().enumerate() {
+            out[c * rows + r] = v;
+        }
+    }
+}
+
+/// `acc += part`, element by element (a reduction adds its parts in package order).
+pub fn accumulate(acc: &mut [f32], part: &[f32]) {
+    for (a, &p) in acc.iter_mut().zip(part) {
+        *a += p;
+    }
+}
+
+/// GELU, tanh approximation, in f32: `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`.
+pub fn gelu(values: &mut [f32]) {
+    let sqrt_2_over_pi = std::f32::consts::FRAC_2_SQRT_PI * std::f32::consts::FRAC_1_SQRT_2;
+    for x in values.iter_mut() {
+        let v = *x;
+        *x = 0.5 * v * (1.0 + (sqrt_2_over_pi * (v + 0.044715 * v * v * v)).tanh());
+    }
+}
+
+pub fn scale(values: &mut [f32], factor: f32) {
+    for x in values.iter_mut() {
+        *x *= factor;
+    }
+}
+
+/// Softmax over each row of `cols` elements: subtract the row maximum, exponentiate, sum in
+/// increasing column order, divide.
+pub fn softmax_rows(values: &mut [f32], cols: usize) {
+    if cols == 0 {
+        return;
+    }
+    for row in values.chunks_exact_mut(cols) {
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0.0f32;
+        for x in row.iter_mut() {
+            *x = (*x - max).exp();
+            sum += *x;
+        }
+        for x in row.iter_mut() {
+            *x /= sum;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn matmul_matches_the_textbook_sum_for_blocked_and_remainder_rows() {
+        let (m, k, n) = (6, 5, 3);
+        let a: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.37).sin()).collect();
+        let b: Vec<f32> = (0..k * n).map(|i| (i as f32 * 0.11).cos()).collect();
+        let mut c = vec![0.0; m * n];
+        matmul(&a, &b, &mut c, m, k, n);
+        for i in 0..m {
+            for j in 0..n {
+                let mut s = 0.0f32;
+                for kk in 0..k {
+                    s += a[i * k + kk] * b[kk * n + j];
+                }
+                assert_eq!(c[i * n + j], s, "({i}, {j})");
+            }
+        }
+    }
+
+    #[test]
+    fn softmax_rows_sum_to_one_and_gelu_is_odd_around_its_shift() {
+        let mut v = vec![1.0, 2.0, 3.0, -1.0, 0.0, 1.0];
+        softmax_rows(&mut v, 3);
+        assert!((v[..3].iter().sum::<f32>() - 1.0).abs() < 1e-6);
+        let mut g = vec![0.0, 1.0, -1.0];
+        gelu(&mut g);
+        assert_eq!(g[0], 0.0);
+        assert!((g[1] - g[2] - 1.0).abs() < 1e-6, "gelu(x) - gelu(-x) = x");
+    }
+}

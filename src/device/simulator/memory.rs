@@ -1,0 +1,209 @@
+//! One tile's SRAM as bytes, its allocation map, and the typed row reads and writes that the
+//! kernels, the exchange and the host go through.
+//!
+//! Loading follows the package's image: every allocated range is first filled with
+//! [`POISON`] (an all-ones byte, so any f16 or f32 read of a byte that was never written is a
+//! NaN that survives to the outputs), then `zero_fill` ranges are cleared and segments are
+//! written. Bytes outside every allocation stay zero and are never read: every access is
+//! checked against the allocation map before the program runs ([`TileMemory::check`]).
+//!
+//! This module must not interpret vertex calls or exchange tables: it knows ranges and bytes.
+
+use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
+use half::f16;
+use ipuq_queries::package::{Allocation, AllocationKind, Operand, TileImage};
+use ipuq_queries::target::Target;
+
+use crate::device::DeviceError;
+
+/// Fill pattern of allocated bytes that nothing wrote: 0xFFFF is an f16 NaN, 0xFFFFFFFF an
+/// f32 NaN.
+pub const POISON: u8 = 0xFF;
+
+/// What an access needs from the allocation that holds it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Need {
+    /// f16 tensor data.
+    Data,
+    /// AMP fp32 partials.
+    Partials,
+    /// Any tensor storage (data or partials): copies, exchange, host transfers.
+    Tensor,
+}
+
+impl Need {
+    fn admits(self, kind: AllocationKind) -> bool {
+        match self {
+            Need::Data => kind == AllocationKind::Data,
+            Need::Partials => kind == AllocationKind::Partials,
+            Need::Tensor => kind != AllocationKind::Code,
+        }
+    }
+}
+
+pub struct TileMemory {
+    pub tile: u32,
+    base: u32,
+    bytes: Vec<u8>,
+    /// Sorted by start; ranges may overlap (storage reuse across lifetimes).
+    allocations: Vec<Allocation>,
+}
+
+impl TileMemory {
+    /// Build a tile's memory from its image, checking the allocation rules of the target.
+    pub fn load(target: &Target, image: &TileImage, labels: &[String]) -> Result<TileMemory, DeviceError> {
+        let m = &target.memory;
+        let tile = image.tile;
+        let fail = |message: String| DeviceError::Load { tile, message };
+        let label = |a: &Allocation| labels.get(a.label as usize).map(String::as_str).unwrap_or("?");
+        let mut allocations = image.allocations.clone();
+        allocations.sort_by_key(|a| (a.start, a.end));
+        for a in &allocations {
+            let what = format!("allocation `{}` [{:#x}, {:#x}) ({:?})", label(a), a.start, a.end, a.kind);
+            if a.label as usize >= labels.len() {
+                return Err(fail(format!("{what} has label index {} but the package has {} labels", a.label, labels.len())));
+            }
+            if a.start > a.end || a.start < m.base || a.end > m.loader_limit {
+                return Err(fail(format!("{what} lies outside the loadable memory [{:#x}, {:#x})", m.base, m.loader_limit)));
+            }
+            if a.kind == AllocationKind::Code && a.end > m.instruction_fetch_limit {
+                return Err(fail(format!("{what} holds code above the instruction fetch limit {:#x}", m.instruction_fetch_limit)));
+            }
+            if a.kind == AllocationKind::Partials && (a.start < m.interleaved_start || a.start % m.partial_alignment != 0) {
+                return Err(fail(format!(
+                    "{what} holds AMP partials, which need interleaved memory (from {:#x}) and {}-byte alignment",
+                    m.interleaved_start, m.partial_alignment
+                )));
+            }
+        }
+        let mut memory = TileMemory { tile, base: m.base, bytes: vec![0; m.size as usize], allocations };
+        for a in memory.allocations.clone() {
+            memory.range_mut(a.start, (a.end - a.start) as usize).fill(POISON);
+        }
+        for z in &image.zero_fill {
+            if z.start > z.end || z.start < m.base || z.end > m.loader_limit {
+                return Err(fail(format!("zero fill [{:#x}, {:#x}) lies outside the loadable memory", z.start, z.end)));
+            }
+            memory.range_mut(z.start, (z.end - z.start) as usize).fill(0);
+        }
+        for s in &image.segments {
+            let end = s.address as u64 + s.bytes.len() as u64;
+            if s.address < m.base || end > m.loader_limit as u64 {
+                return Err(fail(format!("segment [{:#x}, {end:#x}) lies outside the loadable memory [{:#x}, {:#x})", s.address, m.base, m.loader_limit)));
+            }
+            memory.range_mut(s.address, s.bytes.len()).copy_from_slice(&s.bytes);
+        }
+        Ok(memory)
+    }
+
+    /// `Ok` when `[start, end)` lies inside one allocation whose kind `need` admits; otherwise
+    /// the problem, naming the allocation involved.
+    pub fn check(&self, start: u64, end: u64, need: Need, labels: &[String]) -> Result<(), String> {
+        if start >= end {
+            return Ok(());
+        }
+        let inside = |a: &&Allocation| a.start as u64 <= start && end <= a.end as u64;
+        if self.allocations.iter().filter(inside).any(|a| need.admits(a.kind)) {
+            return Ok(());
+        }
+        let label = |a: &Allocation| labels.get(a.label as usize).cloned().unwrap_or_else(|| "?".into());
+        if let Some(a) = self.allocations.iter().find(inside) {
+            return Err(format!("lies in {:?} allocation `{}` [{:#x}, {:#x}) but needs {:?} storage", a.kind, label(a), a.start, a.end, need));
+        }
+        let holder = self.allocations.iter().find(|a| a.start as u64 <= start && start < a.end as u64);
+        match holder {
+            Some(a) => Err(format!("runs past the end of allocation `{}` [{:#x}, {:#x})", label(a), a.start, a.end)),
+            None => Err("lies in no allocation".into()),
+        }
+    }
+
+    pub fn range(&self, address: u32, len: usize) -> &[u8] {
+        let offset = (address - self.base) as usize;
+        &self.bytes[offset..offset + len]
+    }
+
+    pub fn range_mut(&mut self, address: u32, len: usize) -> &mut [u8] {
+        let offset = (address - self.base) as usize;
+        &mut self.bytes[offset..offset + len]
+    }
+
+    /// Read `rows` x `cols` f16 elements into `out` (row-major, contiguous), as f32.
+    pub fn read_f16(&self, op: Operand, rows: u32, cols: u32, bits: &mut Vec<u16>, out: &mut Vec<f32>) {
+        bits.clear();
+        for r in 0..rows {
+            let row = self.range(row_address(op, r, 2), cols as usize * 2);
+            bits.extend(row.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])));
+        }
+        out.clear();
+        out.resize(bits.len(), 0.0);
+        let halves: &[f16] = bits.reinterpret_cast();
+        halves.convert_to_f32_slice(out);
+    }
+
+    /// Read `rows` x `cols` f32 elements into `out` (row-major, contiguous).
+    pub fn read_f32(&self, op: Operand, rows: u32, cols: u32, out: &mut Vec<f32>) {
+        out.clear();
+        for r in 0..rows {
+            let row = self.range(row_address(op, r, 4), cols as usize * 4);
+            out.extend(row.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])));
+        }
+    }
+
+    /// Write `values` (row-major `rows` x `cols`) as f16, rounding to nearest even.
+    pub fn write_f16(&mut self, op: Operand, rows: u32, cols: u32, values: &[f32], halves: &mut Vec<f16>) {
+        halves.clear();
+        halves.resize(values.len(), f16::ZERO);
+        halves.convert_from_f32_slice(values);
+        let cols = cols as usize;
+        for r in 0..rows {
+            let row = self.range_mut(row_address(op, r, 2), cols * 2);
+            let source = &halves[r as usize * cols..(r as usize + 1) * cols];
+            for (out, h) in row.chunks_exact_mut(2).zip(source) {
+                out.copy_from_slice(&h.to_le_bytes());
+            }
+        }
+    }
+
+    /// Write `values` (row-major `rows` x `cols`) as f32.
+    pub fn write_f32(&mut self, op: Operand, rows: u32, cols: u32, values: &[f32]) {
+        let cols = cols as usize;
+        for r in 0..rows {
+            let row = self.range_mut(row_address(op, r, 4), cols * 4);
+            let source = &values[r as usize * cols..(r as usize + 1) * cols];
+            for (out, v) in row.chunks_exact_mut(4).zip(source) {
+                out.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+    }
+
+    /// Copy `rows` x `cols` elements of `element_bytes` each between two operands of this
+    /// tile, reading everything before writing anything.
+    pub fn copy(&mut self, input: Operand, output: Operand, rows: u32, cols: u32, element_bytes: u32, staging: &mut Vec<u8>) {
+        let row_bytes = (cols * element_bytes) as usize;
+        staging.clear();
+        for r in 0..rows {
+            staging.extend_from_slice(self.range(row_address(input, r, element_bytes), row_bytes));
+        }
+        for r in 0..rows {
+            let at = r as usize * row_bytes;
+            let target = self.range_mut(row_address(output, r, element_bytes), row_bytes);
+            target.copy_from_slice(&staging[at..at + row_bytes]);
+        }
+    }
+}
+
+/// Address of row `r` of a strided operand with elements of `element_bytes`.
+pub fn row_address(op: Operand, r: u32, element_bytes: u32) -> u32 {
+    op.address + r * op.row_stride * element_bytes
+}
+
+/// The byte range `[start, end)` a `rows` x `cols` strided operand touches (empty when either
+/// dimension is zero), in 64 bits so that a hostile package cannot overflow it.
+pub fn extent(op: Operand, rows: u32, cols: u32, element_bytes: u32) -> (u64, u64) {
+    let start = op.address as u64;
+    if rows == 0 || cols == 0 {
+        return (start, start);
+    }
+    let elements = (rows as u64 - 1) * op.row_stride as u64 + cols as u64;
+    (start, start + elements * element_bytes as u64)
+}

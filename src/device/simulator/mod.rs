@@ -1,0 +1,259 @@
+//! The simulated IPU: a faithful BSP execution of a package on the machine of a [`Target`].
+//!
+//! Loading checks the whole package against the machine model (allocation rules, every vertex
+//! operand, every exchange table) and builds the tile memories; running then executes the
+//! steps in order, all tiles of a step in parallel (rayon): a compute step runs each tile's
+//! calls of that compute set (`compute.rs`, arithmetic in `kernels.rs`), an exchange step moves
+//! words as the tables say (`exchange.rs`). Cycles follow BSP: a compute step costs its
+//! slowest tile (`cost::vertex` summed per tile), an exchange step `cost::exchange_phase` of
+//! the horizon recomputed from the tables; the run is their sum.
+//!
+//! This module must not hold a machine constant of its own, must not read the workload, and
+//! must not panic on a bad package: every rule violation is a [`DeviceError`].
+
+mod compute;
+mod exchange;
+mod host;
+mod kernels;
+mod memory;
+
+use std::collections::BTreeMap;
+
+use ipuq_queries::cost;
+use ipuq_queries::package::{HostTensor, Package, Step};
+use ipuq_queries::target::Target;
+use rayon::prelude::*;
+
+use self::compute::{CheckedSet, Scratch};
+use self::exchange::PhasePlan;
+use self::memory::TileMemory;
+use crate::device::{Device, DeviceError, LoadReport, Probe, RunReport, TileStepRecord, Timeline};
+
+pub use self::memory::POISON;
+
+/// The simulator of one IPU.
+pub struct Simulator {
+    target: Target,
+    path: String,
+    initialized: bool,
+    mark: u64,
+    loaded: Option<Loaded>,
+}
+
+/// A loaded, checked application.
+struct Loaded {
+    tiles: Vec<u32>,
+    /// Tile id to memory slot.
+    slots: Vec<Option<usize>>,
+    labels: Vec<String>,
+    memories: Vec<TileMemory>,
+    /// Per slot: compute set index to its checked calls.
+    programs: Vec<BTreeMap<u32, CheckedSet>>,
+    phases: BTreeMap<u32, PhasePlan>,
+    steps: Vec<Step>,
+}
+
+impl Simulator {
+    /// Open a simulator of `target` ("simulator:<target name>").
+    pub fn open(target: Target) -> Simulator {
+        let path = format!("simulator:{}", target.name);
+        tracing::info!(path = %path, "opening IPU device");
+        tracing::info!(path = %path, "IPU device attached");
+        Simulator { target, path, initialized: false, mark: 0, loaded: None }
+    }
+
+    pub fn target(&self) -> &Target {
+        &self.target
+    }
+
+    fn loaded(&self, action: &'static str) -> Result<&Loaded, DeviceError> {
+        self.loaded.as_ref().ok_or(DeviceError::NotLoaded { action })
+    }
+
+    fn slot_table(&self, package: &Package) -> Result<Vec<Option<usize>>, DeviceError> {
+        let mut slots = vec![None; self.target.chip.tiles as usize];
+        for (slot, image) in package.tiles.iter().enumerate() {
+            let entry = slots.get_mut(image.tile as usize).ok_or_else(|| DeviceError::Load {
+                tile: image.tile,
+                message: format!("the target has only {} tiles", self.target.chip.tiles),
+            })?;
+            if entry.replace(slot).is_some() {
+                return Err(DeviceError::Load { tile: image.tile, message: "the package has two images for this tile".into() });
+            }
+        }
+        Ok(slots)
+    }
+}
+
+fn host_slots(loaded: &Loaded, tensor: &HostTensor) -> Result<Vec<usize>, DeviceError> {
+    host::check_segments(tensor, &loaded.slots, &loaded.memories, &loaded.labels)
+}
+
+impl Device for Simulator {
+    fn name(&self) -> &str {
+        "simulator"
+    }
+
+    fn path(&self) -> &str {
+        &self.path
+    }
+
+    fn initialize(&mut self) -> Result<(), DeviceError> {
+        tracing::info!("initializing IPU device");
+        self.loaded = None;
+        self.mark = 0;
+        self.initialized = true;
+        tracing::info!("IPU device initialized");
+        Ok(())
+    }
+
+    /// The simulator's configuration is the tile map and each tile's exchange table binding
+    /// per phase: one write per tile and one per (phase, tile) table.
+    fn replay_configuration(&mut self, package: &Package) -> Result<u64, DeviceError> {
+        let slots = self.slot_table(package)?;
+        let tiles = slots.iter().flatten().count() as u64;
+        let bindings: u64 = package.exchanges.iter().map(|p| p.tiles.len() as u64).sum();
+        let register_writes = tiles + bindings;
+        tracing::info!(register_writes, "replaying device configuration");
+        Ok(register_writes)
+    }
+
+    fn load(&mut self, package: &Package) -> Result<LoadReport, DeviceError> {
+        if !self.initialized {
+            return Err(DeviceError::NotInitialized);
+        }
+        let _span = tracing::info_span!("ipuq.device.load").entered();
+        let expected = self.target.digest();
+        if package.target_digest != expected {
+            return Err(DeviceError::TargetMismatch {
+                package: package.target_digest.short(),
+                device: format!("{} ({})", self.target.name, expected.short()),
+            });
+        }
+        let tile_count = package.tile_count();
+        let final_mark = self.mark + 1;
+        tracing::info!(tile_count, final_mark, "loading application");
+        self.loaded = None;
+        let target = &self.target;
+        let labels = &package.labels;
+        let slots = self.slot_table(package)?;
+        let memories: Vec<TileMemory> =
+            package.tiles.par_iter().map(|image| TileMemory::load(target, image, labels)).collect::<Result<_, _>>()?;
+        let programs: Vec<BTreeMap<u32, CheckedSet>> = package
+            .tiles
+            .par_iter()
+            .zip(memories.par_iter())
+            .map(|(image, memory)| {
+                let mut sets = BTreeMap::new();
+                for set in &image.compute_sets {
+                    let checked = compute::check_set(target, memory, set, labels)?;
+                    if sets.insert(set.index, checked).is_some() {
+                        let message = format!("compute set {} appears twice", set.index);
+                        return Err(DeviceError::Load { tile: image.tile, message });
+                    }
+                }
+                Ok(sets)
+            })
+            .collect::<Result<_, _>>()?;
+        let checked: Vec<(u32, PhasePlan)> = package
+            .exchanges
+            .par_iter()
+            .map(|phase| Ok((phase.index, exchange::check_phase(target, phase, &slots, &memories, labels)?)))
+            .collect::<Result<_, DeviceError>>()?;
+        let mut phases = BTreeMap::new();
+        for (index, plan) in checked {
+            if phases.insert(index, plan).is_some() {
+                return Err(DeviceError::Exchange { phase: index, tile: 0, cycle: 0, message: "two exchange phases share this index".into() });
+            }
+        }
+        for (step, s) in package.steps.iter().enumerate() {
+            if let Step::Exchange { phase } = s {
+                if !phases.contains_key(phase) {
+                    return Err(DeviceError::Program { step, message: format!("exchange phase {phase} is not in the package") });
+                }
+            }
+        }
+        let tiles = package.tiles.iter().map(|t| t.tile).collect();
+        self.loaded = Some(Loaded { tiles, slots, labels: labels.clone(), memories, programs, phases, steps: package.steps.clone() });
+        self.mark = final_mark;
+        tracing::info!(tile_count, "application loaded and initial synchronization completed");
+        Ok(LoadReport { tile_count, final_mark })
+    }
+
+    fn write_tensor(&mut self, tensor: &HostTensor, bytes: &[u8]) -> Result<u64, DeviceError> {
+        let loaded = self.loaded.as_mut().ok_or(DeviceError::NotLoaded { action: "writing a tensor" })?;
+        let (_, total) = host::tensor_size(tensor)?;
+        if bytes.len() as u64 != total {
+            let message = format!("host supplied {} bytes, the tensor has {total} ({:?} {})", bytes.len(), tensor.shape, tensor.dtype.name());
+            return Err(DeviceError::Host { tensor: tensor.name.clone(), message });
+        }
+        let slots = host_slots(loaded, tensor)?;
+        Ok(host::write(tensor, &slots, &mut loaded.memories, bytes))
+    }
+
+    fn read_tensor(&self, tensor: &HostTensor) -> Result<Vec<u8>, DeviceError> {
+        let loaded = self.loaded("reading a tensor")?;
+        host::read(tensor, &host_slots(loaded, tensor)?, &loaded.memories)
+    }
+
+    fn run(&mut self, probes: &[Probe<'_>]) -> Result<RunReport, DeviceError> {
+        let _span = tracing::info_span!("ipuq.device.run").entered();
+        let loaded = self.loaded.as_mut().ok_or(DeviceError::NotLoaded { action: "running" })?;
+        let mut probe_slots = Vec::with_capacity(probes.len());
+        for p in probes {
+            if p.after_step as usize >= loaded.steps.len() {
+                let message = format!("checkpoint `{}` is read after step {}, but the program has {} steps", p.tensor.name, p.after_step, loaded.steps.len());
+                return Err(DeviceError::Program { step: p.after_step as usize, message });
+            }
+            probe_slots.push(host_slots(loaded, p.tensor)?);
+        }
+        let target = &self.target;
+        let tiles = loaded.tiles.len();
+        let mut steps = Vec::with_capacity(loaded.steps.len());
+        let mut records = Vec::with_capacity(loaded.steps.len() * tiles);
+        let mut samples = vec![Vec::new(); probes.len()];
+        for (s, step) in loaded.steps.iter().enumerate() {
+            match *step {
+                Step::Compute { index } => {
+                    loaded.memories.par_iter_mut().zip(loaded.programs.par_iter()).for_each(|(memory, program)| {
+                        if let Some(set) = program.get(&index) {
+                            let mut scratch = Scratch::default();
+                            for call in &set.calls {
+                                compute::execute(memory, call, &mut scratch);
+                            }
+                        }
+                    });
+                    let own: Vec<u64> = loaded.programs.iter().map(|p| p.get(&index).map_or(0, |set| set.cycles)).collect();
+                    let cycles = own.iter().copied().max().unwrap_or(0);
+                    records.extend(own.iter().map(|&compute| TileStepRecord { compute, idle: cycles - compute, ..Default::default() }));
+                    steps.push((*step, cycles));
+                }
+                Step::Exchange { phase } => {
+                    let plan = &loaded.phases[&phase];
+                    exchange::execute(plan, &mut loaded.memories);
+                    let sync = target.exchange.sync_cycles;
+                    let cycles = cost::exchange_phase(target, plan.horizon);
+                    let horizon = plan.horizon as u64;
+                    // A tile's own runs end by the horizon unless it sends words nobody receives.
+                    records.extend(plan.busy.iter().map(|&own| {
+                        let exchange = own.min(horizon);
+                        TileStepRecord { exchange, sync, idle: horizon - exchange, compute: 0 }
+                    }));
+                    steps.push((*step, cycles));
+                    self.mark += 1;
+                }
+            }
+            for (i, p) in probes.iter().enumerate() {
+                if p.after_step as usize == s {
+                    samples[i] = host::sample(p.tensor, &probe_slots[i], &loaded.memories, p.indices)?;
+                }
+            }
+        }
+        let timeline = Timeline { clock_hz: target.chip.clock_hz, tiles: loaded.tiles.clone(), steps, records };
+        Ok(RunReport { timeline, samples })
+    }
+
+    fn sync_mark(&self) -> u64 {
+        self.mark
+    }
+}

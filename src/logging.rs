@@ -1,0 +1,9 @@
+//! Log set-up: `tracing` to standard error, filtered by `IPUQ_LOG` (else `RUST_LOG`, else info).
+//! Result lines go to standard output, so logs and results can be separated.
+
+use tracing_subscriber::EnvFilter;
+
+pub fn init() {
+    let filter = std::env::var("IPUQ_LOG").or_else(|_| std::env::var("RUST_LOG")).unwrap_or_else(|_| "info,salsa=warn".into());
+    let _ = tracing_subscriber::fmt().with_env_filter(EnvFilter::new(filter)).with_writer(std::io::stderr).with_ansi(false).try_init();
+}

@@ -1,0 +1,233 @@
+//! The host reference: every IR operation computed independently on the CPU, to check devices.
+//!
+//! Each operation accumulates in f64 and stores its result rounded to the value's dtype, as a
+//! device stores it (an f16 value is rounded to f16 after every operation, so the reference
+//! sees the same stored intermediates a device does). Matmul operands are f16 values, whose
+//! products are exact in f64, and the sums are f64: the only rounding per output element is the
+//! final one, far more accurate than any device's f32 (or f16-partial) accumulation.
+//!
+//! This module must share no code with the devices' kernels (`src/device/`): a reference that
+//! reused them would confirm their bugs. Views (reshape, transpose) are materialised as copies.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use ipuq_queries::ir::{split3, DType, Graph, OpKind, Producer, ValueId};
+use rayon::prelude::*;
+
+use crate::workload::data::{round_to, TensorData};
+
+/// Output rows computed together: each slice of B is loaded once per block of rows.
+const ROW_BLOCK: usize = 16;
+/// Output columns computed together: the block's accumulators (16 × 256 f64) stay in L1.
+const COLUMN_BLOCK: usize = 128;
+
+/// Values by name, row-major, each exactly representable in its value's dtype.
+pub type Values = BTreeMap<String, Vec<f32>>;
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum ReferenceError {
+    #[error("reference for {workload}: tensor '{tensor}' has no data")]
+    MissingTensor { workload: String, tensor: String },
+    #[error("reference for {workload}: tensor '{tensor}': the data is {found}, the workload declares {declared}")]
+    TensorMismatch { workload: String, tensor: String, found: String, declared: String },
+    #[error("reference for {workload}: operation '{operation}': {message}")]
+    Operation { workload: String, operation: String, message: String },
+    #[error("reference for {workload}: '{name}' is not a value of the workload")]
+    UnknownValue { workload: String, name: String },
+}
+
+/// Every value of `graph` (tensors, intermediates, outputs), computed from `data`.
+pub fn evaluate(graph: &Graph, data: &BTreeMap<String, TensorData>) -> Result<Values, ReferenceError> {
+    let all: Vec<&str> = graph.values.iter().map(|v| v.name.as_str()).collect();
+    evaluate_values(graph, data, &all)
+}
+
+/// Only the named values of `graph`; intermediates are dropped after their last use, so
+/// asking for the outputs alone needs far less memory than `evaluate`.
+pub fn evaluate_values(graph: &Graph, data: &BTreeMap<String, TensorData>, wanted: &[&str]) -> Result<Values, ReferenceError> {
+    let workload = graph.name.clone();
+    let mut keep = BTreeSet::new();
+    for name in wanted {
+        let id = graph.find(name).ok_or_else(|| ReferenceError::UnknownValue { workload: workload.clone(), name: name.to_string() })?;
+        keep.insert(id);
+    }
+    // The index of the last operation that reads each value.
+    let mut last_use: BTreeMap<ValueId, usize> = BTreeMap::new();
+    for (index, operation) in graph.operations.iter().enumerate() {
+        for &input in &operation.inputs {
+            last_use.insert(input, index);
+        }
+    }
+    let mut slots: Vec<Option<Vec<f32>>> = vec![None; graph.values.len()];
+    for (slot, value) in slots.iter_mut().zip(&graph.values) {
+        if !matches!(value.producer, Producer::Tensor { .. }) {
+            continue;
+        }
+        let tensor = data.get(&value.name).ok_or_else(|| ReferenceError::MissingTensor { workload: workload.clone(), tensor: value.name.clone() })?;
+        let elements = value.elements() as usize;
+        if tensor.dtype != value.dtype || tensor.shape != value.shape || tensor.values.len() != elements {
+            return Err(ReferenceError::TensorMismatch {
+                workload: workload.clone(),
+                tensor: value.name.clone(),
+                found: format!("{} {:?} with {} values", tensor.dtype.name(), tensor.shape, tensor.values.len()),
+                declared: format!("{} {:?}", value.dtype.name(), value.shape),
+            });
+        }
+        *slot = Some(tensor.values.clone());
+    }
+    for (index, operation) in graph.operations.iter().enumerate() {
+        let output = graph.value(operation.output);
+        let _span = tracing::debug_span!("reference.operation", operation = %output.name, kind = operation.kind.name()).entered();
+        let fail = |message: String| ReferenceError::Operation { workload: workload.clone(), operation: output.name.clone(), message };
+        let mut inputs = Vec::with_capacity(operation.inputs.len());
+        for &id in &operation.inputs {
+            let values = slots[id.0 as usize].as_deref().ok_or_else(|| fail(format!("input '{}' was not computed", graph.value(id).name)))?;
+            inputs.push((values, graph.value(id).shape.as_slice()));
+        }
+        let dtype = output.dtype;
+        let result = match (&operation.kind, inputs.as_slice()) {
+            (OpKind::MatMul { transpose_b }, [(a, a_shape), (b, b_shape)]) => matmul(a, a_shape, b, b_shape, *transpose_b, dtype).map_err(fail)?,
+            (OpKind::Gelu, [(x, _)]) => elementwise(x, |v| round_to(dtype, gelu(v as f64))),
+            (OpKind::Softmax, [(x, shape)]) => softmax(x, shape, dtype),
+            (OpKind::Scale { factor }, [(x, _)]) => elementwise(x, |v| round_to(dtype, v as f64 * factor)),
+            (OpKind::Add, [(a, _), (b, _)]) => {
+                if a.len() != b.len() {
+                    return Err(fail(format!("operands hold {} and {} values", a.len(), b.len())));
+                }
+                a.par_iter().zip(b.par_iter()).map(|(&x, &y)| round_to(dtype, x as f64 + y as f64)).collect()
+            }
+            (OpKind::Reshape { .. }, [(x, _)]) => x.to_vec(),
+            (OpKind::Transpose { perm }, [(x, shape)]) => transpose(x, shape, perm).map_err(fail)?,
+            (kind, _) => return Err(fail(format!("{} got {} inputs", kind.name(), inputs.len()))),
+        };
+        if result.len() as u64 != output.elements() {
+            return Err(fail(format!("computed {} values for shape {:?}", result.len(), output.shape)));
+        }
+        slots[operation.output.0 as usize] = Some(result);
+        // Free what no later operation reads and nobody asked for.
+        for &input in &operation.inputs {
+            if last_use.get(&input) == Some(&index) && !keep.contains(&input) {
+                slots[input.0 as usize] = None;
+            }
+        }
+    }
+    let mut values = Values::new();
+    for id in keep {
+        let computed = slots[id.0 as usize].take().ok_or_else(|| ReferenceError::UnknownValue { workload: workload.clone(), name: graph.value(id).name.clone() })?;
+        values.insert(graph.value(id).name.clone(), computed);
+    }
+    Ok(values)
+}
+
+fn elementwise(x: &[f32], f: impl Fn(f32) -> f32 + Sync) -> Vec<f32> {
+    x.par_iter().map(|&v| f(v)).collect()
+}
+
+/// GELU, tanh approximation: 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))).
+pub fn gelu(x: f64) -> f64 {
+    let inner = (2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x);
+    0.5 * x * (1.0 + inner.tanh())
+}
+
+/// Softmax over the last axis, max-subtracted, in f64.
+fn softmax(x: &[f32], shape: &[u32], dtype: DType) -> Vec<f32> {
+    let length = *shape.last().unwrap_or(&1) as usize;
+    let mut out = vec![0.0f32; x.len()];
+    out.par_chunks_mut(length).zip(x.par_chunks(length)).for_each(|(out_row, row)| {
+        let max = row.iter().fold(f64::NEG_INFINITY, |m, &v| m.max(v as f64));
+        let exponentials: Vec<f64> = row.iter().map(|&v| (v as f64 - max).exp()).collect();
+        let sum: f64 = exponentials.iter().sum();
+        for (o, e) in out_row.iter_mut().zip(&exponentials) {
+            *o = round_to(dtype, e / sum);
+        }
+    });
+    out
+}
+
+/// Batched A·B (or A·Bᵀ) with grouped batches: batch `i` of A uses batch `i / (Ba / Bb)` of B.
+fn matmul(a: &[f32], a_shape: &[u32], b: &[f32], b_shape: &[u32], transpose_b: bool, dtype: DType) -> Result<Vec<f32>, String> {
+    if !(2..=3).contains(&a_shape.len()) || !(2..=3).contains(&b_shape.len()) {
+        return Err(format!("operands must have 2 or 3 axes, got {a_shape:?} and {b_shape:?}"));
+    }
+    let (a_batches, m, k) = split3(a_shape);
+    let (b_batches, b_rows, b_columns) = split3(b_shape);
+    let (kb, n) = if transpose_b { (b_columns, b_rows) } else { (b_rows, b_columns) };
+    if k != kb || b_batches == 0 || a_batches % b_batches != 0 {
+        return Err(format!("shapes {a_shape:?} and {b_shape:?} (transpose_b = {transpose_b}) do not multiply"));
+    }
+    let (m, k, n) = (m as usize, k as usize, n as usize);
+    let group = (a_batches / b_batches) as usize;
+    // Every B batch as row-major [K, N], so the inner loop runs along contiguous output columns.
+    let b_matrices: Vec<Vec<f64>> = b
+        .chunks(k * n)
+        .map(|matrix| if transpose_b { transpose_matrix(matrix, n, k) } else { matrix.iter().map(|&v| v as f64).collect() })
+        .collect();
+    let mut out = vec![0.0f32; a_batches as usize * m * n];
+    out.par_chunks_mut(m * n).enumerate().for_each(|(batch, out_batch)| {
+        let a_matrix = &a[batch * m * k..(batch + 1) * m * k];
+        let b_matrix = &b_matrices[batch / group];
+        out_batch.par_chunks_mut(ROW_BLOCK * n).enumerate().for_each(|(block, out_rows)| {
+            let first_row = block * ROW_BLOCK;
+            let rows = out_rows.len() / n;
+            let mut accumulators = vec![0.0f64; ROW_BLOCK * COLUMN_BLOCK];
+            for first_column in (0..n).step_by(COLUMN_BLOCK) {
+                let width = COLUMN_BLOCK.min(n - first_column);
+                accumulators.iter_mut().for_each(|x| *x = 0.0);
+                for inner in 0..k {
+                    let b_segment = &b_matrix[inner * n + first_column..inner * n + first_column + width];
+                    for row in 0..rows {
+                        let a_value = a_matrix[(first_row + row) * k + inner] as f64;
+                        let accumulator = &mut accumulators[row * COLUMN_BLOCK..row * COLUMN_BLOCK + width];
+                        for (sum, &b_value) in accumulator.iter_mut().zip(b_segment) {
+                            *sum += a_value * b_value;
+                        }
+                    }
+                }
+                for row in 0..rows {
+                    let target = &mut out_rows[row * n + first_column..row * n + first_column + width];
+                    for (o, &sum) in target.iter_mut().zip(&accumulators[row * COLUMN_BLOCK..]) {
+                        *o = round_to(dtype, sum);
+                    }
+                }
+            }
+        });
+    });
+    Ok(out)
+}
+
+/// A row-major [rows, columns] matrix transposed to [columns, rows], widened to f64.
+fn transpose_matrix(matrix: &[f32], rows: usize, columns: usize) -> Vec<f64> {
+    let mut out = vec![0.0f64; matrix.len()];
+    for (r, row) in matrix.chunks(columns).enumerate() {
+        for (c, &v) in row.iter().enumerate() {
+            out[c * rows + r] = v as f64;
+        }
+    }
+    out
+}
+
+/// Permuted axes: output axis `a` is input axis `perm[a]`.
+fn transpose(x: &[f32], shape: &[u32], perm: &[u32]) -> Result<Vec<f32>, String> {
+    let rank = shape.len();
+    let mut seen = vec![false; rank];
+    if perm.len() != rank || perm.iter().any(|&p| (p as usize) >= rank || std::mem::replace(&mut seen[p as usize], true)) {
+        return Err(format!("perm {perm:?} is not a permutation of the axes of {shape:?}"));
+    }
+    let mut input_strides = vec![1usize; rank];
+    for axis in (0..rank.saturating_sub(1)).rev() {
+        input_strides[axis] = input_strides[axis + 1] * shape[axis + 1] as usize;
+    }
+    let out_shape: Vec<usize> = perm.iter().map(|&p| shape[p as usize] as usize).collect();
+    let source_strides: Vec<usize> = perm.iter().map(|&p| input_strides[p as usize]).collect();
+    Ok((0..x.len())
+        .into_par_iter()
+        .map(|flat| {
+            let (mut rest, mut source) = (flat, 0usize);
+            for axis in (0..rank).rev() {
+                source += (rest % out_shape[axis]) * source_strides[axis];
+                rest /= out_shape[axis];
+            }
+            x[source]
+        })
+        .collect())
+}

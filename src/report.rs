@@ -1,0 +1,131 @@
+//! `ipuq run`: make the inputs, execute the package on the device, compare with the host
+//! reference, and print the seed's result, checkpoint and verdict lines.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use ipuq_queries::ir::{Graph, Producer};
+use ipuq_queries::package::Package;
+use ipuq_queries::target::Target;
+
+use crate::runtime::{execute, RunOptions};
+use crate::verify::{check_samples, compare_bytes, Tolerance};
+use crate::workload::data::{decode, tensor_data};
+use crate::workload::npy::write_npy;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    Pass = 0,
+    NumericalFailure = 1,
+}
+
+pub struct RunRequest {
+    pub checkpoints: bool,
+    pub sample_limit: usize,
+    pub dump: Option<PathBuf>,
+    pub lock_timeout: Duration,
+    pub workload_folder: PathBuf,
+}
+
+fn family_fields(graph: &Graph) -> String {
+    graph.file.family.iter().map(|(k, v)| format!(" {k}={}", v.to_string().trim_matches('"'))).collect()
+}
+
+pub fn run_and_verify(package: &Package, package_path: &Path, request: &RunRequest) -> Result<Outcome, String> {
+    let target = Target::from_toml(&package.target_toml, "package target").map_err(|e| e.to_string())?;
+    let graph = Graph::parse(&package.workload_toml, &format!("{} (embedded workload)", package_path.display())).map_err(|e| e.to_string())?;
+    let data = tensor_data(&graph, &request.workload_folder).map_err(|e| e.to_string())?;
+    let inputs: BTreeMap<String, Vec<u8>> = data.iter().map(|(name, d)| (name.clone(), d.bytes.clone())).collect();
+    let folder = package_path.parent().map(Path::to_path_buf).unwrap_or_default();
+    let options = RunOptions {
+        checkpoints: request.checkpoints,
+        sample_limit: request.sample_limit,
+        profile_path: Some(folder.join("execution.ipuprofile")),
+        lock_path: Some(folder.join("device.lock")),
+        lock_timeout: request.lock_timeout,
+    };
+    let result = execute(package, &inputs, &options).map_err(|e| e.to_string())?;
+    // The host reference: the outputs, and the checkpointed values when asked.
+    let mut wanted: Vec<String> = package.host.outputs.iter().map(|t| t.name.clone()).collect();
+    if request.checkpoints {
+        wanted.extend(result.checkpoints.iter().map(|c| c.name.clone()));
+    }
+    let wanted_refs: Vec<&str> = wanted.iter().map(String::as_str).collect();
+    let reference = crate::reference::evaluate_values(&graph, &data, &wanted_refs).map_err(|e| e.to_string())?;
+    let mut passed = true;
+    let mut max_error = 0f64;
+    for t in &package.host.outputs {
+        let bytes = result.outputs.get(&t.name).ok_or_else(|| format!("the device returned no output '{}'", t.name))?;
+        let comparison = compare_bytes(&reference[&t.name], bytes, t.dtype).map_err(|e| e.to_string())?;
+        if !comparison.passed {
+            eprintln!(
+                "output '{}' differs from the host reference: element {} is {} on the device, {} in the reference ({} of {} elements outside tolerance)",
+                t.name, comparison.worst_index, comparison.worst_device, comparison.worst_reference, comparison.violations, comparison.elements
+            );
+        }
+        passed &= comparison.passed;
+        max_error = max_error.max(comparison.max_abs_error);
+    }
+    if let Some((path, tiles, samples)) = &result.profile {
+        println!("profile={} tiles={tiles} samples={samples}", path.display());
+    }
+    let seconds = result.cycles as f64 / target.chip.clock_hz as f64;
+    let effective = package.summary.gemm_flops as f64 / seconds.max(f64::MIN_POSITIVE) / 1e12;
+    let peak = target.peak_tflops();
+    let mut checkpoint_pass = true;
+    if request.checkpoints {
+        for (i, c) in result.checkpoints.iter().enumerate() {
+            let value = graph.find(&c.name).map(|v| graph.value(v).dtype).unwrap_or(ipuq_queries::ir::DType::F16);
+            let cmp = check_samples(&reference[&c.name], &c.indices, &c.values, Tolerance::for_dtype(value)).map_err(|e| e.to_string())?;
+            checkpoint_pass &= cmp.passed;
+            println!("checkpoint={i} operation={} tensors=1 samples={} maximumAbsoluteError={:.6}", c.operation, c.values.len(), cmp.max_abs_error);
+        }
+        println!(
+            "diagnosticCheckpoints={} sampleLimit={} numericalTest={}",
+            result.checkpoints.len(),
+            request.sample_limit,
+            if checkpoint_pass { "PASS" } else { "FAIL" }
+        );
+    }
+    let all_pass = passed && checkpoint_pass;
+    println!(
+        "workload={}{} activeTiles={} executionTiles={} inputBytes={} weightBytes={} cycles={} minimumTileCycles={} deviceMicroseconds={:.3} effectiveGemmTflops={:.3} peakTflops={:.3} efficiencyPercent={:.2} maximumAbsoluteError={:.6} numericalTest={}",
+        graph.name,
+        family_fields(&graph),
+        package.summary.active_tiles,
+        package.tile_count(),
+        result.input_bytes,
+        result.weight_bytes,
+        result.cycles,
+        result.minimum_tile_cycles,
+        seconds * 1e6,
+        effective,
+        peak,
+        100.0 * effective / peak,
+        max_error,
+        if passed { "PASS" } else { "FAIL" }
+    );
+    println!("package={} tiles={} device={} simulatorTest={}", package_path.display(), package.tile_count(), result.device, if all_pass { "PASS" } else { "FAIL" });
+    if let Some(dir) = &request.dump {
+        dump(dir, &graph, &data, package, &result.outputs)?;
+    }
+    Ok(if all_pass { Outcome::Pass } else { Outcome::NumericalFailure })
+}
+
+fn dump(dir: &Path, graph: &Graph, data: &BTreeMap<String, crate::workload::TensorData>, package: &Package, outputs: &BTreeMap<String, Vec<u8>>) -> Result<(), String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    for v in &graph.values {
+        if let Producer::Tensor { .. } = v.producer {
+            let d = &data[&v.name];
+            let shape: Vec<u64> = v.shape.iter().map(|&x| x as u64).collect();
+            write_npy(&dir.join(format!("{}.npy", v.name)), v.dtype, &shape, &d.values).map_err(|e| e.to_string())?;
+        }
+    }
+    for t in &package.host.outputs {
+        let values = decode(&outputs[&t.name], t.dtype).map_err(|e| e.to_string())?;
+        let shape: Vec<u64> = t.shape.iter().map(|&x| x as u64).collect();
+        write_npy(&dir.join(format!("{}.npy", t.name)), t.dtype, &shape, &values).map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}

@@ -1,0 +1,234 @@
+//! The values of a workload's tensors, produced from their initialisers before a run.
+//!
+//! Every tensor's values are a pure function of its declaration (and, for `npy`, of the file):
+//! the same seed gives the same bits on every machine and for every rayon thread count, because
+//! random values are drawn in fixed chunks whose generators are seeded from (seed, chunk index).
+//! Values are rounded to the tensor's dtype here, once, so that the host reference, the device
+//! and the packaged bytes all see exactly the same numbers. This module must not depend on
+//! anything the compiler decides (layouts, tiles): the data belongs to the workload alone.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use half::f16;
+use ipuq_queries::ir::{DType, Graph, Init, TensorDecl};
+use rayon::prelude::*;
+
+use crate::workload::npy::{read_npy, NpyError};
+
+/// Random values are generated in chunks of this many elements, each with its own generator.
+/// Even, so that Box–Muller pairs never straddle two chunks.
+const CHUNK: usize = 1 << 16;
+
+/// A tensor's values: `values` are exactly the numbers `bytes` encode (already rounded to `dtype`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TensorData {
+    pub dtype: DType,
+    pub shape: Vec<u32>,
+    /// Row-major values, each exactly representable in `dtype`.
+    pub values: Vec<f32>,
+    /// The same values, row-major, little-endian, in `dtype`'s encoding.
+    pub bytes: Vec<u8>,
+}
+
+impl TensorData {
+    /// Round `values` to `dtype` and encode them; the count must match the shape.
+    pub fn from_values(dtype: DType, shape: Vec<u32>, values: Vec<f32>) -> Result<TensorData, DataError> {
+        let elements: u64 = shape.iter().map(|&d| d as u64).product();
+        if elements != values.len() as u64 {
+            return Err(DataError::Count { tensor: "<values>".into(), shape, count: values.len() });
+        }
+        let values: Vec<f32> = values.into_par_iter().map(|v| round_to(dtype, v as f64)).collect();
+        let bytes = encode(&values, dtype);
+        Ok(TensorData { dtype, shape, values, bytes })
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DataError {
+    #[error("tensor '{tensor}': {source}")]
+    Npy { tensor: String, source: NpyError },
+    #[error("tensor '{tensor}': {file} has shape {found:?}, the tensor is declared with shape {declared:?}")]
+    NpyShape { tensor: String, file: String, found: Vec<u64>, declared: Vec<u32> },
+    #[error("tensor '{tensor}': {file} holds {found} values, the tensor is declared {declared}")]
+    NpyDType { tensor: String, file: String, found: &'static str, declared: &'static str },
+    #[error("tensor '{tensor}': shape {shape:?} does not hold {count} values")]
+    Count { tensor: String, shape: Vec<u32>, count: usize },
+    #[error("{length} bytes are not a whole number of {dtype} values")]
+    ByteLength { length: usize, dtype: &'static str },
+}
+
+/// The values of every tensor (inputs and weights) of `graph`, by name. `workload_dir` is the
+/// folder of the workload file, against which `npy` paths are resolved.
+pub fn tensor_data(graph: &Graph, workload_dir: &Path) -> Result<BTreeMap<String, TensorData>, DataError> {
+    let mut data = BTreeMap::new();
+    for declaration in &graph.file.tensors {
+        let _span = tracing::debug_span!("tensor_data", tensor = %declaration.name).entered();
+        data.insert(declaration.name.clone(), tensor_values(declaration, workload_dir)?);
+    }
+    Ok(data)
+}
+
+/// The values of one declared tensor.
+pub fn tensor_values(declaration: &TensorDecl, workload_dir: &Path) -> Result<TensorData, DataError> {
+    let dtype = declaration.dtype;
+    let shape = declaration.shape.clone();
+    let count = shape.iter().map(|&d| d as usize).product::<usize>();
+    let values = match &declaration.init {
+        Init::Gaussian { seed, std } => draw(*seed, count, dtype, |generator| {
+            let (first, second) = generator.gaussian_pair();
+            (first * std, second * std)
+        }),
+        Init::Uniform { seed, low, high } => draw(*seed, count, dtype, |generator| {
+            let width = high - low;
+            (low + width * generator.unit(), low + width * generator.unit())
+        }),
+        Init::Zeros => vec![0.0; count],
+        Init::Npy { path } => return npy_values(declaration, &workload_dir.join(path)),
+    };
+    let bytes = encode(&values, dtype);
+    Ok(TensorData { dtype, shape, values, bytes })
+}
+
+fn npy_values(declaration: &TensorDecl, file: &Path) -> Result<TensorData, DataError> {
+    let tensor = declaration.name.clone();
+    let array = read_npy(file).map_err(|source| DataError::Npy { tensor: tensor.clone(), source })?;
+    let declared: Vec<u64> = declaration.shape.iter().map(|&d| d as u64).collect();
+    if array.shape != declared {
+        return Err(DataError::NpyShape { tensor, file: file.display().to_string(), found: array.shape, declared: declaration.shape.clone() });
+    }
+    if array.dtype != declaration.dtype {
+        return Err(DataError::NpyDType {
+            tensor,
+            file: file.display().to_string(),
+            found: array.dtype.name(),
+            declared: declaration.dtype.name(),
+        });
+    }
+    let bytes = encode(&array.values, array.dtype);
+    Ok(TensorData { dtype: array.dtype, shape: declaration.shape.clone(), values: array.values, bytes })
+}
+
+/// `count` values drawn two at a time by `pair` and rounded to `dtype`, chunk by chunk in
+/// parallel. Chunk `c` uses a generator seeded from (`seed`, `c`) alone, so the result is
+/// independent of the thread count.
+fn draw(seed: u64, count: usize, dtype: DType, pair: impl Fn(&mut Xoshiro256) -> (f64, f64) + Sync) -> Vec<f32> {
+    let mut values = vec![0.0f32; count];
+    values.par_chunks_mut(CHUNK).enumerate().for_each(|(chunk, out)| {
+        let mut generator = Xoshiro256::for_chunk(seed, chunk as u64);
+        for slot in out.chunks_mut(2) {
+            let (first, second) = pair(&mut generator);
+            slot[0] = round_to(dtype, first);
+            if let Some(last) = slot.get_mut(1) {
+                *last = round_to(dtype, second);
+            }
+        }
+    });
+    values
+}
+
+/// SplitMix64's step: used to expand seeds, as its authors recommend for seeding xoshiro.
+fn splitmix64(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// xoshiro256** (Blackman and Vigna): small, fast, and good enough for test data.
+struct Xoshiro256 {
+    state: [u64; 4],
+}
+
+impl Xoshiro256 {
+    fn for_chunk(seed: u64, chunk: u64) -> Xoshiro256 {
+        // Mix the seed and the chunk index through two SplitMix64 streams so that neighbouring
+        // seeds and neighbouring chunks start far apart.
+        let mut mixer = seed;
+        let seed_mix = splitmix64(&mut mixer);
+        let mut expander = seed_mix ^ chunk.wrapping_mul(0xD1B5_4A32_D192_ED03);
+        let state = [(); 4].map(|_| splitmix64(&mut expander));
+        Xoshiro256 { state }
+    }
+
+    fn next(&mut self) -> u64 {
+        let s = &mut self.state;
+        let result = s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
+        let t = s[1] << 17;
+        s[2] ^= s[0];
+        s[3] ^= s[1];
+        s[1] ^= s[2];
+        s[0] ^= s[3];
+        s[2] ^= t;
+        s[3] = s[3].rotate_left(45);
+        result
+    }
+
+    /// Uniform in [0, 1), 53 bits.
+    fn unit(&mut self) -> f64 {
+        (self.next() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
+
+    /// Two independent standard normal values (Box–Muller).
+    fn gaussian_pair(&mut self) -> (f64, f64) {
+        // (0, 1]: the logarithm never sees zero.
+        let u1 = ((self.next() >> 11) + 1) as f64 * (1.0 / (1u64 << 53) as f64);
+        let u2 = self.unit();
+        let radius = (-2.0 * u1.ln()).sqrt();
+        let angle = std::f64::consts::TAU * u2;
+        (radius * angle.cos(), radius * angle.sin())
+    }
+}
+
+/// `value` rounded to nearest (ties to even) in `dtype`, as an f32 (exact for both dtypes).
+pub fn round_to(dtype: DType, value: f64) -> f32 {
+    match dtype {
+        DType::F16 => f16_from_f64(value).to_f32(),
+        DType::F32 => value as f32,
+    }
+}
+
+/// f64 to f16 with a single rounding. `half`'s own conversion may go through f32 first, and
+/// rounding twice can differ from rounding once when a value lies just beside a midpoint.
+pub fn f16_from_f64(value: f64) -> f16 {
+    if value.is_nan() {
+        return f16::NAN;
+    }
+    let magnitude = value.abs();
+    // 65520 is the midpoint between f16's largest finite value (65504) and the next step.
+    let rounded = if magnitude >= 65520.0 {
+        f64::INFINITY
+    } else {
+        let smallest_normal = 2f64.powi(-14);
+        let quantum = if magnitude < smallest_normal {
+            2f64.powi(-24)
+        } else {
+            let exponent = ((magnitude.to_bits() >> 52) & 0x7ff) as i32 - 1023;
+            2f64.powi(exponent - 10)
+        };
+        // Scaling by a power of two is exact, so this is the one rounding.
+        (magnitude / quantum).round_ties_even() * quantum
+    };
+    f16::from_f64(rounded.copysign(value))
+}
+
+/// Row-major little-endian bytes of `values` in `dtype` (values are rounded if not exact).
+pub fn encode(values: &[f32], dtype: DType) -> Vec<u8> {
+    match dtype {
+        DType::F16 => values.iter().flat_map(|&v| f16_from_f64(v as f64).to_le_bytes()).collect(),
+        DType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+    }
+}
+
+/// The values little-endian `bytes` of `dtype` encode.
+pub fn decode(bytes: &[u8], dtype: DType) -> Result<Vec<f32>, DataError> {
+    let width = dtype.bytes() as usize;
+    if bytes.len() % width != 0 {
+        return Err(DataError::ByteLength { length: bytes.len(), dtype: dtype.name() });
+    }
+    Ok(match dtype {
+        DType::F16 => bytes.chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+        DType::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+    })
+}

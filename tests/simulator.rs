@@ -1,0 +1,461 @@
+//! Integration tests of the simulated device and the runtime, on packages built by hand for
+//! the 16-tile test target: numbers against a host reference (tolerances stated per check),
+//! cycles against the cost formulas, rejection of broken packages (naming tile, phase, cycle),
+//! the ownership lock, and the profile with its Chrome trace.
+//!
+//! These tests must stay fast (well under ten seconds together) and must not depend on the
+//! compiler: every package here is written out explicitly.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use half::f16;
+use ipuq::device::lock::{DeviceLock, LockError};
+use ipuq::device::{Device, DeviceError, Simulator};
+use ipuq::profile;
+use ipuq::runtime::{self, RunError, RunOptions};
+use ipuq_queries::cost::{self, WeightClass};
+use ipuq_queries::ir::DType;
+use ipuq_queries::package::*;
+use ipuq_queries::target::{fixtures, Target};
+
+const M: u32 = 8;
+const K: u32 = 32;
+const N: u32 = 8;
+const H: u32 = K / 2;
+const STD: u32 = 0x60000; // standard memory
+const IL: u32 = 0x80000; // interleaved memory
+
+fn target() -> Target {
+    Target::from_toml(fixtures::SMALL16, "small16.toml").unwrap()
+}
+
+/// A package under construction: tiles with allocations and calls, phases, host tables.
+struct Build {
+    target: Target,
+    labels: Vec<String>,
+    tiles: BTreeMap<u32, TileImage>,
+    steps: Vec<Step>,
+    exchanges: Vec<ExchangePhase>,
+    host: HostTables,
+}
+
+impl Build {
+    fn new() -> Build {
+        let host = HostTables { inputs: vec![], outputs: vec![], checkpoints: vec![] };
+        Build { target: target(), labels: vec![], tiles: BTreeMap::new(), steps: vec![], exchanges: vec![], host }
+    }
+    fn tile(&mut self, tile: u32) -> &mut TileImage {
+        self.tiles.entry(tile).or_insert_with(|| TileImage { tile, segments: vec![], zero_fill: vec![], allocations: vec![], compute_sets: vec![] })
+    }
+    fn alloc(&mut self, tile: u32, name: &str, start: u32, bytes: u32, kind: AllocationKind) {
+        self.labels.push(name.to_string());
+        let label = self.labels.len() as u32 - 1;
+        self.tile(tile).allocations.push(Allocation { start, end: start + bytes, kind, label });
+    }
+    fn call(&mut self, tile: u32, set: u32, call: VertexCall) {
+        let image = self.tile(tile);
+        match image.compute_sets.iter_mut().find(|s| s.index == set) {
+            Some(s) => s.calls.push(call),
+            None => image.compute_sets.push(ComputeSet { index: set, calls: vec![call] }),
+        }
+    }
+    fn phase(&mut self, index: u32, tables: Vec<TileExchange>) {
+        self.exchanges.push(ExchangePhase { index, tiles: tables, horizon: 0, endpoint_lower_bound: 0 });
+    }
+    fn finish(self) -> Package {
+        Package {
+            compiler: "tests".into(),
+            target_toml: self.target.canonical_toml(),
+            target_digest: self.target.digest(),
+            workload_name: "hand-built".into(),
+            workload_toml: String::new(),
+            tiles: self.tiles.into_values().collect(),
+            steps: self.steps,
+            exchanges: self.exchanges,
+            host: self.host,
+            labels: self.labels,
+            summary: Summary { operations: 0, active_tiles: 0, gemm_flops: 0, estimated_cycles: 0, estimated_exchange_cycles: 0, logical_shards: 0 },
+        }
+    }
+}
+
+fn op(address: u32, row_stride: u32) -> Operand {
+    Operand { address, row_stride }
+}
+fn send(cycle: u32, address: u32, words: u32, paired: bool) -> SendEntry {
+    SendEntry { cycle, address, words, paired }
+}
+fn receive(cycle: u32, source: u32, address: u32, words: u32, paired: bool) -> ReceiveEntry {
+    ReceiveEntry { cycle, source, address, words, paired }
+}
+fn table(tile: u32, sends: Vec<SendEntry>, receives: Vec<ReceiveEntry>) -> TileExchange {
+    TileExchange { tile, sends, receives }
+}
+fn tensor(name: &str, shape: Vec<u32>, role: HostRole, segments: Vec<HostSegment>) -> HostTensor {
+    HostTensor { name: name.into(), shape, dtype: DType::F16, role, segments }
+}
+fn segment(tile: u32, address: u32, element: u32, count: u32) -> HostSegment {
+    HostSegment { tile, address, element, count }
+}
+
+/// Deterministic f16 values in [-1, 1).
+fn values(count: usize, seed: u64) -> Vec<f16> {
+    let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..count)
+        .map(|_| {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            f16::from_f32(((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0)
+        })
+        .collect()
+}
+fn to_bytes(v: &[f16]) -> Vec<u8> {
+    v.iter().flat_map(|h| h.to_le_bytes()).collect()
+}
+fn from_bytes(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()).collect()
+}
+
+/// The reference pipeline: C = A . B split over two tiles in K (fp32 partials, B transposed on
+/// tile 1), partials paired-exchanged to tile 0 and reduced, C multicast to tiles 9 and 2,
+/// Y = gelu(C) on tile 9 and Z = 0.5 C on tile 2. Returns the package and its inputs.
+fn pipeline() -> (Package, BTreeMap<String, Vec<u8>>) {
+    let t = target();
+    let mut b = Build::new();
+    for tile in [0, 1, 2, 9] {
+        b.alloc(tile, "code", 0x4C000, 256, AllocationKind::Code);
+        b.tile(tile).segments.push(Segment { address: 0x4C000, bytes: vec![0x5A; 64] });
+    }
+    b.alloc(0, "a", STD, M * H * 2, AllocationKind::Data);
+    b.alloc(0, "b", IL, H * N * 2, AllocationKind::Data);
+    b.alloc(0, "partial0", IL + 0x1000, M * N * 4, AllocationKind::Partials);
+    b.alloc(0, "partial1", IL + 0x2000, M * N * 4, AllocationKind::Partials);
+    b.alloc(0, "c", IL + 0x3000, M * N * 2, AllocationKind::Data);
+    b.alloc(1, "a", STD, M * H * 2, AllocationKind::Data);
+    b.alloc(1, "b_transposed", IL, H * N * 2, AllocationKind::Data);
+    b.alloc(1, "partial1", IL + 0x1000, M * N * 4, AllocationKind::Partials);
+    for (tile, out) in [(9, "y"), (2, "z")] {
+        b.alloc(tile, "c", IL + 0x3000, M * N * 2, AllocationKind::Data);
+        b.alloc(tile, out, IL + 0x4000, M * N * 2, AllocationKind::Data);
+    }
+    b.alloc(2, "a_row_replica", STD, K * 2, AllocationKind::Data);
+    let matmul = |b_address, b_stride, b_transposed| VertexCall::MatMul {
+        m: M, k: H, n: N, a: op(STD, H), b: op(b_address, b_stride), b_transposed, c: op(IL + 0x1000, N), partials: true,
+    };
+    b.call(0, 0, matmul(IL, N, false));
+    b.call(1, 0, matmul(IL, H, true));
+    b.call(0, 1, VertexCall::Reduce { rows: M, cols: N, parts: vec![op(IL + 0x1000, N), op(IL + 0x2000, N)], out: op(IL + 0x3000, N) });
+    b.call(9, 2, VertexCall::Gelu { rows: M, cols: N, input: op(IL + 0x3000, N), output: op(IL + 0x4000, N) });
+    b.call(2, 2, VertexCall::Scale { rows: M, cols: N, factor: 0.5, input: op(IL + 0x3000, N), output: op(IL + 0x4000, N) });
+    // Phase 0: tile 1's partials, paired, into tile 0's second partials buffer.
+    let words = M * N;
+    b.phase(0, vec![
+        table(0, vec![], vec![receive(t.delay(1, 0), 1, IL + 0x2000, words, true)]),
+        table(1, vec![send(0, IL + 0x1000, words, true)], vec![]),
+    ]);
+    // Phase 1: C (words/2 words) in two back-to-back sends, multicast; tile 2 listens in two pieces.
+    let c_words = M * N / 2;
+    let half_words = c_words / 2;
+    b.phase(1, vec![
+        table(0, vec![send(0, IL + 0x3000, half_words, false), send(half_words, IL + 0x3000 + half_words * 4, half_words, false)], vec![]),
+        table(2, vec![], vec![
+            receive(t.delay(0, 2), 0, IL + 0x3000, half_words, false),
+            receive(t.delay(0, 2) + half_words, 0, IL + 0x3000 + half_words * 4, half_words, false),
+        ]),
+        table(9, vec![], vec![receive(t.delay(0, 9), 0, IL + 0x3000, c_words, false)]),
+    ]);
+    b.steps = vec![Step::Compute { index: 0 }, Step::Exchange { phase: 0 }, Step::Compute { index: 1 }, Step::Exchange { phase: 1 }, Step::Compute { index: 2 }];
+    // Host tables: A row-split over tiles 0 and 1 plus a replica of row 0 on tile 2; B as
+    // rows on tile 0 and element by element, transposed, on tile 1.
+    let mut a_segments = vec![segment(2, STD, 0, K)];
+    for r in 0..M {
+        a_segments.push(segment(0, STD + r * H * 2, r * K, H));
+        a_segments.push(segment(1, STD + r * H * 2, r * K + H, H));
+    }
+    let mut b_segments = vec![segment(0, IL, 0, H * N)];
+    for kk in H..K {
+        for j in 0..N {
+            b_segments.push(segment(1, IL + (j * H + (kk - H)) * 2, kk * N + j, 1));
+        }
+    }
+    b.host.inputs = vec![tensor("a", vec![M, K], HostRole::Input, a_segments), tensor("b", vec![K, N], HostRole::Weight, b_segments)];
+    b.host.outputs = vec![
+        tensor("y", vec![M, N], HostRole::Output, vec![segment(9, IL + 0x4000, 0, M * N)]),
+        tensor("z", vec![M, N], HostRole::Output, vec![segment(2, IL + 0x4000, 0, M * N)]),
+    ];
+    let c = tensor("c", vec![M, N], HostRole::Intermediate, vec![segment(0, IL + 0x3000, 0, M * N)]);
+    b.host.checkpoints = vec![Checkpoint { operation: 0, after_step: 2, tensor: c }];
+    let inputs = BTreeMap::from([("a".to_string(), to_bytes(&values((M * K) as usize, 1))), ("b".to_string(), to_bytes(&values((K * N) as usize, 2)))]);
+    (b.finish(), inputs)
+}
+
+/// C as the package defines it: two fp32 partial sums in increasing k, added, rounded to f16.
+fn reference_c(inputs: &BTreeMap<String, Vec<u8>>) -> Vec<f32> {
+    let (a, b) = (from_bytes(&inputs["a"]), from_bytes(&inputs["b"]));
+    let (k, n) = (K as usize, N as usize);
+    let mut c = vec![0.0; (M * N) as usize];
+    for i in 0..M as usize {
+        for j in 0..n {
+            let partial = |range: std::ops::Range<usize>| range.fold(0.0f32, |s, kk| s + a[i * k + kk] * b[kk * n + j]);
+            c[i * n + j] = f16::from_f32(partial(0..H as usize) + partial(H as usize..k)).to_f32();
+        }
+    }
+    c
+}
+
+fn run_options() -> RunOptions {
+    RunOptions { checkpoints: true, sample_limit: 16, ..RunOptions::default() }
+}
+
+#[test]
+fn pipeline_matches_the_host_reference_and_the_cost_formulas() {
+    let t = target();
+    let (package, inputs) = pipeline();
+    let dir = tempfile::tempdir().unwrap();
+    let options = RunOptions { profile_path: Some(dir.path().join("execution.ipuprofile")), ..run_options() };
+    let result = runtime::execute(&package, &inputs, &options).unwrap();
+
+    // C: the same fp32 order as the package's contract, so exact (tolerance 0).
+    let c = reference_c(&inputs);
+    let checkpoint = &result.checkpoints[0];
+    assert_eq!(checkpoint.indices, (0..16).map(|i| i * 4).collect::<Vec<u64>>());
+    for (&index, &value) in checkpoint.indices.iter().zip(&checkpoint.values) {
+        assert_eq!(value, c[index as usize], "checkpoint element {index}");
+    }
+    // Y = gelu(C): f64 reference, tolerance half an f16 ulp plus f32 rounding (2^-10 relative + 2^-14).
+    let y = from_bytes(&result.outputs["y"]);
+    for (i, (&got, &x)) in y.iter().zip(&c).enumerate() {
+        let x = x as f64;
+        let want = 0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x)).tanh());
+        assert!((got as f64 - want).abs() <= want.abs() / 1024.0 + 1.0 / 16384.0, "y[{i}] = {got}, reference {want}");
+    }
+    // Z = C / 2 is exact in f16 for these magnitudes.
+    assert_eq!(from_bytes(&result.outputs["z"]), c.iter().map(|v| v * 0.5).collect::<Vec<_>>());
+
+    // Bytes streamed: A once plus the replica of its first row; B once.
+    assert_eq!((result.input_bytes, result.weight_bytes), ((M * K * 2 + K * 2) as u64, (K * N * 2) as u64));
+
+    // Cycles: the BSP sum of the cost formulas, horizons written out by hand.
+    let gemm = |transposed| cost::gemm(&t, M, H, N, WeightClass::Interleaved, transposed);
+    let gelu = cost::gelu(&t, (M * N) as u64);
+    let scale = cost::unary_half(&t, (M * N) as u64, t.costs.cpl_mul_half, false);
+    let reduce = cost::reduce(&t, 2, (M * N) as u64);
+    let horizon0 = t.delay(1, 0) + M * N / 2;
+    let horizon1 = t.delay(0, 9).max(t.delay(0, 2)) + M * N / 2;
+    let exchange = |h| cost::exchange_phase(&t, h);
+    let expected = gemm(true) + exchange(horizon0) + reduce + exchange(horizon1) + gelu.max(scale);
+    assert!(gemm(true) > gemm(false), "tile 1's transposed weights make it the slowest");
+    assert_eq!(result.cycles, expected);
+    // Least busy active tile: tile 2 (scale) or tile 9 (gelu); both sit out phase 0 but sync.
+    let sync = t.exchange.sync_cycles;
+    let busy = |compute: u64, own1: u32| compute + 2 * sync + (own1 + M * N / 2) as u64;
+    let minimum = busy(scale, t.delay(0, 2)).min(busy(gelu, t.delay(0, 9)));
+    assert_eq!(result.minimum_tile_cycles, minimum);
+    assert_eq!(result.device, "simulator");
+
+    let (path, tiles, samples) = result.profile.clone().unwrap();
+    assert_eq!((tiles, samples), (4, 4 * 5));
+    let summary = profile::summarize(&path).unwrap();
+    assert_eq!((summary.tiles, summary.steps, summary.cycles), (4, 5, expected));
+    assert_eq!(summary.exchange_cycles, exchange(horizon0) + exchange(horizon1));
+    assert!(summary.to_string().contains("slowest supersteps"), "{summary}");
+}
+
+#[test]
+fn chrome_trace_has_one_track_per_tile_and_one_slice_per_superstep() {
+    let (package, inputs) = pipeline();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("execution.ipuprofile");
+    runtime::execute(&package, &inputs, &RunOptions { profile_path: Some(path.clone()), ..run_options() }).unwrap();
+    let out = dir.path().join("trace.json");
+    profile::chrome_trace(&path, &out).unwrap();
+    let trace: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    let mut slices: BTreeMap<u64, Vec<f64>> = BTreeMap::new();
+    for e in events.iter().filter(|e| e["ph"] == "X") {
+        slices.entry(e["tid"].as_u64().unwrap()).or_default().push(e["ts"].as_f64().unwrap());
+    }
+    assert_eq!(slices.len(), 4, "one track per tile");
+    for (tid, starts) in &slices {
+        assert_eq!(starts.len(), 5, "track {tid}: one slice per superstep");
+        assert!(starts.windows(2).all(|w| w[0] < w[1]), "track {tid}: supersteps in order");
+    }
+    let names = events.iter().filter(|e| e["ph"] == "M" && e["name"] == "thread_name").count();
+    assert_eq!(names, 4);
+}
+
+/// Load a package into a fresh simulator: the error of the first failing step.
+fn load(package: &Package) -> Result<Simulator, DeviceError> {
+    let mut device = Simulator::open(target());
+    device.initialize()?;
+    device.load(package)?;
+    Ok(device)
+}
+
+#[test]
+fn overlapping_receives_on_one_tile_are_rejected_with_tile_phase_and_cycle() {
+    let t = target();
+    let (mut package, _) = pipeline();
+    // Tile 1 also sends its partials plainly to tile 9, timed to arrive while tile 9 is
+    // already listening to tile 0 in phase 1.
+    let arrival = t.delay(0, 9) + 5;
+    let phase = &mut package.exchanges[1];
+    phase.tiles.push(table(1, vec![send(arrival - t.delay(1, 9), IL + 0x1000, 4, false)], vec![]));
+    phase.tiles.sort_by_key(|x| x.tile);
+    phase.tiles.iter_mut().find(|x| x.tile == 9).unwrap().receives.push(receive(arrival, 1, IL + 0x3000, 4, false));
+    let err = load(&package).err().expect("a double-booked receive port must be rejected");
+    assert!(matches!(err, DeviceError::Exchange { phase: 1, tile: 9, cycle, .. } if cycle == arrival as u64), "{err}");
+    let text = err.to_string();
+    assert!(text.contains("phase 1") && text.contains("tile 9") && text.contains(&format!("cycle {arrival}")) && text.contains("receive port"), "{text}");
+}
+
+#[test]
+fn a_receive_without_a_matching_send_is_rejected() {
+    let (mut package, _) = pipeline();
+    // Tile 9 listens one cycle late: its last word would come from no send.
+    package.exchanges[1].tiles.iter_mut().find(|x| x.tile == 9).unwrap().receives[0].cycle += 1;
+    let err = load(&package).err().expect("a late receive must be rejected");
+    assert!(matches!(err, DeviceError::Exchange { phase: 1, tile: 9, .. }), "{err}");
+    assert!(err.to_string().contains("from tile 0"), "{err}");
+}
+
+#[test]
+fn paired_receives_share_a_supertile_only_when_both_take_the_same_words() {
+    let t = target();
+    let build = |partner_takes_same: bool| {
+        let mut b = Build::new();
+        b.alloc(0, "x", IL, 64, AllocationKind::Data);
+        b.alloc(8, "x", IL, 64, AllocationKind::Data);
+        b.alloc(9, "x", IL, 64, AllocationKind::Data);
+        b.alloc(2, "w", IL, 64, AllocationKind::Data);
+        let (d8, d9) = (t.delay(0, 8), t.delay(0, 9));
+        assert_eq!(d8, d9, "tiles 8 and 9 sit in one row group of one column");
+        let partner = if partner_takes_same {
+            receive(d9, 0, IL, 16, true)
+        } else {
+            receive(t.delay(2, 9), 2, IL, 4, false)
+        };
+        b.phase(0, vec![
+            table(0, vec![send(0, IL, 16, true)], vec![]),
+            table(2, vec![send(0, IL, 4, false)], vec![]),
+            table(8, vec![], vec![receive(d8, 0, IL, 16, true)]),
+            table(9, vec![], vec![partner]),
+        ]);
+        b.steps = vec![Step::Exchange { phase: 0 }];
+        b.finish()
+    };
+    load(&build(true)).expect("a supertile receiving one paired stream together is legal");
+    let err = load(&build(false)).err().expect("a paired receive blocks the partner's port");
+    assert!(matches!(err, DeviceError::Exchange { phase: 0, tile: 9, .. }), "{err}");
+}
+
+#[test]
+fn an_exchange_moves_the_words_as_they_were_when_the_phase_began() {
+    let t = target();
+    let mut b = Build::new();
+    for tile in [0, 1] {
+        b.alloc(tile, "x", IL, 8, AllocationKind::Data);
+    }
+    // Tiles 0 and 1 swap their 2-word buffers in place.
+    b.phase(0, vec![
+        table(0, vec![send(0, IL, 2, false)], vec![receive(t.delay(1, 0), 1, IL, 2, false)]),
+        table(1, vec![send(0, IL, 2, false)], vec![receive(t.delay(0, 1), 0, IL, 2, false)]),
+    ]);
+    b.steps = vec![Step::Exchange { phase: 0 }];
+    let x = |tile| tensor("x", vec![4], HostRole::Input, vec![segment(tile, IL, 0, 4)]);
+    let package = b.finish();
+    let mut device = load(&package).unwrap();
+    device.write_tensor(&x(0), &to_bytes(&values(4, 10))).unwrap();
+    device.write_tensor(&x(1), &to_bytes(&values(4, 11))).unwrap();
+    device.run(&[]).unwrap();
+    assert_eq!(device.read_tensor(&x(0)).unwrap(), to_bytes(&values(4, 11)));
+    assert_eq!(device.read_tensor(&x(1)).unwrap(), to_bytes(&values(4, 10)));
+}
+
+#[test]
+fn an_operand_outside_its_allocation_is_rejected_naming_the_tile() {
+    let (mut package, _) = pipeline();
+    let tile2 = package.tiles.iter_mut().find(|t| t.tile == 2).unwrap();
+    let VertexCall::Scale { rows, .. } = &mut tile2.compute_sets[0].calls[0] else { panic!("tile 2 scales") };
+    *rows = M + 1;
+    let err = load(&package).err().expect("an out-of-bounds read must be rejected");
+    assert!(matches!(err, DeviceError::Access { tile: 2, compute_set: 2, call: 0, .. }), "{err}");
+    assert!(err.to_string().contains("tile 2") && err.to_string().contains("allocation `c`"), "{err}");
+}
+
+#[test]
+fn partials_in_standard_memory_are_rejected() {
+    let (mut package, _) = pipeline();
+    // The matrix product on tile 1 writes its partials into its A buffer (standard memory).
+    let tile1 = package.tiles.iter_mut().find(|t| t.tile == 1).unwrap();
+    let VertexCall::MatMul { c, .. } = &mut tile1.compute_sets[0].calls[0] else { panic!("tile 1 multiplies") };
+    *c = op(STD, N);
+    let err = load(&package).err().expect("partials below the interleaved region must be rejected");
+    assert!(matches!(err, DeviceError::Access { tile: 1, operand: "c", .. }), "{err}");
+    assert!(err.to_string().contains("standard memory"), "{err}");
+
+    // A partials allocation placed in standard memory is rejected at load.
+    let (mut package, _) = pipeline();
+    let tile0 = package.tiles.iter_mut().find(|t| t.tile == 0).unwrap();
+    tile0.allocations.iter_mut().find(|a| a.kind == AllocationKind::Partials).unwrap().start = STD + 0x1000;
+    let err = load(&package).err().expect("a partials allocation in standard memory must be rejected");
+    assert!(matches!(err, DeviceError::Load { tile: 0, .. }) && err.to_string().contains("interleaved"), "{err}");
+}
+
+#[test]
+fn never_written_memory_reads_as_poison_and_zero_fill_as_zero() {
+    let mut b = Build::new();
+    // One allocation: its first row cleared at load, its second never written.
+    b.alloc(3, "t", IL, 32, AllocationKind::Data);
+    b.tile(3).zero_fill.push(AddressRange { start: IL, end: IL + 16 });
+    b.call(3, 0, VertexCall::Gelu { rows: 2, cols: 8, input: op(IL, 8), output: op(IL, 8) });
+    b.steps = vec![Step::Compute { index: 0 }];
+    let mut device = load(&b.finish()).unwrap();
+    device.run(&[]).unwrap();
+    let read = |address| from_bytes(&device.read_tensor(&tensor("t", vec![8], HostRole::Output, vec![segment(3, address, 0, 8)])).unwrap());
+    assert!(read(IL).iter().all(|&v| v == 0.0), "gelu(0) = 0");
+    assert!(read(IL + 16).iter().all(|v| v.is_nan()), "the poison pattern reads as NaN");
+}
+
+#[test]
+fn the_lock_makes_a_second_run_wait_or_give_up() {
+    let (package, inputs) = pipeline();
+    let dir = tempfile::tempdir().unwrap();
+    let lock = dir.path().join("device.lock");
+    let held = DeviceLock::acquire(&lock, Duration::from_secs(1)).unwrap();
+
+    let options = RunOptions { lock_path: Some(lock.clone()), lock_timeout: Duration::from_millis(100), ..run_options() };
+    let err = runtime::execute(&package, &inputs, &options).err().expect("the lock is held");
+    assert!(matches!(err, RunError::Lock(LockError::Timeout { .. })), "{err}");
+    assert!(err.to_string().contains("device.lock") && err.to_string().contains("100ms"), "{err}");
+
+    let started = Instant::now();
+    let releaser = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(250));
+        drop(held);
+    });
+    let options = RunOptions { lock_timeout: Duration::from_secs(10), ..options };
+    runtime::execute(&package, &inputs, &options).expect("the second run waits for the first");
+    assert!(started.elapsed() >= Duration::from_millis(200), "it ran before the lock was released");
+    releaser.join().unwrap();
+}
+
+#[test]
+fn bad_host_data_and_foreign_targets_are_errors() {
+    let (package, mut inputs) = pipeline();
+    inputs.get_mut("a").unwrap().pop();
+    let err = runtime::execute(&package, &inputs, &run_options()).err().unwrap();
+    assert!(matches!(err, RunError::Input { ref name, .. } if name == "a"), "{err}");
+
+    let (package, _) = pipeline();
+    let mut device = Simulator::open(Target::from_toml(fixtures::IPU21, "ipu21.toml").unwrap());
+    device.initialize().unwrap();
+    assert!(matches!(device.load(&package), Err(DeviceError::TargetMismatch { .. })));
+}
+
+#[test]
+fn sample_indices_are_spread_evenly_and_capped() {
+    assert_eq!(runtime::sample_indices(10, 4), vec![0, 2, 5, 7]);
+    assert_eq!(runtime::sample_indices(3, 256), vec![0, 1, 2]);
+    assert!(runtime::sample_indices(0, 8).is_empty());
+}
