@@ -125,7 +125,9 @@ pub struct ProfileSummary {
     pub clock_hz: u64,
     /// (step index, step, cycles), slowest first.
     pub slowest: Vec<(usize, Step, u64)>,
-    /// Busy cycles per tile (compute, own exchange, sync): least, mean, most.
+    /// Tiles that run no vertex in the whole program.
+    pub idle_tiles: usize,
+    /// Busy cycles (compute, own exchange, sync) of the tiles that compute: least, mean, most.
     pub busy_min: u64,
     pub busy_mean: f64,
     pub busy_max: u64,
@@ -138,7 +140,12 @@ pub fn summary_of(timeline: &Timeline) -> ProfileSummary {
     let mut slowest: Vec<(usize, Step, u64)> = timeline.steps.iter().enumerate().map(|(i, (s, c))| (i, *s, *c)).collect();
     slowest.sort_by_key(|(i, _, c)| (std::cmp::Reverse(*c), *i));
     slowest.truncate(SLOWEST_SHOWN);
-    let busy: Vec<u64> = (0..timeline.tiles.len()).map(|t| timeline.tile_busy(t)).collect();
+    // Balance is judged over the tiles that compute: idle tiles only sync.
+    let computes = |t: usize| (0..timeline.steps.len()).any(|s| timeline.record(s, t).compute > 0);
+    let active: Vec<usize> = (0..timeline.tiles.len()).filter(|&t| computes(t)).collect();
+    let idle_tiles = timeline.tiles.len() - active.len();
+    let measured: Vec<usize> = if active.is_empty() { (0..timeline.tiles.len()).collect() } else { active };
+    let busy: Vec<u64> = measured.iter().map(|&t| timeline.tile_busy(t)).collect();
     let exchange_steps = timeline.steps.iter().enumerate().filter(|(_, (s, _))| matches!(s, Step::Exchange { .. }));
     let (mut exchange_cycles, mut sync_cycles) = (0, 0);
     for (i, (_, cycles)) in exchange_steps {
@@ -151,6 +158,7 @@ pub fn summary_of(timeline: &Timeline) -> ProfileSummary {
         cycles: timeline.cycles(),
         clock_hz: timeline.clock_hz,
         slowest,
+        idle_tiles,
         busy_min: busy.iter().copied().min().unwrap_or(0),
         busy_mean: if busy.is_empty() { 0.0 } else { busy.iter().sum::<u64>() as f64 / busy.len() as f64 },
         busy_max: busy.iter().copied().max().unwrap_or(0),
@@ -187,7 +195,8 @@ impl fmt::Display for ProfileSummary {
         )?;
         writeln!(
             f,
-            "tile busy cycles: min {} / mean {:.0} / max {} (min/max {:.1}%)",
+            "busy cycles of the {} computing tiles: min {} / mean {:.0} / max {} (min/max {:.1}%)",
+            self.tiles - self.idle_tiles,
             self.busy_min,
             self.busy_mean,
             self.busy_max,

@@ -19,7 +19,7 @@ use crate::workload::data::{round_to, TensorData};
 /// Output rows computed together: each slice of B is loaded once per block of rows.
 const ROW_BLOCK: usize = 16;
 /// Output columns computed together: the block's accumulators (16 × 256 f64) stay in L1.
-const COLUMN_BLOCK: usize = 128;
+const COLUMN_BLOCK: usize = 256;
 
 /// Values by name, row-major, each exactly representable in its value's dtype.
 pub type Values = BTreeMap<String, Vec<f32>>;
@@ -158,9 +158,9 @@ fn matmul(a: &[f32], a_shape: &[u32], b: &[f32], b_shape: &[u32], transpose_b: b
     let (m, k, n) = (m as usize, k as usize, n as usize);
     let group = (a_batches / b_batches) as usize;
     // Every B batch as row-major [K, N], so the inner loop runs along contiguous output columns.
-    let b_matrices: Vec<Vec<f64>> = b
+    let b_matrices: Vec<Vec<f32>> = b
         .chunks(k * n)
-        .map(|matrix| if transpose_b { transpose_matrix(matrix, n, k) } else { matrix.iter().map(|&v| v as f64).collect() })
+        .map(|matrix| if transpose_b { transpose_matrix(matrix, n, k) } else { matrix.to_vec() })
         .collect();
     let mut out = vec![0.0f32; a_batches as usize * m * n];
     out.par_chunks_mut(m * n).enumerate().for_each(|(batch, out_batch)| {
@@ -179,7 +179,7 @@ fn matmul(a: &[f32], a_shape: &[u32], b: &[f32], b_shape: &[u32], transpose_b: b
                         let a_value = a_matrix[(first_row + row) * k + inner] as f64;
                         let accumulator = &mut accumulators[row * COLUMN_BLOCK..row * COLUMN_BLOCK + width];
                         for (sum, &b_value) in accumulator.iter_mut().zip(b_segment) {
-                            *sum += a_value * b_value;
+                            *sum += a_value * b_value as f64;
                         }
                     }
                 }
@@ -195,12 +195,12 @@ fn matmul(a: &[f32], a_shape: &[u32], b: &[f32], b_shape: &[u32], transpose_b: b
     Ok(out)
 }
 
-/// A row-major [rows, columns] matrix transposed to [columns, rows], widened to f64.
-fn transpose_matrix(matrix: &[f32], rows: usize, columns: usize) -> Vec<f64> {
-    let mut out = vec![0.0f64; matrix.len()];
+/// A row-major [rows, columns] matrix transposed to [columns, rows].
+fn transpose_matrix(matrix: &[f32], rows: usize, columns: usize) -> Vec<f32> {
+    let mut out = vec![0.0f32; matrix.len()];
     for (r, row) in matrix.chunks(columns).enumerate() {
         for (c, &v) in row.iter().enumerate() {
-            out[c * rows + r] = v as f64;
+            out[c * rows + r] = v;
         }
     }
     out

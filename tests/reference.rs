@@ -195,7 +195,7 @@ fn the_tolerance_passes_a_differently_rounded_device_and_fails_wrong_kernels() {
         ("rows shifted by one", Device { shift_rows: true, ..Device::default() }),
     ] {
         let wrong = check(device);
-        assert!(!wrong.passed && wrong.worst_ratio > 3.0, "{what} should fail clearly: {wrong:?}");
+        assert!(!wrong.passed && wrong.worst_ratio > 10.0, "{what} should fail clearly: {wrong:?}");
     }
 }
 

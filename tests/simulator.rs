@@ -320,33 +320,35 @@ fn a_receive_without_a_matching_send_is_rejected() {
 }
 
 #[test]
-fn paired_receives_share_a_supertile_only_when_both_take_the_same_words() {
+fn paired_receives_share_a_supertile_only_when_both_hear_the_same_words() {
     let t = target();
-    let build = |partner_takes_same: bool| {
+    let d = t.delay(0, 8);
+    assert_eq!(d, t.delay(0, 9), "tiles 8 and 9 sit in one row group of one column");
+    // Tile 0 sends 16 words paired (8 cycles); tile 8 hears all of them; tile 9 as given.
+    let build = |tile9: Vec<ReceiveEntry>| {
         let mut b = Build::new();
-        b.alloc(0, "x", IL, 64, AllocationKind::Data);
-        b.alloc(8, "x", IL, 64, AllocationKind::Data);
-        b.alloc(9, "x", IL, 64, AllocationKind::Data);
-        b.alloc(2, "w", IL, 64, AllocationKind::Data);
-        let (d8, d9) = (t.delay(0, 8), t.delay(0, 9));
-        assert_eq!(d8, d9, "tiles 8 and 9 sit in one row group of one column");
-        let partner = if partner_takes_same {
-            receive(d9, 0, IL, 16, true)
-        } else {
-            receive(t.delay(2, 9), 2, IL, 4, false)
-        };
+        for tile in [0, 8, 9, 2] {
+            b.alloc(tile, "x", IL, 64, AllocationKind::Data);
+        }
         b.phase(0, vec![
             table(0, vec![send(0, IL, 16, true)], vec![]),
             table(2, vec![send(0, IL, 4, false)], vec![]),
-            table(8, vec![], vec![receive(d8, 0, IL, 16, true)]),
-            table(9, vec![], vec![partner]),
+            table(8, vec![], vec![receive(d, 0, IL, 16, true)]),
+            table(9, vec![], tile9),
         ]);
         b.steps = vec![Step::Exchange { phase: 0 }];
         b.finish()
     };
-    load(&build(true)).expect("a supertile receiving one paired stream together is legal");
-    let err = load(&build(false)).err().expect("a paired receive blocks the partner's port");
-    assert!(matches!(err, DeviceError::Exchange { phase: 0, tile: 9, .. }), "{err}");
+    load(&build(vec![receive(d, 0, IL, 16, true)])).expect("a supertile hearing one paired stream together is legal");
+    load(&build(vec![receive(d, 0, IL, 8, true), receive(d + 4, 0, IL + 32, 8, true)]))
+        .expect("the partner may cut the same stream into other pieces");
+    for (tile9, what) in [
+        (vec![receive(t.delay(2, 9), 2, IL, 4, false)], "another source while the partner hears a paired stream"),
+        (vec![receive(d, 0, IL, 16, true), receive(d, 0, IL + 32, 8, true)], "one tile storing the same words twice"),
+    ] {
+        let err = load(&build(tile9)).err().unwrap_or_else(|| panic!("accepted {what}"));
+        assert!(matches!(err, DeviceError::Exchange { phase: 0, tile: 9, .. }), "{what}: {err}");
+    }
 }
 
 #[test]
@@ -418,6 +420,45 @@ fn never_written_memory_reads_as_poison_and_zero_fill_as_zero() {
 }
 
 #[test]
+fn add_softmax_and_copy_match_the_reference() {
+    // s = x + y, p = softmax(s) per row, q = p copied into rows of stride 10.
+    let mut b = Build::new();
+    for (name, offset) in [("x", 0), ("y", 0x100), ("s", 0x200), ("p", 0x300), ("q", 0x400)] {
+        b.alloc(4, name, IL + offset, 64, AllocationKind::Data);
+    }
+    b.call(4, 0, VertexCall::Add { rows: 2, cols: 8, a: op(IL, 8), b: op(IL + 0x100, 8), output: op(IL + 0x200, 8) });
+    b.call(4, 0, VertexCall::Softmax { rows: 2, cols: 8, input: op(IL + 0x200, 8), output: op(IL + 0x300, 8) });
+    b.call(4, 0, VertexCall::Copy { rows: 2, cols: 8, dtype: DType::F16, input: op(IL + 0x300, 8), output: op(IL + 0x400, 10) });
+    b.steps = vec![Step::Compute { index: 0 }];
+    let t = |name: &str, address, stride: u32| {
+        tensor(name, vec![2, 8], HostRole::Input, (0..2).map(|r| segment(4, address + r * stride * 2, r * 8, 8)).collect())
+    };
+    let mut device = load(&b.finish()).unwrap();
+    let (x, y) = (values(16, 3), values(16, 4));
+    device.write_tensor(&t("x", IL, 8), &to_bytes(&x)).unwrap();
+    device.write_tensor(&t("y", IL + 0x100, 8), &to_bytes(&y)).unwrap();
+    let report = device.run(&[]).unwrap();
+    let p = from_bytes(&device.read_tensor(&t("p", IL + 0x300, 8)).unwrap());
+    assert_eq!(from_bytes(&device.read_tensor(&t("q", IL + 0x400, 10)).unwrap()), p, "the copy is bit exact");
+    // f64 reference from the f16-rounded sum; tolerance half an f16 ulp plus f32 rounding.
+    let sum: Vec<f64> = x.iter().zip(&y).map(|(a, b)| f16::from_f32(a.to_f32() + b.to_f32()).to_f64()).collect();
+    for row in 0..2 {
+        let s = &sum[row * 8..row * 8 + 8];
+        let max = s.iter().copied().fold(f64::MIN, f64::max);
+        let total: f64 = s.iter().map(|v| (v - max).exp()).sum();
+        for col in 0..8 {
+            let want = (s[col] - max).exp() / total;
+            let got = p[row * 8 + col] as f64;
+            assert!((got - want).abs() <= want / 1024.0 + 1.0 / 65536.0, "p[{row}][{col}] = {got}, reference {want}");
+        }
+    }
+    let t = target();
+    let (n, c) = (16u64, &t.costs);
+    let expected = cost::binary_half(&t, n, c.cpl_add_half) + cost::softmax(&t, 2, 8) + cost::copy(&t, n * 2, true);
+    assert_eq!(report.timeline.cycles(), expected);
+}
+
+#[test]
 fn the_lock_makes_a_second_run_wait_or_give_up() {
     let (package, inputs) = pipeline();
     let dir = tempfile::tempdir().unwrap();
@@ -425,7 +466,7 @@ fn the_lock_makes_a_second_run_wait_or_give_up() {
     let held = DeviceLock::acquire(&lock, Duration::from_secs(1)).unwrap();
 
     let options = RunOptions { lock_path: Some(lock.clone()), lock_timeout: Duration::from_millis(100), ..run_options() };
-    let err = runtime::execute(&package, &inputs, &options).err().expect("the lock is held");
+    let err = runtime::execute(&package, &inputs, &options).expect_err("the lock is held");
     assert!(matches!(err, RunError::Lock(LockError::Timeout { .. })), "{err}");
     assert!(err.to_string().contains("device.lock") && err.to_string().contains("100ms"), "{err}");
 

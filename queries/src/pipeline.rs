@@ -69,12 +69,29 @@ pub fn requests(lowered: &Lowered, address: impl Fn(u32, u32) -> u32) -> Vec<Pha
         .collect()
 }
 
+/// A non-overlapping provisional base address for every buffer (per tile, 16-byte aligned).
+pub fn provisional_bases(lowered: &Lowered) -> Vec<u32> {
+    let mut next = vec![0u64; lowered.tiles as usize];
+    lowered
+        .buffers
+        .iter()
+        .map(|b| {
+            let base = next[b.tile as usize];
+            next[b.tile as usize] = (base + b.bytes as u64).div_ceil(16) * 16;
+            base.min(u32::MAX as u64) as u32
+        })
+        .collect()
+}
+
 #[salsa::tracked(returns(clone))]
 pub fn schedules(db: &dyn Db, sources: Sources) -> StageResult<Vec<Schedule>> {
     let t = target(db, sources)?;
     let l = lowered(db, sources)?;
-    // Provisional addresses: offsets inside 16-byte aligned buffers keep every alignment class.
-    let requests = requests(&l.value, |_, offset| offset);
+    // Provisional addresses: every buffer gets its own 16-byte aligned range in a per-tile
+    // address space, so rows of different buffers never alias and alignment classes match
+    // the final placement (which also aligns every buffer to at least 8 bytes).
+    let provisional = provisional_bases(&l.value);
+    let requests = requests(&l.value, |buffer, offset| provisional[buffer as usize] + offset);
     let mut out = Vec::with_capacity(requests.len());
     let mut h = KeyHasher::new("ipuq schedules v1");
     for request in &requests {

@@ -51,7 +51,7 @@ impl DeviceLock {
                 .map_err(|source| LockError::Open { path: path.to_path_buf(), source })?;
             match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
                 Ok(lock) => {
-                    tracing::info!(path = %path.display(), waited_ms = started.elapsed().as_millis() as u64, "acquired hardware ownership");
+                    tracing::info!(path = %path.display(), "acquired hardware ownership");
                     return Ok(DeviceLock { path: path.to_path_buf(), _lock: lock });
                 }
                 Err((_, Errno::EWOULDBLOCK)) | Err((_, Errno::EINTR)) => {}
@@ -63,8 +63,8 @@ impl DeviceLock {
             }
             if !announced {
                 announced = true;
-                tracing::info!(path = %path.display(), timeout_ms = timeout.as_millis() as u64, "device is owned by another run; waiting");
-                eprintln!("waiting for {} (held by another run; giving up after {:?})", path.display(), timeout);
+                // A warning, so that it shows under the default log filter: the run looks stuck.
+                tracing::warn!(path = %path.display(), timeout = ?timeout, "device is owned by another run; waiting for it to finish");
             }
             std::thread::sleep(POLL_INTERVAL.min(timeout - waited));
         }

@@ -7,6 +7,11 @@
 //! can never hand out a workload the compiler would reject. This module writes no files.
 //!
 //! Conventions a reader of a generated file should know:
+//! - Names: `siglip-mlp-f16-b{batch}-t{tokens}-d{dim}-h{hidden}-n{blocks}`, with `-biases`
+//!   appended when biases are on (the seed's workload had none), and
+//!   `attention-grouped-materialized-gaussian-f16-b{batch}-t{tokens}-h{heads}-kv{kv}-d{dim}`.
+//!   `from_name` inverts both, and takes a bare family name for the seed's shape.
+//! - The dtype is always f16 and is not a parameter: the IR runs matmul on the AMP in f16 only.
 //! - Inputs are Gaussian with standard deviation 1; weights are Gaussian with standard deviation
 //!   1/sqrt(fan_in), so every matmul's output has a standard deviation near 1 and f16 values
 //!   stay far from overflow however many blocks are chained.

@@ -71,11 +71,9 @@ pub(crate) fn choose_pairing(problem: &Problem, mode: Pairing) -> Vec<bool> {
     paired
 }
 
-/// Shortest chunk a cut may leave, so that cuts do not shred messages into tiny pieces.
-const MINIMUM_CHUNK: u32 = 16;
-
-/// The greedy list schedule with the given pairing choice and chunk size.
-pub(crate) fn full_duplex(problem: &Problem, paired: &[bool], chunk_words: u32) -> Vec<Piece> {
+/// The greedy list schedule with the given pairing choice and chunk size. `bias` (per
+/// transfer, may be empty) raises the urgency of transfers that ended late in an earlier run.
+pub(crate) fn full_duplex(problem: &Problem, paired: &[bool], chunk_words: u32, bias: &[u64]) -> Vec<Piece> {
     let tiles = problem.tiles as usize;
     let cycles = |j: usize, words: u32| if paired[j] { words / 2 } else { words };
     // Remaining port cycles: the urgency of every port.
@@ -103,47 +101,42 @@ pub(crate) fn full_duplex(problem: &Problem, paired: &[bool], chunk_words: u32) 
             heap.push(Reverse((timeline.send_free[su], s)));
             continue;
         }
-        // Urgency of a transfer: the latest projected end among its ports if they were served
-        // without a break from now on. The most urgent startable transfer goes first; a more
-        // urgent one that can start soon cuts the chunk short so the sender is free for it.
-        let urgency = |j: usize, timeline: &Timeline| -> u64 {
-            let mut end = 0u64;
-            for p in problem.receive_ports(j, paired[j]) {
-                let d = p.tile as usize;
-                end = end.max(timeline.receive_free[d].max(now + p.delay) as u64 + receive_load[d]);
-            }
-            if paired[j] {
-                end = end.max(timeline.send_free[su ^ 1].max(now) as u64 + send_load[su ^ 1]);
-            }
-            end
-        };
         let mut best: Option<(u64, u32)> = None;
         let mut soonest = u32::MAX;
-        let mut waiting: Vec<(u64, u32)> = Vec::new();
+        // One pass per pending transfer: its earliest start and its urgency together.
+        let own_free = if now > timeline.send_free[su] { now } else { timeline.send_free[su] };
         for &j in &pending[su] {
             let ju = j as usize;
-            let start = timeline.earliest(problem, ju, paired[ju], now);
-            let u = urgency(ju, &timeline);
+            let pair = paired[ju];
+            let mut start = own_free;
+            let mut most = 0;
+            if pair {
+                start = start.max(timeline.send_free[su ^ 1]);
+                most = send_load[su ^ 1];
+            }
+            for p in problem.receive_ports(ju, pair) {
+                let d = p.tile as usize;
+                start = start.max(timeline.receive_free[d].saturating_sub(p.delay));
+                most = most.max(receive_load[d]);
+            }
             if start > now {
                 soonest = soonest.min(start);
-                waiting.push((u, start));
                 continue;
             }
-            if best.is_none_or(|(b, k)| u > b || (u == b && j < k)) {
-                best = Some((u, j));
+            let urgency = most + bias.get(ju).copied().unwrap_or(0);
+            if best.is_none_or(|(u, b)| urgency > u || (urgency == u && j < b)) {
+                best = Some((urgency, j));
             }
         }
-        let Some((chosen_urgency, j)) = best else {
+        let Some((_, j)) = best else {
             if soonest != u32::MAX {
                 heap.push(Reverse((soonest, s)));
             }
             continue;
         };
-        let cut = waiting.iter().filter(|w| w.0 > chosen_urgency).map(|w| w.1 - now).min().unwrap_or(u32::MAX);
         let ju = j as usize;
         let words = problem.jobs[ju].words;
-        let width = if paired[ju] { 2 } else { 1 };
-        let mut take = (words - sent[ju]).min(chunk_words).min(cut.saturating_mul(width).max(MINIMUM_CHUNK));
+        let mut take = (words - sent[ju]).min(chunk_words);
         if paired[ju] {
             take &= !1;
         }

@@ -41,8 +41,15 @@ pub(crate) fn matching_waves(problem: &Problem) -> Option<Vec<Piece>> {
     }
     let (graph, jobs, _delta) = build_graph(problem);
     let runs = decompose(&graph);
-    let keyed = runs_to_pieces(problem, &graph, &jobs, runs);
-    let mut pieces = timing::list_in_priority(problem, keyed);
+    let mut keyed = runs_to_pieces(problem, &graph, &jobs, runs);
+    // Two timings of the same blocks: strictly in block order (exact when delays are uniform:
+    // every port then runs exactly as in the delay-free schedule), and a list schedule that
+    // lets a sender run ahead of the order when its next piece is blocked.
+    keyed.sort_unstable_by_key(|(start, p)| (*start, p.transfer, p.offset_words));
+    let mut ordered: Vec<Piece> = keyed.iter().map(|(_, p)| *p).collect();
+    let in_order = timing::retime_in_order(problem, &mut ordered);
+    let mut listed = timing::list_in_priority(problem, keyed);
+    let mut pieces = if timing::horizon(problem, &listed) < in_order { std::mem::take(&mut listed) } else { ordered };
     timing::merge_adjacent(&mut pieces);
     Some(pieces)
 }

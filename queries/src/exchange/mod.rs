@@ -44,8 +44,16 @@ pub use validate::validate;
 use greedy::Pairing;
 use problem::Problem;
 
-/// Chunk sizes of the greedy constructions (words): small ones preempt, large ones keep rows short.
+/// Chunk sizes of the greedy constructions (words): small ones preempt, large ones keep rows
+/// short. Phases above `LARGE_PHASE` transfers try only the middle one, to stay fast.
 const CHUNKS: [u32; 2] = [96, 256];
+const LARGE_CHUNK: u32 = 192;
+const LARGE_PHASE: usize = 40_000;
+/// matching-waves runs on phases up to this many transfers, or on any phase whose delays
+/// spread by at most `UNIFORM_DELAY_SPREAD` cycles (where its block order is exact). On large
+/// phases with the chip's full delay spread its timing loses to the greedy and costs most.
+const MATCHING_PHASE: usize = 30_000;
+const UNIFORM_DELAY_SPREAD: u32 = 16;
 
 /// The endpoint lower bound of a phase (see `bound.rs` for exactly what is counted).
 pub fn endpoint_lower_bound(target: &Target, phase: &PhaseRequest) -> u32 {
@@ -63,6 +71,8 @@ enum Candidate {
 }
 
 struct Built {
+    /// The greedy's pairing choice and chunk, for the local search to rebuild from.
+    greedy: Option<(Vec<bool>, u32)>,
     kind: ScheduleKind,
     paired: bool,
     pieces: Vec<Piece>,
@@ -79,19 +89,20 @@ fn build(problem: &Problem, candidate: Candidate) -> Option<Built> {
 }
 
 fn build_inner(problem: &Problem, candidate: Candidate) -> Option<Built> {
-    let (kind, pieces) = match candidate {
-        Candidate::Matching => (ScheduleKind::MatchingWaves, matching::matching_waves(problem)?),
+    let (kind, pieces, greedy) = match candidate {
+        Candidate::Matching => (ScheduleKind::MatchingWaves, matching::matching_waves(problem)?, None),
         Candidate::Greedy { pairing, chunk } => {
             let choice = greedy::choose_pairing(problem, pairing);
             if pairing != Pairing::Ordinary && !choice.iter().any(|&p| p) {
                 return None;
             }
-            (ScheduleKind::FullDuplex, greedy::full_duplex(problem, &choice, chunk))
+            let pieces = greedy::full_duplex(problem, &choice, chunk, &[]);
+            (ScheduleKind::FullDuplex, pieces, Some((choice, chunk)))
         }
     };
     let horizon = timing::horizon(problem, &pieces);
     let paired = pieces.iter().any(|p| p.paired);
-    Some(Built { kind, paired, pieces, horizon })
+    Some(Built { greedy, kind, paired, pieces, horizon })
 }
 
 /// Best of several: lowest horizon, then fewest pieces, then the earlier candidate.
@@ -112,13 +123,15 @@ pub fn schedule_phase(target: &Target, phase: &PhaseRequest) -> Result<Schedule,
     if let Some((name, value)) = &bounds.stronger {
         info!(phase = phase.index, bound = name.as_str(), value = *value, endpoint_lower_bound = bounds.endpoint, "stronger exchange bound applies");
     }
-    let mut candidates = vec![Candidate::Matching];
-    candidates.extend(CHUNKS.iter().map(|&chunk| Candidate::Greedy { pairing: Pairing::Ordinary, chunk }));
+    let mut candidates = Vec::new();
+    if phase.transfers.len() <= MATCHING_PHASE || problem.delay_spread() <= UNIFORM_DELAY_SPREAD {
+        candidates.push(Candidate::Matching);
+    }
+    let chunks: &[u32] = if phase.transfers.len() > LARGE_PHASE { &[LARGE_CHUNK] } else { &CHUNKS };
     let eligible = problem.eligible_count();
-    if eligible > 0 {
-        for pairing in [Pairing::Balanced, Pairing::All] {
-            candidates.extend(CHUNKS.iter().map(|&chunk| Candidate::Greedy { pairing, chunk }));
-        }
+    let pairings: &[Pairing] = if eligible > 0 { &[Pairing::Ordinary, Pairing::Balanced, Pairing::All] } else { &[Pairing::Ordinary] };
+    for &pairing in pairings {
+        candidates.extend(chunks.iter().map(|&chunk| Candidate::Greedy { pairing, chunk }));
     }
     let built: Vec<Option<Built>> = candidates.par_iter().map(|&c| build(&problem, c)).collect();
     let (ordinary, paired): (Vec<_>, Vec<_>) = built.into_iter().partition(|b| b.as_ref().is_none_or(|b| !b.paired));
@@ -138,14 +151,20 @@ pub fn schedule_phase(target: &Target, phase: &PhaseRequest) -> Result<Schedule,
     let chosen = best(vec![ordinary, paired]);
     let Some(chosen) = chosen else {
         // Only an empty phase has no candidate at all.
-        return Ok(finish(phase, &bounds, Built { kind: ScheduleKind::Greedy, paired: false, pieces: greedy::in_request_order(&problem), horizon: 0 }, 0, 0));
+        return Ok(finish(phase, &bounds, Built { greedy: None, kind: ScheduleKind::Greedy, paired: false, pieces: greedy::in_request_order(&problem), horizon: 0 }, 0, 0));
     };
     let initial = chosen.horizon;
     let floor = bounds.stronger.as_ref().map_or(bounds.endpoint, |s| s.1.max(bounds.endpoint));
-    let (pieces, horizon, improvements) = search::critical_neighborhood(&problem, chosen.pieces, floor);
+    let (pieces, horizon, improvements) = match &chosen.greedy {
+        Some((choice, chunk)) => {
+            let better = search::critical_neighborhood(&problem, choice, *chunk, chosen.pieces, floor);
+            (better.pieces, better.horizon, better.improvements)
+        }
+        None => (chosen.pieces, chosen.horizon, 0),
+    };
     let kind = if improvements > 0 { ScheduleKind::CriticalNeighborhood } else { chosen.kind };
     let paired_used = pieces.iter().any(|p| p.paired);
-    Ok(finish(phase, &bounds, Built { kind, paired: paired_used, pieces, horizon }, initial, improvements))
+    Ok(finish(phase, &bounds, Built { greedy: None, kind, paired: paired_used, pieces, horizon }, initial, improvements))
 }
 
 fn finish(phase: &PhaseRequest, bounds: &bound::Bounds, built: Built, initial: u32, improvements: u32) -> Schedule {

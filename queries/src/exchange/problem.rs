@@ -34,7 +34,6 @@ pub(crate) struct Job {
 }
 
 pub(crate) struct Problem {
-    pub phase: u32,
     pub tiles: u32,
     pub jobs: Vec<Job>,
     pub ordinary_ports: Vec<Port>,
@@ -71,6 +70,12 @@ impl Problem {
             ports.iter().all(|p| self.receiver_class[p.tile as usize] == class)
                 && ports.len() as u32 == self.class_sizes[class as usize]
         })
+    }
+
+    /// Largest minus smallest delay over all (source, destination) pairs of the phase.
+    pub fn delay_spread(&self) -> u32 {
+        let delays = self.ordinary_ports.iter().map(|p| p.delay);
+        delays.clone().max().unwrap_or(0) - delays.min().unwrap_or(0)
     }
 
     pub fn eligible_count(&self) -> usize {
@@ -137,7 +142,7 @@ pub(crate) fn prepare(target: &Target, phase: &PhaseRequest) -> Result<Problem, 
         }
     }
     let (receiver_class, class_sizes) = receiver_classes(tiles, &jobs, &ordinary_ports);
-    Ok(Problem { phase: phase.index, tiles, jobs, ordinary_ports, paired_ports, receiver_class, class_sizes })
+    Ok(Problem { tiles, jobs, ordinary_ports, paired_ports, receiver_class, class_sizes })
 }
 
 /// The receive ports of a paired piece: each destination and its partner, at the destination's

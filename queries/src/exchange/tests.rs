@@ -14,6 +14,8 @@ fn seed_sized_report() {
         let elapsed = start.elapsed();
         let tables = lower_to_tables(&target, &phase, &schedule);
         validate(&target, &phase, &tables).unwrap();
+        let elapsed_all = start.elapsed();
+        eprintln!("with lowering and validation {elapsed_all:?}");
         eprintln!("{name}: bound {} horizon {} gap {:.2}% kind {} pieces {} in {:?}", schedule.endpoint_lower_bound, schedule.horizon, schedule.gap_percent(), schedule.kind.name(), schedule.pieces.len(), elapsed);
     }
 }
@@ -24,7 +26,7 @@ fn diagnose_gather() {
     let phase = synthetic::gemm_gather(target.chip.tiles, 15_064, 240, 420, 1);
     let problem = problem::prepare(&target, &phase).unwrap();
     let paired = vec![false; problem.jobs.len()];
-    let pieces = greedy::full_duplex(&problem, &paired, 96);
+    let pieces = greedy::full_duplex(&problem, &paired, 96, &[]);
     let n = problem.tiles as usize;
     let mut recv_busy = vec![0u64; n];
     let mut recv_first = vec![u32::MAX; n];
@@ -55,4 +57,27 @@ fn diagnose_gather() {
     let mut loads: Vec<u64> = send_busy.clone();
     loads.sort();
     eprintln!("send loads: max {} p99 {} p90 {} median {}", loads[n-1], loads[n*99/100], loads[n*9/10], loads[n/2]);
+}
+
+#[test]
+fn profile_matching_large() {
+    let target = ipu21();
+    let phase = synthetic::mixed_large(target.chip.tiles, 84_859, 60, 300, 4_440, 6);
+    let problem = problem::prepare(&target, &phase).unwrap();
+    let start = std::time::Instant::now();
+    let pieces = matching::matching_waves(&problem).unwrap();
+    eprintln!("matching {} pieces in {:?}", pieces.len(), start.elapsed());
+}
+
+#[test]
+fn profile_greedy_large() {
+    let target = ipu21();
+    let phase = synthetic::mixed_large(target.chip.tiles, 84_859, 60, 300, 4_440, 6);
+    let problem = problem::prepare(&target, &phase).unwrap();
+    for chunk in [96, 256] {
+        let start = std::time::Instant::now();
+        let paired = greedy::choose_pairing(&problem, greedy::Pairing::Ordinary);
+        let pieces = greedy::full_duplex(&problem, &paired, chunk, &[]);
+        eprintln!("greedy {chunk}: {} pieces horizon {} in {:?}", pieces.len(), timing::horizon(&problem, &pieces), start.elapsed());
+    }
 }

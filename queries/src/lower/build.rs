@@ -333,7 +333,7 @@ impl<'a> Builder<'a> {
         let group = batches / b_batches;
         let a_rank3 = av.shape.len() == 3;
         let b_rank3 = bv.shape.len() == 3;
-        let whole_rows = self.graph.operations.iter().any(|o| o.inputs.contains(&output) && matches!(o.kind, OpKind::Softmax));
+        let whole_rows = needs_whole_rows(self.graph, output);
         let a_block = |p: &MatMulPlan, ib: usize, im: usize, ik: usize| -> Vec<(u32, u32)> {
             let mut blk = vec![(p.m_cuts[im], p.m_cuts[im + 1]), (p.k_cuts[ik], p.k_cuts[ik + 1])];
             if a_rank3 {
@@ -456,7 +456,7 @@ impl<'a> Builder<'a> {
                                 parts.push(Loc { buffer, offset, row_stride: stride32, dtype_bytes: 4 });
                             } else {
                                 let words = rows * stride32;
-                                let received = self.buffer(owner, words as u64 * 4, AllocationKind::Data, false, &format!("{name}.partials"));
+                                let received = self.buffer(owner, words as u64 * 4, AllocationKind::Partials, true, &format!("{name}.partials"));
                                 self.pending.push((tile, (buffer, offset * 4), words, (received, 0)));
                                 parts.push(Loc { buffer: received, offset: 0, row_stride: stride32, dtype_bytes: 4 });
                             }
@@ -608,6 +608,19 @@ impl Call {
             Call::Add { a, b, output, .. } => vec![*a, *b, *output],
         }
     }
+}
+
+/// Whether some consumer of `value`, directly or through elementwise operations that keep its
+/// layout, is a softmax (which needs whole rows on one tile).
+fn needs_whole_rows(graph: &Graph, value: ValueId) -> bool {
+    graph.operations.iter().any(|o| {
+        o.inputs.first() == Some(&value)
+            && match o.kind {
+                OpKind::Softmax => true,
+                OpKind::Gelu | OpKind::Scale { .. } | OpKind::Add => needs_whole_rows(graph, o.output),
+                _ => false,
+            }
+    })
 }
 
 fn call_estimate(t: &Target, call: &Call) -> u64 {

@@ -114,6 +114,12 @@ pub fn check_set(target: &Target, memory: &TileMemory, set: &ComputeSet, labels:
             if start == end {
                 continue;
             }
+            // Rows may overlap (a stride below the row length re-reads memory), but a call never
+            // handles more elements than a tile can hold: that bounds the host buffers too.
+            let elements = access.rows as u64 * access.cols as u64;
+            if elements * access.element_bytes as u64 > m.size as u64 {
+                return Err(fail(format!("spans {} x {} elements, more than a tile's memory holds", access.rows, access.cols)));
+            }
             if start % access.element_bytes as u64 != 0 {
                 return Err(fail(format!("is not aligned to its {}-byte elements", access.element_bytes)));
             }

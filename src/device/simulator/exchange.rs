@@ -4,8 +4,9 @@
 //! - a tile's send port carries one run at a time; a paired send (two words per cycle for
 //!   `words / 2` cycles) also holds the supertile partner's send port;
 //! - a tile's receive port (its incoming mux) listens to one run at a time; a paired receive
-//!   also holds the partner's port, unless the partner has the same paired receive (same
-//!   source, cycle and words), which is the supertile receiving one stream together;
+//!   also holds the partner's port, where it may overlap only paired receives of the same
+//!   source and delay (the supertile hearing one stream together: the same words in the same
+//!   cycles), and a tile's own entries never overlap (each incoming word is stored once);
 //! - each receive starting at cycle `c` from `source` is covered, word for word, by sends of
 //!   `source` that start at `c - delay(source, tile)`, of the same width, back to back;
 //! - every entry is word aligned (paired: even words, 8-byte aligned) and lies in tensor storage.
@@ -15,7 +16,7 @@
 //! began (all reads are gathered before any write). This module must not estimate costs: the
 //! phase's horizon is recomputed from the tables, and the caller charges it.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeMap;
 
 use ipuq_queries::package::{ExchangePhase, SendEntry, TileExchange};
 use ipuq_queries::target::Target;
@@ -51,6 +52,9 @@ struct PortUse {
     /// The tile whose table holds the entry (the partner's, for paired use).
     owner: u32,
     source: Option<u32>,
+    /// Paired receives: (source, delay). Runs with the same share hear the same words in the
+    /// same cycles, so the two tiles of a supertile may both hold them.
+    share: Option<(u32, u32)>,
 }
 
 fn describe(u: &PortUse, tile: u32) -> String {
@@ -59,16 +63,34 @@ fn describe(u: &PortUse, tile: u32) -> String {
     format!("{whose}[{}, {}){from}", u.start, u.end)
 }
 
+/// Sweep each tile's port in start order. A run may overlap the runs in flight only when all
+/// carry the same paired share and at most one of them is the tile's own entry (a tile
+/// stores each incoming word once).
 fn check_port(phase: u32, port: &str, ports: BTreeMap<u32, Vec<PortUse>>) -> Result<(), DeviceError> {
     for (tile, mut uses) in ports {
         uses.sort_by_key(|u| (u.start, u.end));
-        if let Some(w) = uses.windows(2).find(|w| w[1].start < w[0].end) {
-            return Err(DeviceError::Exchange {
-                phase,
-                tile,
-                cycle: w[1].start,
-                message: format!("{port} port used twice: {} overlaps {}", describe(&w[0], tile), describe(&w[1], tile)),
-            });
+        let (mut reach, mut own_reach, mut holder): (u64, u64, Option<usize>) = (0, 0, None);
+        for (i, u) in uses.iter().enumerate() {
+            let own = u.owner == tile;
+            let clash = match holder {
+                Some(h) if u.start < reach => u.share.is_none() || u.share != uses[h].share || (own && u.start < own_reach),
+                _ => false,
+            };
+            if let (true, Some(h)) = (clash, holder) {
+                return Err(DeviceError::Exchange {
+                    phase,
+                    tile,
+                    cycle: u.start,
+                    message: format!("{port} port used twice: {} overlaps {}", describe(&uses[h], tile), describe(u, tile)),
+                });
+            }
+            if holder.is_none() || u.start >= reach || u.end > reach {
+                holder = Some(i);
+            }
+            reach = reach.max(u.end);
+            if own {
+                own_reach = own_reach.max(u.end);
+            }
         }
     }
     Ok(())
@@ -129,27 +151,23 @@ pub fn check_phase(
     // Port occupancy.
     let mut send_ports: BTreeMap<u32, Vec<PortUse>> = BTreeMap::new();
     let mut receive_ports: BTreeMap<u32, Vec<PortUse>> = BTreeMap::new();
-    let shared: HashSet<(u32, u32, u32, u32)> = tables
-        .values()
-        .flat_map(|t| t.receives.iter().filter(|r| r.paired).map(move |r| (t.tile, r.source, r.cycle, r.words)))
-        .collect();
     for (&tile, table) in &tables {
         let partner = target.partner(tile);
-        for s in &table.sends {
-            let run = |owner| PortUse { start: s.cycle as u64, end: s.cycle as u64 + send_cycles(s), owner, source: None };
+        for e in &table.sends {
+            let run = |owner| PortUse { start: e.cycle as u64, end: e.cycle as u64 + send_cycles(e), owner, source: None, share: None };
             send_ports.entry(tile).or_default().push(run(tile));
-            if s.paired {
+            if e.paired {
                 send_ports.entry(partner).or_default().push(run(tile));
             }
         }
         for r in &table.receives {
             let end = r.cycle as u64 + duration(r.words, r.paired, x.receive_words_per_cycle);
-            let run = PortUse { start: r.cycle as u64, end, owner: tile, source: Some(r.source) };
-            if r.paired && !shared.contains(&(partner, r.source, r.cycle, r.words)) {
-                let partner_run = PortUse { start: run.start, end, owner: tile, source: Some(r.source) };
-                receive_ports.entry(partner).or_default().push(partner_run);
+            let share = r.paired.then(|| (r.source, target.delay(r.source.min(target.chip.tiles - 1), tile)));
+            let run = || PortUse { start: r.cycle as u64, end, owner: tile, source: Some(r.source), share };
+            receive_ports.entry(tile).or_default().push(run());
+            if r.paired {
+                receive_ports.entry(partner).or_default().push(run());
             }
-            receive_ports.entry(tile).or_default().push(run);
         }
     }
     check_port(index, "send", send_ports)?;
