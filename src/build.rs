@@ -107,12 +107,12 @@ pub fn build(workload: &Path, options: &BuildOptions) -> Result<Built, BuildErro
         let elapsed_ms = start.elapsed().as_millis();
         info!(phase, elapsed_ms = elapsed_ms as u64, success = result.is_ok(), "package build phase finished");
         let runs = db.take_runs();
-        timings.push(PhaseTiming {
-            phase,
-            elapsed_ms,
-            computed: runs.iter().filter(|r| r.1 == Origin::Computed).count(),
-            disk_hits: runs.iter().filter(|r| r.1 == Origin::DiskHit).count(),
-        });
+        let computed = runs.iter().filter(|r| r.1 == Origin::Computed).count();
+        let disk_hits = runs.iter().filter(|r| r.1 == Origin::DiskHit).count();
+        if computed == 0 && disk_hits > 0 {
+            info!(phase, stages = disk_hits, "reused cached stage outputs");
+        }
+        timings.push(PhaseTiming { phase, elapsed_ms, computed, disk_hits });
         result.map_err(|e| BuildError::Compile(e.to_string()))?;
         if phase == "lower_mid" {
             let l = lowered(&db, sources).map_err(|e| BuildError::Compile(e.to_string()))?;
@@ -154,4 +154,6 @@ pub fn print_timings(timings: &[PhaseTiming]) {
     for t in timings {
         eprintln!("{:<30} {:>10} {:>9} {:>9}", t.phase, t.elapsed_ms, t.computed, t.disk_hits);
     }
+    let sum = |f: fn(&PhaseTiming) -> u128| timings.iter().map(f).sum::<u128>();
+    eprintln!("{:<30} {:>10} {:>9} {:>9}", "total", sum(|t| t.elapsed_ms), sum(|t| t.computed as u128), sum(|t| t.disk_hits as u128));
 }

@@ -49,10 +49,12 @@ impl Grid {
     }
 }
 
-/// Elements per row of a stored block: the last axis rounded up to whole 8-byte units.
+/// Elements per row of a stored block: the last axis rounded up to a multiple of four
+/// elements, so f16 rows start 8-byte aligned (64-bit loads, paired exchange) and fp32
+/// partial rows 16-byte aligned (the AMP's partial alignment), whichever row a block starts at.
 pub fn row_stride(cols: u32, dtype: DType) -> u32 {
-    let per_unit = 8 / dtype.bytes();
-    cols.div_ceil(per_unit) * per_unit
+    let _ = dtype;
+    cols.div_ceil(4) * 4
 }
 
 /// Offset (elements) of an element inside a stored block [lo, hi) per axis.

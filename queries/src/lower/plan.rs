@@ -131,7 +131,7 @@ fn cost_plan(t: &Target, p: &MatMulProblem, b_cuts: Vec<u32>, m_cuts: Vec<u32>, 
     };
     let ns_f16 = ns.div_ceil(4) * 4;
     let ks_f16 = ks.div_ceil(4) * 4;
-    let ns_f32 = ns.div_ceil(2) * 2;
+    let ns_f32 = ns.div_ceil(4) * 4;
     let a_bytes = bs as u64 * ms as u64 * ks_f16 as u64 * 2;
     let b_bytes = bs as u64 * if p.b_transposed { ns as u64 * ks_f16 as u64 } else { ks as u64 * ns_f16 as u64 } * 2;
     let mut compute = bs as u64 * cost::gemm(t, ms, ks, ns, WeightClass::Interleaved, p.b_transposed);

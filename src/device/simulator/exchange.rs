@@ -72,17 +72,16 @@ fn check_port(phase: u32, port: &str, ports: BTreeMap<u32, Vec<PortUse>>) -> Res
         let (mut reach, mut own_reach, mut holder): (u64, u64, Option<usize>) = (0, 0, None);
         for (i, u) in uses.iter().enumerate() {
             let own = u.owner == tile;
-            let clash = match holder {
-                Some(h) if u.start < reach => u.share.is_none() || u.share != uses[h].share || (own && u.start < own_reach),
-                _ => false,
-            };
-            if let (true, Some(h)) = (clash, holder) {
-                return Err(DeviceError::Exchange {
-                    phase,
-                    tile,
-                    cycle: u.start,
-                    message: format!("{port} port used twice: {} overlaps {}", describe(&uses[h], tile), describe(u, tile)),
-                });
+            if let Some(h) = holder.filter(|_| u.start < reach) {
+                let shared = u.share.is_some() && u.share == uses[h].share;
+                if !shared || (own && u.start < own_reach) {
+                    return Err(DeviceError::Exchange {
+                        phase,
+                        tile,
+                        cycle: u.start,
+                        message: format!("{port} port used twice: {} overlaps {}", describe(&uses[h], tile), describe(u, tile)),
+                    });
+                }
             }
             if holder.is_none() || u.start >= reach || u.end > reach {
                 holder = Some(i);

@@ -1,0 +1,98 @@
+//! End to end through the `ipuq` binary on the 16-tile test target: generate, build, run,
+//! verify; odd shapes; bad input; determinism and the incremental cache.
+
+mod common;
+
+use common::{assert_pass, field, fixture, ipuq};
+
+fn workdir() -> tempfile::TempDir {
+    tempfile::tempdir().expect("temporary folder")
+}
+
+#[test]
+fn small_seed_shapes_pass_with_checkpoints() {
+    let dir = workdir();
+    for workload in ["workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml", "workloads/attention-grouped-materialized-gaussian-f16-b1-t29-h4-kv2-d8.toml"] {
+        let out = ipuq(&["run", &fixture(workload), "--target", "small16", "-o", "out", "--checkpoints"], dir.path());
+        assert_pass(&out);
+        assert_eq!(field(&out.stdout, "diagnosticCheckpoints=", "numericalTest").as_deref(), Some("PASS"));
+        let cycles: u64 = field(&out.stdout, "workload=", "cycles").unwrap().parse().unwrap();
+        assert!(cycles > 0);
+        assert!(out.stderr.contains("package build phase finished phase=\"lower_mid\""), "{}", out.stderr);
+        assert!(out.stderr.contains("acquired hardware ownership"));
+    }
+}
+
+#[test]
+fn odd_shapes_of_both_families_pass() {
+    let dir = workdir();
+    let cases: &[&[&str]] = &[
+        &["siglip-mlp", "--tokens", "31", "--dim", "62", "--hidden", "94"],
+        &["siglip-mlp", "--tokens", "17", "--dim", "30", "--hidden", "50", "--blocks", "2", "--biases"],
+        &["siglip-mlp", "--tokens", "7", "--dim", "1", "--hidden", "3"],
+        &["attention", "--tokens", "13", "--heads", "6", "--kv-heads", "3", "--head-dim", "10"],
+        &["attention", "--tokens", "11", "--heads", "3", "--kv-heads", "1", "--head-dim", "9"],
+        &["attention", "--tokens", "19", "--heads", "2", "--kv-heads", "2", "--head-dim", "6", "--batch", "2"],
+    ];
+    for (i, args) in cases.iter().enumerate() {
+        let file = format!("w{i}.toml");
+        let mut generate = vec!["workload"];
+        generate.extend_from_slice(args);
+        generate.extend_from_slice(&["-o", &file]);
+        let out = ipuq(&generate, dir.path());
+        assert_eq!(out.code, 0, "{:?}: {}", args, out.stderr);
+        let out = ipuq(&["run", &file, "--target", "small16", "-o", &format!("out{i}"), "--checkpoints"], dir.path());
+        assert_pass(&out);
+    }
+}
+
+#[test]
+fn bad_input_gets_one_clear_error_and_exit_code_2() {
+    let dir = workdir();
+    let cases = [
+        ("bad/malformed.toml", "malformed file"),
+        ("bad/unknown-operation.toml", "unknown operation 'convolve'"),
+        ("bad/mismatched-shapes.toml", "inner dimensions differ"),
+        ("bad/does-not-fit.toml", "fits in tile memory"),
+    ];
+    for (file, expected) in cases {
+        let out = ipuq(&["build", &fixture(file), "--target", "small16", "-o", "out"], dir.path());
+        assert_eq!(out.code, 2, "{file}: {}", out.stderr);
+        let errors: Vec<&str> = out.stderr.lines().filter(|l| l.starts_with("error: ")).collect();
+        assert_eq!(errors.len(), 1, "{file}: {}", out.stderr);
+        assert!(errors[0].contains(expected), "{file}: {}", errors[0]);
+        assert!(!out.stderr.contains("panicked"), "{file}: {}", out.stderr);
+    }
+    let out = ipuq(&["run", "no-such-file.toml"], dir.path());
+    assert_eq!(out.code, 2);
+    assert!(out.stderr.contains("no-such-file.toml"));
+    std::fs::write(dir.path().join("broken.ipuexe"), b"IPUQPKG\0 but then nothing").unwrap();
+    let out = ipuq(&["run", "broken.ipuexe"], dir.path());
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(out.stderr.contains("broken.ipuexe"), "{}", out.stderr);
+}
+
+#[test]
+fn cold_builds_are_byte_identical_and_incremental_rebuilds_reuse_everything() {
+    let dir = workdir();
+    let workload = fixture("workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml");
+    let a = ipuq(&["build", &workload, "--target", "small16", "-o", "a"], dir.path());
+    let b = ipuq(&["build", &workload, "--target", "small16", "-o", "b"], dir.path());
+    assert_eq!((a.code, b.code), (0, 0), "{}", b.stderr);
+    let pa = std::fs::read(dir.path().join("a/model.ipuexe")).unwrap();
+    let pb = std::fs::read(dir.path().join("b/model.ipuexe")).unwrap();
+    assert!(pa == pb, "two cold builds differ");
+
+    let cache = "cache";
+    let first = ipuq(&["build", &workload, "--target", "small16", "-o", "c", "--incremental", "--cache-dir", cache, "--timings"], dir.path());
+    assert_eq!(first.code, 0, "{}", first.stderr);
+    let second = ipuq(&["build", &workload, "--target", "small16", "-o", "d", "--incremental", "--cache-dir", cache, "--timings"], dir.path());
+    assert_eq!(second.code, 0, "{}", second.stderr);
+    let computed: Vec<&str> = second.stderr.lines().filter(|l| l.starts_with("total")).collect();
+    assert_eq!(computed.len(), 1, "{}", second.stderr);
+    assert!(computed[0].split_whitespace().nth(2) == Some("0"), "the second build recomputed something: {}", second.stderr);
+    assert!(second.stderr.contains("reused"), "{}", second.stderr);
+    let pc = std::fs::read(dir.path().join("c/model.ipuexe")).unwrap();
+    let pd = std::fs::read(dir.path().join("d/model.ipuexe")).unwrap();
+    assert!(pc == pa && pd == pa, "incremental builds differ from the cold build");
+}
