@@ -23,6 +23,7 @@ pub const PHASES: &[&str] = &["lower_mid", "lower_exchanges_provisional", "size_
 
 const LOWER_VERSION: u32 = 1;
 const SCHEDULE_VERSION: u32 = 1;
+const CODE_VERSION: u32 = 1;
 const PLACE_VERSION: u32 = 1;
 const TABLES_VERSION: u32 = 1;
 const PACKAGE_VERSION: u32 = 1;
@@ -107,19 +108,20 @@ pub fn schedules(db: &dyn Db, sources: Sources) -> StageResult<Vec<Schedule>> {
 pub fn code_sizes(db: &dyn Db, sources: Sources) -> StageResult<Vec<u32>> {
     let l = lowered(db, sources)?;
     let s = schedules(db, sources)?;
-    let mut entries = vec![0u32; l.value.tiles as usize];
-    for (phase, schedule) in l.value.phases.iter().zip(s.value.iter()) {
-        for piece in &schedule.pieces {
-            let t = &phase[piece.transfer as usize];
-            entries[l.value.buffers[t.source.0 as usize].tile as usize] += 1;
-            for d in &t.destinations {
-                entries[l.value.buffers[d.0 as usize].tile as usize] += 1;
+    let key = stage_key("size_tile_code", CODE_VERSION, &[l.digest, s.digest]);
+    db.ipuq().cached("size_tile_code", CODE_VERSION, key, || {
+        let mut entries = vec![0u32; l.value.tiles as usize];
+        for (phase, schedule) in l.value.phases.iter().zip(s.value.iter()) {
+            for piece in &schedule.pieces {
+                let t = &phase[piece.transfer as usize];
+                entries[l.value.buffers[t.source.0 as usize].tile as usize] += 1;
+                for d in &t.destinations {
+                    entries[l.value.buffers[d.0 as usize].tile as usize] += 1;
+                }
             }
         }
-    }
-    let sizes = size_tile_code(&l.value, &entries);
-    let digest = KeyHasher::new("ipuq code sizes v1").add(&sizes).finish();
-    Ok(Staged { digest, value: Arc::new(sizes) })
+        Ok(size_tile_code(&l.value, &entries))
+    })
 }
 
 #[salsa::tracked(returns(clone))]

@@ -31,7 +31,7 @@ mod tests;
 mod validate_tests;
 
 use rayon::prelude::*;
-use tracing::info;
+use tracing::{debug, info};
 
 use crate::package::ExchangePhase;
 use crate::target::Target;
@@ -80,15 +80,14 @@ struct Built {
 }
 
 fn build(problem: &Problem, candidate: Candidate) -> Option<Built> {
-    let clock = std::time::Instant::now();
-    let r = build_inner(problem, candidate);
-    if std::env::var_os("IPUQ_EXCHANGE_TRACE").is_some() {
-        eprintln!("candidate {candidate:?}: {:?} in {:?}", r.as_ref().map(|b| (b.horizon, b.pieces.len())), clock.elapsed());
+    let built = construct(problem, candidate);
+    if let Some(b) = &built {
+        debug!(candidate = ?candidate, horizon = b.horizon, pieces = b.pieces.len(), "built exchange schedule candidate");
     }
-    r
+    built
 }
 
-fn build_inner(problem: &Problem, candidate: Candidate) -> Option<Built> {
+fn construct(problem: &Problem, candidate: Candidate) -> Option<Built> {
     let (kind, pieces, greedy) = match candidate {
         Candidate::Matching => (ScheduleKind::MatchingWaves, matching::matching_waves(problem)?, None),
         Candidate::Greedy { pairing, chunk } => {

@@ -63,10 +63,10 @@ fn legal_tables_pass_including_shared_paired_receives() {
 #[test]
 fn two_receives_in_one_cycle_on_one_tile_are_refused() {
     let target = small16();
-    // t2 lands on tile 6 while t1 is still landing there.
-    let overlap = target.delay(2, 6) as i64 + 2 - target.delay(8, 6) as i64;
+    // t1 lands on tile 6 two cycles after t2 started landing there.
     let mut pieces = legal();
-    pieces[2].send_cycle = overlap.max(0) as u32;
+    pieces[2].send_cycle = 0;
+    pieces[1].send_cycle = target.delay(8, 6) + 2 - target.delay(2, 6);
     assert!(matches!(check(&tables(pieces)), Err(ValidationError::PortConflict { tile: 6, port: "receive", .. })));
 }
 
@@ -117,8 +117,8 @@ fn paired_misuse_is_refused() {
     assert_eq!(check(&tables(pieces.clone())), Ok(()));
     // t1 paired into tile 6 holds tile 7's receive port; t3 lands on 7 at the same cycles.
     let target = small16();
-    let clash = target.delay(2, 6) as i64 - target.delay(9, 7) as i64;
-    pieces[3].send_cycle = clash.max(0) as u32;
+    pieces[3].send_cycle = 0;
+    pieces[1].send_cycle = target.delay(9, 7) + 1 - target.delay(2, 6);
     assert!(matches!(check(&tables(pieces)), Err(ValidationError::PortConflict { tile: 7, port: "receive", .. })));
     // t0 goes paired from tile 0, so tile 1's send port is taken during its cycles.
     let mut t = tables(legal());
