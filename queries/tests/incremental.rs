@@ -1,0 +1,102 @@
+//! Incrementality of the stage queries: salsa's in-memory reuse (event log of stage bodies)
+//! and the disk-store layer (keys change when, and only when, their inputs change).
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use ipuq_queries::db::{Database, Origin, Sources, StageStore};
+use ipuq_queries::hash::Digest;
+use ipuq_queries::pipeline::{package, run_phase, PHASES};
+use ipuq_queries::target::fixtures;
+use salsa::Setter;
+
+const WORKLOAD: &str = include_str!("../../fixtures/workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml");
+
+#[derive(Default)]
+struct MemoryStore(Mutex<BTreeMap<(String, Digest, u64), Vec<u8>>>);
+
+impl StageStore for MemoryStore {
+    fn load(&self, stage: &str, key: &Digest, schema: u64) -> Option<rkyv::util::AlignedVec<16>> {
+        let map = self.0.lock().unwrap();
+        let bytes = map.get(&(stage.to_string(), *key, schema))?;
+        let mut v = rkyv::util::AlignedVec::<16>::new();
+        v.extend_from_slice(bytes);
+        Some(v)
+    }
+    fn store(&self, stage: &str, key: &Digest, schema: u64, bytes: &[u8]) {
+        self.0.lock().unwrap().insert((stage.to_string(), *key, schema), bytes.to_vec());
+    }
+}
+
+fn build_all(db: &Database, sources: Sources) -> Vec<(&'static str, Origin)> {
+    for phase in PHASES {
+        run_phase(db, sources, phase).unwrap_or_else(|e| panic!("{phase}: {e}"));
+    }
+    db.take_runs()
+}
+
+fn stages(runs: &[(&'static str, Origin)], origin: Origin) -> Vec<&'static str> {
+    let mut v: Vec<&str> = runs.iter().filter(|r| r.1 == origin).map(|r| r.0).collect();
+    v.dedup();
+    v
+}
+
+#[test]
+fn an_initialiser_change_re_plans_nothing() {
+    let mut db = Database::default();
+    let sources = Sources::new(&db, WORKLOAD.to_string(), "mlp.toml".into(), fixtures::SMALL16.to_string(), "small16".into());
+    let first = build_all(&db, sources);
+    assert!(stages(&first, Origin::Computed).contains(&"lower_mid"), "{first:?}");
+    let before = package(&db, sources).unwrap();
+
+    // Same text: nothing re-runs at all.
+    assert!(build_all(&db, sources).is_empty());
+
+    // A new initialiser seed changes the package (it embeds the workload) but no compile stage.
+    let edited = WORKLOAD.replacen("seed = 1\n", "seed = 7\n", 1);
+    assert_ne!(edited, WORKLOAD);
+    sources.set_workload_text(&mut db).to(edited);
+    let second = build_all(&db, sources);
+    assert_eq!(stages(&second, Origin::Computed), vec!["build_tile_images"], "{second:?}");
+    let after = package(&db, sources).unwrap();
+    assert_ne!(before.digest, after.digest);
+    assert_eq!(before.value.tiles, after.value.tiles);
+}
+
+#[test]
+fn a_target_change_recomputes_the_stages_that_read_it() {
+    let mut db = Database::default();
+    let sources = Sources::new(&db, WORKLOAD.to_string(), "mlp.toml".into(), fixtures::SMALL16.to_string(), "small16".into());
+    build_all(&db, sources);
+    sources.set_target_text(&mut db).to(fixtures::SMALL16.replace("delay_base = 12", "delay_base = 30"));
+    let runs = build_all(&db, sources);
+    for stage in ["lower_mid", "exchange_schedule", "place_storage", "lower_exchanges", "build_tile_images"] {
+        assert!(stages(&runs, Origin::Computed).contains(&stage), "{stage} did not re-run: {runs:?}");
+    }
+}
+
+#[test]
+fn the_disk_store_serves_a_second_process_and_gives_identical_bytes() {
+    let store = Arc::new(MemoryStore::default());
+    let cold = Database::new(Some(store.clone()));
+    let sources = Sources::new(&cold, WORKLOAD.to_string(), "mlp.toml".into(), fixtures::SMALL16.to_string(), "small16".into());
+    let runs = build_all(&cold, sources);
+    assert!(stages(&runs, Origin::DiskHit).is_empty());
+    let cold_bytes = package(&cold, sources).unwrap().value.to_bytes();
+
+    let warm = Database::new(Some(store.clone()));
+    let sources = Sources::new(&warm, WORKLOAD.to_string(), "mlp.toml".into(), fixtures::SMALL16.to_string(), "small16".into());
+    let runs = build_all(&warm, sources);
+    assert!(stages(&runs, Origin::Computed).is_empty(), "a warm build recomputed: {runs:?}");
+    assert_eq!(package(&warm, sources).unwrap().value.to_bytes(), cold_bytes);
+
+    // A damaged entry is a miss: recomputed, and the bytes are the same.
+    for bytes in store.0.lock().unwrap().values_mut() {
+        bytes.truncate(bytes.len() / 2);
+    }
+    let repaired = Database::new(Some(store.clone()));
+    let sources = Sources::new(&repaired, WORKLOAD.to_string(), "mlp.toml".into(), fixtures::SMALL16.to_string(), "small16".into());
+    let runs = build_all(&repaired, sources);
+    assert!(stages(&runs, Origin::Computed).contains(&"lower_mid"), "{runs:?}");
+    assert_eq!(package(&repaired, sources).unwrap().value.to_bytes(), cold_bytes);
+}

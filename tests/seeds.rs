@@ -1,0 +1,46 @@
+//! The two seed workloads at full size on the 1472-tile ipu21 target: build, run on the
+//! simulator, verify, and check that builds are byte-identical across thread counts.
+
+mod common;
+
+use std::process::Command;
+
+use common::{assert_pass, field, fixture, ipuq};
+
+const MLP: &str = "workloads/siglip-mlp-f16-b1-t729-d1152-h4304-n1.toml";
+const ATTENTION: &str = "workloads/attention-grouped-materialized-gaussian-f16-b1-t729-h16-kv4-d72.toml";
+
+#[test]
+fn the_seed_mlp_passes_on_1472_simulated_tiles() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = ipuq(&["run", &fixture(MLP), "-o", "out", "--checkpoints"], dir.path());
+    assert_pass(&out);
+    assert_eq!(field(&out.stdout, "workload=", "workload").as_deref(), Some("siglip-mlp-f16-b1-t729-d1152-h4304-n1"));
+    assert_eq!(field(&out.stdout, "workload=", "executionTiles").as_deref(), Some("1472"));
+    let cycles: u64 = field(&out.stdout, "workload=", "cycles").unwrap().parse().unwrap();
+    // The compute-bound limit on 1472 tiles is 76,730 cycles: nothing can beat it.
+    assert!(cycles > 76_730, "cycles={cycles}");
+    assert_eq!(field(&out.stdout, "diagnosticCheckpoints=", "numericalTest").as_deref(), Some("PASS"));
+}
+
+#[test]
+fn the_seed_attention_passes_and_builds_identically_on_one_and_two_threads() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = ipuq(&["run", &fixture(ATTENTION), "-o", "out", "--checkpoints"], dir.path());
+    assert_pass(&out);
+    assert_eq!(field(&out.stdout, "diagnosticCheckpoints=", "diagnosticCheckpoints").as_deref(), Some("4"));
+    let mut packages = Vec::new();
+    for threads in ["1", "2"] {
+        let status = Command::new(env!("CARGO_BIN_EXE_ipuq"))
+            .args(["build", &fixture(ATTENTION), "-o", &format!("t{threads}")])
+            .current_dir(dir.path())
+            .env("RAYON_NUM_THREADS", threads)
+            .env("IPUQ_LOG", "warn")
+            .status()
+            .unwrap();
+        assert!(status.success());
+        packages.push(std::fs::read(dir.path().join(format!("t{threads}/model.ipuexe"))).unwrap());
+    }
+    assert!(packages[0] == packages[1], "packages differ between 1 and 2 threads");
+    assert!(packages[0] == std::fs::read(dir.path().join("out/model.ipuexe")).unwrap());
+}
