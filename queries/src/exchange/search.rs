@@ -18,8 +18,8 @@ use super::timing;
 use super::types::Piece;
 
 /// Transfer-rebuilds per chain: a 15k-transfer phase gets 10 rebuilds, an 85k one 1.
-const WORK_PER_CHAIN: usize = 150_000;
-const MAX_REBUILDS: usize = 10;
+const WORK_PER_CHAIN: usize = 300_000;
+const MAX_REBUILDS: usize = 20;
 /// Step sizes (bias per cycle of lateness) of the chains.
 const STEPS: [u64; 2] = [2, 6];
 
