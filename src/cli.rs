@@ -77,6 +77,12 @@ enum Command {
         #[arg(long)]
         chrome_trace: Option<PathBuf>,
     },
+    /// For every exchange phase of the workloads: bound, horizon, gap and scheduling time.
+    ExchangeReport {
+        workloads: Vec<PathBuf>,
+        #[arg(long)]
+        target: Option<String>,
+    },
     /// Inspect or maintain the stage cache.
     Cache {
         #[command(subcommand)]
@@ -211,6 +217,10 @@ fn run(cli: Cli) -> Result<Outcome, String> {
                 crate::profile::chrome_trace(&file, &out).map_err(|e| e.to_string())?;
                 println!("chromeTrace={}", out.display());
             }
+            Ok(Outcome::Pass)
+        }
+        Command::ExchangeReport { workloads, target } => {
+            crate::exchange_report::run(&workloads, target.as_deref())?;
             Ok(Outcome::Pass)
         }
         Command::Cache { action, cache_dir } => {

@@ -96,3 +96,44 @@ fn cold_builds_are_byte_identical_and_incremental_rebuilds_reuse_everything() {
     let pd = std::fs::read(dir.path().join("d/model.ipuexe")).unwrap();
     assert!(pc == pa && pd == pa, "incremental builds differ from the cold build");
 }
+
+#[test]
+fn a_second_run_waits_for_the_device_lock_then_succeeds_or_gives_up() {
+    use std::process::{Command, Stdio};
+    use std::time::Duration;
+
+    let dir = workdir();
+    let workload = fixture("workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml");
+    let out = ipuq(&["build", &workload, "--target", "small16", "-o", "out"], dir.path());
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let lock_path = dir.path().join("out/device.lock");
+    let spawn = |timeout: &str| {
+        Command::new(env!("CARGO_BIN_EXE_ipuq"))
+            .args(["run", "out/model.ipuexe", "--lock-timeout", timeout])
+            .current_dir(dir.path())
+            .env("IPUQ_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    // Another process (this test) owns the device: the run waits, then goes on once released.
+    let held = ipuq::device::lock::DeviceLock::acquire(&lock_path, Duration::from_secs(5)).unwrap();
+    let mut child = spawn("60");
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(child.try_wait().unwrap().is_none(), "the run did not wait for the lock");
+    drop(held);
+    let output = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    assert!(stderr.contains("waiting for hardware ownership") && stderr.contains("acquired hardware ownership"), "{stderr}");
+    assert!(String::from_utf8_lossy(&output.stdout).contains("simulatorTest=PASS"));
+
+    // With a short timeout it gives up with a clear error naming the lock file.
+    let held = ipuq::device::lock::DeviceLock::acquire(&lock_path, Duration::from_secs(5)).unwrap();
+    let output = spawn("1").wait_with_output().unwrap();
+    drop(held);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(stderr.lines().any(|l| l.starts_with("error: ") && l.contains("device.lock")), "{stderr}");
+}

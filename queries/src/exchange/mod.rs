@@ -15,6 +15,7 @@
 //! keyed by [`pattern_digest`].
 
 mod bound;
+mod compact;
 mod greedy;
 mod lower;
 mod matching;
@@ -99,6 +100,7 @@ fn construct(problem: &Problem, candidate: Candidate) -> Option<Built> {
             (ScheduleKind::FullDuplex, pieces, Some((choice, chunk)))
         }
     };
+    let pieces = compact::justify(problem, pieces);
     let horizon = timing::horizon(problem, &pieces);
     let paired = pieces.iter().any(|p| p.paired);
     Some(Built { greedy, kind, paired, pieces, horizon })

@@ -12,13 +12,14 @@
 
 use rayon::prelude::*;
 
+use super::compact;
 use super::greedy;
 use super::problem::Problem;
 use super::timing;
 use super::types::Piece;
 
-/// Transfer-rebuilds per chain: a 15k-transfer phase gets 10 rebuilds, an 85k one 1.
-const WORK_PER_CHAIN: usize = 300_000;
+/// Transfer-rebuilds per chain: a 15k-transfer phase gets 9 rebuilds, an 85k one 1.
+const WORK_PER_CHAIN: usize = 150_000;
 const MAX_REBUILDS: usize = 20;
 /// Step sizes (bias per cycle of lateness) of the chains.
 const STEPS: [u64; 2] = [2, 6];
@@ -69,7 +70,7 @@ fn chain(problem: &Problem, paired: &[bool], chunk: u32, start: &Improved, floor
         if !moved {
             break;
         }
-        let pieces = greedy::full_duplex(problem, paired, chunk, &bias);
+        let pieces = compact::justify(problem, greedy::full_duplex(problem, paired, chunk, &bias));
         let horizon = timing::horizon(problem, &pieces);
         ends = job_ends(problem, &pieces);
         current_horizon = horizon;

@@ -182,8 +182,8 @@ pub fn random_phase(rng: &mut SplitMix64, tiles: u32, transfers: u32, max_words:
 /// The three seed-sized phases: (name, phase) for 15,064, 24,760 and 84,859 transfers.
 pub fn seed_sized(tiles: u32) -> Vec<(&'static str, PhaseRequest)> {
     vec![
-        ("mlp-gather-15064", gemm_gather(tiles, 15_064, 240, 420, 1)),
-        ("reduction-24760", reduction_groups(tiles, 24_760, 150, 330, 3)),
-        ("mixed-84859", mixed_large(tiles, 84_859, 60, 300, 4_440, 6)),
+        ("mlp-gather-15064", gemm_gather(tiles, 15_064, 200, 360, 1)),
+        ("reduction-24760", reduction_groups(tiles, 24_760, 90, 200, 3)),
+        ("mixed-84859", mixed_large(tiles, 84_859, 40, 260, 4_440, 6)),
     ]
 }

@@ -1,0 +1,167 @@
+//! Left-shift compaction with splitting: move every piece into the earliest idle time that all
+//! its ports share, cutting it across several such gaps when no single one is long enough.
+//!
+//! Pieces are taken in the order of their current send cycle. A piece usually finds its own
+//! slot again, but an earlier piece with a longer delay may have moved into it on a receive
+//! port, so the horizon can grow: callers keep the better of before and after. This is the
+//! "split a critical piece and defer the rest" move of a critical-path search, applied to every
+//! piece at once; list schedules leave many short waits that it fills.
+//!
+//! `justify` alternates right and left compaction ("forward-backward improvement", Li and
+//! Willis, EJOR 1992; "double justification", Valls, Ballestín and Quintanilla, EJOR 2005):
+//! right-justifying against the horizon (the same compaction on time reversed) opens room at
+//! the start that the next left pass uses. It must not change which words go where: only cycles
+//! and the cutting of pieces.
+
+use super::problem::Problem;
+use super::timing;
+use super::types::Piece;
+
+/// Gaps shorter than this (cycles) are not filled unless they finish the piece: every cut
+/// costs a table entry per port.
+const SHORTEST_FRAGMENT: u32 = 24;
+
+/// Idle time of one port: sorted disjoint free intervals below `tail`, free from `tail` on.
+#[derive(Clone, Default)]
+struct Port {
+    gaps: Vec<(u32, u32)>,
+    tail: u32,
+}
+
+impl Port {
+    /// The free interval (native cycles) holding `at`, or the first one after it.
+    fn free_from(&self, at: u32) -> (u32, u32) {
+        let i = self.gaps.partition_point(|g| g.1 <= at);
+        match self.gaps.get(i) {
+            Some(&(a, b)) => (a.max(at), b),
+            None => (self.tail.max(at), u32::MAX),
+        }
+    }
+
+    /// Mark [start, end) busy; it lies inside one free interval.
+    fn take(&mut self, start: u32, end: u32) {
+        if start >= self.tail {
+            if start > self.tail {
+                self.gaps.push((self.tail, start));
+            }
+            self.tail = end;
+            return;
+        }
+        let i = self.gaps.partition_point(|g| g.1 <= start);
+        let (a, b) = self.gaps[i];
+        match (a < start, end < b) {
+            (true, true) => {
+                self.gaps[i] = (a, start);
+                self.gaps.insert(i + 1, (end, b));
+            }
+            (true, false) => self.gaps[i] = (a, start),
+            (false, true) => self.gaps[i] = (end, b),
+            (false, false) => {
+                self.gaps.remove(i);
+            }
+        }
+    }
+}
+
+/// Passes of `justify` (each a right then a left compaction).
+const JUSTIFY_PASSES: usize = 2;
+
+/// Left compaction, then right/left passes while the horizon drops; never worse than the input.
+pub(crate) fn justify(problem: &Problem, pieces: Vec<Piece>) -> Vec<Piece> {
+    let mut best_horizon = timing::horizon(problem, &pieces);
+    let mut best = pieces;
+    let left = compact(problem, best.clone(), None);
+    let h = timing::horizon(problem, &left);
+    if h <= best_horizon {
+        best_horizon = h;
+        best = left;
+    }
+    for _ in 0..JUSTIFY_PASSES {
+        let right = compact(problem, best.clone(), Some(best_horizon));
+        let left = compact(problem, right, None);
+        let h = timing::horizon(problem, &left);
+        if h >= best_horizon {
+            break;
+        }
+        best_horizon = h;
+        best = left;
+    }
+    best
+}
+
+/// Compact `pieces` to the left, or with `Some(horizon)` to the right against that horizon
+/// (see the module header); returns the new pieces, merged and sorted.
+pub(crate) fn compact(problem: &Problem, mut pieces: Vec<Piece>, reverse: Option<u32>) -> Vec<Piece> {
+    // Right compaction works in reversed time: a piece ending (last arrival) at E starts at
+    // z = H − E in its own frame, its send port sits at z + maxδ and a receive port with
+    // delay δ at z + maxδ − δ (both at least 0).
+    match reverse {
+        None => timing::sort_pieces(&mut pieces),
+        Some(_) => pieces.sort_unstable_by_key(|p| (std::cmp::Reverse(timing::piece_end(problem, p)), p.transfer, p.offset_words)),
+    }
+    let tiles = problem.tiles as usize;
+    let mut ports = vec![Port::default(); 2 * tiles];
+    let mut out = Vec::with_capacity(pieces.len());
+    // (port index, shift from the placement frame to the port's own cycles)
+    let mut touched: Vec<(usize, u32)> = Vec::new();
+    for piece in pieces {
+        let job = &problem.jobs[piece.transfer as usize];
+        let receivers = problem.receive_ports(piece.transfer as usize, piece.paired);
+        let farthest = receivers.iter().map(|p| p.delay).max().unwrap_or(0);
+        let send_shift = if reverse.is_some() { farthest } else { 0 };
+        touched.clear();
+        touched.push((2 * job.source as usize, send_shift));
+        if piece.paired {
+            touched.push((2 * (job.source as usize ^ 1), send_shift));
+        }
+        for p in receivers {
+            let shift = if reverse.is_some() { farthest - p.delay } else { p.delay };
+            touched.push((2 * p.tile as usize + 1, shift));
+        }
+        let width = if piece.paired { 2 } else { 1 };
+        let mut left = piece.cycles();
+        let mut at = 0u32;
+        while left > 0 {
+            let (start, end) = common_free(&ports, &touched, at);
+            let length = left.min(end - start);
+            if length < left && length < SHORTEST_FRAGMENT {
+                at = end;
+                continue;
+            }
+            for &(port, shift) in &touched {
+                ports[port].take(start + shift, start + shift + length);
+            }
+            // Left: words in order from the front. Right: the first fragment in reversed time
+            // is the last one in real time, so it carries the last words.
+            let (offset, send_cycle) = match reverse {
+                None => (piece.offset_words + (piece.cycles() - left) * width, start),
+                Some(horizon) => (piece.offset_words + (left - length) * width, horizon - (start + farthest) - length),
+            };
+            out.push(Piece { transfer: piece.transfer, offset_words: offset, words: length * width, send_cycle, paired: piece.paired });
+            left -= length;
+            at = start + length;
+        }
+    }
+    timing::merge_adjacent(&mut out);
+    out
+}
+
+/// Earliest send-cycle interval at or after `at` in which every touched port is free.
+fn common_free(ports: &[Port], touched: &[(usize, u32)], mut at: u32) -> (u32, u32) {
+    loop {
+        let mut moved = false;
+        let mut end = u32::MAX;
+        for &(port, shift) in touched {
+            let (a, b) = ports[port].free_from(at + shift);
+            let (a, b) = (a - shift, b.saturating_sub(shift));
+            if a > at {
+                at = a;
+                moved = true;
+            }
+            end = end.min(b);
+        }
+        if !moved && end > at {
+            return (at, end);
+        }
+    }
+}
