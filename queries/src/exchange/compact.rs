@@ -20,6 +20,9 @@ use super::types::Piece;
 /// Gaps shorter than this (cycles) are not filled unless they finish the piece: every cut
 /// costs a table entry per port.
 const SHORTEST_FRAGMENT: u32 = 24;
+/// Idle stretches shorter than this (cycles) are given up rather than remembered: they would
+/// almost never be filled, and every remembered gap slows every later search on the port.
+const SHORTEST_GAP: u32 = 8;
 
 /// Idle time of one port: sorted disjoint free intervals below `tail`, free from `tail` on.
 #[derive(Clone, Default)]
@@ -41,7 +44,7 @@ impl Port {
     /// Mark [start, end) busy; it lies inside one free interval.
     fn take(&mut self, start: u32, end: u32) {
         if start >= self.tail {
-            if start > self.tail {
+            if start >= self.tail + SHORTEST_GAP {
                 self.gaps.push((self.tail, start));
             }
             self.tail = end;
@@ -49,7 +52,7 @@ impl Port {
         }
         let i = self.gaps.partition_point(|g| g.1 <= start);
         let (a, b) = self.gaps[i];
-        match (a < start, end < b) {
+        match (a + SHORTEST_GAP <= start, end + SHORTEST_GAP <= b) {
             (true, true) => {
                 self.gaps[i] = (a, start);
                 self.gaps.insert(i + 1, (end, b));

@@ -166,3 +166,26 @@ fn empty_phase_has_an_empty_schedule() {
     let schedule = check(&target, &phase);
     assert_eq!((schedule.horizon, schedule.pieces.len()), (0, 0));
 }
+
+#[test]
+fn zz_profile_justify() {
+    let target = ipu21();
+    for (name, phase) in synthetic::seed_sized(1472) {
+        let problem = problem::prepare(&target, &phase).unwrap();
+        let choice = greedy::choose_pairing(&problem, greedy::Pairing::Balanced);
+        let t = std::time::Instant::now();
+        let pieces = greedy::full_duplex(&problem, &choice, 192, &[]);
+        let g = t.elapsed();
+        let h0 = timing::horizon(&problem, &pieces);
+        let t = std::time::Instant::now();
+        let left = compact::compact(&problem, pieces.clone(), None);
+        let l = t.elapsed();
+        let h1 = timing::horizon(&problem, &left);
+        let t = std::time::Instant::now();
+        let right = compact::compact(&problem, left.clone(), Some(h1));
+        let r = t.elapsed();
+        let left2 = compact::compact(&problem, right, None);
+        let h2 = timing::horizon(&problem, &left2);
+        eprintln!("{name}: greedy {h0} in {g:?}; left {h1} in {l:?}; right in {r:?}; left2 {h2}; pieces {} {} {}", pieces.len(), left.len(), left2.len());
+    }
+}
