@@ -28,8 +28,14 @@ pub struct RunRequest {
     pub workload_folder: PathBuf,
 }
 
+/// The seed's order of family fields in the result line; other fields follow alphabetically.
+const FIELD_ORDER: &[&str] = &["benchmark", "batch", "tokens", "rows", "dimension", "hiddenDimension", "blocks", "biases", "heads", "kvHeads", "headDimension"];
+
 fn family_fields(graph: &Graph) -> String {
-    graph.file.family.iter().map(|(k, v)| format!(" {k}={}", v.to_string().trim_matches('"'))).collect()
+    let family = &graph.file.family;
+    let known = FIELD_ORDER.iter().filter_map(|k| family.get_key_value(*k));
+    let others = family.iter().filter(|(k, _)| !FIELD_ORDER.contains(&k.as_str()));
+    known.chain(others).map(|(k, v)| format!(" {k}={}", v.to_string().trim_matches('"'))).collect()
 }
 
 pub fn run_and_verify(package: &Package, package_path: &Path, request: &RunRequest) -> Result<Outcome, String> {
