@@ -44,3 +44,21 @@ fn the_seed_attention_passes_and_builds_identically_on_one_and_two_threads() {
     assert!(packages[0] == packages[1], "packages differ between 1 and 2 threads");
     assert!(packages[0] == std::fs::read(dir.path().join("out/model.ipuexe")).unwrap());
 }
+
+#[test]
+fn odd_shapes_pass_on_1472_simulated_tiles() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases: &[&[&str]] = &[
+        &["siglip-mlp", "--tokens", "257", "--dim", "1000", "--hidden", "3001"],
+        &["attention", "--tokens", "211", "--heads", "12", "--kv-heads", "4", "--head-dim", "33"],
+        &["attention", "--tokens", "1", "--heads", "1", "--kv-heads", "1", "--head-dim", "1"],
+    ];
+    for (i, args) in cases.iter().enumerate() {
+        let file = format!("w{i}.toml");
+        let mut generate = vec!["workload"];
+        generate.extend_from_slice(args);
+        generate.extend_from_slice(&["-o", &file]);
+        assert_eq!(ipuq(&generate, dir.path()).code, 0);
+        assert_pass(&ipuq(&["run", &file, "-o", &format!("out{i}")], dir.path()));
+    }
+}
