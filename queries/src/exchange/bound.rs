@@ -105,6 +105,11 @@ pub(crate) fn bounds(problem: &Problem) -> Bounds {
 const CLIQUE_SEEDS: usize = 4;
 /// Candidates examined per seed, largest first.
 const CLIQUE_CANDIDATES: usize = 256;
+/// Work caps that keep the search cheap on phases of wide broadcasts: members per clique,
+/// destinations of a transfer considered, and (transfer, receiver) visits while collecting.
+const CLIQUE_MEMBERS: usize = 512;
+const CLIQUE_FANOUT: usize = 64;
+const CLIQUE_VISITS: usize = 1 << 20;
 
 fn clique_bound(problem: &Problem) -> Option<u32> {
     let n = problem.tiles as usize;
@@ -130,10 +135,16 @@ fn clique_bound(problem: &Problem) -> Option<u32> {
         for &x in &incoming[seed] {
             marked[x as usize] = true;
         }
-        for &(x, _) in &members {
-            for p in problem.receive_ports(x as usize, false) {
+        let mut visits = if members.len() > CLIQUE_MEMBERS { CLIQUE_VISITS } else { 0 };
+        'collect: for &(x, _) in members.iter().take(CLIQUE_MEMBERS) {
+            for p in problem.receive_ports(x as usize, false).iter().take(CLIQUE_FANOUT) {
                 for &y in &incoming[p.tile as usize] {
-                    if !marked[y as usize] {
+                    visits += 1;
+                    if visits > CLIQUE_VISITS {
+                        break 'collect;
+                    }
+                    let fanout = problem.receive_ports(y as usize, false).len();
+                    if !marked[y as usize] && fanout <= CLIQUE_FANOUT {
                         marked[y as usize] = true;
                         candidates.push(y);
                     }
@@ -142,6 +153,9 @@ fn clique_bound(problem: &Problem) -> Option<u32> {
         }
         candidates.sort_by_key(|&y| (std::cmp::Reverse(least_cycles(problem, y as usize)), y));
         for &y in candidates.iter().take(CLIQUE_CANDIDATES) {
+            if members.len() >= CLIQUE_MEMBERS {
+                break;
+            }
             if let Some(shift) = consistent_shift(problem, &members, y as usize) {
                 members.push((y, shift));
             }
@@ -164,6 +178,10 @@ fn consistent_shift(problem: &Problem, members: &[(u32, i64)], y: usize) -> Opti
     let source = problem.jobs[y].source;
     for &(x, tau_x) in members {
         let xj = &problem.jobs[x as usize];
+        if problem.receive_ports(x as usize, false).len() > CLIQUE_FANOUT {
+            // Too wide to check cheaply; leaving y out keeps the bound valid.
+            return None;
+        }
         let mut options: Vec<i64> = Vec::new();
         if xj.source == source {
             options.push(tau_x);

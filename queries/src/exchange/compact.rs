@@ -66,22 +66,31 @@ impl Port {
     }
 }
 
-/// Passes of `justify` (each a right then a left compaction).
-const JUSTIFY_PASSES: usize = 2;
+/// How hard `justify` works: right/left passes, and how far before its current cycle a piece
+/// looks for room (`None`: back to cycle 0). On large phases walking far back to rare gaps
+/// dominates the cost.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Effort {
+    pub passes: usize,
+    pub lookback: Option<u32>,
+}
 
 /// Left compaction, then right/left passes while the horizon drops; never worse than the input.
-pub(crate) fn justify(problem: &Problem, pieces: Vec<Piece>) -> Vec<Piece> {
+pub(crate) fn justify(problem: &Problem, pieces: Vec<Piece>, effort: Effort) -> Vec<Piece> {
+    let lookback = effort.lookback;
     let mut best_horizon = timing::horizon(problem, &pieces);
     let mut best = pieces;
-    let left = compact(problem, best.clone(), None);
-    let h = timing::horizon(problem, &left);
-    if h <= best_horizon {
-        best_horizon = h;
-        best = left;
+    if let Some(left) = compact(problem, best.clone(), None, lookback) {
+        let h = timing::horizon(problem, &left);
+        if h <= best_horizon {
+            best_horizon = h;
+            best = left;
+        }
     }
-    for _ in 0..JUSTIFY_PASSES {
-        let right = compact(problem, best.clone(), Some(best_horizon));
-        let left = compact(problem, right, None);
+    for _ in 0..effort.passes {
+        let Some(left) = compact(problem, best.clone(), Some(best_horizon), lookback).and_then(|right| compact(problem, right, None, lookback)) else {
+            break;
+        };
         let h = timing::horizon(problem, &left);
         if h >= best_horizon {
             break;
@@ -93,8 +102,9 @@ pub(crate) fn justify(problem: &Problem, pieces: Vec<Piece>) -> Vec<Piece> {
 }
 
 /// Compact `pieces` to the left, or with `Some(horizon)` to the right against that horizon
-/// (see the module header); returns the new pieces, merged and sorted.
-pub(crate) fn compact(problem: &Problem, mut pieces: Vec<Piece>, reverse: Option<u32>) -> Vec<Piece> {
+/// (see the module header); returns the new pieces, merged and sorted, or `None` when a right
+/// pass cannot keep every piece within the horizon.
+pub(crate) fn compact(problem: &Problem, mut pieces: Vec<Piece>, reverse: Option<u32>, lookback: Option<u32>) -> Option<Vec<Piece>> {
     // Right compaction works in reversed time: a piece ending (last arrival) at E starts at
     // z = H − E in its own frame, its send port sits at z + maxδ and a receive port with
     // delay δ at z + maxδ − δ (both at least 0).
@@ -123,7 +133,11 @@ pub(crate) fn compact(problem: &Problem, mut pieces: Vec<Piece>, reverse: Option
         }
         let width = if piece.paired { 2 } else { 1 };
         let mut left = piece.cycles();
-        let mut at = 0u32;
+        let current = match reverse {
+            None => piece.send_cycle,
+            Some(horizon) => horizon.saturating_sub(piece.send_cycle + piece.cycles() + farthest),
+        };
+        let mut at = lookback.map_or(0, |l| current.saturating_sub(l));
         while left > 0 {
             let (start, end) = common_free(&ports, &touched, at);
             let length = left.min(end - start);
@@ -138,7 +152,9 @@ pub(crate) fn compact(problem: &Problem, mut pieces: Vec<Piece>, reverse: Option
             // is the last one in real time, so it carries the last words.
             let (offset, send_cycle) = match reverse {
                 None => (piece.offset_words + (piece.cycles() - left) * width, start),
-                Some(horizon) => (piece.offset_words + (left - length) * width, horizon - (start + farthest) - length),
+                // A piece pushed past the horizon (its slot was taken, see the header) makes
+                // the pass useless: give it up.
+                Some(horizon) => (piece.offset_words + (left - length) * width, horizon.checked_sub(start + farthest + length)?),
             };
             out.push(Piece { transfer: piece.transfer, offset_words: offset, words: length * width, send_cycle, paired: piece.paired });
             left -= length;
@@ -146,7 +162,7 @@ pub(crate) fn compact(problem: &Problem, mut pieces: Vec<Piece>, reverse: Option
         }
     }
     timing::merge_adjacent(&mut out);
-    out
+    Some(out)
 }
 
 /// Earliest send-cycle interval at or after `at` in which every touched port is free.

@@ -15,8 +15,9 @@ use tracing::info;
 use crate::package::{ExchangePhase, ReceiveEntry, SendEntry, TileExchange};
 use crate::target::Target;
 
-use super::problem::{alignment_class, Problem};
-use super::types::{ExchangeError, PhaseRequest, Schedule};
+use super::problem::{alignment_class, prepare, Problem};
+use super::validate::validate;
+use super::types::{ExchangeError, PhaseRequest, Schedule, ScheduleKind};
 
 pub const SEND_ENTRY_WORDS: u32 = 3;
 pub const RECEIVE_ENTRY_WORDS: u32 = 4;
@@ -31,8 +32,20 @@ pub fn row_words(tables: &ExchangePhase) -> (u32, u32) {
     tables.tiles.iter().map(|t| (t.tile, table_row_words(t))).fold((0, 0), |best, (tile, w)| if w > best.1 { (tile, w) } else { best })
 }
 
-/// Write the tables of a schedule with the phase's addresses (see the module header).
+/// Write the tables of a schedule with the phase's addresses (see the module header), and log
+/// the largest row.
 pub fn lower_to_tables(target: &Target, phase: &PhaseRequest, schedule: &Schedule) -> ExchangePhase {
+    let tables = write_tables(target, phase, schedule);
+    log_finished(&tables);
+    tables
+}
+
+fn log_finished(tables: &ExchangePhase) {
+    let (tile, words) = row_words(tables);
+    info!(phase = tables.index, tile, row_words = words, horizon = tables.horizon, "finished large physical exchange phase");
+}
+
+fn write_tables(target: &Target, phase: &PhaseRequest, schedule: &Schedule) -> ExchangePhase {
     let tiles = target.chip.tiles as usize;
     let mut sends: Vec<Vec<SendEntry>> = vec![Vec::new(); tiles];
     let mut receives: Vec<Vec<ReceiveEntry>> = vec![Vec::new(); tiles];
@@ -71,10 +84,7 @@ pub fn lower_to_tables(target: &Target, phase: &PhaseRequest, schedule: &Schedul
         }
         out.push(TileExchange { tile: tile as u32, sends: s, receives: r });
     }
-    let tables = ExchangePhase { index: phase.index, tiles: out, horizon, endpoint_lower_bound: schedule.endpoint_lower_bound };
-    let (tile, words) = row_words(&tables);
-    info!(phase = phase.index, tile, row_words = words, horizon, "finished large physical exchange phase");
-    tables
+    ExchangePhase { index: phase.index, tiles: out, horizon, endpoint_lower_bound: schedule.endpoint_lower_bound }
 }
 
 fn cycles(words: u32, paired: bool) -> u32 {
@@ -133,4 +143,27 @@ pub(crate) fn check_fits(problem: &Problem, phase: &PhaseRequest, schedule: &Sch
         }
     }
     Ok(())
+}
+
+/// Replay a cached schedule of an identical pattern with this phase's addresses: patch,
+/// validate, and return the tables. Fails when the schedule does not fit (then schedule anew).
+pub fn reuse(target: &Target, phase: &PhaseRequest, cached: &Schedule) -> Result<ExchangePhase, ExchangeError> {
+    let problem = prepare(target, phase)?;
+    check_fits(&problem, phase, cached)?;
+    let tables = write_tables(target, phase, cached);
+    validate(target, phase, &tables).map_err(|source| ExchangeError::Invalid { phase: phase.index, source })?;
+    info!(phase = phase.index, "reused exchange optimization after validating relocated rows");
+    info!(phase = phase.index, transfers = phase.transfers.len(), maximum_identical_destinations = problem.maximum_identical_destinations(), "prepared large physical exchange phase");
+    info!(
+        phase = phase.index,
+        initial_horizon = cached.horizon,
+        selected_horizon = tables.horizon,
+        endpoint_lower_bound = cached.endpoint_lower_bound,
+        lower_bound_gap = tables.horizon.saturating_sub(cached.endpoint_lower_bound),
+        selected_kind = ScheduleKind::Reused.name(),
+        neighborhood_improvements = 0,
+        "optimized physical exchange schedule"
+    );
+    log_finished(&tables);
+    Ok(tables)
 }

@@ -174,9 +174,8 @@ fn decompose(g: &Graph) -> Vec<Run> {
             st.mate_left[g.left[fu] as usize] = NONE;
             st.mate_right[g.right[fu] as usize] = NONE;
         }
-        for i in 0..freed.len() {
-            let u = g.left[freed[i] as usize];
-            augment(g, &mut adjacency, &mut st, u, now, &mut runs);
+        for &f in &freed {
+            augment(g, &mut adjacency, &mut st, g.left[f as usize], now, &mut runs);
         }
     }
     runs

@@ -5,9 +5,15 @@
 //! 2. `bound` computes the endpoint lower bound (and the multicast clique bound);
 //! 3. constructions run side by side: `matching` (optimal blocks for bipartite phases, then
 //!    timed with delays) and `greedy` (preemptive, most-loaded ports first), ordinary and paired;
-//! 4. `search` improves the best along its critical path, within a fixed work budget;
-//! 5. `lower` patches addresses in and writes the sorted per-tile tables;
-//! 6. `validate` checks the tables against the request, independently of everything above.
+//! 4. `compact` justifies each one left, right and left again, cutting pieces into shared idle
+//!    time (this closes most of the gap the delays open);
+//! 5. `greedy::critical_neighborhood` rebuilds the best greedy with its late transfers made
+//!    more urgent, within a fixed work budget;
+//! 6. `lower` patches addresses in and writes the sorted per-tile tables;
+//! 7. `validate` checks the tables against the request, independently of everything above.
+//!
+//! The best schedule is chosen by horizon, then piece count, then candidate order. The log
+//! lines carry the seed's field names; `row_words` is defined in `lower.rs`.
 //!
 //! Architecture Invariant: the output depends only on the target and the request, never on
 //! thread count, clocks or hash order: budgets count work, not time, and ties break by index.
@@ -20,7 +26,6 @@ mod greedy;
 mod lower;
 mod matching;
 mod problem;
-mod search;
 pub mod synthetic;
 mod timing;
 mod types;
@@ -37,7 +42,7 @@ use tracing::{debug, info};
 use crate::package::ExchangePhase;
 use crate::target::Target;
 
-pub use lower::{lower_to_tables, row_words, table_row_words};
+pub use lower::{lower_to_tables, reuse, row_words, table_row_words};
 pub use problem::pattern_digest;
 pub use types::{Destination, ExchangeError, PhaseRequest, Piece, Schedule, ScheduleKind, Transfer, ValidationError};
 pub use validate::validate;
@@ -46,17 +51,21 @@ use greedy::Pairing;
 use problem::Problem;
 
 /// Chunk sizes of the greedy constructions (words): small ones preempt, large ones keep rows
-/// short. Phases above `LARGE_PHASE` transfers try only the middle one, to stay fast.
+/// short. Phases above `LARGE_PHASE` transfers try only the middle one, without "all paired",
+/// and justify once with a bounded look-back, to stay within half a second on two cores.
 const CHUNKS: [u32; 2] = [96, 256];
 const LARGE_CHUNK: u32 = 192;
 const LARGE_PHASE: usize = 40_000;
+const EFFORT: compact::Effort = compact::Effort { passes: 2, lookback: None };
+const LARGE_EFFORT: compact::Effort = compact::Effort { passes: 1, lookback: Some(2048) };
 /// matching-waves runs on phases up to this many transfers, or on any phase whose delays
 /// spread by at most `UNIFORM_DELAY_SPREAD` cycles (where its block order is exact). On large
 /// phases with the chip's full delay spread its timing loses to the greedy and costs most.
 const MATCHING_PHASE: usize = 30_000;
 const UNIFORM_DELAY_SPREAD: u32 = 16;
 
-/// The endpoint lower bound of a phase (see `bound.rs` for exactly what is counted).
+/// The endpoint lower bound of a phase (see `bound.rs` for exactly what is counted); 0 for a
+/// malformed request, whose problem `schedule_phase` names.
 pub fn endpoint_lower_bound(target: &Target, phase: &PhaseRequest) -> u32 {
     match problem::prepare(target, phase) {
         Ok(problem) => bound::endpoint_bound(&problem),
@@ -80,15 +89,15 @@ struct Built {
     horizon: u32,
 }
 
-fn build(problem: &Problem, candidate: Candidate) -> Option<Built> {
-    let built = construct(problem, candidate);
+fn build(problem: &Problem, candidate: Candidate, effort: compact::Effort) -> Option<Built> {
+    let built = construct(problem, candidate, effort);
     if let Some(b) = &built {
         debug!(candidate = ?candidate, horizon = b.horizon, pieces = b.pieces.len(), "built exchange schedule candidate");
     }
     built
 }
 
-fn construct(problem: &Problem, candidate: Candidate) -> Option<Built> {
+fn construct(problem: &Problem, candidate: Candidate, effort: compact::Effort) -> Option<Built> {
     let (kind, pieces, greedy) = match candidate {
         Candidate::Matching => (ScheduleKind::MatchingWaves, matching::matching_waves(problem)?, None),
         Candidate::Greedy { pairing, chunk } => {
@@ -100,7 +109,7 @@ fn construct(problem: &Problem, candidate: Candidate) -> Option<Built> {
             (ScheduleKind::FullDuplex, pieces, Some((choice, chunk)))
         }
     };
-    let pieces = compact::justify(problem, pieces);
+    let pieces = compact::justify(problem, pieces, effort);
     let horizon = timing::horizon(problem, &pieces);
     let paired = pieces.iter().any(|p| p.paired);
     Some(Built { greedy, kind, paired, pieces, horizon })
@@ -128,13 +137,19 @@ pub fn schedule_phase(target: &Target, phase: &PhaseRequest) -> Result<Schedule,
     if phase.transfers.len() <= MATCHING_PHASE || problem.delay_spread() <= UNIFORM_DELAY_SPREAD {
         candidates.push(Candidate::Matching);
     }
-    let chunks: &[u32] = if phase.transfers.len() > LARGE_PHASE { &[LARGE_CHUNK] } else { &CHUNKS };
+    let large = phase.transfers.len() > LARGE_PHASE;
+    let chunks: &[u32] = if large { &[LARGE_CHUNK] } else { &CHUNKS };
+    let effort = if large { LARGE_EFFORT } else { EFFORT };
     let eligible = problem.eligible_count();
-    let pairings: &[Pairing] = if eligible > 0 { &[Pairing::Ordinary, Pairing::Balanced, Pairing::All] } else { &[Pairing::Ordinary] };
+    let pairings: &[Pairing] = match (eligible > 0, large) {
+        (false, _) => &[Pairing::Ordinary],
+        (true, true) => &[Pairing::Ordinary, Pairing::Balanced],
+        (true, false) => &[Pairing::Ordinary, Pairing::Balanced, Pairing::All],
+    };
     for &pairing in pairings {
         candidates.extend(chunks.iter().map(|&chunk| Candidate::Greedy { pairing, chunk }));
     }
-    let built: Vec<Option<Built>> = candidates.par_iter().map(|&c| build(&problem, c)).collect();
+    let built: Vec<Option<Built>> = candidates.par_iter().map(|&c| build(&problem, c, effort)).collect();
     let (ordinary, paired): (Vec<_>, Vec<_>) = built.into_iter().partition(|b| b.as_ref().is_none_or(|b| !b.paired));
     let ordinary = best(ordinary);
     let paired = best(paired);
@@ -158,7 +173,7 @@ pub fn schedule_phase(target: &Target, phase: &PhaseRequest) -> Result<Schedule,
     let floor = bounds.stronger.as_ref().map_or(bounds.endpoint, |s| s.1.max(bounds.endpoint));
     let (pieces, horizon, improvements) = match &chosen.greedy {
         Some((choice, chunk)) => {
-            let better = search::critical_neighborhood(&problem, choice, *chunk, chosen.pieces, floor);
+            let better = greedy::critical_neighborhood(&problem, choice, *chunk, chosen.pieces, floor, effort);
             (better.pieces, better.horizon, better.improvements)
         }
         None => (chosen.pieces, chosen.horizon, 0),
@@ -198,15 +213,4 @@ pub fn compile_phase(target: &Target, phase: &PhaseRequest) -> Result<(Schedule,
     let tables = lower_to_tables(target, phase, &schedule);
     validate(target, phase, &tables).map_err(|source| ExchangeError::Invalid { phase: phase.index, source })?;
     Ok((schedule, tables))
-}
-
-/// Replay a cached schedule of an identical pattern with this phase's addresses: patch,
-/// validate, and return the tables. Fails when the schedule does not fit (then schedule anew).
-pub fn reuse(target: &Target, phase: &PhaseRequest, cached: &Schedule) -> Result<ExchangePhase, ExchangeError> {
-    let problem = problem::prepare(target, phase)?;
-    lower::check_fits(&problem, phase, cached)?;
-    let tables = lower_to_tables(target, phase, cached);
-    validate(target, phase, &tables).map_err(|source| ExchangeError::Invalid { phase: phase.index, source })?;
-    info!(phase = phase.index, "reused exchange optimization after validating relocated rows");
-    Ok(tables)
 }

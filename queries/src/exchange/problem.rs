@@ -83,6 +83,9 @@ impl Problem {
     }
 }
 
+/// Largest number of words one port may carry in a phase (cycles stay far from overflow).
+const MAXIMUM_PORT_CYCLES: u64 = 1 << 30;
+
 /// Check a request and build its `Problem`; the error names the first bad transfer.
 pub(crate) fn prepare(target: &Target, phase: &PhaseRequest) -> Result<Problem, ExchangeError> {
     let tiles = target.chip.tiles;
@@ -92,6 +95,8 @@ pub(crate) fn prepare(target: &Target, phase: &PhaseRequest) -> Result<Problem, 
     let mut paired_ports = Vec::new();
     let mut writes: Vec<(u32, u32, u32, u32)> = Vec::new();
     let mut seen = vec![u32::MAX; tiles as usize];
+    // Port loads, so that no cycle count can overflow 32 bits anywhere downstream.
+    let mut load = vec![0u64; 2 * tiles as usize];
     for (index, t) in phase.transfers.iter().enumerate() {
         if t.source >= tiles {
             return Err(bad(index, format!("source tile {} is outside the chip ({} tiles)", t.source, tiles)));
@@ -106,6 +111,7 @@ pub(crate) fn prepare(target: &Target, phase: &PhaseRequest) -> Result<Problem, 
         if t.source_address % 4 != 0 || t.source_address as u64 + bytes > u32::MAX as u64 {
             return Err(bad(index, format!("source address {:#x} is not word aligned or overflows", t.source_address)));
         }
+        load[2 * t.source as usize] += t.words as u64;
         let start = ordinary_ports.len() as u32;
         let mut aligned = t.source_address % 8 == 0 && t.words % 2 == 0;
         let mut max_delay = 0;
@@ -124,6 +130,10 @@ pub(crate) fn prepare(target: &Target, phase: &PhaseRequest) -> Result<Problem, 
                 return Err(bad(index, format!("destination address {:#x} on tile {} is not word aligned or overflows", d.address, d.tile)));
             }
             aligned &= d.address % 8 == 0;
+            load[2 * d.tile as usize + 1] += t.words as u64;
+            if load[2 * d.tile as usize + 1].max(load[2 * t.source as usize]) > MAXIMUM_PORT_CYCLES {
+                return Err(bad(index, format!("makes a port of tile {} or {} busy for more than {MAXIMUM_PORT_CYCLES} cycles", t.source, d.tile)));
+            }
             let delay = target.delay(t.source, d.tile);
             max_delay = max_delay.max(delay);
             ordinary_ports.push(Port { tile: d.tile, delay });

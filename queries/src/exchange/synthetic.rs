@@ -25,7 +25,7 @@ impl SplitMix64 {
         if n == 0 {
             0
         } else {
-            ((self.next_u64() >> 32) * n as u64 >> 32) as u32
+            (((self.next_u64() >> 32) * n as u64) >> 32) as u32
         }
     }
     /// Uniform in [low, high].

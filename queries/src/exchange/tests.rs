@@ -37,9 +37,10 @@ fn seed_sized_phases_validate_and_stay_near_the_bound() {
     let target = ipu21();
     for (name, phase) in synthetic::seed_sized(target.chip.tiles) {
         let schedule = check(&target, &phase);
-        eprintln!("{name}: bound {} horizon {} gap {:.2}% kind {}", schedule.endpoint_lower_bound, schedule.horizon, schedule.gap_percent(), schedule.kind.name());
-        // The acceptance target is 5 %; this guards against regressions beyond what we reach.
-        assert!(schedule.gap_percent() < 12.0, "{name}: gap {:.2}%", schedule.gap_percent());
+        let (tile, words) = row_words(&lower_to_tables(&target, &phase, &schedule));
+        eprintln!("{name}: bound {} horizon {} gap {:.2}% kind {} largest row: tile {tile}, {words} words", schedule.endpoint_lower_bound, schedule.horizon, schedule.gap_percent(), schedule.kind.name());
+        // The acceptance target: within 5 % of the endpoint bound (we reach about 1 %).
+        assert!(schedule.gap_percent() < 5.0, "{name}: gap {:.2}%", schedule.gap_percent());
     }
 }
 
@@ -167,25 +168,30 @@ fn empty_phase_has_an_empty_schedule() {
     assert_eq!((schedule.horizon, schedule.pieces.len()), (0, 0));
 }
 
+
+/// Twelve phases of four shapes: the median gap must stay within 2 % of the endpoint bound,
+/// unicast phases within 5 %. Wide overlapping broadcasts are held to 12 %: there the
+/// endpoint bound is weak (the clique bound rarely applies with the chip's delays) and the
+/// greedy is not near-optimal either (see the report).
 #[test]
-fn zz_profile_justify() {
+fn gap_survey_over_synthetic_phases() {
     let target = ipu21();
-    for (name, phase) in synthetic::seed_sized(1472) {
-        let problem = problem::prepare(&target, &phase).unwrap();
-        let choice = greedy::choose_pairing(&problem, greedy::Pairing::Balanced);
-        let t = std::time::Instant::now();
-        let pieces = greedy::full_duplex(&problem, &choice, 192, &[]);
-        let g = t.elapsed();
-        let h0 = timing::horizon(&problem, &pieces);
-        let t = std::time::Instant::now();
-        let left = compact::compact(&problem, pieces.clone(), None);
-        let l = t.elapsed();
-        let h1 = timing::horizon(&problem, &left);
-        let t = std::time::Instant::now();
-        let right = compact::compact(&problem, left.clone(), Some(h1));
-        let r = t.elapsed();
-        let left2 = compact::compact(&problem, right, None);
-        let h2 = timing::horizon(&problem, &left2);
-        eprintln!("{name}: greedy {h0} in {g:?}; left {h1} in {l:?}; right in {r:?}; left2 {h2}; pieces {} {} {}", pieces.len(), left.len(), left2.len());
+    let mut phases: Vec<(String, PhaseRequest)> = Vec::new();
+    for seed in 0..3 {
+        phases.push((format!("gather-{seed}"), synthetic::gemm_gather(1472, 6_000 + 3_000 * seed as u32, 100, 400, seed)));
+        phases.push((format!("reduction-{seed}"), synthetic::reduction_groups(1472, 8_000 + 4_000 * seed as u32, 60, 300, seed)));
+        phases.push((format!("broadcast-{seed}"), synthetic::broadcast(1472, 400 + 200 * seed as u32, 8 + 8 * seed as u32, 256, seed)));
+        let mut rng = SplitMix64(seed);
+        phases.push((format!("random-{seed}"), synthetic::random_phase(&mut rng, 1472, 5_000, 400, 20, 30)));
     }
+    let mut gaps = Vec::new();
+    for (name, phase) in &phases {
+        let s = check(&target, phase);
+        eprintln!("{name}: bound {} horizon {} gap {:.2}% kind {} paired {}", s.endpoint_lower_bound, s.horizon, s.gap_percent(), s.kind.name(), s.paired);
+        let limit = if name.starts_with("broadcast") || name.starts_with("random") { 12.0 } else { 5.0 };
+        assert!(s.gap_percent() <= limit, "{name}: gap {:.2}%", s.gap_percent());
+        gaps.push(s.gap_percent());
+    }
+    gaps.sort_by(f64::total_cmp);
+    assert!(gaps[gaps.len() / 2] <= 2.0, "median gap {:.2}%", gaps[gaps.len() / 2]);
 }
