@@ -43,8 +43,8 @@ fn operand(placement: &Placement, loc: &Loc) -> Operand {
 fn vertex(placement: &Placement, call: &Call) -> VertexCall {
     let o = |l: &Loc| operand(placement, l);
     match call {
-        Call::MatMul { m, k, n, a, b, b_transposed, c, partials } => {
-            VertexCall::MatMul { m: *m, k: *k, n: *n, a: o(a), b: o(b), b_transposed: *b_transposed, c: o(c), partials: *partials }
+        Call::MatMul { m, k, n, a, a_panel, b, b_transposed, c, partials } => {
+            VertexCall::MatMul { m: *m, k: *k, n: *n, a: o(a), a_panel: *a_panel, b: o(b), b_transposed: *b_transposed, c: o(c), partials: *partials }
         }
         Call::Reduce { rows, cols, parts, out } => VertexCall::Reduce { rows: *rows, cols: *cols, parts: parts.iter().map(o).collect(), out: o(out) },
         Call::Gelu { rows, cols, input, output } => VertexCall::Gelu { rows: *rows, cols: *cols, input: o(input), output: o(output) },
@@ -67,7 +67,9 @@ fn encode_call(call: &VertexCall, out: &mut Vec<u8>) {
         }
     };
     match call {
-        VertexCall::MatMul { m, k, n, a, b, b_transposed, c, partials } => ops(1, &[*m, *k, *n, *b_transposed as u32 | (*partials as u32) << 1], &[a, b, c]),
+        VertexCall::MatMul { m, k, n, a, a_panel, b, b_transposed, c, partials } => {
+            ops(1, &[*m, *k, *n, *a_panel, *b_transposed as u32 | (*partials as u32) << 1], &[a, b, c])
+        }
         VertexCall::Reduce { rows, cols, parts, out: o } => {
             let mut refs: Vec<&Operand> = parts.iter().take(4).collect();
             refs.push(o);

@@ -16,7 +16,7 @@ use crate::ir::DType;
 
 pub const PACKAGE_MAGIC: [u8; 8] = *b"IPUQPKG\0";
 /// Bump when the layout of anything below changes.
-pub const PACKAGE_FORMAT_VERSION: u32 = 1;
+pub const PACKAGE_FORMAT_VERSION: u32 = 2;
 /// rkyv's format flags this build writes (little endian, aligned, 32-bit offsets).
 pub const RKYV_FLAGS: u32 = 0x0000_0001;
 pub const HEADER_BYTES: usize = 96;
@@ -125,7 +125,11 @@ pub struct Operand {
 pub enum VertexCall {
     /// C[m x n] = A[m x k] . B[k x n] (or B given as [n x k] when `b_transposed`), f16 inputs,
     /// fp32 accumulation; C is f16, or fp32 partials when `partials`.
-    MatMul { m: u32, k: u32, n: u32, a: Operand, b: Operand, b_transposed: bool, c: Operand, partials: bool },
+    /// `a_panel` = 0: A is row-major with `a.row_stride`. `a_panel` = w > 0: A is stored as
+    /// ceil(k / w) contiguous panels of m rows x w columns (row stride `a.row_stride` >= w),
+    /// panel p at `a.address + p * m * a.row_stride * 2`: the AMP's input-channel grouping, which
+    /// lets a gathered block arrive in long contiguous runs.
+    MatMul { m: u32, k: u32, n: u32, a: Operand, a_panel: u32, b: Operand, b_transposed: bool, c: Operand, partials: bool },
     /// out (f16) = sum of fp32 partial blocks, rows x cols each.
     Reduce { rows: u32, cols: u32, parts: Vec<Operand>, out: Operand },
     /// GELU (tanh approximation), f16.

@@ -38,16 +38,49 @@ struct Stored {
 }
 
 /// An operand block held on one tile: a buffer and the block of the viewed value it stores.
+/// `panel` = 0: row-major (last axis padded); `panel` = w: each leading index holds
+/// ceil(cols / w) contiguous panels of rows x w (see `VertexCall::MatMul`).
 struct Held {
     buffer: u32,
     block: Vec<(u32, u32)>,
     dtype: DType,
+    panel: u32,
 }
 
 impl Held {
+    fn plain(buffer: u32, block: Vec<(u32, u32)>, dtype: DType) -> Held {
+        Held { buffer, block, dtype, panel: 0 }
+    }
+
     fn loc(&self, index: &[u32]) -> Loc {
+        let rank = self.block.len();
+        let cols = self.block[rank - 1];
+        if self.panel == 0 {
+            return Loc { buffer: self.buffer, offset: offset_in_block(&self.block, index, self.dtype), row_stride: row_stride(cols.1 - cols.0, self.dtype), dtype_bytes: self.dtype.bytes() };
+        }
+        let w = self.panel;
+        let rows = self.block[rank - 2].1 - self.block[rank - 2].0;
+        let c = index[rank - 1] - cols.0;
+        let r = index[rank - 2] - self.block[rank - 2].0;
+        let batch = if rank == 3 { index[0] - self.block[0].0 } else { 0 };
+        let per_batch = (cols.1 - cols.0).div_ceil(w) * rows * w;
+        let offset = batch * per_batch + (c / w) * rows * w + r * w + c % w;
+        Loc { buffer: self.buffer, offset, row_stride: w, dtype_bytes: self.dtype.bytes() }
+    }
+
+    fn stored_elements(&self) -> u64 {
+        if self.panel == 0 {
+            return block_elements_stored(&self.block, self.dtype);
+        }
+        let rank = self.block.len();
+        let lead: u64 = self.block[..rank - 1].iter().map(|r| (r.1 - r.0) as u64).product();
+        lead * ((self.block[rank - 1].1 - self.block[rank - 1].0).div_ceil(self.panel) * self.panel) as u64
+    }
+
+    /// Whether column `c` (absolute) ends a stored row: the block's end or a panel's end.
+    fn row_ends_at(&self, c: u32) -> bool {
         let cols = self.block[self.block.len() - 1];
-        Loc { buffer: self.buffer, offset: offset_in_block(&self.block, index, self.dtype), row_stride: row_stride(cols.1 - cols.0, self.dtype), dtype_bytes: self.dtype.bytes() }
+        c == cols.1 || (self.panel > 0 && (c - cols.0) % self.panel == 0)
     }
 }
 
@@ -133,7 +166,7 @@ impl<'a> Builder<'a> {
     }
 
     /// Gather `block` of `value` (in the value's own index space) onto `tile`.
-    fn gather(&mut self, value: ValueId, tile: u32, block: &[(u32, u32)], prefer_interleaved: bool) -> Result<Held, LowerError> {
+    fn gather(&mut self, value: ValueId, tile: u32, block: &[(u32, u32)], prefer_interleaved: bool, panel: u32) -> Result<Held, LowerError> {
         let chain = ViewChain::resolve(self.graph, value);
         let dtype = self.graph.value(value).dtype;
         let base = self.graph.value(chain.base).clone();
@@ -144,13 +177,16 @@ impl<'a> Builder<'a> {
                 let (cell, cell_block) = stored.grid.locate(&lo);
                 let inside = block.iter().zip(&cell_block).all(|(r, c)| c.0 <= r.0 && r.1 <= c.1);
                 if inside && stored.grid.tiles[cell] == tile {
-                    return Ok(Held { buffer: stored.grid.buffers[cell], block: cell_block, dtype });
+                    return Ok(Held::plain(stored.grid.buffers[cell], cell_block, dtype));
                 }
             }
         }
+        // Panels only pay where the block arrives by exchange; the host writes any layout.
+        let panel = if matches!(base.producer, Producer::Operation(_)) { panel } else { 0 };
         let name = self.graph.value(value).name.clone();
-        let buffer = self.buffer(tile, block_elements_stored(block, dtype) * dtype.bytes() as u64, AllocationKind::Data, prefer_interleaved, &name);
-        let held = Held { buffer, block: block.to_vec(), dtype };
+        let mut held = Held { buffer: u32::MAX, block: block.to_vec(), dtype, panel };
+        let buffer = self.buffer(tile, held.stored_elements() * dtype.bytes() as u64, AllocationKind::Data, prefer_interleaved, &name);
+        held.buffer = buffer;
         let rank = block.len();
         let rows: Vec<u32> = block[..rank - 1].iter().map(|r| r.1 - r.0).collect();
         let row_count: u64 = rows.iter().map(|&r| r as u64).product();
@@ -165,7 +201,8 @@ impl<'a> Builder<'a> {
             let mut c = c0;
             while c < c1 {
                 index[rank - 1] = c;
-                let (base_index, run) = chain.map_run(&index, c1 - c);
+                let limit = if held.panel > 0 { (held.panel - (c - c0) % held.panel).min(c1 - c) } else { c1 - c };
+                let (base_index, run) = chain.map_run(&index, limit);
                 let dst_offset = held.loc(&index).offset * dtype.bytes();
                 match base.producer {
                     Producer::Tensor { role, .. } => {
@@ -185,7 +222,7 @@ impl<'a> Builder<'a> {
                         let (cell, cell_block) = stored.grid.locate(&base_index);
                         let last = cell_block.len() - 1;
                         let piece = run.min(cell_block[last].1 - base_index[last]);
-                        let src_held = Held { buffer: stored.grid.buffers[cell], block: cell_block.clone(), dtype };
+                        let src_held = Held::plain(stored.grid.buffers[cell], cell_block.clone(), dtype);
                         let src = src_held.loc(&base_index);
                         let src_tile = stored.grid.tiles[cell];
                         if src_tile == tile {
@@ -194,7 +231,7 @@ impl<'a> Builder<'a> {
                         } else {
                             let bytes = piece * dtype.bytes();
                             let src_offset = src.offset * dtype.bytes();
-                            let ends_rows = base_index[last] + piece == cell_block[last].1 && c + piece == c1;
+                            let ends_rows = base_index[last] + piece == cell_block[last].1 && held.row_ends_at(c + piece);
                             if src_offset % 4 != 0 || dst_offset % 4 != 0 || (bytes % 4 != 0 && !ends_rows) {
                                 return Err(LowerError::SubWord { operation: self.operation_name.clone(), value: name, offset: base_index[last], dtype: dtype.name() });
                             }
@@ -301,7 +338,7 @@ impl<'a> Builder<'a> {
                 let (cell, cell_block) = stored.grid.locate(&base_index);
                 let last = cell_block.len() - 1;
                 let piece = run.min(cell_block[last].1 - base_index[last]);
-                let held = Held { buffer: stored.grid.buffers[cell], block: cell_block, dtype: stored.dtype };
+                let held = Held::plain(stored.grid.buffers[cell], cell_block, stored.dtype);
                 let offset = held.loc(&base_index).offset * stored.dtype.bytes();
                 segments.push(LSegment { buffer: held.buffer, offset, element: (row * cols as u64 + c as u64) as u32, count: piece });
                 c += piece;
@@ -372,6 +409,14 @@ impl<'a> Builder<'a> {
         self.gemm_flops += 2 * batches as u64 * m as u64 * k as u64 * n as u64;
         let (nb, nm, nn, nk) = (plan.b_cuts.len() - 1, plan.m_cuts.len() - 1, plan.n_cuts.len() - 1, plan.k_cuts.len() - 1);
         let out_name = self.graph.value(output).name.clone();
+        // When A's producer stores cells no wider than an AMP panel (gemm_block columns), a row-major
+        // A block would gather in runs of one cell row each; in panels, the rows of a cell arrive
+        // as one contiguous run.
+        let gemm_block = self.target.costs.gemm_block as u32;
+        let chain = ViewChain::resolve(self.graph, a);
+        let narrow_cells = chain.is_identity()
+            && self.stored.get(&chain.base).and_then(|s| s.grid.cuts.last()).is_some_and(|c| c.windows(2).all(|w| w[1] - w[0] <= gemm_block));
+        let panel = if narrow_cells { gemm_block } else { 0 };
         // Gather operands and allocate outputs (or partials) per work item.
         let mut work = Vec::new();
         for ib in 0..nb {
@@ -379,14 +424,14 @@ impl<'a> Builder<'a> {
                 for i_n in 0..nn {
                     for ik in 0..nk {
                         let tile = plan.tile_of(ib, im, i_n, ik);
-                        let ha = self.gather(a, tile, &a_block(&plan, ib, im, ik), false)?;
-                        let hb = self.gather(b, tile, &b_block(&plan, ib, i_n, ik), true)?;
+                        let ha = self.gather(a, tile, &a_block(&plan, ib, im, ik), false, panel)?;
+                        let hb = self.gather(b, tile, &b_block(&plan, ib, i_n, ik), true, 0)?;
                         let (br, mr, nr) = ((plan.b_cuts[ib], plan.b_cuts[ib + 1]), (plan.m_cuts[im], plan.m_cuts[im + 1]), (plan.n_cuts[i_n], plan.n_cuts[i_n + 1]));
                         let out_block = if a_rank3 { vec![br, mr, nr] } else { vec![mr, nr] };
                         let (dtype, kind) = if nk > 1 { (DType::F32, AllocationKind::Partials) } else { (DType::F16, AllocationKind::Data) };
                         let label = if nk > 1 { format!("{out_name}.partials") } else { out_name.clone() };
                         let buffer = self.buffer(tile, block_elements_stored(&out_block, dtype) * dtype.bytes() as u64, kind, kind == AllocationKind::Partials, &label);
-                        work.push((tile, ib, im, i_n, ik, ha, hb, Held { buffer, block: out_block, dtype }));
+                        work.push((tile, ib, im, i_n, ik, ha, hb, Held::plain(buffer, out_block, dtype)));
                     }
                 }
             }
@@ -400,7 +445,7 @@ impl<'a> Builder<'a> {
                 let b_first = if b_transposed { vec![nr.0, kr.0] } else { vec![kr.0, nr.0] };
                 let b_loc = hb.loc(&with_batch(b_rank3, b_first, batch / group));
                 let c_loc = hc.loc(&with_batch(a_rank3, vec![mr.0, nr.0], batch));
-                let call = Call::MatMul { m: mr.1 - mr.0, k: kr.1 - kr.0, n: nr.1 - nr.0, a: a_loc, b: b_loc, b_transposed, c: c_loc, partials: nk > 1 };
+                let call = Call::MatMul { m: mr.1 - mr.0, k: kr.1 - kr.0, n: nr.1 - nr.0, a: a_loc, a_panel: ha.panel, b: b_loc, b_transposed, c: c_loc, partials: nk > 1 };
                 self.emit(step, *tile, call);
             }
         }
@@ -512,10 +557,10 @@ impl<'a> Builder<'a> {
         for cell in 0..grid.tiles.len() {
             let tile = grid.tiles[cell];
             let block = grid.cell_block(cell);
-            let held: Vec<Held> = inputs.iter().map(|&v| self.gather(v, tile, &block, false)).collect::<Result<_, _>>()?;
+            let held: Vec<Held> = inputs.iter().map(|&v| self.gather(v, tile, &block, false, 0)).collect::<Result<_, _>>()?;
             let buffer = self.buffer(tile, block_elements_stored(&block, out.dtype) * out.dtype.bytes() as u64, AllocationKind::Data, false, &out.name);
             grid.buffers.push(buffer);
-            work.push((tile, block, held, Held { buffer, block: grid.cell_block(cell), dtype: out.dtype }));
+            work.push((tile, block, held, Held::plain(buffer, grid.cell_block(cell), out.dtype)));
         }
         let step = self.open_compute();
         let mut peak = 0u64;

@@ -40,7 +40,7 @@ pub struct Loc {
 
 #[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub enum Call {
-    MatMul { m: u32, k: u32, n: u32, a: Loc, b: Loc, b_transposed: bool, c: Loc, partials: bool },
+    MatMul { m: u32, k: u32, n: u32, a: Loc, a_panel: u32, b: Loc, b_transposed: bool, c: Loc, partials: bool },
     Reduce { rows: u32, cols: u32, parts: Vec<Loc>, out: Loc },
     Gelu { rows: u32, cols: u32, input: Loc, output: Loc },
     Scale { rows: u32, cols: u32, factor: f32, input: Loc, output: Loc },

@@ -61,14 +61,16 @@ fn vertex_name(call: &VertexCall) -> &'static str {
 fn accesses(call: &VertexCall) -> Vec<Access> {
     let half = |name, op, rows, cols| Access { name, op, rows, cols, element_bytes: 2, need: Need::Data };
     match call {
-        VertexCall::MatMul { m, k, n, a, b, b_transposed, c, partials } => {
+        VertexCall::MatMul { m, k, n, a, a_panel, b, b_transposed, c, partials } => {
             let (b_rows, b_cols) = if *b_transposed { (*n, *k) } else { (*k, *n) };
+            // Panelled A: ceil(k / w) panels of m rows, read as one (panels * m) x w block.
+            let (a_rows, a_cols) = if *a_panel > 0 { (k.div_ceil(*a_panel) * *m, *a_panel) } else { (*m, *k) };
             let out = if *partials {
                 Access { name: "c", op: *c, rows: *m, cols: *n, element_bytes: 4, need: Need::Partials }
             } else {
                 half("c", *c, *m, *n)
             };
-            vec![half("a", *a, *m, *k), half("b", *b, b_rows, b_cols), out]
+            vec![half("a", *a, a_rows, a_cols), half("b", *b, b_rows, b_cols), out]
         }
         VertexCall::Reduce { rows, cols, parts, out } => {
             let mut list: Vec<Access> = parts
@@ -141,8 +143,12 @@ pub fn check_set(target: &Target, memory: &TileMemory, set: &ComputeSet, labels:
 /// Run one checked call on a tile's memory.
 pub fn execute(memory: &mut TileMemory, call: &VertexCall, s: &mut Scratch) {
     match call {
-        VertexCall::MatMul { m, k, n, a, b, b_transposed, c, partials } => {
-            memory.read_f16(*a, *m, *k, &mut s.bits, &mut s.a);
+        VertexCall::MatMul { m, k, n, a, a_panel, b, b_transposed, c, partials } => {
+            if *a_panel == 0 {
+                memory.read_f16(*a, *m, *k, &mut s.bits, &mut s.a);
+            } else {
+                read_panels(memory, *a, *a_panel, *m, *k, s);
+            }
             if *b_transposed {
                 memory.read_f16(*b, *n, *k, &mut s.bits, &mut s.t);
                 kernels::transpose(&s.t, *n as usize, *k as usize, &mut s.b);
@@ -194,6 +200,21 @@ pub fn execute(memory: &mut TileMemory, call: &VertexCall, s: &mut Scratch) {
         }
         VertexCall::Copy { rows, cols, dtype, input, output } => {
             memory.copy(*input, *output, *rows, *cols, dtype.bytes(), &mut s.bytes);
+        }
+    }
+}
+
+/// Read a panelled A (see `VertexCall::MatMul`) into a row-major m x k buffer in `s.a`.
+fn read_panels(memory: &TileMemory, a: Operand, w: u32, m: u32, k: u32, s: &mut Scratch) {
+    s.a.clear();
+    s.a.resize(m as usize * k as usize, 0.0);
+    for p in 0..k.div_ceil(w) {
+        let width = w.min(k - p * w);
+        let panel = Operand { address: a.address + p * m * a.row_stride * 2, row_stride: a.row_stride };
+        memory.read_f16(panel, m, width, &mut s.bits, &mut s.t);
+        for r in 0..m as usize {
+            let dst = r * k as usize + (p * w) as usize;
+            s.a[dst..dst + width as usize].copy_from_slice(&s.t[r * width as usize..(r + 1) * width as usize]);
         }
     }
 }
