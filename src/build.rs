@@ -53,6 +53,8 @@ pub struct BuildOptions {
     pub out_dir: PathBuf,
     pub incremental: bool,
     pub cache_dir: Option<PathBuf>,
+    /// Use the cache's entries but write none (shared CI caches).
+    pub cache_read_only: bool,
 }
 
 /// One stage's time and how its value was obtained.
@@ -88,11 +90,12 @@ pub fn build(workload: &Path, options: &BuildOptions) -> Result<Built, BuildErro
     let (target_text, target_origin) = load_target(options.target.as_deref())?;
     let store: Option<Arc<dyn StageStore>> = if options.incremental {
         let dir = options.cache_dir.clone().unwrap_or_else(default_cache_dir);
-        Cache::open_or_warn(&dir, CacheOptions::default()).map(|c| Arc::new(DiskStore(c)) as Arc<dyn StageStore>)
+        Cache::open_or_warn(&dir, CacheOptions { read_only: options.cache_read_only, max_bytes: None }).map(|c| Arc::new(DiskStore(c)) as Arc<dyn StageStore>)
     } else {
         None
     };
-    let db = Database::new(store);
+    let verify = std::env::var_os("IPUQ_VERIFY_CACHE").is_some_and(|v| v == "1");
+    let db = Database::new(store).verifying_hits(verify);
     let sources = Sources::new(&db, text, workload.display().to_string(), target_text, target_origin);
     let target = ipuq_queries::db::target(&db, sources).map_err(|e| BuildError::Input(e.to_string()))?;
     let g = graph(&db, sources).map_err(|e| BuildError::Input(e.to_string()))?;
@@ -122,6 +125,7 @@ pub fn build(workload: &Path, options: &BuildOptions) -> Result<Built, BuildErro
     drop(_build);
     let pkg = package(&db, sources).map_err(|e| BuildError::Compile(e.to_string()))?;
     let package = (*pkg.value).clone();
+    info!(final_cycles = package.summary.estimated_cycles, final_exchange = package.summary.estimated_exchange_cycles, "costed final placed program");
     let path = options.out_dir.join("model.ipuexe");
     write_package(&package, &path)?;
     Ok(Built { package, path, timings })

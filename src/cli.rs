@@ -34,6 +34,9 @@ pub struct CompileArgs {
     /// Cache folder (default: $IPUQ_CACHE_DIR, else ~/.cache/ipuq).
     #[arg(long)]
     cache_dir: Option<PathBuf>,
+    /// With --incremental: read the cache but write nothing to it (a shared CI cache).
+    #[arg(long)]
+    cache_read_only: bool,
     /// Print a per-phase table of times, computed stages and disk-cache hits.
     #[arg(long)]
     timings: bool,
@@ -168,7 +171,7 @@ fn workload_name(path: &Path) -> Result<String, String> {
 
 fn compile(workload: &Path, args: &CompileArgs) -> Result<crate::build::Built, String> {
     let name = workload_name(workload)?;
-    let options = BuildOptions { target: args.target.clone(), out_dir: out_dir(args, &name), incremental: args.incremental, cache_dir: args.cache_dir.clone() };
+    let options = BuildOptions { target: args.target.clone(), out_dir: out_dir(args, &name), incremental: args.incremental, cache_dir: args.cache_dir.clone(), cache_read_only: args.cache_read_only };
     let built = build(workload, &options).map_err(|e| e.to_string())?;
     if args.timings {
         print_timings(&built.timings);

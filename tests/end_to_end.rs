@@ -137,3 +137,54 @@ fn a_second_run_waits_for_the_device_lock_then_succeeds_or_gives_up() {
     assert_eq!(output.status.code(), Some(2), "{stderr}");
     assert!(stderr.lines().any(|l| l.starts_with("error: ") && l.contains("device.lock")), "{stderr}");
 }
+
+#[test]
+fn concurrent_incremental_builds_share_one_cache_and_hits_verify() {
+    use std::process::Command;
+    let dir = workdir();
+    let workload = fixture("workloads/attention-grouped-materialized-gaussian-f16-b1-t29-h4-kv2-d8.toml");
+    let children: Vec<_> = (0..3)
+        .map(|i| {
+            Command::new(env!("CARGO_BIN_EXE_ipuq"))
+                .args(["build", &workload, "--target", "small16", "-o", &format!("p{i}"), "--incremental", "--cache-dir", "shared"])
+                .current_dir(dir.path())
+                .env("IPUQ_LOG", "warn")
+                .output_spawn()
+        })
+        .collect();
+    for child in children {
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    }
+    let first = std::fs::read(dir.path().join("p0/model.ipuexe")).unwrap();
+    for i in 1..3 {
+        assert!(std::fs::read(dir.path().join(format!("p{i}/model.ipuexe"))).unwrap() == first);
+    }
+    // Every hit recomputed and compared: no stage changed without its version.
+    let out = Command::new(env!("CARGO_BIN_EXE_ipuq"))
+        .args(["build", &workload, "--target", "small16", "-o", "verified", "--incremental", "--cache-dir", "shared", "--timings"])
+        .current_dir(dir.path())
+        .env("IPUQ_VERIFY_CACHE", "1")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(std::fs::read(dir.path().join("verified/model.ipuexe")).unwrap() == first);
+    let out = ipuq(&["cache", "verify", "--cache-dir", "shared"], dir.path());
+    assert_eq!(out.code, 0, "{}{}", out.stdout, out.stderr);
+    // A read-only cache serves hits and writes nothing new.
+    let before = ipuq(&["cache", "stats", "--cache-dir", "shared"], dir.path()).stdout;
+    let other = fixture("workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml");
+    let out = ipuq(&["build", &other, "--target", "small16", "-o", "ro", "--incremental", "--cache-dir", "shared", "--cache-read-only"], dir.path());
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert_eq!(ipuq(&["cache", "stats", "--cache-dir", "shared"], dir.path()).stdout, before);
+}
+
+trait SpawnOutput {
+    fn output_spawn(&mut self) -> std::process::Child;
+}
+
+impl SpawnOutput for std::process::Command {
+    fn output_spawn(&mut self) -> std::process::Child {
+        self.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap()
+    }
+}

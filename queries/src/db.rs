@@ -72,6 +72,8 @@ pub struct Sources {
 pub struct Database {
     storage: salsa::Storage<Self>,
     store: Option<Arc<dyn StageStore>>,
+    /// Recompute every disk hit and compare digests (`IPUQ_VERIFY_CACHE=1` at the command line).
+    verify_hits: bool,
     /// (stage, origin) each time a stage body runs: what re-ran, and whether from disk.
     runs: Arc<Mutex<Vec<(&'static str, Origin)>>>,
 }
@@ -87,7 +89,14 @@ impl Default for Database {
 
 impl Database {
     pub fn new(store: Option<Arc<dyn StageStore>>) -> Self {
-        Database { storage: salsa::Storage::new(None), store, runs: Arc::default() }
+        Database { storage: salsa::Storage::new(None), store, verify_hits: false, runs: Arc::default() }
+    }
+
+    /// Recompute every disk-cache hit and compare its digest with the cached bytes': a
+    /// mismatch means a stage whose output changed without a version bump, or a bad key.
+    pub fn verifying_hits(mut self, verify: bool) -> Self {
+        self.verify_hits = verify;
+        self
     }
 
     /// Stage bodies that ran since the last call (for timings and event-log tests).
@@ -111,9 +120,19 @@ impl Database {
         if let Some(store) = &self.store {
             if let Some(bytes) = store.load(stage, &key, schema) {
                 match rkyv::from_bytes::<T, rkyv::rancor::Error>(&bytes) {
-                    Ok(value) => {
+                    Ok(value) if !self.verify_hits => {
                         self.note(stage, Origin::DiskHit);
                         return Ok(Staged { digest: Digest::of_bytes(&bytes), value: Arc::new(value) });
+                    }
+                    Ok(_) => {
+                        let fresh = rkyv::to_bytes::<rkyv::rancor::Error>(&compute()?).map_err(CompileError::from)?;
+                        if fresh[..] != bytes[..] {
+                            return Err(CompileError(format!(
+                                "cache verification: stage '{stage}' v{version} recomputed to different bytes than its cache entry {key} holds (a stage changed without a version bump, or a key misses an input)"
+                            )));
+                        }
+                        self.note(stage, Origin::DiskHit);
+                        return Ok(Staged { digest: Digest::of_bytes(&bytes), value: Arc::new(value_from(&fresh)?) });
                     }
                     Err(e) => tracing::warn!(stage, error = %e, "cache entry failed to decode; recomputing"),
                 }
@@ -127,6 +146,15 @@ impl Database {
         }
         Ok(Staged { digest: Digest::of_bytes(&bytes), value: Arc::new(value) })
     }
+}
+
+fn value_from<T>(bytes: &rkyv::util::AlignedVec) -> Result<T, CompileError>
+where
+    T: rkyv::Archive,
+    T::Archived: for<'a> rkyv::bytecheck::CheckBytes<rkyv::api::high::HighValidator<'a, rkyv::rancor::Error>>
+        + rkyv::Deserialize<T, rkyv::api::high::HighDeserializer<rkyv::rancor::Error>>,
+{
+    rkyv::from_bytes::<T, rkyv::rancor::Error>(bytes).map_err(CompileError::from)
 }
 
 /// Schema id of a stage's payload: the stage, its version and the cache format.

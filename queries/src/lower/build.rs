@@ -627,6 +627,18 @@ impl<'a> Builder<'a> {
         }
         inputs.sort_by_key(|t| self.graph.find(&t.name));
         let logical_shards = self.stored.values().map(|s| s.grid.tiles.len() as u32).sum();
+        // ipuq keeps one plan (no finalist search yet); it is logged in the seed's form.
+        let active: std::collections::BTreeSet<u32> = self.plans.iter().map(|p| p.tiles).collect();
+        info!(
+            finalist = 0,
+            values = self.graph.values.len(),
+            operations = self.graph.operations.len(),
+            estimated_cycles = self.plans.iter().map(|p| p.estimated_compute_cycles + p.estimated_exchange_cycles).sum::<u64>(),
+            estimated_exchange_cycles = self.plans.iter().map(|p| p.estimated_exchange_cycles).sum::<u64>(),
+            peak_total_bytes = self.plans.iter().map(|p| p.peak_bytes).max().unwrap_or(0),
+            active_tile_counts = ?active,
+            "retained operator-plan finalist"
+        );
         Ok(Lowered {
             tiles: self.target.chip.tiles,
             labels: self.labels,
