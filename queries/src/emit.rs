@@ -7,7 +7,7 @@
 //! that the same package carries beside them.
 
 use crate::cost;
-use crate::ir::{DType, Graph};
+use crate::ir::Graph;
 use crate::lower::{Call, LHostTensor, LRole, LStep, Loc, Lowered};
 use crate::package::{
     Allocation, AllocationKind, Checkpoint, ComputeSet, ExchangePhase, HostRole, HostSegment, HostTables, HostTensor, Operand, Package, Segment, Step,
@@ -188,7 +188,6 @@ pub fn build_package(target: &Target, graph: &Graph, lowered: &Lowered, placemen
             .map(|c| Checkpoint { operation: c.operation, after_step: c.after_step, tensor: host_tensor(placement, lowered, &c.tensor) })
             .collect(),
     };
-    let _ = DType::F16;
     Package {
         compiler: format!("ipuq {}", env!("CARGO_PKG_VERSION")),
         target_toml: target.canonical_toml(),

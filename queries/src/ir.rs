@@ -299,7 +299,7 @@ fn check_shape(shape: &[u32]) -> Result<(), String> {
     if shape.is_empty() || shape.len() > 4 {
         return Err(format!("shape {shape:?} must have 1 to 4 axes"));
     }
-    if shape.iter().any(|&d| d == 0) {
+    if shape.contains(&0) {
         return Err(format!("shape {shape:?} has an empty axis"));
     }
     let elements: u64 = shape.iter().map(|&d| d as u64).product();

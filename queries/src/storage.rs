@@ -36,6 +36,9 @@ pub struct PlacementError {
     pub last: u32,
 }
 
+/// One tile's result: (buffer, address) pairs, its code range, and its peaks per region.
+type TilePlacement = (Vec<(u32, u32)>, (u32, u32), u32, u32);
+
 struct Placed {
     start: u32,
     end: u32,
@@ -49,7 +52,7 @@ pub fn place_storage(target: &Target, lowered: &Lowered, code_bytes: &[u32]) -> 
     for (i, b) in lowered.buffers.iter().enumerate() {
         per_tile[b.tile as usize].push(i as u32);
     }
-    let results: Vec<Result<(Vec<(u32, u32)>, (u32, u32), u32, u32), PlacementError>> = per_tile
+    let results: Vec<Result<TilePlacement, PlacementError>> = per_tile
         .par_iter()
         .enumerate()
         .map(|(tile, ids)| {

@@ -134,7 +134,7 @@ impl Target {
         if c.tiles == 0 || c.columns * c.tiles_per_column != c.tiles {
             return Err(format!("chip.tiles = {} must equal columns ({}) x tiles_per_column ({})", c.tiles, c.columns, c.tiles_per_column));
         }
-        if c.tiles % 2 != 0 {
+        if !c.tiles.is_multiple_of(2) {
             return Err(format!("chip.tiles = {} must be even (tiles pair into supertiles)", c.tiles));
         }
         let m = &self.memory;

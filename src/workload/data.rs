@@ -224,7 +224,7 @@ pub fn encode(values: &[f32], dtype: DType) -> Vec<u8> {
 /// The values little-endian `bytes` of `dtype` encode.
 pub fn decode(bytes: &[u8], dtype: DType) -> Result<Vec<f32>, DataError> {
     let width = dtype.bytes() as usize;
-    if bytes.len() % width != 0 {
+    if !bytes.len().is_multiple_of(width) {
         return Err(DataError::ByteLength { length: bytes.len(), dtype: dtype.name() });
     }
     Ok(match dtype {

@@ -32,6 +32,9 @@ pub enum LowerError {
     Unsupported { operation: String, message: String },
 }
 
+/// A place in tile memory before addresses exist: (buffer, byte offset).
+type Place = (u32, u32);
+
 struct Stored {
     grid: Grid,
     dtype: DType,
@@ -80,7 +83,7 @@ impl Held {
     /// Whether column `c` (absolute) ends a stored row: the block's end or a panel's end.
     fn row_ends_at(&self, c: u32) -> bool {
         let cols = self.block[self.block.len() - 1];
-        c == cols.1 || (self.panel > 0 && (c - cols.0) % self.panel == 0)
+        c == cols.1 || (self.panel > 0 && (c - cols.0).is_multiple_of(self.panel))
     }
 }
 
@@ -101,7 +104,9 @@ struct Builder<'a> {
     phases: Vec<Vec<Transfer>>,
     stored: BTreeMap<ValueId, Stored>,
     host: BTreeMap<ValueId, LHostTensor>,
-    pending: Vec<(u32, (u32, u32), u32, (u32, u32))>,
+    /// Word moves of the exchange phase being gathered: source (buffer, byte offset), words,
+    /// destination (buffer, byte offset).
+    pending: Vec<(Place, u32, Place)>,
     copies: Vec<LocalCopy>,
     plans: Vec<OperationPlan>,
     checkpoints: Vec<LCheckpoint>,
@@ -232,10 +237,10 @@ impl<'a> Builder<'a> {
                             let bytes = piece * dtype.bytes();
                             let src_offset = src.offset * dtype.bytes();
                             let ends_rows = base_index[last] + piece == cell_block[last].1 && held.row_ends_at(c + piece);
-                            if src_offset % 4 != 0 || dst_offset % 4 != 0 || (bytes % 4 != 0 && !ends_rows) {
+                            if !src_offset.is_multiple_of(4) || !dst_offset.is_multiple_of(4) || (!bytes.is_multiple_of(4) && !ends_rows) {
                                 return Err(LowerError::SubWord { operation: self.operation_name.clone(), value: name, offset: base_index[last], dtype: dtype.name() });
                             }
-                            self.pending.push((src_tile, (src.buffer, src_offset), bytes.div_ceil(4), (buffer, dst_offset)));
+                            self.pending.push(((src.buffer, src_offset), bytes.div_ceil(4), (buffer, dst_offset)));
                         }
                         c += piece;
                     }
@@ -268,8 +273,8 @@ impl<'a> Builder<'a> {
         if !self.pending.is_empty() {
             let step = self.steps.len() as u32;
             self.steps.push(LStep::Exchange(self.phases.len() as u32));
-            let mut grouped: BTreeMap<((u32, u32), u32), Vec<(u32, u32)>> = BTreeMap::new();
-            for (_, src, words, dst) in std::mem::take(&mut self.pending) {
+            let mut grouped: BTreeMap<(Place, u32), Vec<Place>> = BTreeMap::new();
+            for (src, words, dst) in std::mem::take(&mut self.pending) {
                 self.touch(src.0, step);
                 self.touch(dst.0, step);
                 grouped.entry((src, words)).or_default().push(dst);
@@ -492,22 +497,21 @@ impl<'a> Builder<'a> {
                     let stride32 = row_stride(cols, DType::F32);
                     let group: Vec<(u32, u32)> = (0..nk).map(|ik| partials[(((ib * nm + im) * nn + i_n) * nk) + ik]).collect();
                     for j in 0..chunks.len() - 1 {
-                        let (owner, owner_partials) = group[j];
+                        let (owner, _) = group[j];
                         let rows = chunks[j + 1] - chunks[j];
                         let mut parts = Vec::new();
-                        for (i, &(tile, buffer)) in group.iter().enumerate() {
+                        for (i, &(_, buffer)) in group.iter().enumerate() {
                             let offset = chunks[j] * stride32;
                             if i == j {
                                 parts.push(Loc { buffer, offset, row_stride: stride32, dtype_bytes: 4 });
                             } else {
                                 let words = rows * stride32;
                                 let received = self.buffer(owner, words as u64 * 4, AllocationKind::Partials, true, &format!("{name}.partials"));
-                                self.pending.push((tile, (buffer, offset * 4), words, (received, 0)));
+                                self.pending.push(((buffer, offset * 4), words, (received, 0)));
                                 parts.push(Loc { buffer: received, offset: 0, row_stride: stride32, dtype_bytes: 4 });
                             }
                         }
                         let out = self.buffer(owner, rows as u64 * row_stride(cols, DType::F16) as u64 * 2, AllocationKind::Data, false, name);
-                        let _ = owner_partials;
                         reductions.push((ib, plan.m_cuts[im] + chunks[j], i_n, owner, rows, cols, parts, out));
                     }
                 }
@@ -540,10 +544,10 @@ impl<'a> Builder<'a> {
             let rank = out.shape.len();
             let mut cuts: Vec<Vec<u32>> = out.shape.iter().map(|&d| vec![0, d]).collect();
             let mut cells = 1u32;
-            for a in 0..rank.saturating_sub(1) {
+            for (a, cut) in cuts.iter_mut().enumerate().take(rank.saturating_sub(1)) {
                 let parts = out.shape[a].min(self.target.chip.tiles / cells).max(1);
-                cuts[a] = split(out.shape[a], parts, 1);
-                cells *= (cuts[a].len() - 1) as u32;
+                *cut = split(out.shape[a], parts, 1);
+                cells *= (cut.len() - 1) as u32;
             }
             if rank == 1 {
                 let align = 8 / out.dtype.bytes();
@@ -621,7 +625,6 @@ impl<'a> Builder<'a> {
             for s in &t.segments {
                 let b = &mut self.buffers[s.buffer as usize];
                 b.first_step = 0;
-                b.last_step = b.last_step.max(0);
             }
             t.segments = merge_segments(std::mem::take(&mut t.segments), t.dtype);
         }

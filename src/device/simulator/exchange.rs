@@ -134,10 +134,10 @@ pub fn check_phase(
             if words == 0 {
                 return Err(fail(tile, cycle, format!("empty {kind} entry")));
             }
-            if address as u64 % WORD_BYTES != 0 {
+            if !(address as u64).is_multiple_of(WORD_BYTES) {
                 return Err(fail(tile, cycle, format!("{kind} address {address:#x} is not word aligned")));
             }
-            if paired && (words % 2 != 0 || address as u64 % (2 * WORD_BYTES) != 0) {
+            if paired && (words % 2 != 0 || !(address as u64).is_multiple_of(2 * WORD_BYTES)) {
                 return Err(fail(tile, cycle, format!("paired {kind} of {words} words at {address:#x} needs an even word count and 8-byte alignment")));
             }
             let end = address as u64 + words as u64 * WORD_BYTES;
