@@ -90,13 +90,18 @@ pub fn exchange_phase(t: &Target, horizon: u32) -> u64 {
     t.exchange.sync_cycles + horizon as u64
 }
 
-/// Cycles of one vertex call as the package states it. `interleaved(address)` says whether an
-/// address lies in interleaved memory (it decides the weight class of a matrix product).
+/// Cycles of one vertex call as the package states it: the weight class of a matrix product
+/// and the copy rate follow from the operands' addresses.
 pub fn vertex(t: &Target, call: &VertexCall) -> u64 {
-    let interleaved = |address: u32| address >= t.memory.interleaved_start;
+    vertex_with(t, call, |o| o.address >= t.memory.interleaved_start)
+}
+
+/// Cycles of a call over any operands; `interleaved(operand)` says where an operand lies (the
+/// planner, before placement, assumes what it will ask placement for).
+pub fn vertex_with<O>(t: &Target, call: &VertexCall<O>, interleaved: impl Fn(&O) -> bool) -> u64 {
     match call {
         VertexCall::MatMul { m, k, n, b, b_transposed, .. } => {
-            let class = if interleaved(b.address) { WeightClass::Interleaved } else { WeightClass::Standard };
+            let class = if interleaved(b) { WeightClass::Interleaved } else { WeightClass::Standard };
             gemm(t, *m, *k, *n, class, *b_transposed)
         }
         VertexCall::Reduce { rows, cols, parts, .. } => reduce(t, parts.len() as u32, *rows as u64 * *cols as u64),
@@ -105,7 +110,7 @@ pub fn vertex(t: &Target, call: &VertexCall) -> u64 {
         VertexCall::Add { rows, cols, .. } => binary_half(t, *rows as u64 * *cols as u64, t.costs.cpl_add_half),
         VertexCall::Softmax { rows, cols, .. } => softmax(t, *rows, *cols),
         VertexCall::Copy { rows, cols, dtype, input, output } => {
-            copy(t, *rows as u64 * *cols as u64 * dtype.bytes() as u64, interleaved(input.address) && interleaved(output.address))
+            copy(t, *rows as u64 * *cols as u64 * dtype.bytes() as u64, interleaved(input) && interleaved(output))
         }
     }
 }

@@ -41,18 +41,7 @@ fn operand(placement: &Placement, loc: &Loc) -> Operand {
 }
 
 fn vertex(placement: &Placement, call: &Call) -> VertexCall {
-    let o = |l: &Loc| operand(placement, l);
-    match call {
-        Call::MatMul { m, k, n, a, a_panel, b, b_transposed, c, partials } => {
-            VertexCall::MatMul { m: *m, k: *k, n: *n, a: o(a), a_panel: *a_panel, b: o(b), b_transposed: *b_transposed, c: o(c), partials: *partials }
-        }
-        Call::Reduce { rows, cols, parts, out } => VertexCall::Reduce { rows: *rows, cols: *cols, parts: parts.iter().map(o).collect(), out: o(out) },
-        Call::Gelu { rows, cols, input, output } => VertexCall::Gelu { rows: *rows, cols: *cols, input: o(input), output: o(output) },
-        Call::Scale { rows, cols, factor, input, output } => VertexCall::Scale { rows: *rows, cols: *cols, factor: *factor, input: o(input), output: o(output) },
-        Call::Add { rows, cols, a, b, output } => VertexCall::Add { rows: *rows, cols: *cols, a: o(a), b: o(b), output: o(output) },
-        Call::Softmax { rows, cols, input, output } => VertexCall::Softmax { rows: *rows, cols: *cols, input: o(input), output: o(output) },
-        Call::Copy { rows, cols, dtype, input, output } => VertexCall::Copy { rows: *rows, cols: *cols, dtype: *dtype, input: o(input), output: o(output) },
-    }
+    call.map(|l| operand(placement, l))
 }
 
 /// Fixed-size little-endian record of a vertex call (tag, dims, operand addresses, strides).

@@ -121,27 +121,56 @@ pub struct Operand {
 }
 
 /// One vertex (codelet) call. Every kernel works on `rows` x `cols` 2-D strided operands.
+/// The compiler builds the same calls over address-free operands (`lower::Loc`) and maps them
+/// to `Operand`s once storage is placed.
 #[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
-pub enum VertexCall {
+pub enum VertexCall<O = Operand> {
     /// C[m x n] = A[m x k] . B[k x n] (or B given as [n x k] when `b_transposed`), f16 inputs,
     /// fp32 accumulation; C is f16, or fp32 partials when `partials`.
     /// `a_panel` = 0: A is row-major with `a.row_stride`. `a_panel` = w > 0: A is stored as
     /// ceil(k / w) contiguous panels of m rows x w columns (row stride `a.row_stride` >= w),
     /// panel p at `a.address + p * m * a.row_stride * 2`: the AMP's input-channel grouping, which
     /// lets a gathered block arrive in long contiguous runs.
-    MatMul { m: u32, k: u32, n: u32, a: Operand, a_panel: u32, b: Operand, b_transposed: bool, c: Operand, partials: bool },
+    MatMul { m: u32, k: u32, n: u32, a: O, a_panel: u32, b: O, b_transposed: bool, c: O, partials: bool },
     /// out (f16) = sum of fp32 partial blocks, rows x cols each.
-    Reduce { rows: u32, cols: u32, parts: Vec<Operand>, out: Operand },
+    Reduce { rows: u32, cols: u32, parts: Vec<O>, out: O },
     /// GELU (tanh approximation), f16.
-    Gelu { rows: u32, cols: u32, input: Operand, output: Operand },
+    Gelu { rows: u32, cols: u32, input: O, output: O },
     /// output = input * factor, f16.
-    Scale { rows: u32, cols: u32, factor: f32, input: Operand, output: Operand },
+    Scale { rows: u32, cols: u32, factor: f32, input: O, output: O },
     /// output = a + b, f16.
-    Add { rows: u32, cols: u32, a: Operand, b: Operand, output: Operand },
+    Add { rows: u32, cols: u32, a: O, b: O, output: O },
     /// Softmax over each row, f16 in and out, fp32 arithmetic.
-    Softmax { rows: u32, cols: u32, input: Operand, output: Operand },
+    Softmax { rows: u32, cols: u32, input: O, output: O },
     /// Local copy of rows x cols elements of `dtype`.
-    Copy { rows: u32, cols: u32, dtype: DType, input: Operand, output: Operand },
+    Copy { rows: u32, cols: u32, dtype: DType, input: O, output: O },
+}
+
+impl<O> VertexCall<O> {
+    /// The same call over other operands (placement turns `Loc`s into `Operand`s).
+    pub fn map<P>(&self, mut f: impl FnMut(&O) -> P) -> VertexCall<P> {
+        match self {
+            VertexCall::MatMul { m, k, n, a, a_panel, b, b_transposed, c, partials } => {
+                VertexCall::MatMul { m: *m, k: *k, n: *n, a: f(a), a_panel: *a_panel, b: f(b), b_transposed: *b_transposed, c: f(c), partials: *partials }
+            }
+            VertexCall::Reduce { rows, cols, parts, out } => VertexCall::Reduce { rows: *rows, cols: *cols, parts: parts.iter().map(&mut f).collect(), out: f(out) },
+            VertexCall::Gelu { rows, cols, input, output } => VertexCall::Gelu { rows: *rows, cols: *cols, input: f(input), output: f(output) },
+            VertexCall::Scale { rows, cols, factor, input, output } => VertexCall::Scale { rows: *rows, cols: *cols, factor: *factor, input: f(input), output: f(output) },
+            VertexCall::Add { rows, cols, a, b, output } => VertexCall::Add { rows: *rows, cols: *cols, a: f(a), b: f(b), output: f(output) },
+            VertexCall::Softmax { rows, cols, input, output } => VertexCall::Softmax { rows: *rows, cols: *cols, input: f(input), output: f(output) },
+            VertexCall::Copy { rows, cols, dtype, input, output } => VertexCall::Copy { rows: *rows, cols: *cols, dtype: *dtype, input: f(input), output: f(output) },
+        }
+    }
+
+    /// Every operand the call reads or writes.
+    pub fn operands(&self) -> Vec<&O> {
+        match self {
+            VertexCall::MatMul { a, b, c, .. } => vec![a, b, c],
+            VertexCall::Reduce { parts, out, .. } => parts.iter().chain([out]).collect(),
+            VertexCall::Gelu { input, output, .. } | VertexCall::Scale { input, output, .. } | VertexCall::Softmax { input, output, .. } | VertexCall::Copy { input, output, .. } => vec![input, output],
+            VertexCall::Add { a, b, output, .. } => vec![a, b, output],
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]

@@ -301,8 +301,8 @@ impl<'a> Builder<'a> {
     }
 
     fn emit(&mut self, step: u32, tile: u32, call: Call) {
-        for loc in call.locs() {
-            self.touch(loc.buffer, step);
+        for buffer in call.operands().into_iter().map(|l| l.buffer).collect::<Vec<_>>() {
+            self.touch(buffer, step);
         }
         let LStep::Compute(set) = self.steps[step as usize] else { unreachable!("calls go into compute steps") };
         self.compute_sets[set as usize].push((tile, call));
@@ -587,7 +587,7 @@ impl<'a> Builder<'a> {
                     OpKind::Add => Call::Add { rows, cols, a: ins[0], b: ins[1], output: o },
                     other => return Err(LowerError::Unsupported { operation: out.name.clone(), message: format!("{} is not an elementwise operation", other.name()) }),
                 };
-                compute += call_estimate(self.target, &call);
+                compute += cost::vertex_with(self.target, &call, |_| false);
                 self.emit(step, tile, call);
             }
             peak = peak.max(block_elements_stored(&block, out.dtype) * out.dtype.bytes() as u64 * (inputs.len() as u64 + 1));
@@ -659,16 +659,6 @@ impl<'a> Builder<'a> {
     }
 }
 
-impl Call {
-    pub fn locs(&self) -> Vec<Loc> {
-        match self {
-            Call::MatMul { a, b, c, .. } => vec![*a, *b, *c],
-            Call::Reduce { parts, out, .. } => parts.iter().copied().chain([*out]).collect(),
-            Call::Gelu { input, output, .. } | Call::Scale { input, output, .. } | Call::Softmax { input, output, .. } | Call::Copy { input, output, .. } => vec![*input, *output],
-            Call::Add { a, b, output, .. } => vec![*a, *b, *output],
-        }
-    }
-}
 
 /// Whether some consumer of `value`, directly or through elementwise operations that keep its
 /// layout, is a softmax (which needs whole rows on one tile).
@@ -683,15 +673,6 @@ fn needs_whole_rows(graph: &Graph, value: ValueId) -> bool {
     })
 }
 
-fn call_estimate(t: &Target, call: &Call) -> u64 {
-    match call {
-        Call::Gelu { rows, cols, .. } => cost::gelu(t, *rows as u64 * *cols as u64),
-        Call::Scale { rows, cols, .. } => cost::unary_half(t, *rows as u64 * *cols as u64, t.costs.cpl_mul_half, false),
-        Call::Add { rows, cols, .. } => cost::binary_half(t, *rows as u64 * *cols as u64, t.costs.cpl_add_half),
-        Call::Softmax { rows, cols, .. } => cost::softmax(t, *rows, *cols),
-        _ => 0,
-    }
-}
 
 fn flatten(index: &[u32], shape: &[u32]) -> u64 {
     index.iter().zip(shape).fold(0u64, |acc, (&i, &d)| acc * d as u64 + i as u64)

@@ -13,7 +13,7 @@ pub mod plan;
 pub use build::{lower, LowerError};
 
 use crate::ir::DType;
-use crate::package::AllocationKind;
+use crate::package::{AllocationKind, VertexCall};
 
 /// A buffer on one tile, placed later.
 #[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
@@ -38,16 +38,8 @@ pub struct Loc {
     pub dtype_bytes: u32,
 }
 
-#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
-pub enum Call {
-    MatMul { m: u32, k: u32, n: u32, a: Loc, a_panel: u32, b: Loc, b_transposed: bool, c: Loc, partials: bool },
-    Reduce { rows: u32, cols: u32, parts: Vec<Loc>, out: Loc },
-    Gelu { rows: u32, cols: u32, input: Loc, output: Loc },
-    Scale { rows: u32, cols: u32, factor: f32, input: Loc, output: Loc },
-    Add { rows: u32, cols: u32, a: Loc, b: Loc, output: Loc },
-    Softmax { rows: u32, cols: u32, input: Loc, output: Loc },
-    Copy { rows: u32, cols: u32, dtype: DType, input: Loc, output: Loc },
-}
+/// A vertex call over address-free operands.
+pub type Call = VertexCall<Loc>;
 
 /// A word transfer between buffers: `words` words from (buffer, byte offset) to each destination.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
