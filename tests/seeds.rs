@@ -62,3 +62,33 @@ fn odd_shapes_pass_on_1472_simulated_tiles() {
         assert_pass(&ipuq(&["run", &file, "-o", &format!("out{i}")], dir.path()));
     }
 }
+
+#[test]
+fn builds_killed_at_random_points_leave_the_cache_correct() {
+    use std::time::Duration;
+    let dir = tempfile::tempdir().unwrap();
+    let cold = ipuq(&["build", &fixture(ATTENTION), "-o", "cold"], dir.path());
+    assert_eq!(cold.code, 0, "{}", cold.stderr);
+    let expected = std::fs::read(dir.path().join("cold/model.ipuexe")).unwrap();
+    // Deterministic "random" kill points spread over a cold build (about half a second).
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    for round in 0..6 {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        let mut child = Command::new(env!("CARGO_BIN_EXE_ipuq"))
+            .args(["build", &fixture(ATTENTION), "-o", &format!("k{round}"), "--incremental", "--cache-dir", "cache"])
+            .current_dir(dir.path())
+            .env("IPUQ_LOG", "warn")
+            .spawn()
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(50 + state % 600));
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    let out = ipuq(&["build", &fixture(ATTENTION), "-o", "after", "--incremental", "--cache-dir", "cache"], dir.path());
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(std::fs::read(dir.path().join("after/model.ipuexe")).unwrap() == expected, "a build after killed builds differs from a cold build");
+    let verify = ipuq(&["cache", "verify", "--cache-dir", "cache"], dir.path());
+    assert_eq!(verify.code, 0, "{}", verify.stdout);
+}
