@@ -127,7 +127,7 @@ pub fn execute(package: &Package, inputs: &BTreeMap<String, Vec<u8>>, options: &
     device.replay_configuration(package)?;
     device.load(package)?;
 
-    let element_bytes = |t: &ipuq_queries::package::HostTensor| t.segments.iter().map(|s| s.count as u64).sum::<u64>() * t.dtype.bytes() as u64;
+    let element_bytes = |t: &ipuq_queries::package::HostTensor| t.streamed_elements() * t.dtype.bytes() as u64;
     let streamed_in: u64 = package.host.inputs.iter().map(element_bytes).sum();
     let streamed_out: u64 = package.host.outputs.iter().map(element_bytes).sum();
     let startup_mark = device.sync_mark();

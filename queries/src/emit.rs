@@ -90,7 +90,15 @@ fn host_tensor(placement: &Placement, lowered: &Lowered, t: &LHostTensor) -> Hos
         segments: t
             .segments
             .iter()
-            .map(|s| HostSegment { tile: lowered.buffers[s.buffer as usize].tile, address: placement.addresses[s.buffer as usize] + s.offset, element: s.element, count: s.count })
+            .map(|s| HostSegment {
+                tile: lowered.buffers[s.buffer as usize].tile,
+                address: placement.addresses[s.buffer as usize] + s.offset,
+                element: s.element,
+                count: s.count,
+                rows: s.rows,
+                element_stride: s.element_stride,
+                address_stride: s.offset_stride,
+            })
             .collect(),
     }
 }

@@ -16,7 +16,7 @@ use crate::ir::DType;
 
 pub const PACKAGE_MAGIC: [u8; 8] = *b"IPUQPKG\0";
 /// Bump when the layout of anything below changes.
-pub const PACKAGE_FORMAT_VERSION: u32 = 2;
+pub const PACKAGE_FORMAT_VERSION: u32 = 3;
 /// rkyv's format flags this build writes (little endian, aligned, 32-bit offsets).
 pub const RKYV_FLAGS: u32 = 0x0000_0001;
 pub const HEADER_BYTES: usize = 96;
@@ -244,14 +244,44 @@ pub struct HostTensor {
     pub segments: Vec<HostSegment>,
 }
 
-/// `count` consecutive logical elements starting at flat index `element`, stored contiguously
-/// at `address` on `tile`.
+/// `rows` runs of `count` consecutive logical elements: run r starts at flat index
+/// `element + r * element_stride` and is stored contiguously at `address + r * address_stride`
+/// on `tile` (a column block of a row-major tensor is one segment, not one per row).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct HostSegment {
     pub tile: u32,
     pub address: u32,
     pub element: u32,
     pub count: u32,
+    pub rows: u32,
+    pub element_stride: u32,
+    pub address_stride: u32,
+}
+
+impl HostTensor {
+    /// Every run of every segment as a one-row segment, in segment order.
+    pub fn runs(&self) -> Vec<HostSegment> {
+        let mut out = Vec::with_capacity(self.segments.len());
+        for s in &self.segments {
+            for r in 0..s.rows {
+                out.push(HostSegment {
+                    tile: s.tile,
+                    address: s.address + r * s.address_stride,
+                    element: s.element + r * s.element_stride,
+                    count: s.count,
+                    rows: 1,
+                    element_stride: 0,
+                    address_stride: 0,
+                });
+            }
+        }
+        out
+    }
+
+    /// Elements written or read in all, replicas included.
+    pub fn streamed_elements(&self) -> u64 {
+        self.segments.iter().map(|s| s.count as u64 * s.rows as u64).sum()
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]

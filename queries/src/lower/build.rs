@@ -219,7 +219,7 @@ impl<'a> Builder<'a> {
                             role: if role == Role::Weight { LRole::Weight } else { LRole::Input },
                             segments: Vec::new(),
                         });
-                        entry.segments.push(LSegment { buffer, offset: dst_offset, element: element as u32, count: run });
+                        entry.segments.push(LSegment { buffer, offset: dst_offset, element: element as u32, count: run, rows: 1, element_stride: 0, offset_stride: 0 });
                         c += run;
                     }
                     Producer::Operation(_) => {
@@ -345,7 +345,7 @@ impl<'a> Builder<'a> {
                 let piece = run.min(cell_block[last].1 - base_index[last]);
                 let held = Held::plain(stored.grid.buffers[cell], cell_block, stored.dtype);
                 let offset = held.loc(&base_index).offset * stored.dtype.bytes();
-                segments.push(LSegment { buffer: held.buffer, offset, element: (row * cols as u64 + c as u64) as u32, count: piece });
+                segments.push(LSegment { buffer: held.buffer, offset, element: (row * cols as u64 + c as u64) as u32, count: piece, rows: 1, element_stride: 0, offset_stride: 0 });
                 c += piece;
             }
         }
@@ -678,20 +678,39 @@ fn flatten(index: &[u32], shape: &[u32]) -> u64 {
     index.iter().zip(shape).fold(0u64, |acc, (&i, &d)| acc * d as u64 + i as u64)
 }
 
-/// Merge segments contiguous both in logical elements and in memory.
+/// Merge one-row segments: first those contiguous both in logical elements and in memory, then
+/// equal-length runs at constant element and memory strides into one strided segment.
 fn merge_segments(mut segments: Vec<LSegment>, dtype: DType) -> Vec<LSegment> {
     segments.sort_by_key(|s| (s.buffer, s.offset, s.element));
-    let mut out: Vec<LSegment> = Vec::with_capacity(segments.len());
+    let mut runs: Vec<LSegment> = Vec::with_capacity(segments.len());
     for s in segments {
-        if let Some(last) = out.last_mut() {
+        if let Some(last) = runs.last_mut() {
             if last.buffer == s.buffer && last.element + last.count == s.element && last.offset + last.count * dtype.bytes() == s.offset {
                 last.count += s.count;
                 continue;
             }
         }
+        runs.push(s);
+    }
+    runs.sort_by_key(|s| (s.buffer, s.element, s.offset));
+    let mut out: Vec<LSegment> = Vec::with_capacity(runs.len());
+    for s in runs {
+        if let Some(last) = out.last_mut() {
+            if last.buffer == s.buffer && last.count == s.count && s.element > last.element && s.offset > last.offset {
+                if last.rows == 1 {
+                    last.element_stride = s.element - last.element;
+                    last.offset_stride = s.offset - last.offset;
+                    last.rows = 2;
+                    continue;
+                }
+                if s.element == last.element + last.rows * last.element_stride && s.offset == last.offset + last.rows * last.offset_stride {
+                    last.rows += 1;
+                    continue;
+                }
+            }
+        }
         out.push(s);
     }
-    out.sort_by_key(|s| (s.element, s.buffer));
     out
 }
 

@@ -55,13 +55,17 @@ pub enum LStep {
     Exchange(u32),
 }
 
-/// `count` logical elements from flat index `element`, at (buffer, byte offset).
+/// `rows` runs of `count` logical elements: run r from flat index `element + r * element_stride`
+/// at (buffer, byte offset `offset + r * offset_stride`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct LSegment {
     pub buffer: u32,
     pub offset: u32,
     pub element: u32,
     pub count: u32,
+    pub rows: u32,
+    pub element_stride: u32,
+    pub offset_stride: u32,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]

@@ -33,8 +33,9 @@ pub fn check_segments(
 ) -> Result<Vec<usize>, DeviceError> {
     let (elements, _) = tensor_size(tensor)?;
     let element_bytes = tensor.dtype.bytes() as u64;
-    let mut found = Vec::with_capacity(tensor.segments.len());
-    for s in &tensor.segments {
+    let runs = tensor.runs();
+    let mut found = Vec::with_capacity(runs.len());
+    for s in &runs {
         let what = format!("segment of elements [{}, {}) on tile {} at {:#x}", s.element, s.element as u64 + s.count as u64, s.tile, s.address);
         if s.element as u64 + s.count as u64 > elements {
             return Err(host_error(tensor, format!("{what} reaches past the tensor's {elements} elements")));
@@ -58,7 +59,7 @@ pub fn check_segments(
 pub fn write(tensor: &HostTensor, slots: &[usize], memories: &mut [TileMemory], bytes: &[u8]) -> u64 {
     let element_bytes = tensor.dtype.bytes() as usize;
     let mut streamed = 0u64;
-    for (s, &slot) in tensor.segments.iter().zip(slots) {
+    for (s, &slot) in tensor.runs().iter().zip(slots) {
         let from = s.element as usize * element_bytes;
         let len = s.count as usize * element_bytes;
         memories[slot].range_mut(s.address, len).copy_from_slice(&bytes[from..from + len]);
@@ -71,7 +72,8 @@ pub fn write(tensor: &HostTensor, slots: &[usize], memories: &mut [TileMemory], 
 pub fn read(tensor: &HostTensor, slots: &[usize], memories: &[TileMemory]) -> Result<Vec<u8>, DeviceError> {
     let (elements, total) = tensor_size(tensor)?;
     let element_bytes = tensor.dtype.bytes() as usize;
-    let mut covered: Vec<(u64, u64)> = tensor.segments.iter().map(|s| (s.element as u64, s.element as u64 + s.count as u64)).collect();
+    let runs = tensor.runs();
+    let mut covered: Vec<(u64, u64)> = runs.iter().map(|s| (s.element as u64, s.element as u64 + s.count as u64)).collect();
     covered.sort_unstable();
     let mut reached = 0u64;
     for (start, end) in covered {
@@ -84,7 +86,7 @@ pub fn read(tensor: &HostTensor, slots: &[usize], memories: &[TileMemory]) -> Re
         return Err(host_error(tensor, format!("element {reached} is stored on no tile, so the tensor cannot be read")));
     }
     let mut out = vec![0u8; total as usize];
-    for (s, &slot) in tensor.segments.iter().zip(slots) {
+    for (s, &slot) in runs.iter().zip(slots) {
         let from = s.element as usize * element_bytes;
         let len = s.count as usize * element_bytes;
         out[from..from + len].copy_from_slice(memories[slot].range(s.address, len));
@@ -94,7 +96,8 @@ pub fn read(tensor: &HostTensor, slots: &[usize], memories: &[TileMemory]) -> Re
 
 /// Read single elements (flat indices) as f32.
 pub fn sample(tensor: &HostTensor, slots: &[usize], memories: &[TileMemory], indices: &[u64]) -> Result<Vec<f32>, DeviceError> {
-    let mut order: Vec<(&HostSegment, usize)> = tensor.segments.iter().zip(slots.iter().copied()).collect();
+    let runs = tensor.runs();
+    let mut order: Vec<(&HostSegment, usize)> = runs.iter().zip(slots.iter().copied()).collect();
     order.sort_by_key(|(s, _)| s.element);
     let element_bytes = tensor.dtype.bytes();
     indices
