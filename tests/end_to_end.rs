@@ -13,8 +13,14 @@ fn workdir() -> tempfile::TempDir {
 fn small_seed_shapes_pass_with_checkpoints() {
     let dir = workdir();
     for workload in ["workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml", "workloads/attention-grouped-materialized-gaussian-f16-b1-t29-h4-kv2-d8.toml"] {
-        let out = ipuq(&["run", &fixture(workload), "--target", "small16", "-o", "out", "--checkpoints"], dir.path());
+        let out = ipuq(&["run", &fixture(workload), "--target", "small16", "-o", "out", "--checkpoints", "--dump", "dump"], dir.path());
         assert_pass(&out);
+        // Everything the host gave and got back, as .npy files anyone can check with numpy.
+        let graph = ipuq_queries::ir::Graph::parse(&std::fs::read_to_string(fixture(workload)).unwrap(), workload).unwrap();
+        for value in graph.values.iter().filter(|v| !matches!(v.producer, ipuq_queries::ir::Producer::Operation(_)) || graph.outputs.iter().any(|&o| graph.value(o).name == v.name)) {
+            let array = ipuq::workload::npy::read_npy(&dir.path().join(format!("dump/{}.npy", value.name))).unwrap();
+            assert_eq!(array.shape, value.shape.iter().map(|&d| d as u64).collect::<Vec<_>>());
+        }
         assert_eq!(field(&out.stdout, "diagnosticCheckpoints=", "numericalTest").as_deref(), Some("PASS"));
         let cycles: u64 = field(&out.stdout, "workload=", "cycles").unwrap().parse().unwrap();
         assert!(cycles > 0);

@@ -21,6 +21,24 @@ fn the_seed_mlp_passes_on_1472_simulated_tiles() {
     // The compute-bound limit on 1472 tiles is 76,730 cycles: nothing can beat it.
     assert!(cycles > 76_730, "cycles={cycles}");
     assert_eq!(field(&out.stdout, "diagnosticCheckpoints=", "numericalTest").as_deref(), Some("PASS"));
+
+    // The profile: a summary, and a Chrome trace with one track per tile group and one slice
+    // per superstep on each.
+    let profile = field(&out.stdout, "profile=", "profile").unwrap();
+    let summary = ipuq(&["profile", &profile, "--chrome-trace", "trace.json"], dir.path());
+    assert_eq!(summary.code, 0, "{}", summary.stderr);
+    assert!(summary.stdout.contains("slowest supersteps") && summary.stdout.contains("exchange share"), "{}", summary.stdout);
+    let trace: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.path().join("trace.json")).unwrap()).unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    let slices: Vec<&serde_json::Value> = events.iter().filter(|e| e["ph"] == "X").collect();
+    let mut per_track = std::collections::BTreeMap::new();
+    for e in &slices {
+        *per_track.entry(e["tid"].as_u64().unwrap()).or_insert(0) += 1;
+        assert!(e["ts"].as_f64().is_some() && e["dur"].as_f64().is_some());
+    }
+    let steps = events.iter().filter(|e| e["ph"] == "X" && e["tid"] == 0).count();
+    assert!(per_track.len() >= 92, "{} tracks", per_track.len());
+    assert!(per_track.values().all(|&n| n == steps), "every track has one slice per superstep");
 }
 
 #[test]
