@@ -204,7 +204,10 @@ pub(crate) fn critical_neighborhood(problem: &Problem, paired: &[bool], chunk: u
     if horizon <= floor || problem.jobs.is_empty() {
         return start;
     }
-    let rebuilds = (WORK_PER_CHAIN / problem.jobs.len()).min(MAX_REBUILDS);
+    // A rebuild's work is its number of chunks: long multicast transfers cost more than their
+    // count says, so the budget counts chunks (at least one per transfer).
+    let chunks: usize = problem.jobs.iter().map(|job| job.words.div_ceil(chunk.max(1)) as usize).sum();
+    let rebuilds = (WORK_PER_CHAIN / chunks.max(problem.jobs.len())).min(MAX_REBUILDS);
     if rebuilds == 0 {
         return start;
     }
