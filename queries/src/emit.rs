@@ -8,9 +8,9 @@
 
 use crate::cost;
 use crate::ir::Graph;
-use crate::lower::{Call, LHostTensor, LRole, LStep, Loc, Lowered};
+use crate::lower::{Call, LHostTensor, LStep, Loc, Lowered};
 use crate::package::{
-    Allocation, AllocationKind, Checkpoint, ComputeSet, ExchangePhase, HostRole, HostSegment, HostTables, HostTensor, Operand, Package, Segment, Step,
+    Allocation, AllocationKind, Checkpoint, ComputeSet, ExchangePhase, HostSegment, HostTables, HostTensor, Operand, Package, Segment, Step,
     Summary, TileImage, VertexCall,
 };
 use crate::storage::Placement;
@@ -77,30 +77,15 @@ fn encode_call(call: &VertexCall, out: &mut Vec<u8>) {
 }
 
 fn host_tensor(placement: &Placement, lowered: &Lowered, t: &LHostTensor) -> HostTensor {
-    HostTensor {
-        name: t.name.clone(),
-        shape: t.shape.clone(),
-        dtype: t.dtype,
-        role: match t.role {
-            LRole::Input => HostRole::Input,
-            LRole::Weight => HostRole::Weight,
-            LRole::Output => HostRole::Output,
-            LRole::Intermediate => HostRole::Intermediate,
-        },
-        segments: t
-            .segments
-            .iter()
-            .map(|s| HostSegment {
-                tile: lowered.buffers[s.buffer as usize].tile,
-                address: placement.addresses[s.buffer as usize] + s.offset,
-                element: s.element,
-                count: s.count,
-                rows: s.rows,
-                element_stride: s.element_stride,
-                address_stride: s.offset_stride,
-            })
-            .collect(),
-    }
+    t.map(|s| HostSegment {
+        tile: lowered.buffers[s.buffer as usize].tile,
+        address: placement.addresses[s.buffer as usize] + s.offset,
+        element: s.element,
+        count: s.count,
+        rows: s.rows,
+        element_stride: s.element_stride,
+        address_stride: s.offset_stride,
+    })
 }
 
 /// Assemble the package from the placed program and the final exchange tables.

@@ -225,7 +225,7 @@ pub struct HostTables {
     pub checkpoints: Vec<Checkpoint>,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub enum HostRole {
     Input,
     Weight,
@@ -235,13 +235,21 @@ pub enum HostRole {
 
 /// A tensor as the host sees it: where each run of its elements (row-major logical order)
 /// lives. An input element may live on several tiles (replicas); each is written.
+/// The compiler builds the same tables over address-free segments (`lower::LSegment`).
 #[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
-pub struct HostTensor {
+pub struct HostTensor<S = HostSegment> {
     pub name: String,
     pub shape: Vec<u32>,
     pub dtype: DType,
     pub role: HostRole,
-    pub segments: Vec<HostSegment>,
+    pub segments: Vec<S>,
+}
+
+impl<S> HostTensor<S> {
+    /// The same tensor over other segments (placement turns `LSegment`s into `HostSegment`s).
+    pub fn map<T>(&self, f: impl FnMut(&S) -> T) -> HostTensor<T> {
+        HostTensor { name: self.name.clone(), shape: self.shape.clone(), dtype: self.dtype, role: self.role, segments: self.segments.iter().map(f).collect() }
+    }
 }
 
 /// `rows` runs of `count` consecutive logical elements: run r starts at flat index
@@ -285,12 +293,12 @@ impl HostTensor {
 }
 
 #[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
-pub struct Checkpoint {
+pub struct Checkpoint<S = HostSegment> {
     /// Index of the operation (in workload order) that produced the value.
     pub operation: u32,
     /// Index into `Package::steps`: the value is complete after this step.
     pub after_step: u32,
-    pub tensor: HostTensor,
+    pub tensor: HostTensor<S>,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]

@@ -11,10 +11,10 @@ use tracing::info;
 
 use super::grid::{block_elements_stored, offset_in_block, row_stride, split, Grid, ViewChain};
 use super::plan::{plan_matmul, MatMulPlan, MatMulProblem};
-use super::{BufferDecl, Call, LCheckpoint, LHostTensor, LRole, LSegment, LStep, Loc, Lowered, OperationPlan, Transfer};
+use super::{BufferDecl, Call, LCheckpoint, LHostTensor, LSegment, LStep, Loc, Lowered, OperationPlan, Transfer};
 use crate::cost;
 use crate::ir::{split3, DType, Graph, OpKind, Producer, Role, ValueId};
-use crate::package::AllocationKind;
+use crate::package::{AllocationKind, HostRole};
 use crate::target::Target;
 
 /// Bytes per tile the planner leaves for code, vertex state and exchange tables.
@@ -216,7 +216,7 @@ impl<'a> Builder<'a> {
                             name: base.name.clone(),
                             shape: base.shape.clone(),
                             dtype,
-                            role: if role == Role::Weight { LRole::Weight } else { LRole::Input },
+                            role: if role == Role::Weight { HostRole::Weight } else { HostRole::Input },
                             segments: Vec::new(),
                         });
                         entry.segments.push(LSegment { buffer, offset: dst_offset, element: element as u32, count: run, rows: 1, element_stride: 0, offset_stride: 0 });
@@ -311,7 +311,7 @@ impl<'a> Builder<'a> {
     fn record(&mut self, index: usize, output: ValueId, grid: Grid, dtype: DType, step: u32, plan: OperationPlan) {
         let value = self.graph.value(output).clone();
         self.stored.insert(output, Stored { grid, dtype });
-        let tensor = self.host_view(output, LRole::Intermediate);
+        let tensor = self.host_view(output, HostRole::Intermediate);
         self.checkpoints.push(LCheckpoint { operation: index as u32, after_step: step, tensor });
         info!(operation = index, value = %value.name, kind = %plan.kind, partitions = ?plan.partitions, tiles = plan.tiles,
             estimated_compute_cycles = plan.estimated_compute_cycles, estimated_exchange_cycles = plan.estimated_exchange_cycles,
@@ -320,7 +320,7 @@ impl<'a> Builder<'a> {
     }
 
     /// Where the host finds each element of `value` (through views): segments in logical order.
-    fn host_view(&self, value: ValueId, role: LRole) -> LHostTensor {
+    fn host_view(&self, value: ValueId, role: HostRole) -> LHostTensor {
         let chain = ViewChain::resolve(self.graph, value);
         let v = self.graph.value(value);
         let stored = &self.stored[&chain.base];
@@ -614,7 +614,7 @@ impl<'a> Builder<'a> {
             if !self.stored.contains_key(&chain.base) {
                 return Err(LowerError::OutputIsInput { output: self.graph.value(output).name.clone(), input: self.graph.value(chain.base).name.clone() });
             }
-            let tensor = self.host_view(output, LRole::Output);
+            let tensor = self.host_view(output, HostRole::Output);
             for s in &tensor.segments {
                 self.touch(s.buffer, end);
             }

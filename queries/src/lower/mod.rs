@@ -12,8 +12,7 @@ pub mod plan;
 
 pub use build::{lower, LowerError};
 
-use crate::ir::DType;
-use crate::package::{AllocationKind, VertexCall};
+use crate::package::{AllocationKind, Checkpoint, HostTensor, VertexCall};
 
 /// A buffer on one tile, placed later.
 #[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
@@ -68,29 +67,10 @@ pub struct LSegment {
     pub offset_stride: u32,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
-pub enum LRole {
-    Input,
-    Weight,
-    Output,
-    Intermediate,
-}
-
-#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
-pub struct LHostTensor {
-    pub name: String,
-    pub shape: Vec<u32>,
-    pub dtype: DType,
-    pub role: LRole,
-    pub segments: Vec<LSegment>,
-}
-
-#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
-pub struct LCheckpoint {
-    pub operation: u32,
-    pub after_step: u32,
-    pub tensor: LHostTensor,
-}
+/// A host table over address-free segments.
+pub type LHostTensor = HostTensor<LSegment>;
+/// A checkpoint over address-free segments.
+pub type LCheckpoint = Checkpoint<LSegment>;
 
 /// The plan chosen for one operation, for logs and reports.
 #[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
