@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use ipuq_cache::{Cache, CacheOptions};
-use ipuq_queries::db::{graph, Database, Origin, Sources, StageStore};
+use ipuq_queries::db::{graph, Database, Origin, StageStore};
 use ipuq_queries::hash::Digest;
 use ipuq_queries::package::Package;
 use ipuq_queries::pipeline::{lowered, package, run_phase, PHASES};
@@ -96,7 +96,7 @@ pub fn build(workload: &Path, options: &BuildOptions) -> Result<Built, BuildErro
     };
     let verify = std::env::var_os("IPUQ_VERIFY_CACHE").is_some_and(|v| v == "1");
     let db = Database::new(store).verifying_hits(verify);
-    let sources = Sources::new(&db, text, workload.display().to_string(), target_text, target_origin);
+    let sources = ipuq_queries::db::sources(&db, text, workload.display().to_string(), target_text, target_origin);
     let target = ipuq_queries::db::target(&db, sources).map_err(|e| BuildError::Input(e.to_string()))?;
     let g = graph(&db, sources).map_err(|e| BuildError::Input(e.to_string()))?;
     let span = info_span!("ipuq.package.build", tile_count = target.value.chip.tiles, operations = g.value.compute_operation_count());

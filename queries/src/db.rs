@@ -205,3 +205,12 @@ impl Db for Database {
         self
     }
 }
+
+/// The inputs of one build. The target description rarely changes, so it gets high durability:
+/// an edit to the workload then never re-validates the queries that read only the target.
+pub fn sources(db: &Database, workload_text: String, workload_origin: String, target_text: String, target_origin: String) -> Sources {
+    Sources::builder(workload_text, workload_origin, target_text, target_origin)
+        .target_text_durability(salsa::Durability::HIGH)
+        .target_origin_durability(salsa::Durability::HIGH)
+        .new(db)
+}
