@@ -21,8 +21,8 @@ use crate::storage::{place_storage, Placement};
 /// The phases in order, as the driver runs and logs them.
 pub const PHASES: &[&str] = &["lower_mid", "lower_exchanges_provisional", "size_tile_code", "place_storage", "lower_exchanges", "build_tile_images"];
 
-const LOWER_VERSION: u32 = 4;
-const SCHEDULE_VERSION: u32 = 2;
+const LOWER_VERSION: u32 = 5;
+const SCHEDULE_VERSION: u32 = 3;
 const CODE_VERSION: u32 = 1;
 const PLACE_VERSION: u32 = 1;
 const TABLES_VERSION: u32 = 1;

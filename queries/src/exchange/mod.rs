@@ -62,6 +62,11 @@ const LARGE_EFFORT: compact::Effort = compact::Effort { passes: 1, lookback: Som
 /// spread by at most `UNIFORM_DELAY_SPREAD` cycles (where its block order is exact). On large
 /// phases with the chip's full delay spread its timing loses to the greedy and costs most.
 const MATCHING_PHASE: usize = 30_000;
+/// Larger pure unicast phases (a re-gather by rows, say) up to this size try the matching too
+/// when the greedy ends more than `MATCHING_FALLBACK_PERCENT` above the bound: there the
+/// matching reaches the bound's neighbourhood where the greedy can fall 10 % short.
+const MATCHING_UNICAST_PHASE: usize = 150_000;
+const MATCHING_FALLBACK_PERCENT: u64 = 2;
 const UNIFORM_DELAY_SPREAD: u32 = 16;
 
 /// The endpoint lower bound of a phase (see `bound.rs` for exactly what is counted); 0 for a
@@ -134,7 +139,8 @@ pub fn schedule_phase(target: &Target, phase: &PhaseRequest) -> Result<Schedule,
         info!(phase = phase.index, bound = name.as_str(), value = *value, endpoint_lower_bound = bounds.endpoint, "stronger exchange bound applies");
     }
     let mut candidates = Vec::new();
-    if phase.transfers.len() <= MATCHING_PHASE || problem.delay_spread() <= UNIFORM_DELAY_SPREAD {
+    let matching_first = phase.transfers.len() <= MATCHING_PHASE || problem.delay_spread() <= UNIFORM_DELAY_SPREAD;
+    if matching_first {
         candidates.push(Candidate::Matching);
     }
     let large = phase.transfers.len() > LARGE_PHASE;
@@ -149,7 +155,14 @@ pub fn schedule_phase(target: &Target, phase: &PhaseRequest) -> Result<Schedule,
     for &pairing in pairings {
         candidates.extend(chunks.iter().map(|&chunk| Candidate::Greedy { pairing, chunk }));
     }
-    let built: Vec<Option<Built>> = candidates.par_iter().map(|&c| build(&problem, c, effort)).collect();
+    let mut built: Vec<Option<Built>> = candidates.par_iter().map(|&c| build(&problem, c, effort)).collect();
+    let unicast = problem.maximum_identical_destinations() <= 1;
+    if !matching_first && unicast && phase.transfers.len() <= MATCHING_UNICAST_PHASE {
+        let greedy = built.iter().flatten().map(|b| b.horizon as u64).min();
+        if greedy.is_none_or(|h| h * 100 > bounds.endpoint as u64 * (100 + MATCHING_FALLBACK_PERCENT)) {
+            built.push(build(&problem, Candidate::Matching, effort));
+        }
+    }
     let (ordinary, paired): (Vec<_>, Vec<_>) = built.into_iter().partition(|b| b.as_ref().is_none_or(|b| !b.paired));
     let ordinary = best(ordinary);
     let paired = best(paired);

@@ -45,7 +45,8 @@ pub struct MatMulProblem<'a> {
     pub k: u32,
     pub n: u32,
     pub b_transposed: bool,
-    /// The consumer needs whole rows (softmax): no column partitions.
+    /// A consumer needs whole rows (softmax): column partitions then cost a re-gather of the
+    /// output by rows before that consumer.
     pub whole_rows: bool,
     /// Words a tile must receive to hold A's block [b, m, k] (0 when the host places A).
     pub remote_a_words: &'a dyn Fn(&MatMulPlan, u32) -> u64,
@@ -90,7 +91,7 @@ pub fn plan_matmul(t: &Target, p: &MatMulProblem) -> Option<MatMulPlan> {
         let pk_limit = if max_extent(&b_cuts) > 1 { 1 } else { k_blocks.min(32) };
         for pk in distinct_partitions(k_blocks, pk_limit) {
             let k_cuts = split(p.k, pk, block);
-            let n_limit = if p.whole_rows { 1 } else { n_blocks };
+            let n_limit = n_blocks;
             for pn in distinct_partitions(n_limit, tiles / (cuts_len(&b_cuts) * cuts_len(&k_cuts)).max(1)) {
                 let n_cuts = split(p.n, pn, block);
                 let used = cuts_len(&b_cuts) * cuts_len(&k_cuts) * cuts_len(&n_cuts);
@@ -156,6 +157,11 @@ fn cost_plan(t: &Target, p: &MatMulProblem, b_cuts: Vec<u32>, m_cuts: Vec<u32>, 
     }
     if gather > 0 {
         exchange += sync + max_delay as u64 + gather;
+    }
+    if p.whole_rows && plan.pn > 1 {
+        // The row consumer re-gathers the output evenly over the tiles (f16, two per word).
+        let elements = p.batches as u64 * p.m as u64 * p.n as u64;
+        exchange += sync + max_delay as u64 + elements.div_ceil(t.chip.tiles as u64 * 2);
     }
     plan.compute_cycles = compute;
     plan.exchange_cycles = exchange;
