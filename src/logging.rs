@@ -5,5 +5,5 @@ use tracing_subscriber::EnvFilter;
 
 pub fn init() {
     let filter = std::env::var("IPUQ_LOG").or_else(|_| std::env::var("RUST_LOG")).unwrap_or_else(|_| "info,salsa=warn".into());
-    let _ = tracing_subscriber::fmt().with_env_filter(EnvFilter::new(filter)).with_writer(std::io::stderr).with_ansi(false).try_init();
+    let _ = tracing_subscriber::fmt().with_env_filter(EnvFilter::new(filter)).with_writer(std::io::stderr).with_ansi(false).with_target(false).try_init();
 }
