@@ -72,6 +72,20 @@ fn bad_input_gets_one_clear_error_and_exit_code_2() {
     let out = ipuq(&["run", "no-such-file.toml"], dir.path());
     assert_eq!(out.code, 2);
     assert!(out.stderr.contains("no-such-file.toml"));
+    // A real package, damaged three ways: every one is refused with the file and the problem named.
+    let built = ipuq(&["build", &fixture("workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml"), "--target", "small16", "-o", "good"], dir.path());
+    assert_eq!(built.code, 0, "{}", built.stderr);
+    let good = std::fs::read(dir.path().join("good/model.ipuexe")).unwrap();
+    let mut flipped = good.clone();
+    flipped[good.len() / 2] ^= 0x10;
+    let mut foreign = good.clone();
+    foreign[8] = 99;
+    for (name, bytes, expected) in [("flipped", flipped, "checksum mismatch"), ("truncated", good[..good.len() / 3].to_vec(), "truncated package"), ("foreign", foreign, "package format v99")] {
+        std::fs::write(dir.path().join(format!("{name}.ipuexe")), bytes).unwrap();
+        let out = ipuq(&["run", &format!("{name}.ipuexe")], dir.path());
+        assert_eq!(out.code, 2, "{name}: {}", out.stderr);
+        assert!(out.stderr.lines().any(|l| l.starts_with("error: ") && l.contains(&format!("{name}.ipuexe")) && l.contains(expected)), "{name}: {}", out.stderr);
+    }
     std::fs::write(dir.path().join("broken.ipuexe"), b"IPUQPKG\0 but then nothing").unwrap();
     let out = ipuq(&["run", "broken.ipuexe"], dir.path());
     assert_eq!(out.code, 2, "{}", out.stderr);
