@@ -80,6 +80,8 @@ enum Command {
         #[arg(long)]
         chrome_trace: Option<PathBuf>,
     },
+    /// Describe a package (identity, program, memory, exchange and host tables) without running it.
+    Inspect { package: PathBuf },
     /// For every exchange phase of the workloads: bound, horizon, gap and scheduling time.
     ExchangeReport {
         workloads: Vec<PathBuf>,
@@ -220,6 +222,10 @@ fn run(cli: Cli) -> Result<Outcome, String> {
                 crate::profile::chrome_trace(&file, &out).map_err(|e| e.to_string())?;
                 println!("chromeTrace={}", out.display());
             }
+            Ok(Outcome::Pass)
+        }
+        Command::Inspect { package } => {
+            crate::inspect::run(&package)?;
             Ok(Outcome::Pass)
         }
         Command::ExchangeReport { workloads, target } => {

@@ -76,6 +76,9 @@ fn bad_input_gets_one_clear_error_and_exit_code_2() {
     let built = ipuq(&["build", &fixture("workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml"), "--target", "small16", "-o", "good"], dir.path());
     assert_eq!(built.code, 0, "{}", built.stderr);
     let good = std::fs::read(dir.path().join("good/model.ipuexe")).unwrap();
+    let inspected = ipuq(&["inspect", "good/model.ipuexe"], dir.path());
+    assert_eq!(inspected.code, 0, "{}", inspected.stderr);
+    assert!(inspected.stdout.contains("program tiles=16") && inspected.stdout.contains("host output=y_0"), "{}", inspected.stdout);
     let mut flipped = good.clone();
     flipped[good.len() / 2] ^= 0x10;
     let mut foreign = good.clone();

@@ -1,0 +1,68 @@
+//! `ipuq inspect PACKAGE`: what a package holds, read through the same checks as `ipuq run`
+//! (header, checksum, archive validation), without running it.
+
+use std::path::Path;
+
+use ipuq_queries::package::{AllocationKind, Package, Step};
+
+use crate::build::read_package;
+
+pub fn run(path: &Path) -> Result<(), String> {
+    let package = read_package(path).map_err(|e| e.to_string())?;
+    print!("{}", describe(&package));
+    Ok(())
+}
+
+/// A plain-text description: identity, program shape, memory use, exchange and host tables.
+pub fn describe(p: &Package) -> String {
+    let mut out = String::new();
+    let mut line = |s: String| {
+        out.push_str(&s);
+        out.push('\n');
+    };
+    line(format!("package workload={} compiler=\"{}\" target_digest={}", p.workload_name, p.compiler, p.target_digest.short()));
+    let computes = p.steps.iter().filter(|s| matches!(s, Step::Compute { .. })).count();
+    line(format!(
+        "program tiles={} activeTiles={} steps={} computeSets={} exchangePhases={} estimatedCycles={} estimatedExchangeCycles={}",
+        p.tile_count(),
+        p.summary.active_tiles,
+        p.steps.len(),
+        computes,
+        p.exchanges.len(),
+        p.summary.estimated_cycles,
+        p.summary.estimated_exchange_cycles
+    ));
+    let mut peak = (0u64, 0u32);
+    let mut code = 0u64;
+    let mut calls = 0usize;
+    for tile in &p.tiles {
+        let bytes: u64 = tile.allocations.iter().map(|a| (a.end - a.start) as u64).sum();
+        if bytes > peak.0 {
+            peak = (bytes, tile.tile);
+        }
+        code = code.max(tile.allocations.iter().filter(|a| a.kind == AllocationKind::Code).map(|a| (a.end - a.start) as u64).sum());
+        calls += tile.compute_sets.iter().map(|s| s.calls.len()).sum::<usize>();
+    }
+    line(format!("memory largestAllocatedBytes={} onTile={} largestCodeBytes={} vertexCalls={calls}", peak.0, peak.1, code));
+    for phase in &p.exchanges {
+        let sends: usize = phase.tiles.iter().map(|t| t.sends.len()).sum();
+        let receives: usize = phase.tiles.iter().map(|t| t.receives.len()).sum();
+        line(format!(
+            "exchange phase={} tiles={} sendEntries={sends} receiveEntries={receives} horizon={} endpointLowerBound={}",
+            phase.index,
+            phase.tiles.len(),
+            phase.horizon,
+            phase.endpoint_lower_bound
+        ));
+    }
+    let tables = [("input", &p.host.inputs), ("output", &p.host.outputs)];
+    for (kind, tensors) in tables {
+        for t in tensors.iter() {
+            line(format!("host {kind}={} shape={:?} dtype={} role={:?} segments={} streamedElements={}", t.name, t.shape, t.dtype.name(), t.role, t.segments.len(), t.streamed_elements()));
+        }
+    }
+    for c in &p.host.checkpoints {
+        line(format!("checkpoint operation={} value={} afterStep={}", c.operation, c.tensor.name, c.after_step));
+    }
+    out
+}
