@@ -141,3 +141,16 @@ fn two_runs_on_the_same_artifacts_take_turns_on_the_device() {
         assert!(stderr.contains("waiting for hardware ownership") && stderr.contains("acquired hardware ownership"), "{stderr}");
     }
 }
+
+#[test]
+fn four_seed_blocks_fit_by_keeping_each_weight_block_once() {
+    // Replicated over its row partitions and resident from the start, four blocks of weights
+    // overflow tile memory; the compiler falls back to homing each block once and multicasting it.
+    let dir = tempfile::tempdir().unwrap();
+    let generated = ipuq(&["workload", "siglip-mlp", "--blocks", "4", "-o", "mlp4.toml"], dir.path());
+    assert_eq!(generated.code, 0);
+    let out = ipuq(&["run", "mlp4.toml", "-o", "out"], dir.path());
+    assert_pass(&out);
+    assert!(out.stderr.contains("keeping each weight block once on a home tile"), "{}", common::tail(&out.stderr));
+    assert_eq!(field(&out.stdout, "workload=", "blocks").as_deref(), Some("4"));
+}

@@ -112,9 +112,43 @@ struct Builder<'a> {
     checkpoints: Vec<LCheckpoint>,
     gemm_flops: u64,
     operation_name: String,
+    /// Keep each matrix-product weight block once on a home tile and multicast it to the other
+    /// row partitions when needed, instead of having the host write every replica: chosen
+    /// when replicated weights, all resident from the start, would not fit.
+    home_weights: bool,
+    /// Spreads home tiles of successive operations over the row partitions.
+    home_rotation: usize,
 }
 
 pub fn lower(graph: &Graph, target: &Target) -> Result<Lowered, LowerError> {
+    let replicated = lower_with(graph, target, false)?;
+    if fits(&replicated, target) {
+        return Ok(replicated);
+    }
+    info!("replicated weights do not fit in tile memory; keeping each weight block once on a home tile");
+    lower_with(graph, target, true)
+}
+
+/// Whether every tile's live buffers fit, step by step, beside the code reserve.
+fn fits(lowered: &Lowered, target: &Target) -> bool {
+    let capacity = (target.memory.loader_limit - target.memory.base) as i64 - CODE_RESERVE_BYTES as i64;
+    let mut events: Vec<Vec<(u32, i64)>> = vec![Vec::new(); lowered.tiles as usize];
+    for b in &lowered.buffers {
+        events[b.tile as usize].push((b.first_step, b.bytes as i64));
+        events[b.tile as usize].push((b.last_step.saturating_add(1), -(b.bytes as i64)));
+    }
+    events.into_iter().all(|mut e| {
+        // Frees before allocations at the same step.
+        e.sort_unstable_by_key(|&(step, delta)| (step, delta));
+        let mut live = 0i64;
+        e.into_iter().all(|(_, delta)| {
+            live += delta;
+            live <= capacity
+        })
+    })
+}
+
+fn lower_with(graph: &Graph, target: &Target, home_weights: bool) -> Result<Lowered, LowerError> {
     let mut b = Builder {
         graph,
         target,
@@ -131,6 +165,8 @@ pub fn lower(graph: &Graph, target: &Target) -> Result<Lowered, LowerError> {
         checkpoints: Vec::new(),
         gemm_flops: 0,
         operation_name: String::new(),
+        home_weights,
+        home_rotation: 0,
     };
     for (index, operation) in graph.operations.iter().enumerate() {
         if operation.kind.is_view() {
@@ -175,8 +211,8 @@ impl<'a> Builder<'a> {
         let chain = ViewChain::resolve(self.graph, value);
         let dtype = self.graph.value(value).dtype;
         let base = self.graph.value(chain.base).clone();
-        if let Producer::Operation(_) = base.producer {
-            let stored = &self.stored[&chain.base];
+        let is_stored = self.stored.contains_key(&chain.base);
+        if let Some(stored) = self.stored.get(&chain.base) {
             if chain.is_identity() {
                 let lo: Vec<u32> = block.iter().map(|r| r.0).collect();
                 let (cell, cell_block) = stored.grid.locate(&lo);
@@ -187,7 +223,7 @@ impl<'a> Builder<'a> {
             }
         }
         // Panels only pay where the block arrives by exchange; the host writes any layout.
-        let panel = if matches!(base.producer, Producer::Operation(_)) { panel } else { 0 };
+        let panel = if is_stored { panel } else { 0 };
         let name = self.graph.value(value).name.clone();
         let mut held = Held { buffer: u32::MAX, block: block.to_vec(), dtype, panel };
         let buffer = self.buffer(tile, held.stored_elements() * dtype.bytes() as u64, AllocationKind::Data, prefer_interleaved, &name);
@@ -209,8 +245,9 @@ impl<'a> Builder<'a> {
                 let limit = if held.panel > 0 { (held.panel - (c - c0) % held.panel).min(c1 - c) } else { c1 - c };
                 let (base_index, run) = chain.map_run(&index, limit);
                 let dst_offset = held.loc(&index).offset * dtype.bytes();
-                match base.producer {
-                    Producer::Tensor { role, .. } => {
+                match (is_stored, &base.producer) {
+                    (false, Producer::Tensor { role, .. }) => {
+                        let role = *role;
                         let element = flatten(&base_index, &chain.base_shape);
                         let entry = self.host.entry(chain.base).or_insert_with(|| LHostTensor {
                             name: base.name.clone(),
@@ -222,7 +259,7 @@ impl<'a> Builder<'a> {
                         entry.segments.push(LSegment { buffer, offset: dst_offset, element: element as u32, count: run, rows: 1, element_stride: 0, offset_stride: 0 });
                         c += run;
                     }
-                    Producer::Operation(_) => {
+                    _ => {
                         let stored = &self.stored[&chain.base];
                         let (cell, cell_block) = stored.grid.locate(&base_index);
                         let last = cell_block.len() - 1;
@@ -400,9 +437,20 @@ impl<'a> Builder<'a> {
             let (ib, im, _, ik) = coords(p, tile);
             self.remote_words(a, tile, &a_block(p, ib, im, ik))
         };
+        let b_chain = ViewChain::resolve(self.graph, b);
+        let home_b = self.home_weights
+            && !b_rank3
+            && b_chain.is_identity()
+            && matches!(bv.producer, Producer::Tensor { role: Role::Weight, .. });
         let remote_b = |p: &MatMulPlan, tile: u32| {
-            let (ib, _, i_n, ik) = coords(p, tile);
-            self.remote_words(b, tile, &b_block(p, ib, i_n, ik))
+            let (ib, im, i_n, ik) = coords(p, tile);
+            let block = b_block(p, ib, i_n, ik);
+            if home_b {
+                // Every row partition but the home one receives the block by multicast.
+                let words = block.iter().map(|r| (r.1 - r.0) as u64).product::<u64>() * bv.dtype.bytes() as u64 / 4;
+                return if p.pm > 1 && im != 0 { words } else { 0 };
+            }
+            self.remote_words(b, tile, &block)
         };
         let problem = MatMulProblem { batches, m, k, n, b_transposed, whole_rows, remote_a_words: &remote_a, remote_b_words: &remote_b, memory_budget: self.budget() };
         let plan = plan_matmul(self.target, &problem).ok_or_else(|| LowerError::NoPlan {
@@ -412,6 +460,9 @@ impl<'a> Builder<'a> {
             tiles: self.target.chip.tiles,
         })?;
         self.gemm_flops += 2 * batches as u64 * m as u64 * k as u64 * n as u64;
+        if home_b {
+            self.home_weight(b, &plan, b_transposed);
+        }
         let (nb, nm, nn, nk) = (plan.b_cuts.len() - 1, plan.m_cuts.len() - 1, plan.n_cuts.len() - 1, plan.k_cuts.len() - 1);
         let out_name = self.graph.value(output).name.clone();
         // When A's producer stores cells no wider than an AMP panel (gemm_block columns), a row-major
@@ -476,6 +527,43 @@ impl<'a> Builder<'a> {
         };
         self.record(index, output, grid, DType::F16, final_step, op_plan);
         Ok(())
+    }
+
+    /// Store each B block of a rank-2 weight once, on one tile of its (column, inner) group, the
+    /// row partition rotating with the cell and the operation so homes spread over all tiles.
+    /// The host writes each block once; the matrix product's gather multicasts it.
+    fn home_weight(&mut self, weight: ValueId, plan: &MatMulPlan, b_transposed: bool) {
+        let value = self.graph.value(weight).clone();
+        let nm = plan.m_cuts.len() - 1;
+        let cuts = if b_transposed { vec![plan.n_cuts.clone(), plan.k_cuts.clone()] } else { vec![plan.k_cuts.clone(), plan.n_cuts.clone()] };
+        let mut grid = Grid { cuts, tiles: Vec::new(), buffers: Vec::new() };
+        let mut segments = Vec::new();
+        let cells = (grid.cuts[0].len() - 1) * (grid.cuts[1].len() - 1);
+        for cell in 0..cells {
+            let block = grid.cell_block(cell);
+            let (c0, c1) = (cell / (grid.cuts[1].len() - 1), cell % (grid.cuts[1].len() - 1));
+            let (ik, i_n) = if b_transposed { (c1, c0) } else { (c0, c1) };
+            let im = (i_n + ik + self.home_rotation) % nm;
+            let tile = plan.tile_of(0, im, i_n, ik);
+            let buffer = self.buffer(tile, block_elements_stored(&block, value.dtype) * value.dtype.bytes() as u64, AllocationKind::Data, true, &value.name);
+            let stride = row_stride(block[1].1 - block[1].0, value.dtype);
+            for r in block[0].0..block[0].1 {
+                segments.push(LSegment {
+                    buffer,
+                    offset: (r - block[0].0) * stride * value.dtype.bytes(),
+                    element: r * value.shape[1] + block[1].0,
+                    count: block[1].1 - block[1].0,
+                    rows: 1,
+                    element_stride: 0,
+                    offset_stride: 0,
+                });
+            }
+            grid.tiles.push(tile);
+            grid.buffers.push(buffer);
+        }
+        self.home_rotation += 1;
+        self.host.insert(weight, LHostTensor { name: value.name.clone(), shape: value.shape.clone(), dtype: value.dtype, role: HostRole::Weight, segments });
+        self.stored.insert(weight, Stored { grid, dtype: value.dtype });
     }
 
     /// Reduce the inner partials of each (batch, row, column) block: member j of a group owns
