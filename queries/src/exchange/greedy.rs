@@ -204,9 +204,11 @@ pub(crate) fn critical_neighborhood(problem: &Problem, paired: &[bool], chunk: u
     if horizon <= floor || problem.jobs.is_empty() {
         return start;
     }
-    // A rebuild's work is its number of chunks: long multicast transfers cost more than their
-    // count says, so the budget counts chunks (at least one per transfer).
-    let chunks: usize = problem.jobs.iter().map(|job| job.words.div_ceil(chunk.max(1)) as usize).sum();
+    // A rebuild's work is its number of chunks times the ports each one checks: long and wide
+    // multicast transfers cost more than their count says (at least one unit per transfer).
+    let chunks: usize = (0..problem.jobs.len())
+        .map(|j| problem.jobs[j].words.div_ceil(chunk.max(1)) as usize * problem.receive_ports(j, false).len().max(1))
+        .sum();
     let rebuilds = (WORK_PER_CHAIN / chunks.max(problem.jobs.len())).min(MAX_REBUILDS);
     if rebuilds == 0 {
         return start;
