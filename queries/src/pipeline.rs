@@ -21,7 +21,7 @@ use crate::storage::{place_storage, Placement};
 /// The phases in order, as the driver runs and logs them.
 pub const PHASES: &[&str] = &["lower_mid", "lower_exchanges_provisional", "size_tile_code", "place_storage", "lower_exchanges", "build_tile_images"];
 
-const LOWER_VERSION: u32 = 6;
+const LOWER_VERSION: u32 = 7;
 const SCHEDULE_VERSION: u32 = 4;
 const CODE_VERSION: u32 = 1;
 const PLACE_VERSION: u32 = 1;

@@ -135,7 +135,15 @@ fn cost_plan(t: &Target, p: &MatMulProblem, b_cuts: Vec<u32>, m_cuts: Vec<u32>, 
     let ns_f32 = ns.div_ceil(4) * 4;
     let a_bytes = bs as u64 * ms as u64 * ks_f16 as u64 * 2;
     let b_bytes = bs as u64 * if p.b_transposed { ns as u64 * ks_f16 as u64 } else { ks as u64 * ns_f16 as u64 } * 2;
-    let mut compute = bs as u64 * cost::gemm(t, ms, ks, ns, WeightClass::Interleaved, p.b_transposed);
+    // Weights load 128 bits at a time only from interleaved memory. An A block too large for
+    // standard memory takes interleaved space first; if the weights no longer fit beside it,
+    // they sit in standard memory and every 16-column pass pays for 64-bit loads.
+    let m = &t.memory;
+    let standard = (m.interleaved_start - m.base) as u64;
+    let interleaved = (m.loader_limit - m.interleaved_start) as u64;
+    let a_in_interleaved = if a_bytes > standard { a_bytes } else { 0 };
+    let class = if a_in_interleaved + b_bytes > interleaved { WeightClass::Standard } else { WeightClass::Interleaved };
+    let mut compute = bs as u64 * cost::gemm(t, ms, ks, ns, class, p.b_transposed);
     let mut exchange = 0u64;
     let mut bytes = a_bytes + b_bytes;
     if pk > 1 {
