@@ -154,16 +154,7 @@ pub fn reuse(target: &Target, phase: &PhaseRequest, cached: &Schedule) -> Result
     validate(target, phase, &tables).map_err(|source| ExchangeError::Invalid { phase: phase.index, source })?;
     info!(phase = phase.index, "reused exchange optimization after validating relocated rows");
     info!(phase = phase.index, transfers = phase.transfers.len(), maximum_identical_destinations = problem.maximum_identical_destinations(), "prepared large physical exchange phase");
-    info!(
-        phase = phase.index,
-        initial_horizon = cached.horizon,
-        selected_horizon = tables.horizon,
-        endpoint_lower_bound = cached.endpoint_lower_bound,
-        lower_bound_gap = tables.horizon.saturating_sub(cached.endpoint_lower_bound),
-        selected_kind = ScheduleKind::Reused.name(),
-        neighborhood_improvements = 0,
-        "optimized physical exchange schedule"
-    );
+    super::log_optimized(phase.index, cached.horizon, tables.horizon, cached.endpoint_lower_bound, ScheduleKind::Reused, 0);
     log_finished(&tables);
     Ok(tables)
 }

@@ -207,17 +207,22 @@ fn finish(phase: &PhaseRequest, bounds: &bound::Bounds, built: Built, initial: u
         neighborhood_improvements: improvements,
         paired: built.paired,
     };
+    log_optimized(phase.index, schedule.initial_horizon, schedule.horizon, schedule.endpoint_lower_bound, schedule.kind, schedule.neighborhood_improvements);
+    schedule
+}
+
+/// The seed's `optimized physical exchange schedule` line, for fresh and reused schedules alike.
+pub(crate) fn log_optimized(phase: u32, initial: u32, selected: u32, bound: u32, kind: ScheduleKind, improvements: u32) {
     info!(
-        phase = phase.index,
-        initial_horizon = schedule.initial_horizon,
-        selected_horizon = schedule.horizon,
-        endpoint_lower_bound = schedule.endpoint_lower_bound,
-        lower_bound_gap = schedule.horizon.saturating_sub(schedule.endpoint_lower_bound),
-        selected_kind = schedule.kind.name(),
-        neighborhood_improvements = schedule.neighborhood_improvements,
+        phase,
+        initial_horizon = initial,
+        selected_horizon = selected,
+        endpoint_lower_bound = bound,
+        lower_bound_gap = selected.saturating_sub(bound),
+        selected_kind = kind.name(),
+        neighborhood_improvements = improvements,
         "optimized physical exchange schedule"
     );
-    schedule
 }
 
 /// Schedule, lower and validate one phase: what the package builder calls.
