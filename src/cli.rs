@@ -2,7 +2,6 @@
 //!
 //! Exit codes: 0 success, 1 a numerical check failed, 2 usage, input, compile or device error.
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
@@ -254,6 +253,3 @@ fn run(cli: Cli) -> Result<Outcome, String> {
         }
     }
 }
-
-/// Decoded row-major values per name, for dumps.
-pub type Dump = BTreeMap<String, Vec<f32>>;

@@ -127,14 +127,3 @@ impl<T: StableHash> StableHash for Option<T> {
         }
     }
 }
-
-/// Digest of a value's canonical rkyv bytes: the identity of a stage output.
-pub fn digest_archived<T>(value: &T) -> Digest
-where
-    T: for<'a> rkyv::Serialize<
-        rkyv::api::high::HighSerializer<rkyv::util::AlignedVec, rkyv::ser::allocator::ArenaHandle<'a>, rkyv::rancor::Error>,
-    >,
-{
-    let bytes = rkyv::to_bytes::<rkyv::rancor::Error>(value).expect("rkyv serialisation of an in-memory value cannot fail");
-    Digest::of_bytes(&bytes)
-}

@@ -164,10 +164,6 @@ impl Target {
         KeyHasher::new("ipuq target v1").bytes(self.canonical_toml().as_bytes()).finish()
     }
 
-    pub fn memory_end(&self) -> u32 {
-        self.memory.base + self.memory.size
-    }
-
     /// Column and row of a tile on the chip's grid.
     pub fn tile_position(&self, tile: u32) -> (u32, u32) {
         (tile / self.chip.tiles_per_column, tile % self.chip.tiles_per_column)
