@@ -55,6 +55,8 @@ pub struct BuildOptions {
     pub cache_dir: Option<PathBuf>,
     /// Use the cache's entries but write none (shared CI caches).
     pub cache_read_only: bool,
+    /// Operator-plan finalists `lower_mid` keeps (`--plan-finalists`).
+    pub plan_finalists: usize,
 }
 
 /// One stage's time and how its value was obtained.
@@ -95,7 +97,7 @@ pub fn build(workload: &Path, options: &BuildOptions) -> Result<Built, BuildErro
         None
     };
     let verify = std::env::var_os("IPUQ_VERIFY_CACHE").is_some_and(|v| v == "1");
-    let db = Database::new(store).verifying_hits(verify);
+    let db = Database::new(store).verifying_hits(verify).with_plan_finalists(options.plan_finalists);
     let sources = ipuq_queries::db::sources(&db, text, workload.display().to_string(), target_text, target_origin);
     let target = ipuq_queries::db::target(&db, sources).map_err(|e| BuildError::Input(e.to_string()))?;
     let g = graph(&db, sources).map_err(|e| BuildError::Input(e.to_string()))?;
@@ -117,7 +119,7 @@ pub fn build(workload: &Path, options: &BuildOptions) -> Result<Built, BuildErro
         }
         timings.push(PhaseTiming { phase, elapsed_ms, computed, disk_hits });
         result.map_err(|e| BuildError::Compile(e.to_string()))?;
-        if phase == "lower_mid" {
+        if phase == "select_finalist" {
             let l = lowered(&db, sources).map_err(|e| BuildError::Compile(e.to_string()))?;
             info!(logical_shards = l.value.logical_shards, exchange_phases = l.value.phases.len(), "lowered graph for package construction");
         }

@@ -39,6 +39,9 @@ pub struct CompileArgs {
     /// Print a per-phase table of times, computed stages and disk-cache hits.
     #[arg(long)]
     timings: bool,
+    /// Operator-plan finalists lower_mid keeps for select_finalist to cost exactly.
+    #[arg(long, default_value_t = ipuq_queries::lower::search::DEFAULT_FINALISTS, value_parser = clap::value_parser!(usize))]
+    plan_finalists: usize,
 }
 
 #[derive(Subcommand)]
@@ -71,6 +74,14 @@ enum Command {
         /// Seconds to wait for the device lock before giving up.
         #[arg(long, default_value_t = 600)]
         lock_timeout: u64,
+    },
+    /// Print the operator-plan finalists: plans, estimated and exact cycles, peak bytes, the chosen one.
+    Plans {
+        workload: PathBuf,
+        #[arg(long)]
+        target: Option<String>,
+        #[arg(long, default_value_t = ipuq_queries::lower::search::DEFAULT_FINALISTS)]
+        plan_finalists: usize,
     },
     /// Summarise an execution profile.
     Profile {
@@ -172,7 +183,7 @@ fn workload_name(path: &Path) -> Result<String, String> {
 
 fn compile(workload: &Path, args: &CompileArgs) -> Result<crate::build::Built, String> {
     let name = workload_name(workload)?;
-    let options = BuildOptions { target: args.target.clone(), out_dir: out_dir(args, &name), incremental: args.incremental, cache_dir: args.cache_dir.clone(), cache_read_only: args.cache_read_only };
+    let options = BuildOptions { target: args.target.clone(), out_dir: out_dir(args, &name), incremental: args.incremental, cache_dir: args.cache_dir.clone(), cache_read_only: args.cache_read_only, plan_finalists: args.plan_finalists };
     let built = build(workload, &options).map_err(|e| e.to_string())?;
     if args.timings {
         print_timings(&built.timings);
@@ -221,6 +232,10 @@ fn run(cli: Cli) -> Result<Outcome, String> {
                 crate::profile::chrome_trace(&file, &out).map_err(|e| e.to_string())?;
                 println!("chromeTrace={}", out.display());
             }
+            Ok(Outcome::Pass)
+        }
+        Command::Plans { workload, target, plan_finalists } => {
+            crate::plans::run(&workload, target.as_deref(), plan_finalists)?;
             Ok(Outcome::Pass)
         }
         Command::Inspect { package } => {

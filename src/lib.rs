@@ -8,6 +8,7 @@ pub mod device;
 pub mod exchange_report;
 pub mod inspect;
 pub mod logging;
+pub mod plans;
 pub mod profile;
 pub mod reference;
 pub mod report;

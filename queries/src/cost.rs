@@ -79,6 +79,19 @@ pub fn softmax(t: &Target, rows: u32, cols: u32) -> u64 {
         + unary_half(t, n, c.cpl_mul_half, false)
 }
 
+/// Softmax of a scaled input, the scale folded in: the exponential pass multiplies each
+/// vector by the scale before its subtract-and-exponentiate (exp(s*x - s*max), the maximum of
+/// s*x being s*max(x) for s > 0), so it pays the scale pass's per-vector multiply term
+/// (`cpl_mul_half`) and saves that pass's launch, worker base, loads, stores and tail.
+pub fn scaled_softmax(t: &Target, rows: u32, cols: u32) -> u64 {
+    let c = &t.costs;
+    let n = rows as u64 * cols as u64;
+    unary_half(t, n, c.cpl_max_half, false)
+        + unary_half(t, n, c.cpl_exp_half + c.cpl_mul_half, true)
+        + unary_half(t, n, c.cpl_add_half, false)
+        + unary_half(t, n, c.cpl_mul_half, false)
+}
+
 pub fn copy(t: &Target, bytes: u64, both_interleaved: bool) -> u64 {
     let c = &t.costs;
     let rate = if both_interleaved { c.copy_interleaved_bytes_per_cycle } else { c.copy_standard_bytes_per_cycle };
@@ -108,6 +121,7 @@ pub fn vertex_with<O>(t: &Target, call: &VertexCall<O>, interleaved: impl Fn(&O)
         VertexCall::Gelu { rows, cols, .. } => gelu(t, *rows as u64 * *cols as u64),
         VertexCall::Scale { rows, cols, .. } => unary_half(t, *rows as u64 * *cols as u64, t.costs.cpl_mul_half, false),
         VertexCall::Add { rows, cols, .. } => binary_half(t, *rows as u64 * *cols as u64, t.costs.cpl_add_half),
+        VertexCall::Softmax { rows, cols, scale, .. } if *scale != 1.0 => scaled_softmax(t, *rows, *cols),
         VertexCall::Softmax { rows, cols, .. } => softmax(t, *rows, *cols),
         VertexCall::Copy { rows, cols, dtype, input, output } => {
             copy(t, *rows as u64 * *cols as u64 * dtype.bytes() as u64, interleaved(input) && interleaved(output))
@@ -126,6 +140,18 @@ mod tests {
         // 294 + ceil(288/16) * ceil(48/16) * (4 * 183 + 160) + launch 11
         assert_eq!(gemm(&t, 183, 288, 48, WeightClass::Interleaved, false), 11 + 294 + 18 * 3 * (4 * 183 + 160));
         assert!(gemm(&t, 183, 288, 48, WeightClass::Standard, false) > gemm(&t, 183, 288, 48, WeightClass::Interleaved, false));
+    }
+
+    #[test]
+    fn a_folded_scale_costs_its_multiply_term_and_saves_the_rest_of_its_pass() {
+        let t = Target::from_toml(fixtures::IPU21, "ipu21").unwrap();
+        let (rows, cols) = (8u32, 729u32);
+        let n = rows as u64 * cols as u64;
+        let separate = unary_half(&t, n, t.costs.cpl_mul_half, false) + softmax(&t, rows, cols);
+        let folded = scaled_softmax(&t, rows, cols);
+        let multiply = t.chip.workers as u64 * n.div_ceil(t.chip.workers as u64).div_ceil(t.compute.vector_f16_lanes as u64) * t.costs.cpl_mul_half;
+        assert_eq!(folded, softmax(&t, rows, cols) + multiply);
+        assert!(folded < separate);
     }
 
     #[test]

@@ -76,6 +76,8 @@ pub struct Database {
     verify_hits: bool,
     /// (stage, origin) each time a stage body runs: what re-ran, and whether from disk.
     runs: Arc<Mutex<Vec<(&'static str, Origin)>>>,
+    /// Operator-plan finalists `lower_mid` keeps for `select_finalist` (`--plan-finalists`).
+    plan_finalists: usize,
 }
 
 #[salsa::db]
@@ -89,7 +91,7 @@ impl Default for Database {
 
 impl Database {
     pub fn new(store: Option<Arc<dyn StageStore>>) -> Self {
-        Database { storage: salsa::Storage::new(None), store, verify_hits: false, runs: Arc::default() }
+        Database { storage: salsa::Storage::new(None), store, verify_hits: false, runs: Arc::default(), plan_finalists: crate::lower::search::DEFAULT_FINALISTS }
     }
 
     /// Recompute every disk-cache hit and compare its digest with the cached bytes': a
@@ -97,6 +99,16 @@ impl Database {
     pub fn verifying_hits(mut self, verify: bool) -> Self {
         self.verify_hits = verify;
         self
+    }
+
+    /// Keep `k` (at least one) operator-plan finalists.
+    pub fn with_plan_finalists(mut self, k: usize) -> Self {
+        self.plan_finalists = k.max(1);
+        self
+    }
+
+    pub fn plan_finalists(&self) -> usize {
+        self.plan_finalists
     }
 
     /// Stage bodies that ran since the last call (for timings and event-log tests).

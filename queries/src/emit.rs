@@ -40,7 +40,7 @@ fn operand(placement: &Placement, loc: &Loc) -> Operand {
     Operand { address: placement.addresses[loc.buffer as usize] + loc.offset * loc.dtype_bytes, row_stride: loc.row_stride }
 }
 
-fn vertex(placement: &Placement, call: &Call) -> VertexCall {
+pub(crate) fn vertex(placement: &Placement, call: &Call) -> VertexCall {
     call.map(|l| operand(placement, l))
 }
 
@@ -67,7 +67,7 @@ fn encode_call(call: &VertexCall, out: &mut Vec<u8>) {
         VertexCall::Gelu { rows, cols, input, output } => ops(3, &[*rows, *cols], &[input, output]),
         VertexCall::Scale { rows, cols, factor, input, output } => ops(4, &[*rows, *cols, factor.to_bits()], &[input, output]),
         VertexCall::Add { rows, cols, a, b, output } => ops(5, &[*rows, *cols], &[a, b, output]),
-        VertexCall::Softmax { rows, cols, input, output } => ops(6, &[*rows, *cols], &[input, output]),
+        VertexCall::Softmax { rows, cols, scale, input, output } => ops(6, &[*rows, *cols, scale.to_bits()], &[input, output]),
         VertexCall::Copy { rows, cols, dtype, input, output } => ops(7, &[*rows, *cols, dtype.bytes()], &[input, output]),
     }
     words.resize((VERTEX_RECORD_BYTES / 4) as usize, 0);

@@ -96,6 +96,47 @@ pub struct WorkloadFile {
     #[serde(rename = "operation")]
     pub operations: Vec<OperationDecl>,
     pub outputs: Vec<String>,
+    /// User plan constraints for matrix products (`[[constraint]]`).
+    #[serde(default, rename = "constraint", skip_serializing_if = "Vec::is_empty")]
+    pub constraints: Vec<PlanConstraint>,
+}
+
+/// A user's constraint on one matrix product's plan (the seed's GemmPlanConstraint); every
+/// field but `operation` is optional. Partitions are those of the product as computed (for a
+/// swapped product, rows are B's columns), as the plan logs show them.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PlanConstraint {
+    pub operation: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub orientation: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub row_partitions: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub column_partitions: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inner_partitions: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight_memory: Option<String>,
+}
+
+impl PlanConstraint {
+    /// `orientation=swapped row_partitions=4`: the fields given, as logs show them.
+    pub fn describe(&self) -> String {
+        let mut parts = Vec::new();
+        if let Some(o) = &self.orientation {
+            parts.push(format!("orientation={o}"));
+        }
+        for (name, v) in [("row_partitions", self.row_partitions), ("column_partitions", self.column_partitions), ("inner_partitions", self.inner_partitions)] {
+            if let Some(v) = v {
+                parts.push(format!("{name}={v}"));
+            }
+        }
+        if let Some(w) = &self.weight_memory {
+            parts.push(format!("weight_memory={w}"));
+        }
+        parts.join(",")
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -272,6 +313,39 @@ impl Graph {
                 return Err(invalid("outputs".into(), format!("output '{name}' is listed twice")));
             }
             outputs.push(id);
+        }
+        let mut constrained = std::collections::BTreeSet::new();
+        for (index, c) in file.constraints.iter().enumerate() {
+            let location = format!("constraint #{index} (operation '{}')", c.operation);
+            let op = by_name.get(&c.operation).and_then(|id| match values[id.0 as usize].producer {
+                Producer::Operation(o) => Some(&operations[o]),
+                _ => None,
+            });
+            let Some(op) = op else { return Err(invalid(location, format!("'{}' is not an operation of this workload", c.operation))) };
+            if !matches!(op.kind, OpKind::MatMul { .. }) {
+                return Err(invalid(location, format!("'{}' is a {}, and only matrix products take plan constraints", c.operation, op.kind.name())));
+            }
+            if !constrained.insert(c.operation.clone()) {
+                return Err(invalid(location, "a second constraint for the same operation".into()));
+            }
+            if let Some(o) = &c.orientation {
+                if o != "normal" && o != "swapped" {
+                    return Err(invalid(location, format!("orientation must be \"normal\" or \"swapped\", got {o:?}")));
+                }
+                if o == "swapped" && op.inputs.iter().any(|&v| values[v.0 as usize].shape.len() != 2) {
+                    return Err(invalid(location, "only products of rank-2 operands can be swapped".into()));
+                }
+            }
+            if let Some(w) = &c.weight_memory {
+                if w != "interleaved" && w != "standard" {
+                    return Err(invalid(location, format!("weight_memory must be \"interleaved\" or \"standard\", got {w:?}")));
+                }
+            }
+            for (name, v) in [("row_partitions", c.row_partitions), ("column_partitions", c.column_partitions), ("inner_partitions", c.inner_partitions)] {
+                if v == Some(0) {
+                    return Err(invalid(location, format!("{name} must be at least 1")));
+                }
+            }
         }
         if operations.iter().all(|o: &Operation| o.kind.is_view()) {
             return Err(invalid("operation".into(), "a workload needs at least one operation that computes".into()));

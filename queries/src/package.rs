@@ -140,8 +140,9 @@ pub enum VertexCall<O = Operand> {
     Scale { rows: u32, cols: u32, factor: f32, input: O, output: O },
     /// output = a + b, f16.
     Add { rows: u32, cols: u32, a: O, b: O, output: O },
-    /// Softmax over each row, f16 in and out, fp32 arithmetic.
-    Softmax { rows: u32, cols: u32, input: O, output: O },
+    /// Softmax over each row of `input * scale`, f16 in and out, fp32 arithmetic; the scaled
+    /// input is rounded to f16 first, as a separate f16 scale pass would (`scale` = 1: plain).
+    Softmax { rows: u32, cols: u32, scale: f32, input: O, output: O },
     /// Local copy of rows x cols elements of `dtype`.
     Copy { rows: u32, cols: u32, dtype: DType, input: O, output: O },
 }
@@ -157,7 +158,7 @@ impl<O> VertexCall<O> {
             VertexCall::Gelu { rows, cols, input, output } => VertexCall::Gelu { rows: *rows, cols: *cols, input: f(input), output: f(output) },
             VertexCall::Scale { rows, cols, factor, input, output } => VertexCall::Scale { rows: *rows, cols: *cols, factor: *factor, input: f(input), output: f(output) },
             VertexCall::Add { rows, cols, a, b, output } => VertexCall::Add { rows: *rows, cols: *cols, a: f(a), b: f(b), output: f(output) },
-            VertexCall::Softmax { rows, cols, input, output } => VertexCall::Softmax { rows: *rows, cols: *cols, input: f(input), output: f(output) },
+            VertexCall::Softmax { rows, cols, scale, input, output } => VertexCall::Softmax { rows: *rows, cols: *cols, scale: *scale, input: f(input), output: f(output) },
             VertexCall::Copy { rows, cols, dtype, input, output } => VertexCall::Copy { rows: *rows, cols: *cols, dtype: *dtype, input: f(input), output: f(output) },
         }
     }

@@ -1,7 +1,8 @@
 //! The pipeline: every stage in order, one line each. The driver (crate `ipuq`) calls them in
 //! this order so that each phase is timed and logged as the seed's are.
 //!
-//! lower_mid                    plan each operation and lower to buffers, calls, transfers
+//! lower_mid                    search operator plans; keep K whole-program feasible finalists
+//! select_finalist              schedule, place and cost each finalist exactly; keep the cheapest
 //! lower_exchanges_provisional  schedule each exchange phase (address-free, cached per pattern)
 //! size_tile_code               bytes of vertex state and exchange tables per tile
 //! place_storage                addresses for every buffer, by region, alignment and lifetime
@@ -10,18 +11,23 @@
 
 use std::sync::Arc;
 
+use rayon::prelude::*;
+
 use crate::db::{graph, stage_key, target, CompileError, Db, Sources, StageResult, Staged};
 use crate::emit::{build_package, size_tile_code};
 use crate::exchange::{self, Destination, PhaseRequest, Schedule};
 use crate::hash::{Digest, KeyHasher};
-use crate::lower::{lower, Lowered};
+use crate::lower::search;
+use crate::lower::select::{select_finalist, Selection};
+use crate::lower::Lowered;
 use crate::package::{ExchangePhase, Package};
 use crate::storage::{place_storage, Placement};
 
 /// The phases in order, as the driver runs and logs them.
-pub const PHASES: &[&str] = &["lower_mid", "lower_exchanges_provisional", "size_tile_code", "place_storage", "lower_exchanges", "build_tile_images"];
+pub const PHASES: &[&str] = &["lower_mid", "select_finalist", "lower_exchanges_provisional", "size_tile_code", "place_storage", "lower_exchanges", "build_tile_images"];
 
-const LOWER_VERSION: u32 = 7;
+const LOWER_VERSION: u32 = 8;
+const SELECT_VERSION: u32 = 1;
 const SCHEDULE_VERSION: u32 = 4;
 const CODE_VERSION: u32 = 1;
 const PLACE_VERSION: u32 = 1;
@@ -31,7 +37,8 @@ const PACKAGE_VERSION: u32 = 3;
 /// Run one phase by name (the driver's entry point); returns the digest of its output.
 pub fn run_phase(db: &dyn Db, sources: Sources, phase: &str) -> Result<Digest, CompileError> {
     Ok(match phase {
-        "lower_mid" => lowered(db, sources)?.digest,
+        "lower_mid" => finalists(db, sources)?.digest,
+        "select_finalist" => selection(db, sources)?.digest,
         "lower_exchanges_provisional" => schedules(db, sources)?.digest,
         "size_tile_code" => code_sizes(db, sources)?.digest,
         "place_storage" => placement(db, sources)?.digest,
@@ -42,11 +49,31 @@ pub fn run_phase(db: &dyn Db, sources: Sources, phase: &str) -> Result<Digest, C
 }
 
 #[salsa::tracked(returns(clone))]
-pub fn lowered(db: &dyn Db, sources: Sources) -> StageResult<Lowered> {
+pub fn finalists(db: &dyn Db, sources: Sources) -> StageResult<Vec<Lowered>> {
     let t = target(db, sources)?;
     let g = graph(db, sources)?;
-    let key = stage_key("lower_mid", LOWER_VERSION, &[t.digest, g.digest]);
-    db.ipuq().cached("lower_mid", LOWER_VERSION, key, || lower(&g.value, &t.value).map_err(CompileError::from))
+    let k = db.ipuq().plan_finalists();
+    let key = stage_key("lower_mid", LOWER_VERSION, &[t.digest, g.digest, KeyHasher::new("plan finalists").add(&(k as u64)).finish()]);
+    db.ipuq().cached("lower_mid", LOWER_VERSION, key, || search::finalists(&g.value, &t.value, k).map_err(CompileError::from))
+}
+
+#[salsa::tracked(returns(clone))]
+pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
+    let t = target(db, sources)?;
+    let f = finalists(db, sources)?;
+    let key = stage_key("select_finalist", SELECT_VERSION, &[t.digest, f.digest]);
+    db.ipuq().cached("select_finalist", SELECT_VERSION, key, || {
+        let schedule = |requests: &[PhaseRequest]| requests.par_iter().map(|r| exchange::schedule_phase(&t.value, r).map_err(|e| e.to_string())).collect();
+        select_finalist(&t.value, &f.value, schedule).map_err(CompileError)
+    })
+}
+
+/// The chosen finalist's program: what every later stage works on.
+#[salsa::tracked(returns(clone))]
+pub fn lowered(db: &dyn Db, sources: Sources) -> StageResult<Lowered> {
+    let s = selection(db, sources)?;
+    let bytes = rkyv::to_bytes::<rkyv::rancor::Error>(&s.value.lowered).map_err(CompileError::from)?;
+    Ok(Staged { digest: Digest::of_bytes(&bytes), value: Arc::new(s.value.lowered.clone()) })
 }
 
 /// The exchange requests of every phase, with addresses from `address(buffer, offset)`.

@@ -134,7 +134,7 @@ pub fn siglip_mlp(params: &SiglipMlp) -> Result<WorkloadFile, GenerateError> {
         ("blocks".to_string(), integer(params.blocks)),
         ("biases".to_string(), toml::Value::Boolean(params.biases)),
     ]);
-    let file = WorkloadFile { name: params.name(), family: family_table, tensors, operations, outputs: vec![current] };
+    let file = WorkloadFile { name: params.name(), family: family_table, tensors, operations, outputs: vec![current], constraints: Vec::new() };
     validated(family, file)
 }
 
@@ -203,7 +203,7 @@ pub fn grouped_attention(params: &GroupedAttention) -> Result<WorkloadFile, Gene
         ("kvHeads".to_string(), integer(kv_heads)),
         ("headDimension".to_string(), integer(head_dimension)),
     ]);
-    let file = WorkloadFile { name: params.name(), family: family_table, tensors, operations, outputs: vec!["out".into()] };
+    let file = WorkloadFile { name: params.name(), family: family_table, tensors, operations, outputs: vec!["out".into()], constraints: Vec::new() };
     validated(family, file)
 }
 

@@ -7,9 +7,10 @@
 
 use std::collections::BTreeMap;
 
-use tracing::info;
+use tracing::debug;
 
 use super::grid::{block_elements_stored, offset_in_block, row_stride, split, Grid, ViewChain};
+use super::orient::Oriented;
 use super::plan::{plan_matmul, MatMulPlan, MatMulProblem};
 use super::{BufferDecl, Call, LCheckpoint, LHostTensor, LSegment, LStep, Loc, Lowered, OperationPlan, Transfer};
 use crate::cost;
@@ -18,7 +19,7 @@ use crate::package::{AllocationKind, HostRole};
 use crate::target::Target;
 
 /// Bytes per tile the planner leaves for code, vertex state and exchange tables.
-const CODE_RESERVE_BYTES: u64 = 48 * 1024;
+pub const CODE_RESERVE_BYTES: u64 = 48 * 1024;
 
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
 pub enum LowerError {
@@ -30,6 +31,8 @@ pub enum LowerError {
     OutputIsInput { output: String, input: String },
     #[error("operation '{operation}': {message}")]
     Unsupported { operation: String, message: String },
+    #[error("operation '{operation}': plan constraint cannot be honoured: {reason}")]
+    Constraint { operation: String, reason: String },
 }
 
 /// A place in tile memory before addresses exist: (buffer, byte offset).
@@ -118,37 +121,40 @@ struct Builder<'a> {
     home_weights: bool,
     /// Spreads home tiles of successive operations over the row partitions.
     home_rotation: usize,
+    /// Per operation index: bytes per tile that other operations keep live while it runs
+    /// (total, and in interleaved memory), from an earlier lowering of the whole program.
+    reserves: &'a [Reserve],
+    /// Per operation: the original operation it computes; stored swapped value -> its view.
+    origin: &'a [u32],
+    checkpoint_value: &'a BTreeMap<ValueId, ValueId>,
+    /// The operation being lowered, and the owner of each buffer.
+    operation_index: usize,
+    owners: Vec<u32>,
+    /// Per operation index: the first and last step it uses.
+    spans: BTreeMap<u32, (u32, u32)>,
+    interleaved_weights: std::collections::BTreeSet<u32>,
 }
 
-pub fn lower(graph: &Graph, target: &Target) -> Result<Lowered, LowerError> {
-    let replicated = lower_with(graph, target, false)?;
-    if fits(&replicated, target) {
-        return Ok(replicated);
-    }
-    info!("replicated weights do not fit in tile memory; keeping each weight block once on a home tile");
-    lower_with(graph, target, true)
+/// Bytes per tile that other operations keep live while an operation runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Reserve {
+    pub total: u64,
+    pub interleaved: u64,
 }
 
-/// Whether every tile's live buffers fit, step by step, beside the code reserve.
-fn fits(lowered: &Lowered, target: &Target) -> bool {
-    let capacity = (target.memory.loader_limit - target.memory.base) as i64 - CODE_RESERVE_BYTES as i64;
-    let mut events: Vec<Vec<(u32, i64)>> = vec![Vec::new(); lowered.tiles as usize];
-    for b in &lowered.buffers {
-        events[b.tile as usize].push((b.first_step, b.bytes as i64));
-        events[b.tile as usize].push((b.last_step.saturating_add(1), -(b.bytes as i64)));
-    }
-    events.into_iter().all(|mut e| {
-        // Frees before allocations at the same step.
-        e.sort_unstable_by_key(|&(step, delta)| (step, delta));
-        let mut live = 0i64;
-        e.into_iter().all(|(_, delta)| {
-            live += delta;
-            live <= capacity
-        })
-    })
+/// A lowering with what the whole-program search needs to judge it.
+pub struct Attempt {
+    pub lowered: Lowered,
+    /// The operation index that created each buffer.
+    pub owners: Vec<u32>,
+    /// Per operation index: (first step, last step).
+    pub spans: BTreeMap<u32, (u32, u32)>,
+    /// Operation indices of matrix products planned with their weights in interleaved memory.
+    pub interleaved_weights: std::collections::BTreeSet<u32>,
 }
 
-fn lower_with(graph: &Graph, target: &Target, home_weights: bool) -> Result<Lowered, LowerError> {
+pub fn lower_with(oriented: &Oriented, target: &Target, home_weights: bool, reserves: &[Reserve]) -> Result<Attempt, LowerError> {
+    let graph = &oriented.graph;
     let mut b = Builder {
         graph,
         target,
@@ -167,16 +173,33 @@ fn lower_with(graph: &Graph, target: &Target, home_weights: bool) -> Result<Lowe
         operation_name: String::new(),
         home_weights,
         home_rotation: 0,
+        reserves,
+        origin: &oriented.origin,
+        checkpoint_value: &oriented.checkpoint_value,
+        operation_index: 0,
+        owners: Vec::new(),
+        spans: BTreeMap::new(),
+        interleaved_weights: Default::default(),
     };
+    let folded = folded_scales(graph);
     for (index, operation) in graph.operations.iter().enumerate() {
-        if operation.kind.is_view() {
+        if operation.kind.is_view() || folded.values().any(|f| f.0 == index) {
             continue;
         }
         b.operation_name = graph.value(operation.output).name.clone();
+        b.operation_index = index;
+        let first_step = b.steps.len() as u32;
         match &operation.kind {
             OpKind::MatMul { transpose_b } => b.matmul(index, operation.inputs[0], operation.inputs[1], *transpose_b, operation.output)?,
+            OpKind::Softmax if folded.contains_key(&index) => {
+                let (scale_op, factor) = folded[&index];
+                let input = graph.operations[scale_op].inputs[0];
+                b.elementwise_scaled(index, OpKind::Softmax, &[input], operation.output, factor as f32)?
+            }
             kind => b.elementwise(index, kind.clone(), &operation.inputs, operation.output)?,
         }
+        let last_step = (b.steps.len() as u32).saturating_sub(1);
+        b.spans.insert(index as u32, (first_step.min(last_step), last_step));
     }
     b.finish()
 }
@@ -193,6 +216,7 @@ impl<'a> Builder<'a> {
     fn buffer(&mut self, tile: u32, bytes: u64, kind: AllocationKind, prefer_interleaved: bool, label: &str) -> u32 {
         let label = self.label(label);
         self.buffers.push(BufferDecl { tile, bytes: bytes.div_ceil(8) as u32 * 8, kind, prefer_interleaved, label, first_step: u32::MAX, last_step: 0 });
+        self.owners.push(self.operation_index as u32);
         (self.buffers.len() - 1) as u32
     }
 
@@ -202,8 +226,25 @@ impl<'a> Builder<'a> {
         b.last_step = b.last_step.max(step);
     }
 
+    fn reserve(&self) -> Reserve {
+        self.reserves.get(self.operation_index).copied().unwrap_or_default()
+    }
+
+    /// Bytes per tile this operation may use: tile memory less the code reserve and what other
+    /// operations keep live meanwhile.
     fn budget(&self) -> u64 {
-        (self.target.memory.loader_limit - self.target.memory.base) as u64 - CODE_RESERVE_BYTES
+        ((self.target.memory.loader_limit - self.target.memory.base) as u64 - CODE_RESERVE_BYTES).saturating_sub(self.reserve().total)
+    }
+
+    /// Standard bytes per tile this operation may use beside code and other operations' demand.
+    fn standard_budget(&self) -> u64 {
+        let r = self.reserve();
+        ((self.target.memory.interleaved_start - self.target.memory.base) as u64 - CODE_RESERVE_BYTES).saturating_sub(r.total.saturating_sub(r.interleaved))
+    }
+
+    /// Interleaved bytes per tile this operation may use beside other operations' demand there.
+    fn interleaved_budget(&self) -> u64 {
+        ((self.target.memory.loader_limit - self.target.memory.interleaved_start) as u64).saturating_sub(self.reserve().interleaved)
     }
 
     /// Gather `block` of `value` (in the value's own index space) onto `tile`.
@@ -228,6 +269,26 @@ impl<'a> Builder<'a> {
         let mut held = Held { buffer: u32::MAX, block: block.to_vec(), dtype, panel };
         let buffer = self.buffer(tile, held.stored_elements() * dtype.bytes() as u64, AllocationKind::Data, prefer_interleaved, &name);
         held.buffer = buffer;
+        if !is_stored && chain.is_matrix_transpose() {
+            // The host writes a transposed block: each row of it is one strided segment
+            // (consecutive columns are base elements a base row apart).
+            let Producer::Tensor { role, .. } = base.producer else { unreachable!("only host tensors are not stored") };
+            let base_cols = chain.base_shape[1];
+            let entry = self.host.entry(chain.base).or_insert_with(|| LHostTensor {
+                name: base.name.clone(),
+                shape: base.shape.clone(),
+                dtype,
+                role: if role == Role::Weight { HostRole::Weight } else { HostRole::Input },
+                segments: Vec::new(),
+            });
+            let (r0, r1) = block[0];
+            let (c0, c1) = block[1];
+            for r in r0..r1 {
+                let offset = held.loc(&[r, c0]).offset * dtype.bytes();
+                entry.segments.push(LSegment { buffer, offset, element: c0 * base_cols + r, count: 1, rows: c1 - c0, element_stride: base_cols, offset_stride: dtype.bytes() });
+            }
+            return Ok(held);
+        }
         let rank = block.len();
         let rows: Vec<u32> = block[..rank - 1].iter().map(|r| r.1 - r.0).collect();
         let row_count: u64 = rows.iter().map(|&r| r as u64).product();
@@ -256,7 +317,7 @@ impl<'a> Builder<'a> {
                             role: if role == Role::Weight { HostRole::Weight } else { HostRole::Input },
                             segments: Vec::new(),
                         });
-                        entry.segments.push(LSegment { buffer, offset: dst_offset, element: element as u32, count: run, rows: 1, element_stride: 0, offset_stride: 0 });
+                        push_segment(&mut entry.segments, LSegment { buffer, offset: dst_offset, element: element as u32, count: run, rows: 1, element_stride: 0, offset_stride: 0 }, dtype.bytes());
                         c += run;
                     }
                     _ => {
@@ -310,16 +371,19 @@ impl<'a> Builder<'a> {
         if !self.pending.is_empty() {
             let step = self.steps.len() as u32;
             self.steps.push(LStep::Exchange(self.phases.len() as u32));
-            let mut grouped: BTreeMap<(Place, u32), Vec<Place>> = BTreeMap::new();
-            for (src, words, dst) in std::mem::take(&mut self.pending) {
+            // Sorted moves: one transfer per (source, words), destinations in order.
+            let mut pending = std::mem::take(&mut self.pending);
+            pending.sort_unstable();
+            let mut grouped: Vec<Transfer> = Vec::new();
+            for (src, words, dst) in pending {
                 self.touch(src.0, step);
                 self.touch(dst.0, step);
-                grouped.entry((src, words)).or_default().push(dst);
+                match grouped.last_mut() {
+                    Some(t) if t.source == src && t.words == words => t.destinations.push(dst),
+                    _ => grouped.push(Transfer { source: src, words, destinations: vec![dst] }),
+                }
             }
-            let transfers = merge_rows(grouped.into_iter().map(|((source, words), mut destinations)| {
-                destinations.sort_unstable();
-                Transfer { source, words, destinations }
-            }));
+            let transfers = merge_rows(grouped.into_iter());
             self.phases.push(transfers);
             self.steps.push(LStep::Compute(self.compute_sets.len() as u32));
             self.compute_sets.push(Vec::new());
@@ -345,12 +409,16 @@ impl<'a> Builder<'a> {
         self.compute_sets[set as usize].push((tile, call));
     }
 
-    fn record(&mut self, index: usize, output: ValueId, grid: Grid, dtype: DType, step: u32, plan: OperationPlan) {
+    fn record(&mut self, index: usize, output: ValueId, grid: Grid, dtype: DType, step: u32, mut plan: OperationPlan) {
         let value = self.graph.value(output).clone();
         self.stored.insert(output, Stored { grid, dtype });
-        let tensor = self.host_view(output, HostRole::Intermediate);
-        self.checkpoints.push(LCheckpoint { operation: index as u32, after_step: step, tensor });
-        info!(operation = index, value = %value.name, kind = %plan.kind, partitions = ?plan.partitions, tiles = plan.tiles,
+        // Checkpoints and plans speak of the original operation and value.
+        let original = self.origin.get(index).copied().unwrap_or(index as u32);
+        plan.operation = original;
+        let shown = self.checkpoint_value.get(&output).copied().unwrap_or(output);
+        let tensor = self.host_view(shown, HostRole::Intermediate);
+        self.checkpoints.push(LCheckpoint { operation: original, after_step: step, tensor });
+        debug!(operation = plan.operation, value = %value.name, kind = %plan.kind, partitions = ?plan.partitions, tiles = plan.tiles,
             estimated_compute_cycles = plan.estimated_compute_cycles, estimated_exchange_cycles = plan.estimated_exchange_cycles,
             peak_bytes = plan.peak_bytes, "planned operation");
         self.plans.push(plan);
@@ -361,6 +429,22 @@ impl<'a> Builder<'a> {
         let chain = ViewChain::resolve(self.graph, value);
         let v = self.graph.value(value);
         let stored = &self.stored[&chain.base];
+        if chain.is_matrix_transpose() {
+            // Each stored row of each cell holds one column of the view: a strided segment.
+            let cols = v.shape[1];
+            let mut segments = Vec::new();
+            for cell in 0..stored.grid.tiles.len() {
+                let block = stored.grid.cell_block(cell);
+                let held = Held::plain(stored.grid.buffers[cell], block.clone(), stored.dtype);
+                for base_row in block[0].0..block[0].1 {
+                    let (t0, t1) = block[1];
+                    let offset = held.loc(&[base_row, t0]).offset * stored.dtype.bytes();
+                    segments.push(LSegment { buffer: held.buffer, offset, element: t0 * cols + base_row, count: 1, rows: t1 - t0, element_stride: cols, offset_stride: stored.dtype.bytes() });
+                }
+            }
+            segments.sort_by_key(|s| (s.buffer, s.offset));
+            return LHostTensor { name: v.name.clone(), shape: v.shape.clone(), dtype: v.dtype, role, segments };
+        }
         let shape = &v.shape;
         let rank = shape.len();
         let cols = shape[rank - 1];
@@ -382,18 +466,18 @@ impl<'a> Builder<'a> {
                 let piece = run.min(cell_block[last].1 - base_index[last]);
                 let held = Held::plain(stored.grid.buffers[cell], cell_block, stored.dtype);
                 let offset = held.loc(&base_index).offset * stored.dtype.bytes();
-                segments.push(LSegment { buffer: held.buffer, offset, element: (row * cols as u64 + c as u64) as u32, count: piece, rows: 1, element_stride: 0, offset_stride: 0 });
+                push_segment(&mut segments, LSegment { buffer: held.buffer, offset, element: (row * cols as u64 + c as u64) as u32, count: piece, rows: 1, element_stride: 0, offset_stride: 0 }, stored.dtype.bytes());
                 c += piece;
             }
         }
         LHostTensor { name: v.name.clone(), shape: shape.clone(), dtype: v.dtype, role, segments: merge_segments(segments, v.dtype) }
     }
 
-    fn remote_words(&self, value: ValueId, tile: u32, block: &[(u32, u32)]) -> u64 {
-        let chain = ViewChain::resolve(self.graph, value);
-        let dtype = self.graph.value(value).dtype;
-        let total: u64 = block.iter().map(|r| (r.1 - r.0) as u64).product::<u64>() * dtype.bytes() as u64 / 4;
+    /// Words `tile` must receive to hold `block` of a value seen through `chain` (0 when the
+    /// host writes it, or when the block is a cell already on the tile).
+    fn remote_words(&self, chain: &ViewChain, dtype: DType, tile: u32, block: &[(u32, u32)]) -> u64 {
         let Some(stored) = self.stored.get(&chain.base) else { return 0 };
+        let total: u64 = block.iter().map(|r| (r.1 - r.0) as u64).product::<u64>() * dtype.bytes() as u64 / 4;
         if chain.is_identity() {
             let lo: Vec<u32> = block.iter().map(|r| r.0).collect();
             let (cell, cell_block) = stored.grid.locate(&lo);
@@ -433,11 +517,18 @@ impl<'a> Builder<'a> {
             let t = tile as usize;
             (t / (nk * nn * nm), t / (nk * nn) % nm, t / nk % nn, t % nk)
         };
+        // Operands are resolved once: the planner asks for every tile of every candidate.
+        let a_chain = ViewChain::resolve(self.graph, a);
+        let a_stored = self.stored.contains_key(&a_chain.base);
         let remote_a = |p: &MatMulPlan, tile: u32| {
+            if !a_stored {
+                return 0;
+            }
             let (ib, im, _, ik) = coords(p, tile);
-            self.remote_words(a, tile, &a_block(p, ib, im, ik))
+            self.remote_words(&a_chain, av.dtype, tile, &a_block(p, ib, im, ik))
         };
         let b_chain = ViewChain::resolve(self.graph, b);
+        let b_stored = self.stored.contains_key(&b_chain.base);
         let home_b = self.home_weights
             && !b_rank3
             && b_chain.is_identity()
@@ -450,15 +541,33 @@ impl<'a> Builder<'a> {
                 let words = block.iter().map(|r| (r.1 - r.0) as u64).product::<u64>() * bv.dtype.bytes() as u64 / 4;
                 return if p.pm > 1 && im != 0 { words } else { 0 };
             }
-            self.remote_words(b, tile, &block)
+            if !b_stored {
+                return 0;
+            }
+            self.remote_words(&b_chain, bv.dtype, tile, &block)
         };
-        let problem = MatMulProblem { batches, m, k, n, b_transposed, whole_rows, remote_a_words: &remote_a, remote_b_words: &remote_b, memory_budget: self.budget() };
-        let plan = plan_matmul(self.target, &problem).ok_or_else(|| LowerError::NoPlan {
-            operation: self.operation_name.clone(),
-            kind: "matmul".into(),
-            budget: self.budget(),
-            tiles: self.target.chip.tiles,
+        // Balanced splits put larger pieces first, so the first row, column and inner pieces
+        // (over every batch piece) bound what any tile receives.
+        let gather_bound = |p: &MatMulPlan| {
+            let words = |blk: Vec<(u32, u32)>, bytes: u32| blk.iter().map(|r| (r.1 - r.0) as u64).product::<u64>() * bytes as u64 / 4;
+            let nb = p.b_cuts.len() - 1;
+            let a_words = if a_stored { (0..nb).map(|ib| words(a_block(p, ib, 0, 0), av.dtype.bytes())).max().unwrap_or(0) } else { 0 };
+            let b_remote = b_stored || (home_b && p.pm > 1);
+            let b_words = if b_remote { (0..nb).map(|ib| words(b_block(p, ib, 0, 0), bv.dtype.bytes())).max().unwrap_or(0) } else { 0 };
+            a_words + b_words
+        };
+        let graph = self.graph;
+        let original_name = graph.value(self.checkpoint_value.get(&output).copied().unwrap_or(output)).name.clone();
+        let constraint = graph.file.constraints.iter().find(|c| c.operation == original_name);
+        let problem = MatMulProblem { batches, m, k, n, b_transposed, whole_rows, remote_a_words: &remote_a, remote_b_words: &remote_b, gather_bound: &gather_bound, memory_budget: self.budget(), interleaved_budget: self.interleaved_budget(), standard_budget: self.standard_budget(), constraint };
+        let planned = plan_matmul(self.target, &problem).map_err(|reason| match constraint {
+            Some(_) => LowerError::Constraint { operation: original_name.clone(), reason },
+            None => LowerError::NoPlan { operation: self.operation_name.clone(), kind: "matmul".into(), budget: self.budget(), tiles: self.target.chip.tiles },
         })?;
+        let plan = planned.plan;
+        if !plan.weights_standard {
+            self.interleaved_weights.insert(self.operation_index as u32);
+        }
         self.gemm_flops += 2 * batches as u64 * m as u64 * k as u64 * n as u64;
         if home_b {
             self.home_weight(b, &plan, b_transposed);
@@ -481,7 +590,7 @@ impl<'a> Builder<'a> {
                     for ik in 0..nk {
                         let tile = plan.tile_of(ib, im, i_n, ik);
                         let ha = self.gather(a, tile, &a_block(&plan, ib, im, ik), false, panel)?;
-                        let hb = self.gather(b, tile, &b_block(&plan, ib, i_n, ik), true, 0)?;
+                        let hb = self.gather(b, tile, &b_block(&plan, ib, i_n, ik), !plan.weights_standard || constraint.is_none_or(|c| c.weight_memory.is_none()), 0)?;
                         let (br, mr, nr) = ((plan.b_cuts[ib], plan.b_cuts[ib + 1]), (plan.m_cuts[im], plan.m_cuts[im + 1]), (plan.n_cuts[i_n], plan.n_cuts[i_n + 1]));
                         let out_block = if a_rank3 { vec![br, mr, nr] } else { vec![mr, nr] };
                         let (dtype, kind) = if nk > 1 { (DType::F32, AllocationKind::Partials) } else { (DType::F16, AllocationKind::Data) };
@@ -516,9 +625,15 @@ impl<'a> Builder<'a> {
         } else {
             final_step = self.reduce(&plan, &work.iter().map(|w| (w.0, w.7.buffer)).collect::<Vec<_>>(), a_rank3, &out_name, &mut grid)?;
         }
+        let swapped = self.checkpoint_value.contains_key(&output);
         let op_plan = OperationPlan {
             operation: index as u32,
+            value: self.graph.value(self.checkpoint_value.get(&output).copied().unwrap_or(output)).name.clone(),
             kind: "matmul".into(),
+            orientation: if swapped { "swapped" } else { "normal" }.into(),
+            weight_memory: if plan.weights_standard { "standard" } else { "interleaved" }.into(),
+            constraint: constraint.map(|c| c.describe()).unwrap_or_default(),
+            matching_plans: planned.matching_plans,
             partitions: [plan.pb, plan.pm, plan.pn, plan.pk],
             tiles: plan.tiles(),
             estimated_compute_cycles: plan.compute_cycles,
@@ -621,6 +736,12 @@ impl<'a> Builder<'a> {
     }
 
     fn elementwise(&mut self, index: usize, kind: OpKind, inputs: &[ValueId], output: ValueId) -> Result<(), LowerError> {
+        self.elementwise_scaled(index, kind, inputs, output, 1.0)
+    }
+
+    /// An elementwise operation; a softmax with `scale` != 1 reads its input scaled (a scale
+    /// pass folded into it).
+    fn elementwise_scaled(&mut self, index: usize, kind: OpKind, inputs: &[ValueId], output: ValueId, scale: f32) -> Result<(), LowerError> {
         let out = self.graph.value(output).clone();
         let chain = ViewChain::resolve(self.graph, inputs[0]);
         let reuse = chain.is_identity()
@@ -671,7 +792,7 @@ impl<'a> Builder<'a> {
                 let call = match &kind {
                     OpKind::Gelu => Call::Gelu { rows, cols, input: ins[0], output: o },
                     OpKind::Scale { factor } => Call::Scale { rows, cols, factor: *factor as f32, input: ins[0], output: o },
-                    OpKind::Softmax => Call::Softmax { rows, cols, input: ins[0], output: o },
+                    OpKind::Softmax => Call::Softmax { rows, cols, scale, input: ins[0], output: o },
                     OpKind::Add => Call::Add { rows, cols, a: ins[0], b: ins[1], output: o },
                     other => return Err(LowerError::Unsupported { operation: out.name.clone(), message: format!("{} is not an elementwise operation", other.name()) }),
                 };
@@ -683,7 +804,12 @@ impl<'a> Builder<'a> {
         let cells = grid.tiles.len() as u32;
         let plan = OperationPlan {
             operation: index as u32,
+            value: self.graph.value(self.checkpoint_value.get(&output).copied().unwrap_or(output)).name.clone(),
             kind: kind.name().into(),
+            orientation: String::new(),
+            weight_memory: String::new(),
+            constraint: String::new(),
+            matching_plans: 0,
             partitions: [cells, 1, 1, 1],
             tiles: cells,
             estimated_compute_cycles: compute / cells.max(1) as u64,
@@ -694,7 +820,7 @@ impl<'a> Builder<'a> {
         Ok(())
     }
 
-    fn finish(mut self) -> Result<Lowered, LowerError> {
+    fn finish(mut self) -> Result<Attempt, LowerError> {
         let end = self.steps.len() as u32;
         let mut outputs = Vec::new();
         for &output in &self.graph.outputs.clone() {
@@ -718,19 +844,7 @@ impl<'a> Builder<'a> {
         }
         inputs.sort_by_key(|t| self.graph.find(&t.name));
         let logical_shards = self.stored.values().map(|s| s.grid.tiles.len() as u32).sum();
-        // ipuq keeps one plan (no finalist search yet); it is logged in the seed's form.
-        let active: std::collections::BTreeSet<u32> = self.plans.iter().map(|p| p.tiles).collect();
-        info!(
-            finalist = 0,
-            values = self.graph.values.len(),
-            operations = self.graph.operations.len(),
-            estimated_cycles = self.plans.iter().map(|p| p.estimated_compute_cycles + p.estimated_exchange_cycles).sum::<u64>(),
-            estimated_exchange_cycles = self.plans.iter().map(|p| p.estimated_exchange_cycles).sum::<u64>(),
-            peak_total_bytes = self.plans.iter().map(|p| p.peak_bytes).max().unwrap_or(0),
-            active_tile_counts = ?active,
-            "retained operator-plan finalist"
-        );
-        Ok(Lowered {
+        let lowered = Lowered {
             tiles: self.target.chip.tiles,
             labels: self.labels,
             buffers: self.buffers,
@@ -743,10 +857,31 @@ impl<'a> Builder<'a> {
             plans: self.plans,
             gemm_flops: self.gemm_flops,
             logical_shards,
-        })
+        };
+        Ok(Attempt { lowered, owners: self.owners, spans: self.spans, interleaved_weights: self.interleaved_weights })
     }
 }
 
+
+/// Scale passes folded into the softmax that consumes them: softmax operation index ->
+/// (scale operation index, factor). A scale folds when its factor is positive (so the row
+/// maximum commutes with it), its value is not an output, and the softmax is its only consumer.
+fn folded_scales(graph: &Graph) -> BTreeMap<usize, (usize, f64)> {
+    let mut out = BTreeMap::new();
+    for (i, o) in graph.operations.iter().enumerate() {
+        let OpKind::Scale { factor } = o.kind else { continue };
+        if !(factor > 0.0) || graph.outputs.contains(&o.output) {
+            continue;
+        }
+        let consumers: Vec<usize> = graph.operations.iter().enumerate().filter(|(_, c)| c.inputs.contains(&o.output)).map(|(j, _)| j).collect();
+        if let [j] = consumers[..] {
+            if matches!(graph.operations[j].kind, OpKind::Softmax) && graph.operations[j].inputs.len() == 1 {
+                out.insert(j, (i, factor));
+            }
+        }
+    }
+    out
+}
 
 /// Whether some consumer of `value`, directly or through elementwise operations that keep its
 /// layout, is a softmax (which needs whole rows on one tile).
@@ -768,12 +903,36 @@ fn flatten(index: &[u32], shape: &[u32]) -> u64 {
 
 /// Merge one-row segments: first those contiguous both in logical elements and in memory, then
 /// equal-length runs at constant element and memory strides into one strided segment.
+/// Append a segment, folding single elements at a constant element and memory stride (a
+/// transposed view, element by element) into the previous strided segment as they come, so
+/// such views never hold one segment per element.
+fn push_segment(segments: &mut Vec<LSegment>, s: LSegment, bytes: u32) {
+    if s.count == 1 {
+        if let Some(last) = segments.last_mut() {
+            if last.buffer == s.buffer && last.count == 1 && s.element > last.element && s.offset > last.offset {
+                let (de, doff) = (s.element - last.element, s.offset - last.offset);
+                if last.rows == 1 && !(de == 1 && doff == bytes) {
+                    last.element_stride = de;
+                    last.offset_stride = doff;
+                    last.rows = 2;
+                    return;
+                }
+                if last.rows > 1 && s.element == last.element + last.rows * last.element_stride && s.offset == last.offset + last.rows * last.offset_stride {
+                    last.rows += 1;
+                    return;
+                }
+            }
+        }
+    }
+    segments.push(s);
+}
+
 fn merge_segments(mut segments: Vec<LSegment>, dtype: DType) -> Vec<LSegment> {
     segments.sort_by_key(|s| (s.buffer, s.offset, s.element));
     let mut runs: Vec<LSegment> = Vec::with_capacity(segments.len());
     for s in segments {
         if let Some(last) = runs.last_mut() {
-            if last.buffer == s.buffer && last.element + last.count == s.element && last.offset + last.count * dtype.bytes() == s.offset {
+            if last.rows == 1 && s.rows == 1 && last.buffer == s.buffer && last.element + last.count == s.element && last.offset + last.count * dtype.bytes() == s.offset {
                 last.count += s.count;
                 continue;
             }
@@ -784,7 +943,7 @@ fn merge_segments(mut segments: Vec<LSegment>, dtype: DType) -> Vec<LSegment> {
     let mut out: Vec<LSegment> = Vec::with_capacity(runs.len());
     for s in runs {
         if let Some(last) = out.last_mut() {
-            if last.buffer == s.buffer && last.count == s.count && s.element > last.element && s.offset > last.offset {
+            if s.rows == 1 && last.buffer == s.buffer && last.count == s.count && s.element > last.element && s.offset > last.offset {
                 if last.rows == 1 {
                     last.element_stride = s.element - last.element;
                     last.offset_stride = s.offset - last.offset;

@@ -117,6 +117,12 @@ impl ViewChain {
         self.steps.is_empty()
     }
 
+    /// Whether the view is exactly the transpose of a rank-2 value (a swapped product's
+    /// operand or result): element (r, c) of the view is element (c, r) of the base.
+    pub fn is_matrix_transpose(&self) -> bool {
+        matches!(&self.steps[..], [ViewStep::Transpose { perm }] if perm[..] == [1, 0])
+    }
+
     /// Map a view index to the base index, and how many consecutive elements along the view's
     /// last axis stay consecutive along the base's last axis from there.
     pub fn map_run(&self, index: &[u32], max_run: u32) -> (Vec<u32>, u32) {
@@ -126,6 +132,11 @@ impl ViewChain {
         for step in &self.steps {
             match step {
                 ViewStep::Transpose { perm } => {
+                    // A transpose that moves the innermost axis (the planner's swapped
+                    // products read host tensors so) leaves runs of one element.
+                    if perm[perm.len() - 1] as usize != perm.len() - 1 {
+                        run = 1;
+                    }
                     let mut src = vec![0; idx.len()];
                     let mut src_shape = vec![0; idx.len()];
                     for (a, &p) in perm.iter().enumerate() {
@@ -155,16 +166,46 @@ impl ViewChain {
     }
 }
 
-/// Even splits of `extent` into `parts` pieces whose inner cuts are multiples of `align`.
+/// Balanced splits of `extent` into at most `parts` pieces whose inner cuts are multiples of
+/// `align`: the ceil(extent / align) aligned units are dealt out evenly (piece sizes differ
+/// by at most one unit, the larger pieces first), so the partial unit at the end, if any,
+/// lands in one of the smaller pieces. Empty pieces are dropped.
 pub fn split(extent: u32, parts: u32, align: u32) -> Vec<u32> {
-    let parts = parts.max(1);
+    let align = align.max(1) as u64;
+    let units = (extent as u64).div_ceil(align);
+    let parts = (parts.max(1) as u64).min(units.max(1));
     let mut cuts = vec![0];
     for i in 1..parts {
-        let raw = (extent as u64 * i as u64 / parts as u64) as u32;
-        let c = (raw / align * align).max(*cuts.last().unwrap());
+        let c = ((units * i).div_ceil(parts) * align).min(extent as u64) as u32;
         cuts.push(c);
     }
     cuts.push(extent);
     cuts.dedup();
     cuts
+}
+
+#[cfg(test)]
+mod tests {
+    use super::split;
+
+    fn extents(c: &[u32]) -> Vec<u32> {
+        c.windows(2).map(|w| w[1] - w[0]).collect()
+    }
+
+    #[test]
+    fn splits_are_balanced_in_aligned_units() {
+        // 729 over 23 parts in 16-element units: 46 units, two per part (the last one 25 wide).
+        let c = split(729, 23, 16);
+        assert_eq!(c.len(), 24);
+        assert!(extents(&c).iter().all(|&e| e <= 32), "{:?}", extents(&c));
+        assert!(c[1..c.len() - 1].iter().all(|&x| x % 16 == 0));
+        // Rows: sizes differ by at most one, larger first.
+        let r = extents(&split(729, 23, 1));
+        assert_eq!(r.iter().max().unwrap() - r.iter().min().unwrap(), 1);
+        assert!(r.windows(2).all(|w| w[0] >= w[1]));
+        // More parts than units: one part per unit.
+        assert_eq!(split(20, 8, 16), vec![0, 16, 20]);
+        assert_eq!(split(5, 1, 4), vec![0, 5]);
+        assert_eq!(split(1, 3, 1), vec![0, 1]);
+    }
 }

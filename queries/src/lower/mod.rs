@@ -9,8 +9,17 @@
 pub mod build;
 pub mod grid;
 pub mod plan;
+pub mod orient;
+pub mod search;
+pub mod select;
 
-pub use build::{lower, LowerError};
+pub use build::LowerError;
+
+/// `lower_mid`: plan every operation, whole-program feasible, and lower the program.
+/// Without `select_finalist`: the finalist with the best estimate.
+pub fn lower(graph: &crate::ir::Graph, target: &crate::target::Target) -> Result<Lowered, LowerError> {
+    Ok(search::finalists(graph, target, 1)?.remove(0))
+}
 
 use crate::package::{AllocationKind, Checkpoint, HostTensor, VertexCall};
 
@@ -75,8 +84,18 @@ pub type LCheckpoint = Checkpoint<LSegment>;
 /// The plan chosen for one operation, for logs and reports.
 #[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct OperationPlan {
+    /// The original operation's index and value name.
     pub operation: u32,
+    pub value: String,
     pub kind: String,
+    /// Matrix products: "normal" or "swapped" (Cᵀ = Bᵀ·Aᵀ); empty otherwise.
+    pub orientation: String,
+    /// Matrix products: where the planner expects the weights, "interleaved" or "standard".
+    pub weight_memory: String,
+    /// The user's constraint applied to this product (empty if none), and how many feasible
+    /// candidate plans matched it.
+    pub constraint: String,
+    pub matching_plans: u32,
     /// (batch, row, column, inner) partitions; elementwise plans use (cells, 1, 1, 1).
     pub partitions: [u32; 4],
     pub tiles: u32,

@@ -6,6 +6,7 @@
 //! no finalists, no output-column blocking or weight-staging knobs (see the README's status).
 
 use crate::cost::{self, WeightClass};
+use crate::ir::PlanConstraint;
 use crate::lower::grid::split;
 use crate::target::Target;
 
@@ -23,6 +24,8 @@ pub struct MatMulPlan {
     pub compute_cycles: u64,
     pub exchange_cycles: u64,
     pub peak_bytes: u64,
+    /// The weights were costed in standard memory (64-bit weight loads).
+    pub weights_standard: bool,
 }
 
 impl MatMulPlan {
@@ -51,8 +54,23 @@ pub struct MatMulProblem<'a> {
     /// Words a tile must receive to hold A's block [b, m, k] (0 when the host places A).
     pub remote_a_words: &'a dyn Fn(&MatMulPlan, u32) -> u64,
     pub remote_b_words: &'a dyn Fn(&MatMulPlan, u32) -> u64,
+    /// No tile receives more words than this (the search stops there).
+    pub gather_bound: &'a dyn Fn(&MatMulPlan) -> u64,
     /// Bytes a tile may use for this operation's buffers.
     pub memory_budget: u64,
+    /// Interleaved bytes a tile may use beside what other operations keep there (partials
+    /// must sit in interleaved memory; weights load 128 bits at a time only from there).
+    pub interleaved_budget: u64,
+    /// Standard bytes a tile may use (code and other operations' standard demand deducted).
+    pub standard_budget: u64,
+    /// The user's constraint on this product's plan, if any.
+    pub constraint: Option<&'a PlanConstraint>,
+}
+
+/// The plan chosen, and how many feasible candidates matched the user's constraint.
+pub struct Planned {
+    pub plan: MatMulPlan,
+    pub matching_plans: u32,
 }
 
 fn distinct_partitions(blocks: u32, limit: u32) -> Vec<u32> {
@@ -78,43 +96,105 @@ fn max_extent(c: &[u32]) -> u32 {
     c.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0)
 }
 
-pub fn plan_matmul(t: &Target, p: &MatMulProblem) -> Option<MatMulPlan> {
+/// The cheapest feasible plan (ties: fewer tiles) that honours the constraint, or why none does.
+pub fn plan_matmul(t: &Target, p: &MatMulProblem) -> Result<Planned, String> {
+    let mut matching = 0u32;
+    let mut best: Option<MatMulPlan> = None;
+    search(t, p, p.constraint, &mut |c| {
+        matching += 1;
+        if best.as_ref().is_none_or(|b| (c.total(), c.tiles()) < (b.total(), b.tiles())) {
+            best = Some(c);
+        }
+    });
+    if let Some(plan) = best {
+        return Ok(Planned { plan, matching_plans: if p.constraint.is_some() { matching } else { 0 } });
+    }
+    let Some(constraint) = p.constraint else { return Err("no plan fits in tile memory".into()) };
+    // Say what fits without the constraint, per field the user gave.
+    let mut feasible: Vec<[u32; 3]> = Vec::new();
+    let mut standard_only = true;
+    search(t, p, None, &mut |c| {
+        feasible.push([c.pm, c.pn, c.pk]);
+        standard_only &= c.weights_standard;
+    });
+    if feasible.is_empty() {
+        return Err(format!("the constraint ({}) cannot help: no plan fits in tile memory", constraint.describe()));
+    }
+    let mut reasons = Vec::new();
+    let block = t.costs.gemm_block as u32;
+    for (i, (name, value, extent, unit)) in
+        [("row_partitions", constraint.row_partitions, p.m, 1), ("column_partitions", constraint.column_partitions, p.n, block), ("inner_partitions", constraint.inner_partitions, p.k, block)].into_iter().enumerate()
+    {
+        let Some(v) = value else { continue };
+        let units = extent.div_ceil(unit);
+        if v > units {
+            reasons.push(format!("{name}={v} exceeds the {units} pieces the axis of {extent} splits into"));
+            continue;
+        }
+        let values: Vec<u32> = feasible.iter().map(|f| f[i]).collect();
+        let (lo, hi) = (values.iter().min().unwrap(), values.iter().max().unwrap());
+        reasons.push(format!("{name}={v} (plans that fit use {lo}..={hi})"));
+    }
+    if constraint.weight_memory.as_deref() == Some("interleaved") && standard_only {
+        reasons.push("weight_memory=interleaved (no plan's weights fit in interleaved memory beside its other buffers)".into());
+    }
+    if reasons.is_empty() {
+        reasons.push("the combination of fields".into());
+    }
+    Err(format!("no plan fits with {}: {}", constraint.describe(), reasons.join("; ")))
+}
+
+/// Every feasible candidate, restricted to `constraint`'s partitions when given.
+fn search(t: &Target, p: &MatMulProblem, constraint: Option<&PlanConstraint>, found: &mut dyn FnMut(MatMulPlan)) {
     let tiles = t.chip.tiles;
     let block = t.costs.gemm_block as u32;
     let sync = t.exchange.sync_cycles;
     let (_, max_delay) = t.delay_range();
-    let mut best: Option<MatMulPlan> = None;
     let k_blocks = p.k.div_ceil(block);
     let n_blocks = p.n.div_ceil(block);
     for pb in distinct_partitions(p.batches, tiles) {
         let b_cuts = split(p.batches, pb, 1);
         let pk_limit = if max_extent(&b_cuts) > 1 { 1 } else { k_blocks.min(32) };
-        for pk in distinct_partitions(k_blocks, pk_limit) {
+        let pks = match constraint.and_then(|c| c.inner_partitions) {
+            Some(v) if v <= k_blocks && (v == 1 || pk_limit > 1) => vec![v],
+            Some(_) => vec![],
+            None => distinct_partitions(k_blocks, pk_limit),
+        };
+        for pk in pks {
             let k_cuts = split(p.k, pk, block);
             let n_limit = n_blocks;
-            for pn in distinct_partitions(n_limit, tiles / (cuts_len(&b_cuts) * cuts_len(&k_cuts)).max(1)) {
+            let pns = match constraint.and_then(|c| c.column_partitions) {
+                Some(v) if v <= n_limit => vec![v],
+                Some(_) => vec![],
+                None => distinct_partitions(n_limit, tiles / (cuts_len(&b_cuts) * cuts_len(&k_cuts)).max(1)),
+            };
+            for pn in pns {
                 let n_cuts = split(p.n, pn, block);
                 let used = cuts_len(&b_cuts) * cuts_len(&k_cuts) * cuts_len(&n_cuts);
                 if used > tiles {
                     continue;
                 }
                 let pm_max = (tiles / used).min(p.m).max(1);
-                for pm in [pm_max, pm_max.div_ceil(2)] {
+                let pms = match constraint.and_then(|c| c.row_partitions) {
+                    Some(v) if v <= pm_max => vec![v],
+                    Some(_) => vec![],
+                    None if pm_max > 1 => vec![pm_max, pm_max.div_ceil(2)],
+                    None => vec![pm_max],
+                };
+                for pm in pms {
                     let m_cuts = split(p.m, pm, 1);
-                    let candidate = cost_plan(t, p, b_cuts.clone(), m_cuts, n_cuts.clone(), k_cuts.clone(), sync, max_delay);
-                    let Some(candidate) = candidate else { continue };
-                    if best.as_ref().is_none_or(|b| (candidate.total(), candidate.tiles()) < (b.total(), b.tiles())) {
-                        best = Some(candidate);
+                    let weights = constraint.and_then(|c| c.weight_memory.as_deref());
+                    if let Some(candidate) = cost_plan(t, p, b_cuts.clone(), m_cuts, n_cuts.clone(), k_cuts.clone(), sync, max_delay, weights) {
+                        found(candidate);
                     }
                 }
             }
         }
     }
-    best
 }
 
 #[allow(clippy::too_many_arguments)]
-fn cost_plan(t: &Target, p: &MatMulProblem, b_cuts: Vec<u32>, m_cuts: Vec<u32>, n_cuts: Vec<u32>, k_cuts: Vec<u32>, sync: u64, max_delay: u32) -> Option<MatMulPlan> {
+fn cost_plan(t: &Target, p: &MatMulProblem, b_cuts: Vec<u32>, m_cuts: Vec<u32>, n_cuts: Vec<u32>, k_cuts: Vec<u32>, sync: u64, max_delay: u32, weights: Option<&str>) -> Option<MatMulPlan> {
     let (bs, ms, ns, ks) = (max_extent(&b_cuts), max_extent(&m_cuts), max_extent(&n_cuts), max_extent(&k_cuts));
     let pk = cuts_len(&k_cuts);
     let mut plan = MatMulPlan {
@@ -129,6 +209,7 @@ fn cost_plan(t: &Target, p: &MatMulProblem, b_cuts: Vec<u32>, m_cuts: Vec<u32>, 
         compute_cycles: 0,
         exchange_cycles: 0,
         peak_bytes: 0,
+        weights_standard: false,
     };
     let ns_f16 = ns.div_ceil(4) * 4;
     let ks_f16 = ks.div_ceil(4) * 4;
@@ -138,19 +219,28 @@ fn cost_plan(t: &Target, p: &MatMulProblem, b_cuts: Vec<u32>, m_cuts: Vec<u32>, 
     // Weights load 128 bits at a time only from interleaved memory. An A block too large for
     // standard memory takes interleaved space first; if the weights no longer fit beside it,
     // they sit in standard memory and every 16-column pass pays for 64-bit loads.
-    let m = &t.memory;
-    let standard = (m.interleaved_start - m.base) as u64;
-    let interleaved = (m.loader_limit - m.interleaved_start) as u64;
+    // Partials (and the partial rows a reduction receives) must sit in interleaved memory.
+    let standard = p.standard_budget;
+    let interleaved = p.interleaved_budget;
+    let chunk = ms.div_ceil(pk);
+    let receive_words = (pk - 1) as u64 * chunk as u64 * ns_f32 as u64;
+    let partials_bytes = if pk > 1 { bs as u64 * ms as u64 * ns_f32 as u64 * 4 + receive_words * 4 } else { 0 };
+    if partials_bytes > interleaved {
+        return None;
+    }
     let a_in_interleaved = if a_bytes > standard { a_bytes } else { 0 };
-    let class = if a_in_interleaved + b_bytes > interleaved { WeightClass::Standard } else { WeightClass::Interleaved };
+    let fits_interleaved = a_in_interleaved + b_bytes + partials_bytes <= interleaved;
+    let class = match weights {
+        Some("standard") => WeightClass::Standard,
+        Some(_) if !fits_interleaved => return None,
+        _ if fits_interleaved => WeightClass::Interleaved,
+        _ => WeightClass::Standard,
+    };
     let mut compute = bs as u64 * cost::gemm(t, ms, ks, ns, class, p.b_transposed);
     let mut exchange = 0u64;
     let mut bytes = a_bytes + b_bytes;
     if pk > 1 {
-        let chunk = ms.div_ceil(pk);
-        let partial_bytes = ms as u64 * ns_f32 as u64 * 4;
-        let receive_words = (pk - 1) as u64 * chunk as u64 * ns_f32 as u64;
-        bytes += partial_bytes + receive_words * 4 + chunk as u64 * ns_f16 as u64 * 2;
+        bytes += partials_bytes + chunk as u64 * ns_f16 as u64 * 2;
         compute += cost::reduce(t, pk, chunk as u64 * ns as u64);
         exchange += sync + max_delay as u64 + receive_words;
     } else {
@@ -160,7 +250,11 @@ fn cost_plan(t: &Target, p: &MatMulProblem, b_cuts: Vec<u32>, m_cuts: Vec<u32>, 
         return None;
     }
     let mut gather = 0u64;
+    let bound = (p.gather_bound)(&plan);
     for tile in 0..plan.tiles() {
+        if gather >= bound {
+            break;
+        }
         gather = gather.max((p.remote_a_words)(&plan, tile) + (p.remote_b_words)(&plan, tile));
     }
     if gather > 0 {
@@ -174,5 +268,6 @@ fn cost_plan(t: &Target, p: &MatMulProblem, b_cuts: Vec<u32>, m_cuts: Vec<u32>, 
     plan.compute_cycles = compute;
     plan.exchange_cycles = exchange;
     plan.peak_bytes = bytes;
+    plan.weights_standard = class == WeightClass::Standard;
     Some(plan)
 }

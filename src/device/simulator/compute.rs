@@ -82,7 +82,7 @@ fn accesses(call: &VertexCall) -> Vec<Access> {
         }
         VertexCall::Gelu { rows, cols, input, output }
         | VertexCall::Scale { rows, cols, input, output, .. }
-        | VertexCall::Softmax { rows, cols, input, output } => {
+        | VertexCall::Softmax { rows, cols, input, output, .. } => {
             vec![half("input", *input, *rows, *cols), half("output", *output, *rows, *cols)]
         }
         VertexCall::Add { rows, cols, a, b, output } => {
@@ -193,8 +193,12 @@ pub fn execute(memory: &mut TileMemory, call: &VertexCall, s: &mut Scratch) {
             kernels::accumulate(&mut s.a, &s.b);
             memory.write_f16(*output, *rows, *cols, &s.a, &mut s.halves);
         }
-        VertexCall::Softmax { rows, cols, input, output } => {
+        VertexCall::Softmax { rows, cols, scale, input, output } => {
             memory.read_f16(*input, *rows, *cols, &mut s.bits, &mut s.a);
+            if *scale != 1.0 {
+                kernels::scale(&mut s.a, *scale);
+                kernels::round_to_f16(&mut s.a);
+            }
             kernels::softmax_rows(&mut s.a, *cols as usize);
             memory.write_f16(*output, *rows, *cols, &s.a, &mut s.halves);
         }

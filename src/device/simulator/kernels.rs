@@ -81,6 +81,13 @@ pub fn scale(values: &mut [f32], factor: f32) {
     }
 }
 
+/// Round each value to the nearest f16 (ties to even), as a write to tile memory would.
+pub fn round_to_f16(values: &mut [f32]) {
+    for x in values.iter_mut() {
+        *x = half::f16::from_f32(*x).to_f32();
+    }
+}
+
 /// Softmax over each row of `cols` elements: subtract the row maximum, exponentiate, sum in
 /// increasing column order, divide.
 pub fn softmax_rows(values: &mut [f32], cols: usize) {

@@ -1,0 +1,209 @@
+//! Orientation candidates for matrix products: a swapped product computes Cᵀ = Bᵀ·Aᵀ, so the
+//! other operand streams through the AMP as rows (for the MLP: the hidden axis instead of the
+//! tokens). It is expressed as a rewrite of the graph into views the lowering already knows:
+//!
+//! ```text
+//! C = matmul(A, B)          C.swapped = matmul(Bᵀ, A, transpose_b)      C = transpose(C.swapped)
+//! G = gelu(C)          ->   G.swapped = gelu(C.swapped)                 G = transpose(G.swapped)
+//! Y = matmul(G, W)          Y.swapped = matmul(Wᵀ, G.swapped)           Y = transpose(Y.swapped)
+//! ```
+//!
+//! Elementwise operations whose operands are all swapped values (or host tensors, which the
+//! host writes in any layout) follow their producer's orientation, so no value is transposed
+//! in tile memory. Only rank-2 products are swapped. A consumer that must read a swapped value
+//! row-wise would move sub-word pieces; the lowering rejects such a candidate.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::grid::ViewChain;
+use crate::ir::{DType, Graph, OpKind, Operation, Producer, Value, ValueId};
+
+/// A graph with some products swapped, and how its operations relate to the original ones.
+pub struct Oriented {
+    pub graph: Graph,
+    /// Per operation of `graph`: the index of the original operation it computes (views the
+    /// rewrite adds get the index of the operation they serve).
+    pub origin: Vec<u32>,
+    /// Stored swapped value -> the view with the original name (checkpoints report that one).
+    pub checkpoint_value: BTreeMap<ValueId, ValueId>,
+}
+
+/// Suffix of the stored value of a swapped operation.
+pub const SWAPPED: &str = ".swapped";
+
+/// The rank-2 matrix products of `graph` (operation indices) that may be swapped.
+pub fn swappable(graph: &Graph) -> Vec<usize> {
+    graph
+        .operations
+        .iter()
+        .enumerate()
+        .filter(|(_, o)| matches!(o.kind, OpKind::MatMul { .. }) && o.inputs.iter().all(|&v| graph.value(v).shape.len() == 2))
+        .map(|(i, _)| i)
+        .collect()
+}
+
+/// Rewrite `graph` with the products at `swapped` (operation indices) computed transposed.
+/// The rewritten graph is built directly, not parsed: its transposes of host tensors move the
+/// innermost axis, which the workload validation rejects for users (a gather through them
+/// would move sub-word pieces) but which the host writes in any layout.
+pub fn orient(graph: &Graph, swapped: &BTreeSet<usize>) -> Result<Oriented, String> {
+    let mut values: Vec<Value> = graph.values.iter().filter(|v| matches!(v.producer, Producer::Tensor { .. })).cloned().collect();
+    let mut map: BTreeMap<ValueId, ValueId> = BTreeMap::new();
+    for (i, v) in graph.values.iter().enumerate() {
+        if matches!(v.producer, Producer::Tensor { .. }) {
+            map.insert(ValueId(i as u32), ValueId(values.iter().position(|w| w.name == v.name).expect("copied") as u32));
+        }
+    }
+    let mut operations: Vec<Operation> = Vec::new();
+    let mut origin: Vec<u32> = Vec::new();
+    // Original value -> the stored value (new graph) holding its transpose.
+    let mut transposed: BTreeMap<ValueId, ValueId> = BTreeMap::new();
+    let mut checkpoint_value = BTreeMap::new();
+    let push = |values: &mut Vec<Value>, operations: &mut Vec<Operation>, origin: &mut Vec<u32>, kind: OpKind, inputs: Vec<ValueId>, name: String, shape: Vec<u32>, dtype: DType, index: usize| {
+        let id = ValueId(values.len() as u32);
+        values.push(Value { name, shape, dtype, producer: Producer::Operation(operations.len()) });
+        operations.push(Operation { kind, inputs, output: id });
+        origin.push(index as u32);
+        id
+    };
+    let t2 = |s: &[u32]| vec![s[1], s[0]];
+    for (index, operation) in graph.operations.iter().enumerate() {
+        let out = graph.value(operation.output);
+        let swapped_name = format!("{}{SWAPPED}", out.name);
+        let rank2 = operation.inputs.iter().all(|&v| graph.value(v).shape.len() == 2);
+        if swapped.contains(&index) {
+            let OpKind::MatMul { transpose_b } = operation.kind else { return Err(format!("operation '{}' is not a matrix product", out.name)) };
+            if !rank2 {
+                return Err(format!("operation '{}': only rank-2 products can be swapped", out.name));
+            }
+            let (a, b) = (operation.inputs[0], operation.inputs[1]);
+            // Bᵀ as the new A: B itself when given transposed, its stored transpose, or a view.
+            let new_a = if transpose_b {
+                map[&b]
+            } else if let Some(&t) = transposed.get(&b) {
+                t
+            } else {
+                let bv = graph.value(b);
+                push(&mut values, &mut operations, &mut origin, OpKind::Transpose { perm: vec![1, 0] }, vec![map[&b]], format!("{}.transposed_for_{}", bv.name, out.name), t2(&bv.shape), bv.dtype, index)
+            };
+            // Aᵀ as the new B: A's stored transpose as [k, m], or A itself given as [m, k].
+            let (new_b, new_transpose_b) = match transposed.get(&a) {
+                Some(&t) => (t, false),
+                None => (map[&a], true),
+            };
+            let stored = push(&mut values, &mut operations, &mut origin, OpKind::MatMul { transpose_b: new_transpose_b }, vec![new_a, new_b], swapped_name, t2(&out.shape), out.dtype, index);
+            let view = push(&mut values, &mut operations, &mut origin, OpKind::Transpose { perm: vec![1, 0] }, vec![stored], out.name.clone(), out.shape.clone(), out.dtype, index);
+            map.insert(operation.output, view);
+            transposed.insert(operation.output, stored);
+            checkpoint_value.insert(stored, view);
+            continue;
+        }
+        let is_host = |v: ValueId| matches!(graph.value(v).producer, Producer::Tensor { .. });
+        let follows = matches!(operation.kind, OpKind::Gelu | OpKind::Scale { .. } | OpKind::Add)
+            && rank2
+            && operation.inputs.iter().any(|i| transposed.contains_key(i))
+            && operation.inputs.iter().all(|&i| transposed.contains_key(&i) || is_host(i));
+        if follows {
+            let mut inputs = Vec::new();
+            for &i in &operation.inputs {
+                match transposed.get(&i) {
+                    Some(&t) => inputs.push(t),
+                    None => {
+                        let iv = graph.value(i);
+                        inputs.push(push(&mut values, &mut operations, &mut origin, OpKind::Transpose { perm: vec![1, 0] }, vec![map[&i]], format!("{}.transposed_for_{}", iv.name, out.name), t2(&iv.shape), iv.dtype, index));
+                    }
+                }
+            }
+            let stored = push(&mut values, &mut operations, &mut origin, operation.kind.clone(), inputs, swapped_name, t2(&out.shape), out.dtype, index);
+            let view = push(&mut values, &mut operations, &mut origin, OpKind::Transpose { perm: vec![1, 0] }, vec![stored], out.name.clone(), out.shape.clone(), out.dtype, index);
+            map.insert(operation.output, view);
+            transposed.insert(operation.output, stored);
+            checkpoint_value.insert(stored, view);
+            continue;
+        }
+        let inputs = operation.inputs.iter().map(|i| map[i]).collect();
+        let id = push(&mut values, &mut operations, &mut origin, operation.kind.clone(), inputs, out.name.clone(), out.shape.clone(), out.dtype, index);
+        map.insert(operation.output, id);
+    }
+    let outputs = graph.outputs.iter().map(|o| map[o]).collect();
+    let rewritten = Graph { name: graph.name.clone(), file: graph.file.clone(), values, operations, outputs };
+    // A computing consumer that reads a swapped value through its transpose would gather
+    // single f16 elements: such an orientation cannot lower, so it is no candidate.
+    for o in rewritten.operations.iter().filter(|o| !o.kind.is_view()) {
+        for &input in &o.inputs {
+            let chain = ViewChain::resolve(&rewritten, input);
+            if !chain.is_identity() && checkpoint_value.contains_key(&chain.base) {
+                let reader = &rewritten.value(o.output).name;
+                return Err(format!("'{reader}' would read the swapped value '{}' across its rows", rewritten.value(chain.base).name));
+            }
+        }
+    }
+    Ok(Oriented { graph: rewritten, origin, checkpoint_value })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MLP: &str = r#"
+name = "mlp"
+outputs = ["y"]
+[[tensor]]
+name = "x"
+shape = [5, 8]
+dtype = "f16"
+role = "input"
+init = "zeros"
+[[tensor]]
+name = "w1"
+shape = [8, 12]
+dtype = "f16"
+role = "weight"
+init = "zeros"
+[[tensor]]
+name = "w2"
+shape = [12, 8]
+dtype = "f16"
+role = "weight"
+init = "zeros"
+[[operation]]
+name = "h"
+op = "matmul"
+inputs = ["x", "w1"]
+[[operation]]
+name = "g"
+op = "gelu"
+inputs = ["h"]
+[[operation]]
+name = "y"
+op = "matmul"
+inputs = ["g", "w2"]
+"#;
+
+    #[test]
+    fn swapping_a_chain_keeps_every_value_and_stores_transposes() {
+        let g = Graph::parse(MLP, "mlp").unwrap();
+        assert_eq!(swappable(&g), vec![0, 2]);
+        let o = orient(&g, &[0, 2].into_iter().collect()).unwrap();
+        let shape = |n: &str| o.graph.value(o.graph.find(n).unwrap()).shape.clone();
+        // Every original value keeps its name and shape; the swapped ones are stored transposed.
+        for (name, s) in [("h", vec![5, 12]), ("g", vec![5, 12]), ("y", vec![5, 8]), ("h.swapped", vec![12, 5]), ("g.swapped", vec![12, 5]), ("y.swapped", vec![8, 5])] {
+            assert_eq!(shape(name), s, "{name}");
+        }
+        // y.swapped = w2ᵀ · g.swapped: the gelu's stored transpose feeds the second product directly.
+        let producer = |n: &str| &o.graph.operations[match o.graph.value(o.graph.find(n).unwrap()).producer {
+            Producer::Operation(i) => i,
+            _ => unreachable!(),
+        }];
+        let names = |op: &Operation| op.inputs.iter().map(|&v| o.graph.value(v).name.clone()).collect::<Vec<_>>();
+        assert_eq!(names(producer("y.swapped")), vec!["w2.transposed_for_y", "g.swapped"]);
+        assert_eq!(producer("y.swapped").kind, OpKind::MatMul { transpose_b: false });
+        assert_eq!(names(producer("h.swapped")), vec!["w1.transposed_for_h", "x"]);
+        assert_eq!(producer("h.swapped").kind, OpKind::MatMul { transpose_b: true });
+        assert_eq!(o.checkpoint_value.len(), 3);
+        assert_eq!(o.origin.len(), o.graph.operations.len());
+        // Nothing swapped: the same operations.
+        let same = orient(&g, &BTreeSet::new()).unwrap();
+        assert_eq!(same.graph.operations, g.operations);
+    }
+}

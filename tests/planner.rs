@@ -1,0 +1,108 @@
+//! The operator planner end to end on the 16-tile target: finalists and select_finalist,
+//! orientation, the folded softmax scale, whole-program memory, user plan constraints and
+//! `ipuq plans`.
+
+mod common;
+
+use common::{assert_pass, field, fixture, ipuq, tail};
+
+const MLP: &str = "workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml";
+const ATTENTION: &str = "workloads/attention-grouped-materialized-gaussian-f16-b1-t29-h4-kv2-d8.toml";
+
+fn workdir() -> tempfile::TempDir {
+    tempfile::tempdir().expect("temporary folder")
+}
+
+/// A log field's value in the first stderr line containing `message`.
+fn log_field(stderr: &str, message: &str, key: &str) -> Option<String> {
+    let line = stderr.lines().find(|l| l.contains(message))?;
+    line.split_whitespace().find_map(|kv| kv.strip_prefix(&format!("{key}=")).map(str::to_string))
+}
+
+#[test]
+fn finalists_are_logged_and_the_selected_cost_is_what_the_simulator_counts() {
+    let dir = workdir();
+    let out = ipuq(&["run", &fixture(MLP), "--target", "small16", "-o", "out", "--checkpoints"], dir.path());
+    assert_pass(&out);
+    let retained = out.stderr.lines().filter(|l| l.contains("retained operator-plan finalist")).count();
+    assert!(retained >= 2, "the MLP has normal and swapped candidates:\n{}", tail(&out.stderr));
+    for key in ["values", "operations", "estimated_cycles", "estimated_exchange_cycles", "peak_standard_bytes", "peak_interleaved_bytes", "peak_total_bytes", "active_tile_counts"] {
+        assert!(log_field(&out.stderr, "retained operator-plan finalist", key).is_some(), "{key} missing");
+    }
+    let scheduled: u64 = log_field(&out.stderr, "selected operator-plan finalist", "scheduled_cycles").expect("a selection line").parse().unwrap();
+    let simulated: u64 = field(&out.stdout, "workload=", "cycles").unwrap().parse().unwrap();
+    assert!(scheduled.abs_diff(simulated) * 50 <= simulated, "scheduled {scheduled} vs simulated {simulated}");
+    assert_eq!(field(&out.stdout, "diagnosticCheckpoints=", "numericalTest").as_deref(), Some("PASS"));
+
+    let one = ipuq(&["build", &fixture(MLP), "--target", "small16", "-o", "one", "--plan-finalists", "1"], dir.path());
+    assert_eq!(one.code, 0, "{}", tail(&one.stderr));
+    assert_eq!(one.stderr.lines().filter(|l| l.contains("retained operator-plan finalist")).count(), 1);
+}
+
+#[test]
+fn plans_prints_the_finalists_and_marks_the_chosen_one() {
+    let dir = workdir();
+    let out = ipuq(&["plans", &fixture(MLP), "--target", "small16"], dir.path());
+    assert_eq!(out.code, 0, "{}", tail(&out.stderr));
+    let rows: Vec<&str> = out.stdout.lines().skip(2).collect();
+    assert!(rows.len() >= 2, "{}", out.stdout);
+    assert_eq!(rows.iter().filter(|r| r.split_whitespace().nth(1) == Some("*")).count(), 1, "{}", out.stdout);
+    assert!(out.stdout.contains("h_0:normal[") && out.stdout.contains("swapped["), "{}", out.stdout);
+}
+
+#[test]
+fn a_swapped_constraint_is_honoured_and_passes() {
+    let dir = workdir();
+    let text = std::fs::read_to_string(fixture(MLP)).unwrap();
+    let constrained = format!(
+        "{text}\n[[constraint]]\noperation = \"h_0\"\norientation = \"swapped\"\ninner_partitions = 2\n\n[[constraint]]\noperation = \"y_0\"\norientation = \"swapped\"\nweight_memory = \"standard\"\n"
+    );
+    std::fs::write(dir.path().join("c.toml"), constrained).unwrap();
+    let out = ipuq(&["run", "c.toml", "--target", "small16", "-o", "out", "--checkpoints"], dir.path());
+    assert_pass(&out);
+    assert_eq!(field(&out.stdout, "diagnosticCheckpoints=", "numericalTest").as_deref(), Some("PASS"));
+    let applied: Vec<&str> = out.stderr.lines().filter(|l| l.contains("applied GEMM plan constraint")).collect();
+    assert_eq!(applied.len(), 2, "{}", tail(&out.stderr));
+    assert!(applied[0].contains("source_operation=h_0") && applied[0].contains("constraint=orientation=swapped,inner_partitions=2"), "{}", applied[0]);
+    let matching: u32 = log_field(applied[0], "applied GEMM plan constraint", "matching_plans").unwrap().parse().unwrap();
+    assert!(matching >= 1);
+    let plans = ipuq(&["plans", "c.toml", "--target", "small16"], dir.path());
+    assert!(plans.stdout.contains("h_0:swapped[") && plans.stdout.contains(",2]") && plans.stdout.contains("y_0:swapped["), "{}", plans.stdout);
+    assert!(plans.stdout.contains("/w-standard"), "{}", plans.stdout);
+}
+
+#[test]
+fn an_infeasible_constraint_exits_2_naming_the_operation_and_the_field() {
+    let dir = workdir();
+    let text = std::fs::read_to_string(fixture(MLP)).unwrap();
+    std::fs::write(dir.path().join("bad.toml"), format!("{text}\n[[constraint]]\noperation = \"y_0\"\ncolumn_partitions = 500\n")).unwrap();
+    let out = ipuq(&["build", "bad.toml", "--target", "small16", "-o", "out"], dir.path());
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(out.stderr.contains("operation 'y_0'") && out.stderr.contains("column_partitions=500"), "{}", out.stderr);
+    std::fs::write(dir.path().join("gelu.toml"), format!("{text}\n[[constraint]]\noperation = \"g_0\"\nrow_partitions = 2\n")).unwrap();
+    let out = ipuq(&["build", "gelu.toml", "--target", "small16", "-o", "out"], dir.path());
+    assert_eq!(out.code, 2);
+    assert!(out.stderr.contains("g_0") && out.stderr.contains("only matrix products take plan constraints"), "{}", out.stderr);
+}
+
+#[test]
+fn the_attention_scale_is_folded_into_the_softmax_and_passes() {
+    let dir = workdir();
+    let out = ipuq(&["plans", &fixture(ATTENTION), "--target", "small16", "--plan-finalists", "1"], dir.path());
+    assert_eq!(out.code, 0, "{}", tail(&out.stderr));
+    assert!(out.stdout.contains("probabilities:softmax") && !out.stdout.contains("scaled_scores"), "{}", out.stdout);
+    let run = ipuq(&["run", &fixture(ATTENTION), "--target", "small16", "-o", "out", "--checkpoints"], dir.path());
+    assert_pass(&run);
+    assert_eq!(field(&run.stdout, "diagnosticCheckpoints=", "numericalTest").as_deref(), Some("PASS"));
+}
+
+#[test]
+fn a_batch_of_four_mlp_fits_whole_program() {
+    // Batch 4 at small dimensions on 16 tiles: weights of both products stay resident, so each
+    // product's budget must leave room for the other's.
+    let dir = workdir();
+    let out = ipuq(&["workload", "siglip-mlp", "--batch", "4", "--tokens", "37", "--dim", "64", "--hidden", "96", "-o", "b4.toml"], dir.path());
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let run = ipuq(&["run", "b4.toml", "--target", "small16", "-o", "out"], dir.path());
+    assert_pass(&run);
+}
