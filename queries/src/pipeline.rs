@@ -143,12 +143,25 @@ pub fn schedules(db: &dyn Db, sources: Sources) -> StageResult<Schedules> {
     // address space, so rows of different buffers never alias and alignment classes match
     // the final placement (which also aligns every buffer to at least 8 bytes).
     let provisional = provisional_bases(&l.value);
-    let requests = requests(&l.value, |buffer, offset| provisional[buffer as usize] + offset);
+    let mut requests = requests(&l.value, |buffer, offset| provisional[buffer as usize] + offset);
+    let chosen_phases = requests.len();
+    // The other finalists select_finalist scheduled ride along (found in the memo), so the
+    // memo keeps them for the next build's selection.
+    let s = selection(db, sources)?;
+    let f = finalists(db, sources)?;
+    for (i, other) in f.value.iter().enumerate() {
+        let skipped = s.value.failures.iter().any(|x| x.0 == i as u32 && x.1.starts_with("not costed"));
+        if i as u32 != s.value.chosen && !skipped {
+            let bases = provisional_bases(other);
+            requests.extend(crate::pipeline::requests(other, |buffer, offset| bases[buffer as usize] + offset));
+        }
+    }
     let db = db.ipuq();
     let patterns: Vec<Digest> = requests.par_iter().map(exchange::pattern_digest).collect();
     let keys: Vec<Digest> = patterns.iter().map(|p| db.key("exchange_schedule", SCHEDULE_VERSION, &[t.digest, *p])).collect();
     let target = &t.value;
-    let entries = per_phase(db, "exchange_schedule", SCHEDULE_VERSION, &keys, &db.schedule_memo, |i| exchange::schedule_phase(target, &requests[i]).map_err(CompileError::from))?;
+    let mut entries = per_phase(db, "exchange_schedule", SCHEDULE_VERSION, &keys, &db.schedule_memo, |i| exchange::schedule_phase(target, &requests[i]).map_err(CompileError::from))?;
+    entries.truncate(chosen_phases);
     let value = Schedules { phases: entries.iter().map(|e| (*e.value).clone()).collect(), digests: entries.iter().map(|e| e.digest).collect() };
     Ok(Staged { digest: combined("ipuq schedules v2", &entries), value: Arc::new(value) })
 }

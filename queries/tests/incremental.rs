@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use ipuq_queries::db::{Database, Origin, Sources, StageStore};
 use ipuq_queries::hash::Digest;
 use ipuq_queries::exchange::pattern_digest;
-use ipuq_queries::pipeline::{lowered, package, provisional_bases, requests, run_phase, PHASES};
+use ipuq_queries::pipeline::{finalists, lowered, package, provisional_bases, requests, run_phase, selection, PHASES};
 use ipuq_queries::target::fixtures;
 use salsa::Setter;
 
@@ -168,8 +168,22 @@ fn identical_patterns_are_scheduled_once_and_threads_change_no_byte() {
             let sources = Sources::new(&db, WORKLOAD.to_string(), "mlp.toml".into(), fixtures::SMALL16.to_string(), "small16".into());
             let runs = build_all(&db, sources);
             let l = lowered(&db, sources).unwrap();
-            let bases = provisional_bases(&l.value);
-            let patterns: std::collections::BTreeSet<Digest> = requests(&l.value, |b, o| bases[b as usize] + o).iter().map(pattern_digest).collect();
+            // select_finalist schedules every finalist it costs; the chosen one's phases then
+            // come from the memo. Each distinct pattern is scheduled once.
+            let chosen = selection(&db, sources).unwrap();
+            let costed: Vec<_> = finalists(&db, sources)
+                .unwrap()
+                .value
+                .iter()
+                .enumerate()
+                .filter(|(f, _)| !chosen.value.failures.iter().any(|x| x.0 == *f as u32 && x.1.starts_with("not costed")))
+                .map(|(_, l)| l.clone())
+                .collect();
+            let mut patterns: std::collections::BTreeSet<Digest> = std::collections::BTreeSet::new();
+            for f in &costed {
+                let bases = provisional_bases(f);
+                patterns.extend(requests(f, |b, o| bases[b as usize] + o).iter().map(pattern_digest));
+            }
             let scheduled = runs.iter().filter(|r| r.0 == "exchange_schedule" && r.1 == Origin::Computed).count();
             assert_eq!(scheduled, patterns.len(), "{} phases", l.value.phases.len());
             package(&db, sources).unwrap().value.to_bytes()

@@ -81,14 +81,14 @@ pub fn estimated_cycles(lowered: &Lowered) -> u64 {
 /// Up to `keep` feasible programs, best estimate first (ties: fewer swapped products, then
 /// candidate order). Fails with the first candidate's error when none lowers.
 pub fn finalists(graph: &Graph, target: &Target, keep: usize) -> Result<Vec<Lowered>, LowerError> {
-    let mut found: Vec<(u64, usize, usize, Lowered)> = Vec::new();
+    let mut found: Vec<(bool, u64, usize, usize, Lowered)> = Vec::new();
     let mut first_error: Option<LowerError> = None;
     // Candidates lower in parallel; results are taken in candidate order.
     let candidates: Vec<(BTreeSet<usize>, Result<Oriented, String>)> = orientation_candidates(graph).into_iter().map(|s| {
         let o = orient(graph, &s);
         (s, o)
     }).collect();
-    let lowered: Vec<Option<Result<Lowered, LowerError>>> = candidates.par_iter().map(|(_, o)| o.as_ref().ok().map(|o| lower_feasible(o, target))).collect();
+    let lowered: Vec<Option<Result<(Lowered, bool), LowerError>>> = candidates.par_iter().map(|(_, o)| o.as_ref().ok().map(|o| lower_feasible(o, target))).collect();
     for (index, ((swapped, oriented), result)) in candidates.iter().zip(lowered).enumerate() {
         let Some(result) = result else {
             if let Err(message) = oriented {
@@ -97,7 +97,7 @@ pub fn finalists(graph: &Graph, target: &Target, keep: usize) -> Result<Vec<Lowe
             continue;
         };
         match result {
-            Ok(l) => found.push((estimated_cycles(&l), swapped.len(), index, l)),
+            Ok((l, fits)) => found.push((!fits, estimated_cycles(&l), swapped.len(), index, l)),
             Err(e) => {
                 debug!(error = %e, swapped = swapped.len(), "orientation candidate does not lower");
                 // Report a constraint's reason first, else the plainest candidate's error.
@@ -113,9 +113,13 @@ pub fn finalists(graph: &Graph, target: &Target, keep: usize) -> Result<Vec<Lowe
     if found.is_empty() {
         return Err(first_error.unwrap_or_else(|| LowerError::Unsupported { operation: graph.name.clone(), message: "no orientation of the matrix products lowers".into() }));
     }
-    found.sort_by_key(|f| (f.0, f.1, f.2));
+    // Programs that fit first; one that does not is kept only when none fits.
+    found.sort_by_key(|f| (f.0, f.1, f.2, f.3));
+    if !found[0].0 {
+        found.retain(|f| !f.0);
+    }
     found.truncate(keep.max(1));
-    let finalists: Vec<Lowered> = found.into_iter().map(|f| f.3).collect();
+    let finalists: Vec<Lowered> = found.into_iter().map(|f| f.4).collect();
     let m = &target.memory;
     for (i, l) in finalists.iter().enumerate() {
         let code = vec![CODE_RESERVE_BYTES as u32; l.tiles as usize];
@@ -148,7 +152,9 @@ pub fn finalists(graph: &Graph, target: &Target, keep: usize) -> Result<Vec<Lowe
 /// but whose placement pushes weights the planner costed as interleaved into standard memory
 /// is planned once more with the other operations' resident bytes, so the estimate sees the
 /// region pressure (and may pick plans that avoid it).
-pub fn lower_feasible(oriented: &Oriented, target: &Target) -> Result<Lowered, LowerError> {
+/// The flag says whether the program fits (false: nothing fit; the last attempt is returned so
+/// that placement can name the buffer that overflows).
+pub fn lower_feasible(oriented: &Oriented, target: &Target) -> Result<(Lowered, bool), LowerError> {
     let operations = oriented.graph.operations.len();
     let mut last: Option<Lowered> = None;
     let mut first_error: Option<LowerError> = None;
@@ -167,7 +173,7 @@ pub fn lower_feasible(oriented: &Oriented, target: &Target) -> Result<Lowered, L
             let placed = place_storage(target, &attempt.lowered, &code);
             let displaced = placed.as_ref().is_ok_and(|p| weights_displaced(&attempt, &p.addresses, target));
             if placed.is_ok() && (!displaced || round + 1 == ROUNDS || fitting.is_some()) {
-                return Ok(attempt.lowered);
+                return Ok((attempt.lowered, true));
             }
             let merged: Vec<Reserve> = reserves
                 .iter()
@@ -187,14 +193,14 @@ pub fn lower_feasible(oriented: &Oriented, target: &Target) -> Result<Lowered, L
             reserves = merged;
         }
         if let Some(l) = fitting {
-            return Ok(l);
+            return Ok((l, true));
         }
         if !home_weights {
             debug!("replicated weights do not fit in tile memory; keeping each weight block once on a home tile");
         }
     }
     // Nothing fits: hand on the last program so placement names the buffer that overflows.
-    last.ok_or_else(|| first_error.expect("an attempt either lowers or fails"))
+    last.map(|l| (l, false)).ok_or_else(|| first_error.expect("an attempt either lowers or fails"))
 }
 
 /// Whether placement put weights of a product planned with interleaved weights (buffers that
