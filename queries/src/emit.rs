@@ -88,6 +88,30 @@ fn host_tensor(placement: &Placement, lowered: &Lowered, t: &LHostTensor) -> Hos
     })
 }
 
+/// The compiler's estimate of a placed program: (cycles, exchange cycles), from the same cost
+/// formulas the package's summary states (the longest tile per compute set, plus each
+/// exchange phase's sync and horizon).
+pub fn estimate_cycles(target: &Target, lowered: &Lowered, placement: &Placement, exchanges: &[ExchangePhase]) -> (u64, u64) {
+    let mut set_cycles: Vec<Vec<u64>> = vec![vec![0; lowered.tiles as usize]; lowered.compute_sets.len()];
+    for (index, set) in lowered.compute_sets.iter().enumerate() {
+        for (tile, call) in set {
+            set_cycles[index][*tile as usize] += cost::vertex(target, &vertex(placement, call));
+        }
+    }
+    let (mut total, mut exchange) = (0u64, 0u64);
+    for s in &lowered.steps {
+        match s {
+            LStep::Compute(i) => total += set_cycles[*i as usize].iter().copied().max().unwrap_or(0),
+            LStep::Exchange(p) => {
+                let c = exchanges.get(*p as usize).map_or(0, |x| cost::exchange_phase(target, x.horizon));
+                total += c;
+                exchange += c;
+            }
+        }
+    }
+    (total, exchange)
+}
+
 /// Assemble the package from the placed program and the final exchange tables.
 pub fn build_package(target: &Target, graph: &Graph, lowered: &Lowered, placement: &Placement, exchanges: Vec<ExchangePhase>) -> Package {
     let tiles = lowered.tiles as usize;

@@ -4,7 +4,9 @@
 //! disk cache is reached through a small trait (`db::StageStore`).
 
 pub mod cost;
+pub mod elements;
 pub mod emit;
+pub mod exchange_placement;
 pub mod exchange;
 pub mod hash;
 pub mod ir;

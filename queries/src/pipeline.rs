@@ -5,6 +5,7 @@
 //! lower_exchanges_provisional  schedule each exchange phase (address-free, cached per pattern)
 //! size_tile_code               bytes of vertex state and exchange tables per tile
 //! place_storage                addresses for every buffer, by region, alignment and lifetime
+//! optimize_exchange_placement  move exchange buffers off memory-element conflicts, costed
 //! lower_exchanges              patch final addresses into the schedules and validate them
 //! build_tile_images            tile images, programs and host tables: the package
 
@@ -13,18 +14,20 @@ use std::sync::Arc;
 use crate::db::{graph, stage_key, target, CompileError, Db, Sources, StageResult, Staged};
 use crate::emit::{build_package, size_tile_code};
 use crate::exchange::{self, Destination, PhaseRequest, Schedule};
+use crate::exchange_placement::optimize_exchange_placement;
 use crate::hash::{Digest, KeyHasher};
 use crate::lower::{lower, Lowered};
 use crate::package::{ExchangePhase, Package};
 use crate::storage::{place_storage, Placement};
 
 /// The phases in order, as the driver runs and logs them.
-pub const PHASES: &[&str] = &["lower_mid", "lower_exchanges_provisional", "size_tile_code", "place_storage", "lower_exchanges", "build_tile_images"];
+pub const PHASES: &[&str] = &["lower_mid", "lower_exchanges_provisional", "size_tile_code", "place_storage", "optimize_exchange_placement", "lower_exchanges", "build_tile_images"];
 
 const LOWER_VERSION: u32 = 7;
 const SCHEDULE_VERSION: u32 = 4;
 const CODE_VERSION: u32 = 1;
 const PLACE_VERSION: u32 = 1;
+const OPTIMIZE_PLACEMENT_VERSION: u32 = 1;
 const TABLES_VERSION: u32 = 1;
 const PACKAGE_VERSION: u32 = 3;
 
@@ -35,6 +38,7 @@ pub fn run_phase(db: &dyn Db, sources: Sources, phase: &str) -> Result<Digest, C
         "lower_exchanges_provisional" => schedules(db, sources)?.digest,
         "size_tile_code" => code_sizes(db, sources)?.digest,
         "place_storage" => placement(db, sources)?.digest,
+        "optimize_exchange_placement" => placed(db, sources)?.digest,
         "lower_exchanges" => tables(db, sources)?.digest,
         "build_tile_images" => package(db, sources)?.digest,
         other => return Err(CompileError(format!("unknown phase '{other}'"))),
@@ -133,12 +137,27 @@ pub fn placement(db: &dyn Db, sources: Sources) -> StageResult<Placement> {
     db.ipuq().cached("place_storage", PLACE_VERSION, key, || place_storage(&t.value, &l.value, &c.value).map_err(CompileError::from))
 }
 
+/// `optimize_exchange_placement`: keyed by the lowered program, the schedules, the code sizes
+/// and the placement it starts from.
+#[salsa::tracked(returns(clone))]
+pub fn placed(db: &dyn Db, sources: Sources) -> StageResult<Placement> {
+    let t = target(db, sources)?;
+    let l = lowered(db, sources)?;
+    let s = schedules(db, sources)?;
+    let c = code_sizes(db, sources)?;
+    let p = placement(db, sources)?;
+    let key = stage_key("optimize_exchange_placement", OPTIMIZE_PLACEMENT_VERSION, &[t.digest, l.digest, s.digest, c.digest, p.digest]);
+    db.ipuq().cached("optimize_exchange_placement", OPTIMIZE_PLACEMENT_VERSION, key, || {
+        optimize_exchange_placement(&t.value, &l.value, &s.value, &c.value, &p.value)
+    })
+}
+
 #[salsa::tracked(returns(clone))]
 pub fn tables(db: &dyn Db, sources: Sources) -> StageResult<Vec<ExchangePhase>> {
     let t = target(db, sources)?;
     let l = lowered(db, sources)?;
     let s = schedules(db, sources)?;
-    let p = placement(db, sources)?;
+    let p = placed(db, sources)?;
     let key = stage_key("lower_exchanges", TABLES_VERSION, &[t.digest, l.digest, s.digest, p.digest]);
     db.ipuq().cached("lower_exchanges", TABLES_VERSION, key, || {
         let addresses = &p.value.addresses;
@@ -152,7 +171,7 @@ pub fn package(db: &dyn Db, sources: Sources) -> StageResult<Package> {
     let t = target(db, sources)?;
     let g = graph(db, sources)?;
     let l = lowered(db, sources)?;
-    let p = placement(db, sources)?;
+    let p = placed(db, sources)?;
     let x = tables(db, sources)?;
     // The package embeds the workload text (initialisers included), so its key reads it too.
     let text = Digest::of_bytes(sources.workload_text(db).as_bytes());

@@ -12,6 +12,7 @@
 //! must not panic on a bad package: every rule violation is a [`DeviceError`].
 
 mod compute;
+mod elements;
 mod exchange;
 mod host;
 mod kernels;
@@ -158,7 +159,11 @@ impl Device for Simulator {
         let checked: Vec<(u32, PhasePlan)> = package
             .exchanges
             .par_iter()
-            .map(|phase| Ok((phase.index, exchange::check_phase(target, phase, &slots, &memories, labels)?)))
+            .map(|phase| {
+                let plan = exchange::check_phase(target, phase, &slots, &memories, labels)?;
+                elements::check(target, phase)?;
+                Ok((phase.index, plan))
+            })
             .collect::<Result<_, DeviceError>>()?;
         let mut phases = BTreeMap::new();
         for (index, plan) in checked {
