@@ -16,7 +16,7 @@ use crate::ir::DType;
 
 pub const PACKAGE_MAGIC: [u8; 8] = *b"IPUQPKG\0";
 /// Bump when the layout of anything below changes.
-pub const PACKAGE_FORMAT_VERSION: u32 = 3;
+pub const PACKAGE_FORMAT_VERSION: u32 = 4;
 /// rkyv's format flags this build writes (little endian, aligned, 32-bit offsets).
 pub const RKYV_FLAGS: u32 = 0x0000_0001;
 pub const HEADER_BYTES: usize = 96;

@@ -3,7 +3,7 @@
 //!
 //! lower_mid                    plan each operation and lower to buffers, calls, transfers
 //! lower_exchanges_provisional  schedule each exchange phase (address-free, cached per pattern)
-//! size_tile_code               bytes of vertex state and exchange tables per tile
+//! size_tile_code               support memory per tile: runtime, host code, vertex state, tables
 //! place_storage                addresses for every buffer, by region, alignment and lifetime
 //! optimize_exchange_placement  move exchange buffers off memory-element conflicts, costed
 //! lower_exchanges              patch final addresses into the schedules and validate them
@@ -12,7 +12,7 @@
 use std::sync::Arc;
 
 use crate::db::{graph, stage_key, target, CompileError, Db, Sources, StageResult, Staged};
-use crate::emit::{build_package, size_tile_code};
+use crate::emit::{build_package, log_support_memory, support_memory, SupportMemory};
 use crate::exchange::{self, Destination, PhaseRequest, Schedule};
 use crate::exchange_placement::optimize_exchange_placement;
 use crate::hash::{Digest, KeyHasher};
@@ -25,11 +25,11 @@ pub const PHASES: &[&str] = &["lower_mid", "lower_exchanges_provisional", "size_
 
 const LOWER_VERSION: u32 = 7;
 const SCHEDULE_VERSION: u32 = 4;
-const CODE_VERSION: u32 = 1;
+const CODE_VERSION: u32 = 2;
 const PLACE_VERSION: u32 = 1;
 const OPTIMIZE_PLACEMENT_VERSION: u32 = 1;
 const TABLES_VERSION: u32 = 1;
-const PACKAGE_VERSION: u32 = 3;
+const PACKAGE_VERSION: u32 = 4;
 
 /// Run one phase by name (the driver's entry point); returns the digest of its output.
 pub fn run_phase(db: &dyn Db, sources: Sources, phase: &str) -> Result<Digest, CompileError> {
@@ -110,9 +110,10 @@ pub fn schedules(db: &dyn Db, sources: Sources) -> StageResult<Vec<Schedule>> {
 
 #[salsa::tracked(returns(clone))]
 pub fn code_sizes(db: &dyn Db, sources: Sources) -> StageResult<Vec<u32>> {
+    let t = target(db, sources)?;
     let l = lowered(db, sources)?;
     let s = schedules(db, sources)?;
-    let key = stage_key("size_tile_code", CODE_VERSION, &[l.digest, s.digest]);
+    let key = stage_key("size_tile_code", CODE_VERSION, &[t.digest, l.digest, s.digest]);
     db.ipuq().cached("size_tile_code", CODE_VERSION, key, || {
         let mut entries = vec![0u32; l.value.tiles as usize];
         for (phase, schedule) in l.value.phases.iter().zip(s.value.iter()) {
@@ -124,7 +125,9 @@ pub fn code_sizes(db: &dyn Db, sources: Sources) -> StageResult<Vec<u32>> {
                 }
             }
         }
-        Ok(size_tile_code(&l.value, &entries))
+        let support = support_memory(&l.value, &entries);
+        log_support_memory(&t.value, &support);
+        Ok(support.iter().map(SupportMemory::total).collect())
     })
 }
 

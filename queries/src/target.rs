@@ -137,6 +137,9 @@ impl Target {
         if !c.tiles.is_multiple_of(2) {
             return Err(format!("chip.tiles = {} must be even (tiles pair into supertiles)", c.tiles));
         }
+        if c.tiles > 2048 {
+            return Err(format!("chip.tiles = {} exceeds 2048 (exchange records hold an 11-bit source tile)", c.tiles));
+        }
         let m = &self.memory;
         let end = m.base as u64 + m.size as u64;
         if !(m.base < m.interleaved_start && (m.interleaved_start as u64) < end) {
