@@ -8,6 +8,7 @@ pub mod elements;
 pub mod emit;
 pub mod exchange_placement;
 pub mod exchange;
+pub mod fingerprint;
 pub mod hash;
 pub mod ir;
 pub mod lower;
