@@ -21,11 +21,11 @@ fn the_final_placement_has_no_memory_element_conflicts_and_costs_no_more() {
     let base = placement(&db, sources).unwrap();
     let fin = placed(&db, sources).unwrap();
     let count = |p| -> u64 {
-        let tables = placed_tables(&t, &l.value, &s.value, p, true).unwrap();
+        let tables = placed_tables(&t, &l.value, &s.value.phases, p, true).unwrap();
         tables.iter().map(|x| phase_conflicts(&t, x).tile_cycles).sum()
     };
     assert_eq!(count(&fin.value), 0, "the optimized placement leaves conflicts");
-    let cost = |p| estimate_cycles(&t, &l.value, p, &placed_tables(&t, &l.value, &s.value, p, true).unwrap()).0;
+    let cost = |p| estimate_cycles(&t, &l.value, p, &placed_tables(&t, &l.value, &s.value.phases, p, true).unwrap()).0;
     assert!(cost(&fin.value) <= cost(&base.value) || count(&base.value) > 0);
     // Code ranges are those sized by size_tile_code.
     let c = code_sizes(&db, sources).unwrap();
