@@ -7,11 +7,12 @@
 //! their search at offsets of 0, 4, …, 28 KiB into their region. Each candidate (and the
 //! baseline placement) is scored on the cached schedules with relocated addresses:
 //! score = conflicting tile-cycles × 2^20 + the exchange cycles the memory-element bound
-//! forces above the horizons. The best candidates are finalists: their relocated rows are
-//! validated (so the schedules are reused, not rebuilt) and the whole placed program is
-//! costed. A finalist is accepted when it has fewer conflicts than the baseline, or as many
+//! forces above the horizons (two offsets at a time, stopping once two distinct placements
+//! score zero). The best candidates are finalists: the whole placed program is costed, and
+//! the winner's relocated rows are validated (so the schedules are reused, not rebuilt). A finalist is accepted when it has fewer conflicts than the baseline, or as many
 //! and a lower cost; among those, the least conflicts, then the least cost, win.
 
+use rayon::prelude::*;
 use tracing::{debug, info, warn};
 
 use crate::db::CompileError;
@@ -101,21 +102,40 @@ pub fn optimize_exchange_placement(target: &Target, lowered: &Lowered, schedules
     let (base_conflicts, base_score) = score(target, &base_tables);
     log_phases(target, "baseline", &base_tables);
     info!(score = base_score, conflicts = base_conflicts, "scored baseline exchange placement");
+    // Candidates are independent: place and score them two at a time in parallel, in offset
+    // order, and stop once `FINALISTS` distinct placements score zero (no conflicts and no
+    // forced cycles: later offsets could differ only in cost, which the finalists compare).
     let mut scored: Vec<Scored> = Vec::new();
-    for k in 0..OFFSETS {
-        let offset = k * OFFSET_STEP;
-        let rules = exchange_rules(lowered, offset);
-        let placement = match place_storage_with(target, lowered, code_bytes, &rules) {
-            Ok(p) => p,
-            Err(e) => {
-                debug!(offset, error = %e, "exchange placement candidate does not fit");
-                continue;
+    for batch in (0..OFFSETS).collect::<Vec<_>>().chunks(FINALISTS) {
+        let candidates: Vec<(u32, Result<Option<(Placement, u64, u64)>, CompileError>)> = batch
+            .par_iter()
+            .map(|&k| {
+                let offset = k * OFFSET_STEP;
+                let rules = exchange_rules(lowered, offset);
+                let result = match place_storage_with(target, lowered, code_bytes, &rules) {
+                    Ok(placement) => placed_tables(target, lowered, schedules, &placement, false).map(|tables| {
+                        let (conflicts, score) = score(target, &tables);
+                        Some((placement, conflicts, score))
+                    }),
+                    Err(e) => {
+                        debug!(offset, error = %e, "exchange placement candidate does not fit");
+                        Ok(None)
+                    }
+                };
+                (offset, result)
+            })
+            .collect();
+        for (offset, result) in candidates {
+            if let Some((placement, conflicts, score)) = result? {
+                info!(offset, score, conflicts, "scored exchange placement");
+                scored.push(Scored { offset: Some(offset), placement, conflicts, score });
             }
-        };
-        let tables = placed_tables(target, lowered, schedules, &placement, false)?;
-        let (conflicts, score) = score(target, &tables);
-        info!(offset, score, conflicts, "scored exchange placement");
-        scored.push(Scored { offset: Some(offset), placement, conflicts, score });
+        }
+        let mut perfect: Vec<&Placement> = scored.iter().filter(|s| s.score == 0).map(|s| &s.placement).collect();
+        perfect.dedup();
+        if perfect.len() >= FINALISTS {
+            break;
+        }
     }
     // Identical placements need costing once: keep the first offset of each.
     scored.sort_by_key(|s| (s.score, s.offset));
@@ -128,13 +148,7 @@ pub fn optimize_exchange_placement(target: &Target, lowered: &Lowered, schedules
     let (base_cycles, base_exchange) = estimate_cycles(target, lowered, baseline, &base_tables);
     let mut best: Option<(Scored, u64, u64)> = None;
     for f in finalists {
-        let tables = match placed_tables(target, lowered, schedules, &f.placement, true) {
-            Ok(t) => t,
-            Err(e) => {
-                debug!(offset = f.offset, error = %e, "exchange placement finalist's relocated rows do not validate");
-                continue;
-            }
-        };
+        let tables = placed_tables(target, lowered, schedules, &f.placement, false)?;
         let (cycles, exchange_cycles) = estimate_cycles(target, lowered, &f.placement, &tables);
         let better_than_base = f.conflicts < base_conflicts || (f.conflicts == base_conflicts && cycles < base_cycles);
         let better_than_best = best.as_ref().is_none_or(|(b, c, _)| (f.conflicts, cycles) < (b.conflicts, *c));
@@ -152,6 +166,13 @@ pub fn optimize_exchange_placement(target: &Target, lowered: &Lowered, schedules
         );
         if accepted {
             best = Some((f, cycles, exchange_cycles));
+        }
+    }
+    // The winner's relocated rows must validate (its schedules are reused as they are).
+    if let Some((f, _, _)) = &best {
+        if let Err(e) = placed_tables(target, lowered, schedules, &f.placement, true) {
+            warn!(offset = f.offset.unwrap_or(0), error = %e, "exchange placement finalist's relocated rows do not validate: keeping the baseline");
+            best = None;
         }
     }
     let (placement, conflicts, cycles, exchange_cycles) = match best {
