@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use ipuq_cache::{Cache, CacheOptions};
+use ipuq_cache::{Cache, CacheOptions, Remote, RemoteOptions};
 use ipuq_queries::db::{graph, Database, Origin, StageStore};
 use ipuq_queries::hash::Digest;
 use ipuq_queries::package::Package;
@@ -15,16 +15,52 @@ use ipuq_queries::pipeline::{lowered, package, run_phase, PHASES};
 use ipuq_queries::target::fixtures;
 use tracing::{info, info_span};
 
-/// The disk cache behind the compiler's store trait.
-pub struct DiskStore(pub Cache);
+/// The disk cache, and the remote cache behind it, as the compiler's store trait: local, then
+/// remote (verified, copied locally), then compute; computed entries go up in the background.
+pub struct DiskStore {
+    pub cache: Cache,
+    pub remote: Option<Remote>,
+}
 
 impl StageStore for DiskStore {
     fn load(&self, stage: &str, key: &Digest, schema: u64) -> Option<rkyv::util::AlignedVec<16>> {
-        self.0.get(stage, &key.0, schema)
+        self.cache.get(stage, &key.0, schema).or_else(|| self.remote.as_ref()?.fetch(&self.cache, stage, &key.0, schema))
     }
     fn store(&self, stage: &str, key: &Digest, schema: u64, bytes: &[u8]) {
-        let _ = self.0.put_or_warn(stage, &key.0, schema, bytes);
+        let _ = self.cache.put_or_warn(stage, &key.0, schema, bytes);
+        if let Some(remote) = &self.remote {
+            remote.upload(stage, &key.0, schema, bytes);
+        }
     }
+}
+
+impl DiskStore {
+    fn remote_hits(&self) -> u64 {
+        self.remote.as_ref().map_or(0, |r| r.counters().hits)
+    }
+}
+
+impl Drop for DiskStore {
+    /// Bounded wait for queued uploads, then the remote counters join the cache's totals.
+    fn drop(&mut self) {
+        if let Some(remote) = &mut self.remote {
+            remote.finish(Some(&self.cache));
+        }
+    }
+}
+
+/// Opens the local cache (and the remote one, if asked) when the build is incremental.
+pub fn open_store(options: &BuildOptions) -> Option<Arc<DiskStore>> {
+    if !options.incremental && options.remote.is_none() {
+        return None;
+    }
+    let dir = options.cache_dir.clone().unwrap_or_else(default_cache_dir);
+    let cache = Cache::open_or_warn(&dir, CacheOptions { read_only: options.cache_read_only, max_bytes: None })?;
+    let remote = options.remote.as_ref().and_then(Remote::open_or_warn);
+    if let Some(remote) = &remote {
+        info!(remote = remote.shown_url(), "using a remote cache");
+    }
+    Some(Arc::new(DiskStore { cache, remote }))
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -55,6 +91,8 @@ pub struct BuildOptions {
     pub cache_dir: Option<PathBuf>,
     /// Use the cache's entries but write none (shared CI caches).
     pub cache_read_only: bool,
+    /// A shared cache server behind the local cache (implies `incremental`).
+    pub remote: Option<RemoteOptions>,
 }
 
 /// One stage's time and how its value was obtained.
@@ -62,7 +100,10 @@ pub struct PhaseTiming {
     pub phase: &'static str,
     pub elapsed_ms: u128,
     pub computed: usize,
+    /// Stages read from the local cache.
     pub disk_hits: usize,
+    /// Stages read from the remote cache (and copied into the local one).
+    pub remote_hits: usize,
 }
 
 pub struct Built {
@@ -86,14 +127,14 @@ pub fn default_cache_dir() -> PathBuf {
 
 /// Build `workload` into `out_dir/model.ipuexe`.
 pub fn build(workload: &Path, options: &BuildOptions) -> Result<Built, BuildError> {
+    build_with_store(workload, options, open_store(options))
+}
+
+/// [`build`] with a store the caller opened (and can inspect afterwards).
+pub fn build_with_store(workload: &Path, options: &BuildOptions, disk: Option<Arc<DiskStore>>) -> Result<Built, BuildError> {
     let text = std::fs::read_to_string(workload).map_err(|e| BuildError::Io { path: workload.display().to_string(), message: format!("cannot read workload: {e}") })?;
     let (target_text, target_origin) = load_target(options.target.as_deref())?;
-    let store: Option<Arc<dyn StageStore>> = if options.incremental {
-        let dir = options.cache_dir.clone().unwrap_or_else(default_cache_dir);
-        Cache::open_or_warn(&dir, CacheOptions { read_only: options.cache_read_only, max_bytes: None }).map(|c| Arc::new(DiskStore(c)) as Arc<dyn StageStore>)
-    } else {
-        None
-    };
+    let store = disk.clone().map(|d| d as Arc<dyn StageStore>);
     let verify = std::env::var_os("IPUQ_VERIFY_CACHE").is_some_and(|v| v == "1");
     let db = Database::new(store).verifying_hits(verify);
     let sources = ipuq_queries::db::sources(&db, text, workload.display().to_string(), target_text, target_origin);
@@ -106,16 +147,18 @@ pub fn build(workload: &Path, options: &BuildOptions) -> Result<Built, BuildErro
         let phase_span = info_span!("ipuq.package.phase", phase);
         let _p = phase_span.enter();
         let start = Instant::now();
+        let remote_before = disk.as_ref().map_or(0, |d| d.remote_hits());
         let result = run_phase(&db, sources, phase);
+        let remote_hits = (disk.as_ref().map_or(0, |d| d.remote_hits()) - remote_before) as usize;
         let elapsed_ms = start.elapsed().as_millis();
         info!(phase, elapsed_ms = elapsed_ms as u64, success = result.is_ok(), "package build phase finished");
         let runs = db.take_runs();
         let computed = runs.iter().filter(|r| r.1 == Origin::Computed).count();
-        let disk_hits = runs.iter().filter(|r| r.1 == Origin::DiskHit).count();
-        if computed == 0 && disk_hits > 0 {
-            info!(phase, stages = disk_hits, "reused cached stage outputs");
+        let disk_hits = runs.iter().filter(|r| r.1 == Origin::DiskHit).count().saturating_sub(remote_hits);
+        if computed == 0 && disk_hits + remote_hits > 0 {
+            info!(phase, stages = disk_hits + remote_hits, remote_hits, "reused cached stage outputs");
         }
-        timings.push(PhaseTiming { phase, elapsed_ms, computed, disk_hits });
+        timings.push(PhaseTiming { phase, elapsed_ms, computed, disk_hits, remote_hits });
         result.map_err(|e| BuildError::Compile(e.to_string()))?;
         if phase == "lower_mid" {
             let l = lowered(&db, sources).map_err(|e| BuildError::Compile(e.to_string()))?;
@@ -154,10 +197,10 @@ pub fn read_package(path: &Path) -> Result<Package, BuildError> {
 }
 
 pub fn print_timings(timings: &[PhaseTiming]) {
-    eprintln!("{:<30} {:>10} {:>9} {:>9}", "phase", "ms", "computed", "disk hits");
+    eprintln!("{:<30} {:>10} {:>9} {:>9} {:>11}", "phase", "ms", "computed", "disk hits", "remote hits");
     for t in timings {
-        eprintln!("{:<30} {:>10} {:>9} {:>9}", t.phase, t.elapsed_ms, t.computed, t.disk_hits);
+        eprintln!("{:<30} {:>10} {:>9} {:>9} {:>11}", t.phase, t.elapsed_ms, t.computed, t.disk_hits, t.remote_hits);
     }
     let sum = |f: fn(&PhaseTiming) -> u128| timings.iter().map(f).sum::<u128>();
-    eprintln!("{:<30} {:>10} {:>9} {:>9}", "total", sum(|t| t.elapsed_ms), sum(|t| t.computed as u128), sum(|t| t.disk_hits as u128));
+    eprintln!("{:<30} {:>10} {:>9} {:>9} {:>11}", "total", sum(|t| t.elapsed_ms), sum(|t| t.computed as u128), sum(|t| t.disk_hits as u128), sum(|t| t.remote_hits as u128));
 }

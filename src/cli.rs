@@ -39,6 +39,8 @@ pub struct CompileArgs {
     /// Print a per-phase table of times, computed stages and disk-cache hits.
     #[arg(long)]
     timings: bool,
+    #[command(flatten)]
+    remote: crate::remote_args::RemoteArgs,
 }
 
 #[derive(Subcommand)]
@@ -142,6 +144,17 @@ enum CacheAction {
         max_bytes: u64,
     },
     Clear,
+    /// Write cache entries into one file: those the workloads need (building them), or all.
+    Export {
+        file: PathBuf,
+        #[arg(long = "workload")]
+        workloads: Vec<PathBuf>,
+        /// Target the workloads are built for (default ipu21).
+        #[arg(long)]
+        target: Option<String>,
+    },
+    /// Verify every entry of an exported file and add it to the cache.
+    Import { file: PathBuf },
 }
 
 pub fn main() -> ExitCode {
@@ -172,7 +185,8 @@ fn workload_name(path: &Path) -> Result<String, String> {
 
 fn compile(workload: &Path, args: &CompileArgs) -> Result<crate::build::Built, String> {
     let name = workload_name(workload)?;
-    let options = BuildOptions { target: args.target.clone(), out_dir: out_dir(args, &name), incremental: args.incremental, cache_dir: args.cache_dir.clone(), cache_read_only: args.cache_read_only };
+    let remote = args.remote.options()?;
+    let options = BuildOptions { target: args.target.clone(), out_dir: out_dir(args, &name), incremental: args.incremental || remote.is_some(), cache_dir: args.cache_dir.clone(), cache_read_only: args.cache_read_only, remote };
     let built = build(workload, &options).map_err(|e| e.to_string())?;
     if args.timings {
         print_timings(&built.timings);
@@ -235,7 +249,18 @@ fn run(cli: Cli) -> Result<Outcome, String> {
             let dir = cache_dir.unwrap_or_else(default_cache_dir);
             let cache = ipuq_cache::Cache::open(&dir, ipuq_cache::CacheOptions::default()).map_err(|e| e.to_string())?;
             match action {
-                CacheAction::Stats => println!("{}", cache.stats().map_err(|e| e.to_string())?),
+                CacheAction::Stats => {
+                    println!("{}", cache.stats().map_err(|e| e.to_string())?);
+                    println!("remote (all builds with this cache folder): {}", cache.remote_totals());
+                }
+                CacheAction::Export { file, workloads, target } => println!("{}", crate::remote_args::export(&dir, &file, &workloads, target.as_deref())?),
+                CacheAction::Import { file } => {
+                    let report = cache.import(&file).map_err(|e| e.to_string())?;
+                    println!("{report}");
+                    if !report.rejected.is_empty() {
+                        return Ok(Outcome::NumericalFailure);
+                    }
+                }
                 CacheAction::Verify => {
                     let report = cache.verify().map_err(|e| e.to_string())?;
                     println!("{report}");
