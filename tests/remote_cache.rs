@@ -9,7 +9,7 @@ mod fake_server;
 mod servers;
 
 use std::path::Path;
-use std::process::Command;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{fixture, ipuq, Output};
@@ -119,18 +119,23 @@ fn concurrent_builds_share_one_remote() {
     let server = FakeServer::start(Mode::Store);
     let url = server.url("shared");
     let workload = fixture(MLP);
+    // All three start before any is waited for: they race on the same remote names.
     let children: Vec<_> = (0..3)
         .map(|i| {
             Command::new(env!("CARGO_BIN_EXE_ipuq"))
                 .args(["build", &workload, "--target", "small16", "-o", &format!("p{i}"), "--cache-dir", &format!("c{i}"), "--remote-cache", &url])
                 .current_dir(dir.path())
                 .env("IPUQ_LOG", "warn")
-                .output()
-                .expect("ipuq runs")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("ipuq starts")
         })
-        .collect::<Vec<_>>();
-    for child in &children {
-        assert!(child.status.success(), "{}", String::from_utf8_lossy(&child.stderr));
+        .collect();
+    for child in children {
+        let out = child.wait_with_output().expect("ipuq runs");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(!String::from_utf8_lossy(&out.stderr).contains("remote cache failed"), "{}", String::from_utf8_lossy(&out.stderr));
     }
     let last = build(dir.path(), &workload, "last", &["--cache-dir", "c-last", "--remote-cache", &url]);
     assert_eq!(totals(&last).0, 0, "{}", last.stderr);
