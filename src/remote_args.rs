@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use ipuq_cache::{Cache, CacheOptions, RemoteOptions};
 
-use crate::build::{build_with_store, open_store, BuildOptions};
+use crate::build::{BuildOptions, Session};
 
 #[derive(clap::Args, Clone, Debug, Default)]
 pub struct RemoteArgs {
@@ -69,13 +69,22 @@ pub fn export(dir: &Path, file: &Path, workloads: &[PathBuf], target: Option<&st
         return cache.export(file, None).map(|r| r.to_string()).map_err(|e| e.to_string());
     }
     let scratch = std::env::temp_dir().join(format!("ipuq-export-{}", std::process::id()));
-    let options = BuildOptions { target: target.map(str::to_owned), out_dir: scratch.clone(), incremental: true, cache_dir: Some(dir.to_path_buf()), cache_read_only: false, remote: None };
-    let store = open_store(&options).ok_or_else(|| format!("cannot open the cache at {}", dir.display()))?;
+    let options = BuildOptions {
+        target: target.map(str::to_owned),
+        out_dir: scratch.clone(),
+        incremental: true,
+        cache_dir: Some(dir.to_path_buf()),
+        cache_read_only: false,
+        cache_max_bytes: None,
+        remote: None,
+    };
+    let mut session = Session::new(&options).map_err(|e| e.to_string())?;
     for workload in workloads {
-        let built = build_with_store(workload, &options, Some(store.clone()));
+        let built = session.build(workload, &options);
         let _ = std::fs::remove_dir_all(&scratch);
         built.map_err(|e| e.to_string())?;
     }
+    let store = session.store().ok_or_else(|| format!("cannot open the cache at {}", dir.display()))?;
     let keys = store.cache.touched_keys();
     store.cache.export(file, Some(&keys)).map(|r| r.to_string()).map_err(|e| e.to_string())
 }

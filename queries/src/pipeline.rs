@@ -7,14 +7,23 @@
 //! place_storage                addresses for every buffer, by region, alignment and lifetime
 //! lower_exchanges              patch final addresses into the schedules and validate them
 //! build_tile_images            tile images, programs and host tables: the package
+//!
+//! What each stage reads of the target (its key holds that view's digest, and the stage gets
+//! only that view): lower_mid the lowering view (all but host), the schedules and
+//! lower_exchanges the exchange view (grid, delays, pairing, port widths), place_storage the
+//! memory view, build_tile_images the whole target (it embeds it). Every key also holds the
+//! compiler fingerprint (`Database::key`).
 
 use std::sync::Arc;
 
-use crate::db::{graph, stage_key, target, CompileError, Db, Sources, StageResult, Staged};
+use rayon::prelude::*;
+
+use crate::db::{exchange_target, graph, lowering_target, memory_target, target, CompileError, Database, Db, Sources, StageResult, Staged};
 use crate::emit::{build_package, size_tile_code};
 use crate::exchange::{self, Destination, PhaseRequest, Schedule};
 use crate::hash::{Digest, KeyHasher};
 use crate::lower::{lower, Lowered};
+use crate::phases::{combined, per_phase};
 use crate::package::{ExchangePhase, Package};
 use crate::storage::{place_storage, Placement};
 
@@ -25,7 +34,7 @@ const LOWER_VERSION: u32 = 7;
 const SCHEDULE_VERSION: u32 = 4;
 const CODE_VERSION: u32 = 1;
 const PLACE_VERSION: u32 = 1;
-const TABLES_VERSION: u32 = 1;
+const TABLES_VERSION: u32 = 2;
 const PACKAGE_VERSION: u32 = 3;
 
 /// Run one phase by name (the driver's entry point); returns the digest of its output.
@@ -43,9 +52,9 @@ pub fn run_phase(db: &dyn Db, sources: Sources, phase: &str) -> Result<Digest, C
 
 #[salsa::tracked(returns(clone))]
 pub fn lowered(db: &dyn Db, sources: Sources) -> StageResult<Lowered> {
-    let t = target(db, sources)?;
+    let t = lowering_target(db, sources)?;
     let g = graph(db, sources)?;
-    let key = stage_key("lower_mid", LOWER_VERSION, &[t.digest, g.digest]);
+    let key = db.ipuq().key("lower_mid", LOWER_VERSION, &[t.digest, g.digest]);
     db.ipuq().cached("lower_mid", LOWER_VERSION, key, || lower(&g.value, &t.value).map_err(CompileError::from))
 }
 
@@ -84,34 +93,54 @@ pub fn provisional_bases(lowered: &Lowered) -> Vec<u32> {
         .collect()
 }
 
+/// Every phase's schedule, with each schedule's digest (the key of its tables).
+#[derive(Clone, Debug)]
+pub struct Schedules {
+    pub phases: Vec<Schedule>,
+    pub digests: Vec<Digest>,
+}
+
+/// Schedule every phase, one entry per distinct pattern (`phases.rs`): identical patterns in
+/// one build are scheduled once, in parallel, with or without a disk cache.
 #[salsa::tracked(returns(clone))]
-pub fn schedules(db: &dyn Db, sources: Sources) -> StageResult<Vec<Schedule>> {
-    let t = target(db, sources)?;
+pub fn schedules(db: &dyn Db, sources: Sources) -> StageResult<Schedules> {
+    let t = exchange_target(db, sources)?;
     let l = lowered(db, sources)?;
     // Provisional addresses: every buffer gets its own 16-byte aligned range in a per-tile
     // address space, so rows of different buffers never alias and alignment classes match
     // the final placement (which also aligns every buffer to at least 8 bytes).
     let provisional = provisional_bases(&l.value);
     let requests = requests(&l.value, |buffer, offset| provisional[buffer as usize] + offset);
-    let mut out = Vec::with_capacity(requests.len());
-    let mut h = KeyHasher::new("ipuq schedules v1");
-    for request in &requests {
-        let key = stage_key("exchange_schedule", SCHEDULE_VERSION, &[t.digest, exchange::pattern_digest(request)]);
-        let s = db.ipuq().cached("exchange_schedule", SCHEDULE_VERSION, key, || exchange::schedule_phase(&t.value, request).map_err(CompileError::from))?;
-        h.add(&s.digest);
-        out.push((*s.value).clone());
+    let db = db.ipuq();
+    let patterns: Vec<Digest> = requests.par_iter().map(exchange::pattern_digest).collect();
+    let keys: Vec<Digest> = patterns.iter().map(|p| db.key("exchange_schedule", SCHEDULE_VERSION, &[t.digest, *p])).collect();
+    let target = &t.value;
+    let entries = per_phase(db, "exchange_schedule", SCHEDULE_VERSION, &keys, &db.schedule_memo, |i| exchange::schedule_phase(target, &requests[i]).map_err(CompileError::from))?;
+    let value = Schedules { phases: entries.iter().map(|e| (*e.value).clone()).collect(), digests: entries.iter().map(|e| e.digest).collect() };
+    Ok(Staged { digest: combined("ipuq schedules v2", &entries), value: Arc::new(value) })
+}
+
+/// Digest of a phase request with its addresses (what lower_exchanges reads of it).
+fn request_digest(request: &PhaseRequest) -> Digest {
+    let mut h = KeyHasher::new("ipuq exchange request v1");
+    h.add(&request.index).add(&request.transfers.len());
+    for t in &request.transfers {
+        h.add(&t.source).add(&t.source_address).add(&t.words).add(&t.destinations.len());
+        for d in &t.destinations {
+            h.add(&d.tile).add(&d.address);
+        }
     }
-    Ok(Staged { digest: h.finish(), value: Arc::new(out) })
+    h.finish()
 }
 
 #[salsa::tracked(returns(clone))]
 pub fn code_sizes(db: &dyn Db, sources: Sources) -> StageResult<Vec<u32>> {
     let l = lowered(db, sources)?;
     let s = schedules(db, sources)?;
-    let key = stage_key("size_tile_code", CODE_VERSION, &[l.digest, s.digest]);
+    let key = db.ipuq().key("size_tile_code", CODE_VERSION, &[l.digest, s.digest]);
     db.ipuq().cached("size_tile_code", CODE_VERSION, key, || {
         let mut entries = vec![0u32; l.value.tiles as usize];
-        for (phase, schedule) in l.value.phases.iter().zip(s.value.iter()) {
+        for (phase, schedule) in l.value.phases.iter().zip(s.value.phases.iter()) {
             for piece in &schedule.pieces {
                 let t = &phase[piece.transfer as usize];
                 entries[l.value.buffers[t.source.0 as usize].tile as usize] += 1;
@@ -126,25 +155,30 @@ pub fn code_sizes(db: &dyn Db, sources: Sources) -> StageResult<Vec<u32>> {
 
 #[salsa::tracked(returns(clone))]
 pub fn placement(db: &dyn Db, sources: Sources) -> StageResult<Placement> {
-    let t = target(db, sources)?;
+    let t = memory_target(db, sources)?;
     let l = lowered(db, sources)?;
     let c = code_sizes(db, sources)?;
-    let key = stage_key("place_storage", PLACE_VERSION, &[t.digest, l.digest, c.digest]);
+    let key = db.ipuq().key("place_storage", PLACE_VERSION, &[t.digest, l.digest, c.digest]);
     db.ipuq().cached("place_storage", PLACE_VERSION, key, || place_storage(&t.value, &l.value, &c.value).map_err(CompileError::from))
 }
 
+/// Patch final addresses into every phase's schedule and validate the tables, per phase: a
+/// phase's key holds its schedule's digest and its request with addresses, so only phases
+/// whose addresses (or schedule) moved are re-validated.
 #[salsa::tracked(returns(clone))]
 pub fn tables(db: &dyn Db, sources: Sources) -> StageResult<Vec<ExchangePhase>> {
-    let t = target(db, sources)?;
+    let t = exchange_target(db, sources)?;
     let l = lowered(db, sources)?;
     let s = schedules(db, sources)?;
     let p = placement(db, sources)?;
-    let key = stage_key("lower_exchanges", TABLES_VERSION, &[t.digest, l.digest, s.digest, p.digest]);
-    db.ipuq().cached("lower_exchanges", TABLES_VERSION, key, || {
-        let addresses = &p.value.addresses;
-        let requests = requests(&l.value, |buffer, offset| addresses[buffer as usize] + offset);
-        requests.iter().zip(s.value.iter()).map(|(r, sched)| exchange::reuse(&t.value, r, sched).map_err(CompileError::from)).collect()
-    })
+    let addresses = &p.value.addresses;
+    let requests = requests(&l.value, |buffer, offset| addresses[buffer as usize] + offset);
+    let db = db.ipuq();
+    let digests: Vec<Digest> = requests.par_iter().map(request_digest).collect();
+    let keys: Vec<Digest> = digests.iter().zip(&s.value.digests).map(|(r, sd)| db.key("lower_exchanges", TABLES_VERSION, &[t.digest, *sd, *r])).collect();
+    let (target, schedules) = (&t.value, &s.value.phases);
+    let entries = per_phase(db, "lower_exchanges", TABLES_VERSION, &keys, &db.tables_memo, |i| exchange::reuse(target, &requests[i], &schedules[i]).map_err(CompileError::from))?;
+    Ok(Staged { digest: combined("ipuq exchange tables v2", &entries), value: Arc::new(entries.iter().map(|e| (*e.value).clone()).collect()) })
 }
 
 #[salsa::tracked(returns(clone))]
@@ -154,8 +188,59 @@ pub fn package(db: &dyn Db, sources: Sources) -> StageResult<Package> {
     let l = lowered(db, sources)?;
     let p = placement(db, sources)?;
     let x = tables(db, sources)?;
-    // The package embeds the workload text (initialisers included), so its key reads it too.
-    let text = Digest::of_bytes(sources.workload_text(db).as_bytes());
-    let key = stage_key("build_tile_images", PACKAGE_VERSION, &[t.digest, g.digest, text, l.digest, p.digest, x.digest]);
-    db.ipuq().cached("build_tile_images", PACKAGE_VERSION, key, || Ok(build_package(&t.value, &g.value, &l.value, &p.value, (*x.value).clone())))
+    // The package embeds the workload text (initialisers included): reading the input makes
+    // an initialiser edit re-run this stage although the graph's structure digest backdates.
+    let _ = sources.workload_text(db);
+    // Not stored in the disk cache: its one copy on disk is the output file, which the
+    // driver's build record (below) finds unchanged without running any stage.
+    db.ipuq().unstored("build_tile_images", build_package(&t.value, &g.value, &l.value, &p.value, (*x.value).clone()))
+}
+
+/// Each phase's version constant, in phase order (the golden test records them).
+pub const VERSIONS: &[(&str, u32)] = &[
+    ("lower_mid", LOWER_VERSION),
+    ("lower_exchanges_provisional", SCHEDULE_VERSION),
+    ("size_tile_code", CODE_VERSION),
+    ("place_storage", PLACE_VERSION),
+    ("lower_exchanges", TABLES_VERSION),
+    ("build_tile_images", PACKAGE_VERSION),
+];
+
+/// What the driver remembers of a whole build, keyed by the compiler fingerprint and the
+/// exact input texts: the package file's leading bytes (its header holds the payload's blake3
+/// and length) and size, and the figures the command line prints. A no-op rebuild whose output
+/// file still starts with these bytes and has this size runs no stage and writes nothing.
+#[derive(Clone, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct BuildRecord {
+    pub file_head: Vec<u8>,
+    pub file_len: u64,
+    pub tiles: u32,
+    pub estimated_cycles: u64,
+}
+
+const BUILD_RECORD: &str = "build_record";
+const BUILD_RECORD_VERSION: u32 = 1;
+
+fn build_record_key(db: &Database, workload_text: &str, target_text: &str) -> Digest {
+    let inputs = [Digest::of_bytes(workload_text.as_bytes()), Digest::of_bytes(target_text.as_bytes())];
+    db.key(BUILD_RECORD, BUILD_RECORD_VERSION ^ PACKAGE_VERSION << 8, &inputs)
+}
+
+/// The record of an earlier build of exactly these inputs by this compiler, if stored.
+pub fn load_build_record(db: &Database, workload_text: &str, target_text: &str) -> Option<BuildRecord> {
+    if db.verifying() {
+        return None;
+    }
+    let key = build_record_key(db, workload_text, target_text);
+    let bytes = db.store()?.load(BUILD_RECORD, &key, crate::db::schema(BUILD_RECORD, BUILD_RECORD_VERSION))?;
+    rkyv::from_bytes::<BuildRecord, rkyv::rancor::Error>(&bytes).ok()
+}
+
+/// Remember a build of these inputs (nothing without a disk store).
+pub fn store_build_record(db: &Database, workload_text: &str, target_text: &str, record: &BuildRecord) {
+    let Some(store) = db.store() else { return };
+    let key = build_record_key(db, workload_text, target_text);
+    if let Ok(bytes) = rkyv::to_bytes::<rkyv::rancor::Error>(record) {
+        store.store(BUILD_RECORD, &key, crate::db::schema(BUILD_RECORD, BUILD_RECORD_VERSION), &bytes);
+    }
 }

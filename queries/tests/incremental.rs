@@ -6,7 +6,8 @@ use std::sync::{Arc, Mutex};
 
 use ipuq_queries::db::{Database, Origin, Sources, StageStore};
 use ipuq_queries::hash::Digest;
-use ipuq_queries::pipeline::{package, run_phase, PHASES};
+use ipuq_queries::exchange::pattern_digest;
+use ipuq_queries::pipeline::{lowered, package, provisional_bases, requests, run_phase, PHASES};
 use ipuq_queries::target::fixtures;
 use salsa::Setter;
 
@@ -63,16 +64,73 @@ fn an_initialiser_change_re_plans_nothing() {
     assert_eq!(before.value.tiles, after.value.tiles);
 }
 
-#[test]
-fn a_target_change_recomputes_the_stages_that_read_it() {
+fn computed_after_target_edit(from: &str, to: &str) -> Vec<&'static str> {
+    assert!(fixtures::SMALL16.contains(from), "{from}");
     let mut db = Database::default();
     let sources = Sources::new(&db, WORKLOAD.to_string(), "mlp.toml".into(), fixtures::SMALL16.to_string(), "small16".into());
     build_all(&db, sources);
-    sources.set_target_text(&mut db).to(fixtures::SMALL16.replace("delay_base = 12", "delay_base = 30"));
-    let runs = build_all(&db, sources);
-    for stage in ["lower_mid", "exchange_schedule", "place_storage", "lower_exchanges", "build_tile_images"] {
-        assert!(stages(&runs, Origin::Computed).contains(&stage), "{stage} did not re-run: {runs:?}");
+    sources.set_target_text(&mut db).to(fixtures::SMALL16.replacen(from, to, 1));
+    stages(&build_all(&db, sources), Origin::Computed)
+}
+
+#[test]
+fn a_target_change_recomputes_only_the_stages_that_read_it() {
+    // A route delay: the planner's exchange estimate and the schedules read it.
+    let runs = computed_after_target_edit("delay_base = 12", "delay_base = 30");
+    for stage in ["lower_mid", "exchange_schedule", "lower_exchanges", "build_tile_images"] {
+        assert!(runs.contains(&stage), "{stage} did not re-run: {runs:?}");
     }
+    // A runtime-only constant reaches only the package.
+    assert_eq!(computed_after_target_edit("link_bytes_per_second = ", "link_bytes_per_second = 1"), vec!["build_tile_images"]);
+    // A cost constant re-plans but reschedules no exchange pattern.
+    let runs = computed_after_target_edit("gelu_base = ", "gelu_base = 1");
+    assert!(runs.contains(&"lower_mid"), "{runs:?}");
+    assert!(!runs.contains(&"exchange_schedule"), "a cost edit rescheduled exchanges: {runs:?}");
+}
+
+#[test]
+fn each_stage_reads_only_its_target_view() {
+    // Stages get views of the target; handing them the whole target must change nothing, so a
+    // key over the view's digest holds everything the stage reads.
+    let digests = |db: Database| {
+        let sources = Sources::new(&db, WORKLOAD.to_string(), "mlp.toml".into(), fixtures::SMALL16.to_string(), "small16".into());
+        PHASES.iter().map(|phase| run_phase(&db, sources, phase).unwrap()).collect::<Vec<_>>()
+    };
+    assert_eq!(digests(Database::default()), digests(Database::default().with_full_target_views()));
+}
+
+#[test]
+fn entries_of_another_compiler_build_are_misses() {
+    let store = Arc::new(MemoryStore::default());
+    let old = Digest::of_bytes(b"an older compiler build");
+    let first = Database::new(Some(store.clone())).with_fingerprint(old);
+    let sources = Sources::new(&first, WORKLOAD.to_string(), "mlp.toml".into(), fixtures::SMALL16.to_string(), "small16".into());
+    build_all(&first, sources);
+    let written = store.0.lock().unwrap().len();
+
+    // The real compiler build reads nothing the older one wrote.
+    let second = Database::new(Some(store.clone()));
+    let sources = Sources::new(&second, WORKLOAD.to_string(), "mlp.toml".into(), fixtures::SMALL16.to_string(), "small16".into());
+    let runs = build_all(&second, sources);
+    assert!(stages(&runs, Origin::DiskHit).is_empty(), "stale hits across compiler builds: {runs:?}");
+    assert_eq!(store.0.lock().unwrap().len(), 2 * written);
+
+    // The same build again hits everything.
+    let third = Database::new(Some(store.clone())).with_fingerprint(old);
+    let sources = Sources::new(&third, WORKLOAD.to_string(), "mlp.toml".into(), fixtures::SMALL16.to_string(), "small16".into());
+    assert_eq!(stages(&build_all(&third, sources), Origin::Computed), vec!["build_tile_images"]);
+}
+
+#[test]
+fn a_runtime_constant_edit_hits_every_compile_stage_on_disk() {
+    let store = Arc::new(MemoryStore::default());
+    let cold = Database::new(Some(store.clone()));
+    let sources = Sources::new(&cold, WORKLOAD.to_string(), "mlp.toml".into(), fixtures::SMALL16.to_string(), "small16".into());
+    build_all(&cold, sources);
+    let edited = fixtures::SMALL16.replacen("link_bytes_per_second = ", "link_bytes_per_second = 1", 1);
+    let warm = Database::new(Some(store.clone()));
+    let sources = Sources::new(&warm, WORKLOAD.to_string(), "mlp.toml".into(), edited, "small16".into());
+    assert_eq!(stages(&build_all(&warm, sources), Origin::Computed), vec!["build_tile_images"]);
 }
 
 #[test]
@@ -87,7 +145,8 @@ fn the_disk_store_serves_a_second_process_and_gives_identical_bytes() {
     let warm = Database::new(Some(store.clone()));
     let sources = Sources::new(&warm, WORKLOAD.to_string(), "mlp.toml".into(), fixtures::SMALL16.to_string(), "small16".into());
     let runs = build_all(&warm, sources);
-    assert!(stages(&runs, Origin::Computed).is_empty(), "a warm build recomputed: {runs:?}");
+    // The package is not stored (its copy on disk is the output file): only it is rebuilt.
+    assert_eq!(stages(&runs, Origin::Computed), vec!["build_tile_images"], "a warm build recomputed: {runs:?}");
     assert_eq!(package(&warm, sources).unwrap().value.to_bytes(), cold_bytes);
 
     // A damaged entry is a miss: recomputed, and the bytes are the same.
@@ -99,4 +158,22 @@ fn the_disk_store_serves_a_second_process_and_gives_identical_bytes() {
     let runs = build_all(&repaired, sources);
     assert!(stages(&runs, Origin::Computed).contains(&"lower_mid"), "{runs:?}");
     assert_eq!(package(&repaired, sources).unwrap().value.to_bytes(), cold_bytes);
+}
+
+#[test]
+fn identical_patterns_are_scheduled_once_and_threads_change_no_byte() {
+    let build = |threads: usize| {
+        rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap().install(|| {
+            let db = Database::default();
+            let sources = Sources::new(&db, WORKLOAD.to_string(), "mlp.toml".into(), fixtures::SMALL16.to_string(), "small16".into());
+            let runs = build_all(&db, sources);
+            let l = lowered(&db, sources).unwrap();
+            let bases = provisional_bases(&l.value);
+            let patterns: std::collections::BTreeSet<Digest> = requests(&l.value, |b, o| bases[b as usize] + o).iter().map(pattern_digest).collect();
+            let scheduled = runs.iter().filter(|r| r.0 == "exchange_schedule" && r.1 == Origin::Computed).count();
+            assert_eq!(scheduled, patterns.len(), "{} phases", l.value.phases.len());
+            package(&db, sources).unwrap().value.to_bytes()
+        })
+    };
+    assert!(build(1) == build(3), "the package depends on the thread count");
 }
