@@ -71,12 +71,13 @@ pub fn nginx() -> Option<Server> {
         let config = include_str!("../../.ci/nginx-cache.conf").replace("@DIR@", &dir.path().display().to_string()).replace("@PORT@", &port.to_string());
         let config_path = dir.path().join("nginx.conf");
         std::fs::write(&config_path, config).expect("nginx.conf");
+        // One process (no master and workers), so killing the child stops the whole server.
         let child = Command::new(binary)
             .arg("-e")
             .arg(dir.path().join("error.log"))
             .arg("-c")
             .arg(&config_path)
-            .args(["-g", "daemon off;"])
+            .args(["-g", "daemon off; master_process off;"])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
