@@ -10,6 +10,7 @@ pub mod inspect;
 pub mod logging;
 pub mod profile;
 pub mod reference;
+pub mod reference_cache;
 pub mod report;
 pub mod runtime;
 pub mod verify;

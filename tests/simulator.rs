@@ -52,7 +52,7 @@ impl Build {
     fn alloc(&mut self, tile: u32, name: &str, start: u32, bytes: u32, kind: AllocationKind) {
         self.labels.push(name.to_string());
         let label = self.labels.len() as u32 - 1;
-        self.tile(tile).allocations.push(Allocation { start, end: start + bytes, kind, label });
+        self.tile(tile).allocations.push(Allocation { start, end: start + bytes, kind, label, first_step: 0, last_step: u32::MAX });
     }
     fn call(&mut self, tile: u32, set: u32, call: VertexCall) {
         let image = self.tile(tile);

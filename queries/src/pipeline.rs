@@ -26,7 +26,7 @@ const SCHEDULE_VERSION: u32 = 4;
 const CODE_VERSION: u32 = 1;
 const PLACE_VERSION: u32 = 1;
 const TABLES_VERSION: u32 = 1;
-const PACKAGE_VERSION: u32 = 3;
+const PACKAGE_VERSION: u32 = 4;
 
 /// Run one phase by name (the driver's entry point); returns the digest of its output.
 pub fn run_phase(db: &dyn Db, sources: Sources, phase: &str) -> Result<Digest, CompileError> {

@@ -24,12 +24,15 @@ fn host_error(tensor: &HostTensor, message: String) -> DeviceError {
     DeviceError::Host { tensor: tensor.name.clone(), message }
 }
 
-/// Check every segment of a tensor; returns the memory slot of each.
+/// Check every segment of a tensor, moved by the host at program step `step` (0 before the
+/// run, the step count after it), where its storage must be live; returns the memory slot of
+/// each.
 pub fn check_segments(
     tensor: &HostTensor,
     slots: &[Option<usize>],
     memories: &[TileMemory],
     labels: &[String],
+    step: u32,
 ) -> Result<Vec<usize>, DeviceError> {
     let (elements, _) = tensor_size(tensor)?;
     let element_bytes = tensor.dtype.bytes() as u64;
@@ -48,7 +51,7 @@ pub fn check_segments(
         let start = s.address as u64;
         let end = start + s.count as u64 * element_bytes;
         memories[slot]
-            .check(start, end, Need::Tensor, labels)
+            .check(start, end, Need::Tensor, &[step], labels)
             .map_err(|problem| host_error(tensor, format!("{what}: range [{start:#x}, {end:#x}) {problem}")))?;
         found.push(slot);
     }
