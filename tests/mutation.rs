@@ -82,9 +82,12 @@ fn step_of_phase(p: &Package, phase: u32) -> u32 {
     p.steps.iter().position(|s| *s == Step::Exchange { phase }).expect("phase is run") as u32
 }
 
-fn allocation_at<'a>(p: &'a mut Package, tile: u32, address: u32) -> &'a mut Allocation {
+/// The allocation that owns `address` on `tile` at program step `step` (storage is shared
+/// only by allocations whose lifetimes do not overlap).
+fn allocation_at(p: &mut Package, tile: u32, address: u32, step: u32) -> &mut Allocation {
     let image = p.tiles.iter_mut().find(|i| i.tile == tile).unwrap();
-    image.allocations.iter_mut().filter(|a| a.kind != AllocationKind::Code).find(|a| a.start <= address && address < a.end).unwrap()
+    let owner = |a: &&mut Allocation| a.kind != AllocationKind::Code && a.start <= address && address < a.end && a.live_at(step);
+    image.allocations.iter_mut().find(owner).expect("a live owner")
 }
 
 /// The end of the last send on a tile or its partner: a cycle where both send ports are free.
@@ -163,14 +166,13 @@ fn every_mutation_is_caught() {
     assert_exchange_error(&run(d, "redirected-receive", &p, &[]), "receive");
     kinds += 1;
 
-    // 8. A truncated receive: the send's last word is heard by nobody.
+    // 8. A truncated receive: the send's last words are heard by nobody (or, when other
+    // tiles hear the same send, never arrive here).
     let mut p = base.clone();
-    let (e, t, r) = find_receive(&p, |phase, _, r| {
-        let multicast = phase.tiles.iter().flat_map(|t| &t.receives).filter(|o| o.source == r.source).count() > 1;
-        !r.paired && r.words > 1 && !multicast
-    });
-    p.exchanges[e].tiles[t].receives[r].words -= 1;
-    assert_exchange_error(&run(d, "truncated-receive", &p, &[]), "unreceived send");
+    let (e, t, r) = find_receive(&p, |_, _, r| r.words > 2);
+    let receive = &mut p.exchanges[e].tiles[t].receives[r];
+    receive.words -= if receive.paired { 2 } else { 1 };
+    assert_caught(&run(d, "truncated-receive", &p, &[]), "truncated receive");
     kinds += 1;
 
     // 9. An extra send that no receive hears.
@@ -199,11 +201,12 @@ fn every_mutation_is_caught() {
     let (e, t, r) = find_receive(&p, |_, _, _| true);
     let (tile, address) = (p.exchanges[e].tiles[t].tile, p.exchanges[e].tiles[t].receives[r].address);
     let step = step_of_phase(&p, p.exchanges[e].index);
-    allocation_at(&mut p, tile, address).first_step = step + 1;
+    allocation_at(&mut p, tile, address, step).first_step = step + 1;
     assert_exchange_error(&run(d, "receive-not-live", &p, &[]), "no live buffer owns");
     kinds += 1;
 
-    // 12. A read of storage that is not live: a matrix product's A block dies a step early.
+    // 12. A read of storage that is not live: a matrix product's A block starts living a step
+    // after the product reads it.
     let mut p = base.clone();
     let (tile, set, a) = p
         .tiles
@@ -214,9 +217,9 @@ fn every_mutation_is_caught() {
         })))
         .expect("a matrix product");
     let step = p.steps.iter().position(|s| *s == Step::Compute { index: set }).unwrap() as u32;
-    let allocation = allocation_at(&mut p, tile, a);
-    allocation.last_step = step - 1;
-    allocation.first_step = allocation.first_step.min(step - 1);
+    let allocation = allocation_at(&mut p, tile, a, step);
+    allocation.first_step = step + 1;
+    allocation.last_step = allocation.last_step.max(step + 1);
     let out = run(d, "read-not-live", &p, &[]);
     assert_error(&out, "no live buffer owns");
     assert!(out.stderr.contains(&format!("tile {tile}")) && out.stderr.contains(&format!("step {step}")), "{}", out.stderr);
@@ -240,19 +243,22 @@ fn every_mutation_is_caught() {
     assert_error(&run(d, "misaligned-operand", &p, &[]), "-byte aligned");
     kinds += 1;
 
-    // 15. AMP partials moved off their 16-byte alignment.
+    // 15. A vertex writing into the tile's code and tables.
     let mut p = base.clone();
-    let call = p
-        .tiles
-        .iter_mut()
-        .flat_map(|i| i.compute_sets.iter_mut())
-        .flat_map(|s| s.calls.iter_mut())
-        .find(|c| matches!(c, VertexCall::MatMul { partials: true, .. }))
-        .expect("a matrix product into partials");
-    if let VertexCall::MatMul { c, .. } = call {
-        c.address += 8;
+    let image = p.tiles.iter_mut().find(|i| i.compute_sets.iter().any(|s| s.calls.iter().any(|c| matches!(c, VertexCall::Gelu { .. })))).unwrap();
+    let code = image.allocations.iter().find(|a| a.kind == AllocationKind::Code).unwrap().start;
+    let call = image.compute_sets.iter_mut().flat_map(|s| s.calls.iter_mut()).find(|c| matches!(c, VertexCall::Gelu { .. })).unwrap();
+    if let VertexCall::Gelu { output, .. } = call {
+        output.address = code;
     }
-    assert_error(&run(d, "misaligned-partials", &p, &[]), "16-byte aligned");
+    assert_error(&run(d, "write-into-code", &p, &[]), "allocation `code`");
+    kinds += 1;
+
+    // 15b. A dropped exchange step: the values it moved never arrive.
+    let mut p = base.clone();
+    let at = p.steps.iter().position(|s| matches!(s, Step::Exchange { .. })).unwrap();
+    p.steps.remove(at);
+    assert_caught(&run(d, "dropped-exchange-step", &p, &[]), "dropped exchange step");
     kinds += 1;
 
     // 16. A dropped vertex call: its output keeps the NaN it was refilled with.
@@ -264,10 +270,10 @@ fn every_mutation_is_caught() {
 
     // 17. A send reading the wrong bytes (one word further on, inside its buffer).
     let mut p = base.clone();
-    let (e, t, _) = find_receive(&p, |_, table, _| table.sends.iter().any(|s| !s.paired && s.words > 1));
-    let send = p.exchanges[e].tiles[t].sends.iter_mut().find(|s| !s.paired && s.words > 1).unwrap();
-    send.words -= 1;
-    send.address += 4;
+    let send = p.exchanges.iter_mut().flat_map(|e| e.tiles.iter_mut()).flat_map(|t| t.sends.iter_mut()).find(|s| s.words > 2).expect("a send");
+    let step = if send.paired { 2 } else { 1 };
+    send.words -= step;
+    send.address += 4 * step;
     assert_caught(&run(d, "shifted-send", &p, &[]), "shifted send address");
     kinds += 1;
 
