@@ -71,7 +71,7 @@ fn accesses(call: &VertexCall) -> Vec<Access> {
         VertexCall::MatMul { m, k, n, a, a_panel, b, b_transposed, c, partials } => {
             let (b_rows, b_cols) = if *b_transposed { (*n, *k) } else { (*k, *n) };
             // Panelled A: ceil(k / w) panels of m rows, read as one (panels * m) x w block.
-            let (a_rows, a_cols) = if *a_panel > 0 { (k.div_ceil(*a_panel) * *m, *a_panel) } else { (*m, *k) };
+            let (a_rows, a_cols) = if *a_panel > 0 { (k.div_ceil(*a_panel).saturating_mul(*m), *a_panel) } else { (*m, *k) };
             let out = if *partials {
                 Access { name: "c", op: *c, rows: *m, cols: *n, element_bytes: 4, need: Need::Partials }
             } else {

@@ -36,6 +36,21 @@ pub fn check_segments(
 ) -> Result<Vec<usize>, DeviceError> {
     let (elements, _) = tensor_size(tensor)?;
     let element_bytes = tensor.dtype.bytes() as u64;
+    // A segment's runs must not overlap in memory nor reach past the tensor, computed in 64
+    // bits before they are listed: a hostile row count cannot make the list huge or wrap.
+    for s in &tensor.segments {
+        if s.rows <= 1 {
+            continue;
+        }
+        let last = s.rows as u64 - 1;
+        let what = format!("segment of {} runs on tile {} at {:#x}", s.rows, s.tile, s.address);
+        if (s.address_stride as u64) < s.count as u64 * element_bytes || (s.element_stride as u64) < s.count as u64 {
+            return Err(host_error(tensor, format!("{what}: its runs overlap (address stride {}, element stride {})", s.address_stride, s.element_stride)));
+        }
+        if s.element as u64 + last * s.element_stride as u64 + s.count as u64 > elements || s.address as u64 + last * s.address_stride as u64 > u32::MAX as u64 {
+            return Err(host_error(tensor, format!("{what} reaches past the tensor's {elements} elements or the address space")));
+        }
+    }
     let runs = tensor.runs();
     let mut found = Vec::with_capacity(runs.len());
     for s in &runs {
