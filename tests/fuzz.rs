@@ -6,8 +6,10 @@
 //! also payload mutations under a recomputed checksum and field mutations of the decoded
 //! structure), so that failures reproduce from the printed seed and case.
 //!
-//! These run in `cargo test`; the long campaigns run the same readers under cargo-fuzz
-//! (`fuzz/`, see the README). Counts are kept small so the suite stays fast on two cores.
+//! These run in `cargo test` with small counts so the suite stays fast on two cores; longer
+//! campaigns of the same readers: `IPUQ_FUZZ_SCALE=N` (see the README). Findings are fixed and
+//! stay covered here (a panelled-A row count that overflowed, host segments whose row count
+//! made the run list unbounded).
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
@@ -74,10 +76,17 @@ fn mutate(rng: &mut Rng, input: &[u8], dictionary: &[&[u8]]) -> Vec<u8> {
     out
 }
 
+/// `IPUQ_FUZZ_SCALE=N` multiplies every campaign's cases and time limit (long campaigns:
+/// `IPUQ_FUZZ_SCALE=1000 cargo test --release --test fuzz -- --nocapture`).
+fn scale() -> usize {
+    std::env::var("IPUQ_FUZZ_SCALE").ok().and_then(|s| s.parse().ok()).unwrap_or(1).max(1)
+}
+
 /// Run `reader` on `cases` mutations of `seed_input`; fail naming the case on a panic, and
 /// when the whole campaign takes longer than `limit` (a hang).
 fn campaign(name: &str, seed_input: &[u8], dictionary: &[&[u8]], cases: usize, limit: Duration, reader: impl Fn(&[u8])) {
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ name.len() as u64);
+    let (cases, limit) = (cases * scale(), limit * scale() as u32);
     let started = Instant::now();
     for case in 0..cases {
         let input = mutate(&mut rng, seed_input, dictionary);
@@ -86,6 +95,7 @@ fn campaign(name: &str, seed_input: &[u8], dictionary: &[&[u8]], cases: usize, l
         }
     }
     assert!(started.elapsed() < limit, "{name}: {cases} cases took {:?}", started.elapsed());
+    eprintln!("fuzz campaign {name}: {cases} executions in {:?}, no panic", started.elapsed());
 }
 
 fn fixture(relative: &str) -> String {
@@ -207,8 +217,9 @@ fn structurally_mutated_packages_never_panic_the_device() {
     let options = ipuq::runtime::RunOptions::default();
     let mut rng = Rng(0xD1B5_4A32_D192_ED03);
     let started = Instant::now();
+    let cases = 500 * scale();
     let hostile = [0u32, 1, 2, 3, 4, 0x4C000, 0x7FFFC, 0x80000, 0xE7BB0, 0xE8000, u32::MAX, u32::MAX / 2, 1 << 20];
-    for case in 0..500 {
+    for case in 0..cases {
         let mut p = package.clone();
         let value = if rng.below(2) == 0 { hostile[rng.below(hostile.len())] } else { rng.next() as u32 % 2048 };
         match rng.below(8) {
@@ -269,5 +280,6 @@ fn structurally_mutated_packages_never_panic_the_device() {
             panic!("structural mutation case {case} panicked the device");
         }
     }
-    assert!(started.elapsed() < Duration::from_secs(300), "500 cases took {:?}", started.elapsed());
+    assert!(started.elapsed() < Duration::from_secs(300) * scale() as u32, "{cases} cases took {:?}", started.elapsed());
+    eprintln!("fuzz campaign structural package mutations: {cases} executions in {:?}, no panic", started.elapsed());
 }
