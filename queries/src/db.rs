@@ -5,6 +5,7 @@
 //! and wakes none of its dependents (salsa's early cutoff); across processes the same digests
 //! form the disk-cache keys of downstream stages (`caching.md`).
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use crate::hash::{Digest, KeyHasher};
@@ -76,6 +77,14 @@ pub struct Database {
     verify_hits: bool,
     /// (stage, origin) each time a stage body runs: what re-ran, and whether from disk.
     runs: Arc<Mutex<Vec<(&'static str, Origin)>>>,
+    /// The compiler build, part of every stage key (`fingerprint.rs`; replaceable in tests).
+    fingerprint: Digest,
+    /// Hand stages the whole target instead of their views (the test proving views complete).
+    full_target_views: bool,
+    /// Per-phase schedules of this process by stage key: identical patterns are scheduled
+    /// once per build with or without a disk cache, and an edit that re-runs the schedules
+    /// stage reschedules only new patterns. Holds the latest build's entries only.
+    pub(crate) schedule_memo: Arc<Mutex<HashMap<Digest, Staged<crate::exchange::Schedule>>>>,
 }
 
 #[salsa::db]
@@ -89,7 +98,41 @@ impl Default for Database {
 
 impl Database {
     pub fn new(store: Option<Arc<dyn StageStore>>) -> Self {
-        Database { storage: salsa::Storage::new(None), store, verify_hits: false, runs: Arc::default() }
+        Database {
+            storage: salsa::Storage::new(None),
+            store,
+            verify_hits: false,
+            runs: Arc::default(),
+            fingerprint: crate::fingerprint::compiler_fingerprint(),
+            full_target_views: false,
+            schedule_memo: Arc::default(),
+        }
+    }
+
+    /// Replace the compiler fingerprint (tests: entries written by another compiler build).
+    pub fn with_fingerprint(mut self, fingerprint: Digest) -> Self {
+        self.fingerprint = fingerprint;
+        self
+    }
+
+    /// Give every stage the whole target rather than its view: a stage's output must not
+    /// change (the test that proves each view holds everything its stage reads).
+    pub fn with_full_target_views(mut self) -> Self {
+        self.full_target_views = true;
+        self
+    }
+
+    /// Key of a stage: its name and version, the cache format, the compiler fingerprint, and
+    /// the digests it read.
+    pub fn key(&self, stage: &str, version: u32, inputs: &[Digest]) -> Digest {
+        let mut all = Vec::with_capacity(inputs.len() + 1);
+        all.push(self.fingerprint);
+        all.extend_from_slice(inputs);
+        stage_key(stage, version, &all)
+    }
+
+    pub(crate) fn verifying(&self) -> bool {
+        self.verify_hits
     }
 
     /// Recompute every disk-cache hit and compare its digest with the cached bytes': a
@@ -139,10 +182,39 @@ impl Database {
             }
         }
         let value = compute()?;
+        self.save(stage, version, key, value)
+    }
+
+    /// A disk hit, when there is a store and the entry decodes (not used while verifying).
+    pub(crate) fn load<T>(&self, stage: &'static str, version: u32, key: &Digest) -> Option<Staged<T>>
+    where
+        T: rkyv::Archive,
+        T::Archived: for<'a> rkyv::bytecheck::CheckBytes<rkyv::api::high::HighValidator<'a, rkyv::rancor::Error>>
+            + rkyv::Deserialize<T, rkyv::api::high::HighDeserializer<rkyv::rancor::Error>>,
+    {
+        let store = self.store.as_ref()?;
+        let bytes = store.load(stage, key, schema(stage, version))?;
+        match value_from::<T>(&bytes) {
+            Ok(value) => {
+                self.note(stage, Origin::DiskHit);
+                Some(Staged { digest: Digest::of_bytes(&bytes), value: Arc::new(value) })
+            }
+            Err(e) => {
+                tracing::warn!(stage, error = %e, "cache entry failed to decode; recomputing");
+                None
+            }
+        }
+    }
+
+    /// Record a freshly computed value: note it, digest it, publish it to the store.
+    pub(crate) fn save<T>(&self, stage: &'static str, version: u32, key: Digest, value: T) -> StageResult<T>
+    where
+        T: for<'a> rkyv::Serialize<rkyv::api::high::HighSerializer<rkyv::util::AlignedVec, rkyv::ser::allocator::ArenaHandle<'a>, rkyv::rancor::Error>>,
+    {
         self.note(stage, Origin::Computed);
         let bytes = rkyv::to_bytes::<rkyv::rancor::Error>(&value).map_err(CompileError::from)?;
         if let Some(store) = &self.store {
-            store.store(stage, &key, schema, &bytes);
+            store.store(stage, &key, schema(stage, version), &bytes);
         }
         Ok(Staged { digest: Digest::of_bytes(&bytes), value: Arc::new(value) })
     }
@@ -177,6 +249,36 @@ pub fn stage_key(stage: &str, version: u32, inputs: &[Digest]) -> Digest {
 pub fn target(db: &dyn Db, sources: Sources) -> StageResult<Target> {
     let t = Target::from_toml(sources.target_text(db), sources.target_origin(db)).map_err(CompileError::from)?;
     Ok(Staged { digest: t.digest(), value: Arc::new(t) })
+}
+
+/// A view of the target for the stages that read one section (`Target::*_view`). Each is its
+/// own query with its own digest: an edit elsewhere in the target re-runs the projection,
+/// which compares equal and backdates, so no stage behind it re-runs (salsa's early cutoff).
+fn view(db: &dyn Db, sources: Sources, section: &str, project: fn(&Target) -> Target) -> StageResult<Target> {
+    let t = target(db, sources)?;
+    if db.ipuq().full_target_views {
+        return Ok(t);
+    }
+    let v = project(&t.value);
+    Ok(Staged { digest: v.view_digest(section), value: Arc::new(v) })
+}
+
+/// What planning and lowering read: everything but the host link.
+#[salsa::tracked(returns(clone))]
+pub fn lowering_target(db: &dyn Db, sources: Sources) -> StageResult<Target> {
+    view(db, sources, "lowering", Target::lowering_view)
+}
+
+/// What exchange scheduling and table lowering read: grid, delays, pairing, port widths.
+#[salsa::tracked(returns(clone))]
+pub fn exchange_target(db: &dyn Db, sources: Sources) -> StageResult<Target> {
+    view(db, sources, "exchange", Target::exchange_view)
+}
+
+/// What placement reads: the grid and the memory constants.
+#[salsa::tracked(returns(clone))]
+pub fn memory_target(db: &dyn Db, sources: Sources) -> StageResult<Target> {
+    view(db, sources, "memory", Target::memory_view)
 }
 
 /// The validated workload. Its digest covers the structure only (initialisers blanked), so an

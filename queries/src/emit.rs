@@ -171,7 +171,7 @@ pub fn build_package(target: &Target, graph: &Graph, lowered: &Lowered, placemen
             .collect(),
     };
     Package {
-        compiler: format!("ipuq {}", env!("CARGO_PKG_VERSION")),
+        compiler: crate::fingerprint::compiler_id(),
         target_toml: target.canonical_toml(),
         target_digest: target.digest(),
         workload_name: graph.name.clone(),

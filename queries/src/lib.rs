@@ -6,6 +6,7 @@
 pub mod cost;
 pub mod emit;
 pub mod exchange;
+pub mod fingerprint;
 pub mod hash;
 pub mod ir;
 pub mod lower;

@@ -23,7 +23,7 @@ pub const HEADER_BYTES: usize = 96;
 
 #[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct Package {
-    /// "ipuq 0.1.0": the compiler that wrote it.
+    /// "ipuq 0.1.0+<sources digest>": the compiler build that wrote it (`fingerprint.rs`).
     pub compiler: String,
     pub target_toml: String,
     pub target_digest: Digest,

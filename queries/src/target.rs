@@ -19,7 +19,7 @@ pub struct Target {
     pub host: Host,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Chip {
     pub tiles: u32,
@@ -29,7 +29,7 @@ pub struct Chip {
     pub workers: u32,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Memory {
     pub base: u32,
@@ -46,7 +46,7 @@ pub struct Memory {
     pub weight_load_alignment: u32,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Compute {
     pub amp_f16_macs_per_cycle: u32,
@@ -56,7 +56,7 @@ pub struct Compute {
     pub vector_f32_lanes: u32,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Costs {
     pub gemm_base: u64,
@@ -94,7 +94,7 @@ pub struct Costs {
     pub copy_interleaved_bytes_per_cycle: u64,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Exchange {
     pub send_words_per_cycle: u32,
@@ -108,7 +108,7 @@ pub struct Exchange {
     pub delay_turn: u32,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Host {
     pub link_bytes_per_second: u64,
@@ -168,6 +168,51 @@ impl Target {
     /// Identity of the machine model: changes whenever any constant changes.
     pub fn digest(&self) -> Digest {
         KeyHasher::new("ipuq target v1").bytes(self.canonical_toml().as_bytes()).finish()
+    }
+
+    /// The chip's grid alone (tile count and layout), the rest of `chip` zeroed.
+    fn grid(&self) -> Chip {
+        Chip { tiles: self.chip.tiles, columns: self.chip.columns, tiles_per_column: self.chip.tiles_per_column, clock_hz: 0, workers: 0 }
+    }
+
+    /// What planning and lowering read: every section but the host link (and no name).
+    /// Stages get views, not the whole target, so a key over a view's digest is complete by
+    /// construction: a constant outside the view reads as zero in that stage.
+    pub fn lowering_view(&self) -> Target {
+        Target { name: String::new(), host: Host::default(), ..self.clone() }
+    }
+
+    /// What exchange scheduling, table lowering and validation read: the grid (tile count,
+    /// pairing), the route delays and the port widths; not the sync cost, not memory, costs
+    /// or host.
+    pub fn exchange_view(&self) -> Target {
+        Target {
+            name: String::new(),
+            chip: self.grid(),
+            memory: Memory::default(),
+            compute: Compute::default(),
+            costs: Costs::default(),
+            exchange: Exchange { sync_cycles: 0, ..self.exchange.clone() },
+            host: Host::default(),
+        }
+    }
+
+    /// What placement reads: the grid and the memory constants.
+    pub fn memory_view(&self) -> Target {
+        Target {
+            name: String::new(),
+            chip: self.grid(),
+            memory: self.memory.clone(),
+            compute: Compute::default(),
+            costs: Costs::default(),
+            exchange: Exchange::default(),
+            host: Host::default(),
+        }
+    }
+
+    /// Digest of a view (`section` names it, so two views never share a digest by accident).
+    pub fn view_digest(&self, section: &str) -> Digest {
+        KeyHasher::new("ipuq target view v1").add(section).bytes(self.canonical_toml().as_bytes()).finish()
     }
 
     /// Column and row of a tile on the chip's grid.
@@ -237,6 +282,30 @@ mod tests {
             assert!(lo <= d && d <= hi, "{d} outside [{lo}, {hi}]");
         }
         assert_eq!(t.delay(0, 1471), hi);
+    }
+
+    #[test]
+    fn views_change_only_with_their_sections() {
+        let base = Target::from_toml(fixtures::SMALL16, "small16.toml").unwrap();
+        let edit = |from: &str, to: &str| {
+            assert!(fixtures::SMALL16.contains(from), "{from}");
+            Target::from_toml(&fixtures::SMALL16.replacen(from, to, 1), "edited.toml").unwrap()
+        };
+        let views = |t: &Target| [t.lowering_view().view_digest("lowering"), t.exchange_view().view_digest("exchange"), t.memory_view().view_digest("memory")];
+        let b = views(&base);
+        // Runtime only: no compile view moves.
+        let host = edit("link_bytes_per_second = ", "link_bytes_per_second = 1");
+        assert_eq!(views(&host), b);
+        assert_ne!(host.digest(), base.digest());
+        // A cost constant: lowering only.
+        let cost = views(&edit("gelu_base = ", "gelu_base = 1"));
+        assert_ne!(cost[0], b[0]);
+        assert_eq!(cost[1..], b[1..]);
+        // A delay: lowering (its exchange estimate) and scheduling, not placement.
+        let delay = views(&edit("delay_base = 12", "delay_base = 30"));
+        assert_ne!(delay[0], b[0]);
+        assert_ne!(delay[1], b[1]);
+        assert_eq!(delay[2], b[2]);
     }
 
     #[test]

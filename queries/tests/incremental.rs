@@ -63,16 +63,73 @@ fn an_initialiser_change_re_plans_nothing() {
     assert_eq!(before.value.tiles, after.value.tiles);
 }
 
-#[test]
-fn a_target_change_recomputes_the_stages_that_read_it() {
+fn computed_after_target_edit(from: &str, to: &str) -> Vec<&'static str> {
+    assert!(fixtures::SMALL16.contains(from), "{from}");
     let mut db = Database::default();
     let sources = Sources::new(&db, WORKLOAD.to_string(), "mlp.toml".into(), fixtures::SMALL16.to_string(), "small16".into());
     build_all(&db, sources);
-    sources.set_target_text(&mut db).to(fixtures::SMALL16.replace("delay_base = 12", "delay_base = 30"));
-    let runs = build_all(&db, sources);
-    for stage in ["lower_mid", "exchange_schedule", "place_storage", "lower_exchanges", "build_tile_images"] {
-        assert!(stages(&runs, Origin::Computed).contains(&stage), "{stage} did not re-run: {runs:?}");
+    sources.set_target_text(&mut db).to(fixtures::SMALL16.replacen(from, to, 1));
+    stages(&build_all(&db, sources), Origin::Computed)
+}
+
+#[test]
+fn a_target_change_recomputes_only_the_stages_that_read_it() {
+    // A route delay: the planner's exchange estimate and the schedules read it.
+    let runs = computed_after_target_edit("delay_base = 12", "delay_base = 30");
+    for stage in ["lower_mid", "exchange_schedule", "lower_exchanges", "build_tile_images"] {
+        assert!(runs.contains(&stage), "{stage} did not re-run: {runs:?}");
     }
+    // A runtime-only constant reaches only the package.
+    assert_eq!(computed_after_target_edit("link_bytes_per_second = ", "link_bytes_per_second = 1"), vec!["build_tile_images"]);
+    // A cost constant re-plans but reschedules no exchange pattern.
+    let runs = computed_after_target_edit("gelu_base = ", "gelu_base = 1");
+    assert!(runs.contains(&"lower_mid"), "{runs:?}");
+    assert!(!runs.contains(&"exchange_schedule"), "a cost edit rescheduled exchanges: {runs:?}");
+}
+
+#[test]
+fn each_stage_reads_only_its_target_view() {
+    // Stages get views of the target; handing them the whole target must change nothing, so a
+    // key over the view's digest holds everything the stage reads.
+    let digests = |db: Database| {
+        let sources = Sources::new(&db, WORKLOAD.to_string(), "mlp.toml".into(), fixtures::SMALL16.to_string(), "small16".into());
+        PHASES.iter().map(|phase| run_phase(&db, sources, phase).unwrap()).collect::<Vec<_>>()
+    };
+    assert_eq!(digests(Database::default()), digests(Database::default().with_full_target_views()));
+}
+
+#[test]
+fn entries_of_another_compiler_build_are_misses() {
+    let store = Arc::new(MemoryStore::default());
+    let old = Digest::of_bytes(b"an older compiler build");
+    let first = Database::new(Some(store.clone())).with_fingerprint(old);
+    let sources = Sources::new(&first, WORKLOAD.to_string(), "mlp.toml".into(), fixtures::SMALL16.to_string(), "small16".into());
+    build_all(&first, sources);
+    let written = store.0.lock().unwrap().len();
+
+    // The real compiler build reads nothing the older one wrote.
+    let second = Database::new(Some(store.clone()));
+    let sources = Sources::new(&second, WORKLOAD.to_string(), "mlp.toml".into(), fixtures::SMALL16.to_string(), "small16".into());
+    let runs = build_all(&second, sources);
+    assert!(stages(&runs, Origin::DiskHit).is_empty(), "stale hits across compiler builds: {runs:?}");
+    assert_eq!(store.0.lock().unwrap().len(), 2 * written);
+
+    // The same build again hits everything.
+    let third = Database::new(Some(store.clone())).with_fingerprint(old);
+    let sources = Sources::new(&third, WORKLOAD.to_string(), "mlp.toml".into(), fixtures::SMALL16.to_string(), "small16".into());
+    assert!(stages(&build_all(&third, sources), Origin::Computed).is_empty());
+}
+
+#[test]
+fn a_runtime_constant_edit_hits_every_compile_stage_on_disk() {
+    let store = Arc::new(MemoryStore::default());
+    let cold = Database::new(Some(store.clone()));
+    let sources = Sources::new(&cold, WORKLOAD.to_string(), "mlp.toml".into(), fixtures::SMALL16.to_string(), "small16".into());
+    build_all(&cold, sources);
+    let edited = fixtures::SMALL16.replacen("link_bytes_per_second = ", "link_bytes_per_second = 1", 1);
+    let warm = Database::new(Some(store.clone()));
+    let sources = Sources::new(&warm, WORKLOAD.to_string(), "mlp.toml".into(), edited, "small16".into());
+    assert_eq!(stages(&build_all(&warm, sources), Origin::Computed), vec!["build_tile_images"]);
 }
 
 #[test]
