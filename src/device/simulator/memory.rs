@@ -78,8 +78,12 @@ impl TileMemory {
             }
         }
         let mut memory = TileMemory { tile, base: m.base, bytes: vec![0; m.size as usize], allocations };
+        // Allocations whose lifetime starts later are filled when it starts (`begin_step`):
+        // their pages are not touched before then.
         for a in memory.allocations.clone() {
-            memory.range_mut(a.start, (a.end - a.start) as usize).fill(POISON);
+            if a.first_step == 0 || a.kind == AllocationKind::Code {
+                memory.range_mut(a.start, (a.end - a.start) as usize).fill(POISON);
+            }
         }
         for z in &image.zero_fill {
             if z.start > z.end || z.start < m.base || z.end > m.loader_limit {
