@@ -8,11 +8,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use ipuq_cache::{Cache, CacheOptions};
-use ipuq_queries::db::{graph, Database, Origin, StageStore};
+use ipuq_queries::db::{graph, Database, Origin, Sources, StageStore};
 use ipuq_queries::hash::Digest;
 use ipuq_queries::package::Package;
-use ipuq_queries::pipeline::{lowered, package, run_phase, PHASES};
+use ipuq_queries::pipeline::{load_build_record, lowered, package, run_phase, store_build_record, BuildRecord, PHASES};
 use ipuq_queries::target::fixtures;
+use salsa::Setter;
 use tracing::{info, info_span};
 
 /// The disk cache behind the compiler's store trait.
@@ -55,7 +56,13 @@ pub struct BuildOptions {
     pub cache_dir: Option<PathBuf>,
     /// Use the cache's entries but write none (shared CI caches).
     pub cache_read_only: bool,
+    /// Size budget of the cache, enforced (least recently used first) after a build that
+    /// wrote to it; `None`: `IPUQ_CACHE_MAX_BYTES`, else [`DEFAULT_CACHE_MAX_BYTES`].
+    pub cache_max_bytes: Option<u64>,
 }
+
+/// The cache's default size budget: 2 GiB.
+pub const DEFAULT_CACHE_MAX_BYTES: u64 = 2 << 30;
 
 /// One stage's time and how its value was obtained.
 pub struct PhaseTiming {
@@ -66,8 +73,12 @@ pub struct PhaseTiming {
 }
 
 pub struct Built {
-    pub package: Package,
+    /// The package, when this build made it; `None` when the output file already held
+    /// exactly this build's package (a no-op rebuild reads it back only when it runs it).
+    pub package: Option<Package>,
     pub path: PathBuf,
+    pub tiles: u32,
+    pub estimated_cycles: u64,
     pub timings: Vec<PhaseTiming>,
 }
 
@@ -84,65 +95,214 @@ pub fn default_cache_dir() -> PathBuf {
     }
 }
 
-/// Build `workload` into `out_dir/model.ipuexe`.
-pub fn build(workload: &Path, options: &BuildOptions) -> Result<Built, BuildError> {
-    let text = std::fs::read_to_string(workload).map_err(|e| BuildError::Io { path: workload.display().to_string(), message: format!("cannot read workload: {e}") })?;
-    let (target_text, target_origin) = load_target(options.target.as_deref())?;
-    let store: Option<Arc<dyn StageStore>> = if options.incremental {
-        let dir = options.cache_dir.clone().unwrap_or_else(default_cache_dir);
-        Cache::open_or_warn(&dir, CacheOptions { read_only: options.cache_read_only, max_bytes: None }).map(|c| Arc::new(DiskStore(c)) as Arc<dyn StageStore>)
-    } else {
-        None
+/// A byte count: digits, optionally followed by K, M or G (binary units, an optional "iB").
+pub fn parse_bytes(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let t = t.strip_suffix("iB").or_else(|| t.strip_suffix('B')).unwrap_or(t);
+    let (digits, unit) = match t.char_indices().last() {
+        Some((i, c)) if c.is_ascii_alphabetic() => (&t[..i], c.to_ascii_uppercase()),
+        _ => (t, ' '),
     };
-    let verify = std::env::var_os("IPUQ_VERIFY_CACHE").is_some_and(|v| v == "1");
-    let db = Database::new(store).verifying_hits(verify);
-    let sources = ipuq_queries::db::sources(&db, text, workload.display().to_string(), target_text, target_origin);
-    let target = ipuq_queries::db::target(&db, sources).map_err(|e| BuildError::Input(e.to_string()))?;
-    let g = graph(&db, sources).map_err(|e| BuildError::Input(e.to_string()))?;
-    let span = info_span!("ipuq.package.build", tile_count = target.value.chip.tiles, operations = g.value.compute_operation_count());
-    let _build = span.enter();
-    let mut timings = Vec::new();
-    for &phase in PHASES {
-        let phase_span = info_span!("ipuq.package.phase", phase);
-        let _p = phase_span.enter();
-        let start = Instant::now();
-        let result = run_phase(&db, sources, phase);
-        let elapsed_ms = start.elapsed().as_millis();
-        info!(phase, elapsed_ms = elapsed_ms as u64, success = result.is_ok(), "package build phase finished");
-        let runs = db.take_runs();
-        let computed = runs.iter().filter(|r| r.1 == Origin::Computed).count();
-        let disk_hits = runs.iter().filter(|r| r.1 == Origin::DiskHit).count();
-        if computed == 0 && disk_hits > 0 {
-            info!(phase, stages = disk_hits, "reused cached stage outputs");
-        }
-        timings.push(PhaseTiming { phase, elapsed_ms, computed, disk_hits });
-        result.map_err(|e| BuildError::Compile(e.to_string()))?;
-        if phase == "lower_mid" {
-            let l = lowered(&db, sources).map_err(|e| BuildError::Compile(e.to_string()))?;
-            info!(logical_shards = l.value.logical_shards, exchange_phases = l.value.phases.len(), "lowered graph for package construction");
-        }
-    }
-    drop(_build);
-    let pkg = package(&db, sources).map_err(|e| BuildError::Compile(e.to_string()))?;
-    let package = (*pkg.value).clone();
-    info!(final_cycles = package.summary.estimated_cycles, final_exchange = package.summary.estimated_exchange_cycles, "costed final placed program");
-    let path = options.out_dir.join("model.ipuexe");
-    write_package(&package, &path)?;
-    Ok(Built { package, path, timings })
+    let shift = match unit {
+        ' ' => 0,
+        'K' => 10,
+        'M' => 20,
+        'G' => 30,
+        _ => return Err(format!("'{text}': unknown unit (use a byte count, or K, M or G)")),
+    };
+    let n: u64 = digits.trim().parse().map_err(|_| format!("'{text}': not a byte count"))?;
+    n.checked_mul(1 << shift).ok_or_else(|| format!("'{text}': too large"))
 }
 
-/// Write atomically (temporary file, then rename) so a reader never sees half a package.
-pub fn write_package(package: &Package, path: &Path) -> Result<(), BuildError> {
+/// The budget: the option, else `IPUQ_CACHE_MAX_BYTES`, else the default.
+pub fn cache_budget(option: Option<u64>) -> Result<u64, BuildError> {
+    if let Some(bytes) = option {
+        return Ok(bytes);
+    }
+    match std::env::var("IPUQ_CACHE_MAX_BYTES") {
+        Ok(text) => parse_bytes(&text).map_err(|e| BuildError::Input(format!("IPUQ_CACHE_MAX_BYTES={e}"))),
+        Err(_) => Ok(DEFAULT_CACHE_MAX_BYTES),
+    }
+}
+
+/// A compiler session: one salsa database and its inputs, kept across rebuilds by
+/// `ipuq watch` (each rebuild re-evaluates only what the edit touched) and used once by
+/// `ipuq build`.
+pub struct Session {
+    db: Database,
+    sources: Option<Sources>,
+    disk: Option<Arc<DiskStore>>,
+}
+
+impl Session {
+    pub fn new(options: &BuildOptions) -> Result<Session, BuildError> {
+        let disk = if options.incremental {
+            let dir = options.cache_dir.clone().unwrap_or_else(default_cache_dir);
+            let max_bytes = Some(cache_budget(options.cache_max_bytes)?);
+            Cache::open_or_warn(&dir, CacheOptions { read_only: options.cache_read_only, max_bytes }).map(|c| Arc::new(DiskStore(c)))
+        } else {
+            None
+        };
+        let verify = std::env::var_os("IPUQ_VERIFY_CACHE").is_some_and(|v| v == "1");
+        let db = Database::new(disk.clone().map(|d| d as Arc<dyn StageStore>)).verifying_hits(verify);
+        Ok(Session { db, sources: None, disk })
+    }
+
+    /// Set the inputs, changing only what changed (an unchanged input keeps every query
+    /// that reads it valid).
+    fn set_inputs(&mut self, text: String, origin: String, target_text: String, target_origin: String) -> Sources {
+        match self.sources {
+            None => {
+                let s = ipuq_queries::db::sources(&self.db, text, origin, target_text, target_origin);
+                self.sources = Some(s);
+                s
+            }
+            Some(s) => {
+                if s.workload_text(&self.db) != &text {
+                    s.set_workload_text(&mut self.db).to(text);
+                }
+                if s.workload_origin(&self.db) != &origin {
+                    s.set_workload_origin(&mut self.db).to(origin);
+                }
+                if s.target_text(&self.db) != &target_text {
+                    s.set_target_text(&mut self.db).with_durability(salsa::Durability::HIGH).to(target_text);
+                }
+                if s.target_origin(&self.db) != &target_origin {
+                    s.set_target_origin(&mut self.db).with_durability(salsa::Durability::HIGH).to(target_origin);
+                }
+                s
+            }
+        }
+    }
+
+    /// Build `workload` into `out_dir/model.ipuexe`.
+    pub fn build(&mut self, workload: &Path, options: &BuildOptions) -> Result<Built, BuildError> {
+        let text = std::fs::read_to_string(workload).map_err(|e| BuildError::Io { path: workload.display().to_string(), message: format!("cannot read workload: {e}") })?;
+        let (target_text, target_origin) = load_target(options.target.as_deref())?;
+        let path = options.out_dir.join("model.ipuexe");
+        // A no-op rebuild: this compiler built exactly these inputs into exactly this file.
+        if let Some(record) = load_build_record(&self.db, &text, &target_text) {
+            if file_matches(&path, &record.file_head, record.file_len) {
+                info!(path = %path.display(), "application package unchanged");
+                return Ok(Built { package: None, path, tiles: record.tiles, estimated_cycles: record.estimated_cycles, timings: Vec::new() });
+            }
+        }
+        let sources = self.set_inputs(text.clone(), workload.display().to_string(), target_text.clone(), target_origin);
+        let db = &self.db;
+        let target = ipuq_queries::db::target(db, sources).map_err(|e| BuildError::Input(e.to_string()))?;
+        let g = graph(db, sources).map_err(|e| BuildError::Input(e.to_string()))?;
+        let span = info_span!("ipuq.package.build", tile_count = target.value.chip.tiles, operations = g.value.compute_operation_count());
+        let _build = span.enter();
+        let mut timings = Vec::new();
+        let progress = crate::progress::Progress::start(PHASES.len());
+        for (i, &phase) in PHASES.iter().enumerate() {
+            progress.phase(i, phase);
+            let phase_span = info_span!("ipuq.package.phase", phase);
+            let _p = phase_span.enter();
+            let start = Instant::now();
+            let result = run_phase(db, sources, phase);
+            let elapsed_ms = start.elapsed().as_millis();
+            info!(phase, elapsed_ms = elapsed_ms as u64, success = result.is_ok(), "package build phase finished");
+            let runs = db.take_runs();
+            let computed = runs.iter().filter(|r| r.1 == Origin::Computed).count();
+            let disk_hits = runs.iter().filter(|r| r.1 == Origin::DiskHit).count();
+            if computed == 0 && disk_hits > 0 {
+                info!(phase, stages = disk_hits, "reused cached stage outputs");
+            }
+            timings.push(PhaseTiming { phase, elapsed_ms, computed, disk_hits });
+            result.map_err(|e| BuildError::Compile(e.to_string()))?;
+            if phase == "lower_mid" {
+                let l = lowered(db, sources).map_err(|e| BuildError::Compile(e.to_string()))?;
+                info!(logical_shards = l.value.logical_shards, exchange_phases = l.value.phases.len(), "lowered graph for package construction");
+            }
+        }
+        drop(progress);
+        drop(_build);
+        let pkg = package(db, sources).map_err(|e| BuildError::Compile(e.to_string()))?;
+        let package = (*pkg.value).clone();
+        info!(final_cycles = package.summary.estimated_cycles, final_exchange = package.summary.estimated_exchange_cycles, "costed final placed program");
+        let bytes = write_package(&package, &path)?;
+        let record = BuildRecord { file_head: bytes[..bytes.len().min(FILE_HEAD)].to_vec(), file_len: bytes.len() as u64, tiles: package.tile_count(), estimated_cycles: package.summary.estimated_cycles };
+        store_build_record(db, &text, &target_text, &record);
+        if let Some(disk) = &self.disk {
+            if timings.iter().any(|t| t.computed > 0) {
+                if let Err(error) = disk.0.enforce_budget() {
+                    tracing::warn!(%error, "cache size budget not enforced");
+                }
+            }
+        }
+        Ok(Built { tiles: record.tiles, estimated_cycles: record.estimated_cycles, package: Some(package), path, timings })
+    }
+}
+
+/// Build `workload` into `out_dir/model.ipuexe`.
+pub fn build(workload: &Path, options: &BuildOptions) -> Result<Built, BuildError> {
+    Session::new(options)?.build(workload, options)
+}
+
+/// Leading bytes of a package file a build record keeps: the header, which holds the
+/// payload's length and blake3 (`package.rs`).
+const FILE_HEAD: usize = 128;
+
+fn file_matches(path: &Path, head: &[u8], len: u64) -> bool {
+    use std::io::Read;
+    let Ok(mut file) = std::fs::File::open(path) else { return false };
+    if file.metadata().map(|m| m.len()).ok() != Some(len) {
+        return false;
+    }
+    let mut buffer = vec![0u8; head.len()];
+    file.read_exact(&mut buffer).is_ok() && buffer == head
+}
+
+/// Temporary package files older than this are removed even if their writer may still live.
+const STALE_TEMPORARY: std::time::Duration = std::time::Duration::from_secs(3600);
+
+/// Remove `.model.ipuexe.<pid>.tmp` files left by killed builds: those whose process is gone
+/// (checked in /proc where there is one) or that are older than an hour.
+fn remove_stale_temporaries(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    let proc = Path::new("/proc/self").exists();
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(pid) = name.strip_prefix(".model.ipuexe.").and_then(|n| n.strip_suffix(".tmp")).and_then(|p| p.parse::<u32>().ok()) else { continue };
+        if pid == std::process::id() {
+            continue;
+        }
+        let dead = proc && !Path::new(&format!("/proc/{pid}")).exists();
+        let old = entry.metadata().and_then(|m| m.modified()).ok().and_then(|t| t.elapsed().ok()).is_some_and(|age| age > STALE_TEMPORARY);
+        if dead || old {
+            if std::fs::remove_file(entry.path()).is_ok() {
+                info!(path = %entry.path().display(), "removed a stale temporary package");
+            }
+        }
+    }
+}
+
+/// Write atomically (temporary file, flushed to disk, then renamed) so a reader never sees
+/// half a package; a file that already holds these bytes is left alone. Returns the bytes.
+pub fn write_package(package: &Package, path: &Path) -> Result<Vec<u8>, BuildError> {
+    use std::io::Write;
     let io = |e: std::io::Error| BuildError::Io { path: path.display().to_string(), message: e.to_string() };
     info!(tiles = package.tile_count(), "writing application package");
     let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).map_err(io)?;
+    remove_stale_temporaries(dir);
     let bytes = package.to_bytes();
+    if file_matches(path, &bytes[..bytes.len().min(FILE_HEAD)], bytes.len() as u64) {
+        info!("application package unchanged");
+        return Ok(bytes);
+    }
     let tmp = dir.join(format!(".model.ipuexe.{}.tmp", std::process::id()));
-    std::fs::write(&tmp, &bytes).map_err(io)?;
-    std::fs::rename(&tmp, path).map_err(io)?;
+    let written = std::fs::File::create(&tmp).and_then(|mut f| {
+        f.write_all(&bytes)?;
+        f.sync_all()
+    });
+    if let Err(e) = written.and_then(|()| std::fs::rename(&tmp, path)) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(io(e));
+    }
     info!("application package written");
-    Ok(())
+    Ok(bytes)
 }
 
 pub fn read_package(path: &Path) -> Result<Package, BuildError> {

@@ -1,4 +1,4 @@
-//! The command line: `ipuq workload | build | run | profile | cache`.
+//! The command line: `ipuq workload | build | run | watch | profile | cache`.
 //!
 //! Exit codes: 0 success, 1 a numerical check failed, 2 usage, input, compile or device error.
 
@@ -36,6 +36,11 @@ pub struct CompileArgs {
     /// With --incremental: read the cache but write nothing to it (a shared CI cache).
     #[arg(long)]
     cache_read_only: bool,
+    /// With --incremental: size budget of the cache (bytes, or with K, M, G), enforced by
+    /// evicting least recently used entries after a build that wrote to it
+    /// (default: $IPUQ_CACHE_MAX_BYTES, else 2G).
+    #[arg(long, value_parser = crate::build::parse_bytes)]
+    cache_max_bytes: Option<u64>,
     /// Print a per-phase table of times, computed stages and disk-cache hits.
     #[arg(long)]
     timings: bool,
@@ -76,6 +81,25 @@ enum Command {
         /// for another machine (another target digest) is refused.
         #[arg(long)]
         device_target: Option<String>,
+    },
+    /// Rebuild the workload on every save, keeping one compiler in memory; with --run, run
+    /// each build on the simulator and print its result line. Errors are printed and the
+    /// watch goes on.
+    Watch {
+        workload: PathBuf,
+        #[command(flatten)]
+        compile: CompileArgs,
+        #[arg(long)]
+        run: bool,
+        /// Seconds to wait for the device lock before giving up on a run.
+        #[arg(long, default_value_t = 600)]
+        lock_timeout: u64,
+        /// Milliseconds between two looks at the workload file.
+        #[arg(long, default_value_t = 200)]
+        poll_ms: u64,
+        /// Stop after this many rebuilds (default: watch until killed).
+        #[arg(long)]
+        max_rebuilds: Option<u32>,
     },
     /// Summarise an execution profile.
     Profile {
@@ -143,7 +167,7 @@ enum CacheAction {
     Verify,
     /// Evict least recently used entries until the cache is under the budget.
     Gc {
-        #[arg(long, default_value_t = 2 << 30)]
+        #[arg(long, default_value_t = crate::build::DEFAULT_CACHE_MAX_BYTES, value_parser = crate::build::parse_bytes)]
         max_bytes: u64,
     },
     Clear,
@@ -175,9 +199,20 @@ fn workload_name(path: &Path) -> Result<String, String> {
     Graph::parse(&text, &path.display().to_string()).map(|g| g.name).map_err(|e| e.to_string())
 }
 
+fn build_options(args: &CompileArgs, out_dir: PathBuf) -> BuildOptions {
+    BuildOptions {
+        target: args.target.clone(),
+        out_dir,
+        incremental: args.incremental,
+        cache_dir: args.cache_dir.clone(),
+        cache_read_only: args.cache_read_only,
+        cache_max_bytes: args.cache_max_bytes,
+    }
+}
+
 fn compile(workload: &Path, args: &CompileArgs) -> Result<crate::build::Built, String> {
     let name = workload_name(workload)?;
-    let options = BuildOptions { target: args.target.clone(), out_dir: out_dir(args, &name), incremental: args.incremental, cache_dir: args.cache_dir.clone(), cache_read_only: args.cache_read_only };
+    let options = build_options(args, out_dir(args, &name));
     let built = build(workload, &options).map_err(|e| e.to_string())?;
     if args.timings {
         print_timings(&built.timings);
@@ -205,7 +240,7 @@ fn run(cli: Cli) -> Result<Outcome, String> {
         }
         Command::Build { workload, compile: args } => {
             let built = compile(&workload, &args)?;
-            println!("package={} tiles={} estimatedCycles={}", built.path.display(), built.package.tile_count(), built.package.summary.estimated_cycles);
+            println!("package={} tiles={} estimatedCycles={}", built.path.display(), built.tiles, built.estimated_cycles);
             Ok(Outcome::Pass)
         }
         Command::Run { input, compile: args, checkpoints, sample_limit, dump, lock_timeout, device_target } => {
@@ -218,6 +253,12 @@ fn run(cli: Cli) -> Result<Outcome, String> {
             let package = read_package(&package_path).map_err(|e| e.to_string())?;
             let options = report::RunRequest { device_target, checkpoints, sample_limit, dump, lock_timeout: Duration::from_secs(lock_timeout), workload_folder: folder };
             report::run_and_verify(&package, &package_path, &options)
+        }
+        Command::Watch { workload, compile: args, run, lock_timeout, poll_ms, max_rebuilds } => {
+            let options = build_options(&args, PathBuf::new());
+            let watch = crate::watch::WatchOptions { run, lock_timeout: Duration::from_secs(lock_timeout), poll: Duration::from_millis(poll_ms.max(1)), max_rebuilds };
+            crate::watch::watch(&workload, options, |w| workload_name(w).map(|name| out_dir(&args, &name)), &watch)?;
+            Ok(Outcome::Pass)
         }
         Command::Profile { file, chrome_trace } => {
             let summary = crate::profile::summarize(&file).map_err(|e| e.to_string())?;
@@ -238,7 +279,9 @@ fn run(cli: Cli) -> Result<Outcome, String> {
         }
         Command::Cache { action, cache_dir } => {
             let dir = cache_dir.unwrap_or_else(default_cache_dir);
-            let cache = ipuq_cache::Cache::open(&dir, ipuq_cache::CacheOptions::default()).map_err(|e| e.to_string())?;
+            // Looking needs no write access: stats and verify work on a read-only cache.
+            let read_only = matches!(action, CacheAction::Stats | CacheAction::Verify);
+            let cache = ipuq_cache::Cache::open(&dir, ipuq_cache::CacheOptions { read_only, max_bytes: None }).map_err(|e| e.to_string())?;
             match action {
                 CacheAction::Stats => println!("{}", cache.stats().map_err(|e| e.to_string())?),
                 CacheAction::Verify => {

@@ -111,10 +111,24 @@ fn cold_builds_are_byte_identical_and_incremental_rebuilds_reuse_everything() {
     assert_eq!(first.code, 0, "{}", first.stderr);
     let second = ipuq(&["build", &workload, "--target", "small16", "-o", "d", "--incremental", "--cache-dir", cache, "--timings"], dir.path());
     assert_eq!(second.code, 0, "{}", second.stderr);
+    // Into another folder: every compile stage hits; only the package (whose one copy on disk
+    // is the output file, not a cache entry) is made again.
     let computed: Vec<&str> = second.stderr.lines().filter(|l| l.starts_with("total")).collect();
     assert_eq!(computed.len(), 1, "{}", second.stderr);
-    assert!(computed[0].split_whitespace().nth(2) == Some("0"), "the second build recomputed something: {}", second.stderr);
+    assert!(computed[0].split_whitespace().nth(2) == Some("1"), "the second build recomputed more than the package: {}", second.stderr);
     assert!(second.stderr.contains("reused"), "{}", second.stderr);
+    // Into the same folder again: nothing runs and the file is not rewritten.
+    let written = std::fs::metadata(dir.path().join("d/model.ipuexe")).unwrap().modified().unwrap();
+    let third = ipuq(&["build", &workload, "--target", "small16", "-o", "d", "--incremental", "--cache-dir", cache], dir.path());
+    assert_eq!(third.code, 0, "{}", third.stderr);
+    assert!(third.stderr.contains("application package unchanged") && !third.stderr.contains("package build phase finished"), "{}", third.stderr);
+    assert_eq!(std::fs::metadata(dir.path().join("d/model.ipuexe")).unwrap().modified().unwrap(), written);
+    assert_eq!(field(&third.stdout, "package=", "tiles"), field(&second.stdout, "package=", "tiles"));
+    // A temporary left by a killed build (a process id that cannot be alive) is removed.
+    std::fs::write(dir.path().join("d/.model.ipuexe.4294967295.tmp"), b"partial").unwrap();
+    let fourth = ipuq(&["build", &workload, "--target", "small16", "-o", "d"], dir.path());
+    assert_eq!(fourth.code, 0, "{}", fourth.stderr);
+    assert!(!dir.path().join("d/.model.ipuexe.4294967295.tmp").exists(), "{}", fourth.stderr);
     let pc = std::fs::read(dir.path().join("c/model.ipuexe")).unwrap();
     let pd = std::fs::read(dir.path().join("d/model.ipuexe")).unwrap();
     assert!(pc == pa && pd == pa, "incremental builds differ from the cold build");
@@ -200,6 +214,28 @@ fn concurrent_incremental_builds_share_one_cache_and_hits_verify() {
     let out = ipuq(&["build", &other, "--target", "small16", "-o", "ro", "--incremental", "--cache-dir", "shared", "--cache-read-only"], dir.path());
     assert_eq!(out.code, 0, "{}", out.stderr);
     assert_eq!(ipuq(&["cache", "stats", "--cache-dir", "shared"], dir.path()).stdout, before);
+    // Stats and verify need no write access.
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let shared = dir.path().join("shared");
+        let set = |mode: u32| {
+            for path in [shared.clone(), shared.join("tmp")] {
+                std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
+            }
+        };
+        set(0o555);
+        let stats = ipuq(&["cache", "stats", "--cache-dir", "shared"], dir.path());
+        let verify = ipuq(&["cache", "verify", "--cache-dir", "shared"], dir.path());
+        set(0o755);
+        assert_eq!(stats.code, 0, "{}", stats.stderr);
+        assert_eq!(stats.stdout, before);
+        assert_eq!(verify.code, 0, "{}", verify.stderr);
+    }
+    // A size budget evicts after a build that wrote (here: everything but what it used).
+    let out = ipuq(&["build", &other, "--target", "small16", "-o", "budget", "--incremental", "--cache-dir", "shared", "--cache-max-bytes", "1K"], dir.path());
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(out.stderr.contains("cache garbage collected"), "{}", out.stderr);
 }
 
 trait SpawnOutput {

@@ -5,7 +5,6 @@
 //! and wakes none of its dependents (salsa's early cutoff); across processes the same digests
 //! form the disk-cache keys of downstream stages (`caching.md`).
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use crate::hash::{Digest, KeyHasher};
@@ -81,10 +80,11 @@ pub struct Database {
     fingerprint: Digest,
     /// Hand stages the whole target instead of their views (the test proving views complete).
     full_target_views: bool,
-    /// Per-phase schedules of this process by stage key: identical patterns are scheduled
-    /// once per build with or without a disk cache, and an edit that re-runs the schedules
-    /// stage reschedules only new patterns. Holds the latest build's entries only.
-    pub(crate) schedule_memo: Arc<Mutex<HashMap<Digest, Staged<crate::exchange::Schedule>>>>,
+    /// Per-phase schedules of this process by key (`phases.rs`): an edit that re-runs the
+    /// schedules stage reschedules only new patterns, with or without a disk cache.
+    pub(crate) schedule_memo: Arc<crate::phases::Memo<crate::exchange::Schedule>>,
+    /// Per-phase exchange tables by key: only phases whose addresses moved are re-validated.
+    pub(crate) tables_memo: Arc<crate::phases::Memo<crate::package::ExchangePhase>>,
 }
 
 #[salsa::db]
@@ -106,6 +106,7 @@ impl Database {
             fingerprint: crate::fingerprint::compiler_fingerprint(),
             full_target_views: false,
             schedule_memo: Arc::default(),
+            tables_memo: Arc::default(),
         }
     }
 
@@ -183,6 +184,22 @@ impl Database {
         }
         let value = compute()?;
         self.save(stage, version, key, value)
+    }
+
+    /// Record a freshly computed value that is not worth a disk entry (the package: its one
+    /// copy on disk is the output file, see the driver's build record).
+    pub(crate) fn unstored<T>(&self, stage: &'static str, value: T) -> StageResult<T>
+    where
+        T: for<'a> rkyv::Serialize<rkyv::api::high::HighSerializer<rkyv::util::AlignedVec, rkyv::ser::allocator::ArenaHandle<'a>, rkyv::rancor::Error>>,
+    {
+        self.note(stage, Origin::Computed);
+        let bytes = rkyv::to_bytes::<rkyv::rancor::Error>(&value).map_err(CompileError::from)?;
+        Ok(Staged { digest: Digest::of_bytes(&bytes), value: Arc::new(value) })
+    }
+
+    /// The disk store, for the driver's whole-build record.
+    pub fn store(&self) -> Option<&Arc<dyn StageStore>> {
+        self.store.as_ref()
     }
 
     /// A disk hit, when there is a store and the entry decodes (not used while verifying).

@@ -16,3 +16,4 @@ pub mod storage;
 pub mod target;
 pub mod db;
 pub mod pipeline;
+pub mod phases;

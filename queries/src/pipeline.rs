@@ -14,7 +14,6 @@
 //! memory view, build_tile_images the whole target (it embeds it). Every key also holds the
 //! compiler fingerprint (`Database::key`).
 
-use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use rayon::prelude::*;
@@ -24,6 +23,7 @@ use crate::emit::{build_package, size_tile_code};
 use crate::exchange::{self, Destination, PhaseRequest, Schedule};
 use crate::hash::{Digest, KeyHasher};
 use crate::lower::{lower, Lowered};
+use crate::phases::{combined, per_phase};
 use crate::package::{ExchangePhase, Package};
 use crate::storage::{place_storage, Placement};
 
@@ -34,7 +34,7 @@ const LOWER_VERSION: u32 = 7;
 const SCHEDULE_VERSION: u32 = 4;
 const CODE_VERSION: u32 = 1;
 const PLACE_VERSION: u32 = 1;
-const TABLES_VERSION: u32 = 1;
+const TABLES_VERSION: u32 = 2;
 const PACKAGE_VERSION: u32 = 4;
 
 /// Run one phase by name (the driver's entry point); returns the digest of its output.
@@ -93,8 +93,17 @@ pub fn provisional_bases(lowered: &Lowered) -> Vec<u32> {
         .collect()
 }
 
+/// Every phase's schedule, with each schedule's digest (the key of its tables).
+#[derive(Clone, Debug)]
+pub struct Schedules {
+    pub phases: Vec<Schedule>,
+    pub digests: Vec<Digest>,
+}
+
+/// Schedule every phase, one entry per distinct pattern (`phases.rs`): identical patterns in
+/// one build are scheduled once, in parallel, with or without a disk cache.
 #[salsa::tracked(returns(clone))]
-pub fn schedules(db: &dyn Db, sources: Sources) -> StageResult<Vec<Schedule>> {
+pub fn schedules(db: &dyn Db, sources: Sources) -> StageResult<Schedules> {
     let t = exchange_target(db, sources)?;
     let l = lowered(db, sources)?;
     // Provisional addresses: every buffer gets its own 16-byte aligned range in a per-tile
@@ -102,74 +111,26 @@ pub fn schedules(db: &dyn Db, sources: Sources) -> StageResult<Vec<Schedule>> {
     // the final placement (which also aligns every buffer to at least 8 bytes).
     let provisional = provisional_bases(&l.value);
     let requests = requests(&l.value, |buffer, offset| provisional[buffer as usize] + offset);
-    schedule_all(db.ipuq(), &t, &requests)
+    let db = db.ipuq();
+    let patterns: Vec<Digest> = requests.par_iter().map(exchange::pattern_digest).collect();
+    let keys: Vec<Digest> = patterns.iter().map(|p| db.key("exchange_schedule", SCHEDULE_VERSION, &[t.digest, *p])).collect();
+    let target = &t.value;
+    let entries = per_phase(db, "exchange_schedule", SCHEDULE_VERSION, &keys, &db.schedule_memo, |i| exchange::schedule_phase(target, &requests[i]).map_err(CompileError::from))?;
+    let value = Schedules { phases: entries.iter().map(|e| (*e.value).clone()).collect(), digests: entries.iter().map(|e| e.digest).collect() };
+    Ok(Staged { digest: combined("ipuq schedules v2", &entries), value: Arc::new(value) })
 }
 
-/// Schedule every phase, one entry per distinct pattern: identical patterns are scheduled once
-/// (found in this process's memo, then the disk store, else computed). Missing patterns are
-/// scheduled in parallel over plain data (no query runs on a rayon worker) and collected in
-/// phase order, so the result is the same at any thread count.
-fn schedule_all(db: &Database, t: &Staged<crate::target::Target>, requests: &[PhaseRequest]) -> StageResult<Vec<Schedule>> {
-    const STAGE: &str = "exchange_schedule";
-    let patterns: Vec<Digest> = requests.par_iter().map(exchange::pattern_digest).collect();
-    let keys: Vec<Digest> = patterns.iter().map(|p| db.key(STAGE, SCHEDULE_VERSION, &[t.digest, *p])).collect();
-    let previous = std::mem::take(&mut *db.schedule_memo.lock().expect("schedule memo lock"));
-    let mut found: HashMap<Digest, Staged<Schedule>> = HashMap::new();
-    let mut missing: Vec<usize> = Vec::new();
-    let mut pending: HashSet<Digest> = HashSet::new();
-    let mut result = Ok(());
-    for (index, key) in keys.iter().enumerate() {
-        if found.contains_key(key) || pending.contains(key) {
-            continue;
-        }
-        if db.verifying() {
-            match db.cached(STAGE, SCHEDULE_VERSION, *key, || exchange::schedule_phase(&t.value, &requests[index]).map_err(CompileError::from)) {
-                Ok(s) => found.insert(*key, s),
-                Err(e) => {
-                    result = Err(e);
-                    break;
-                }
-            };
-        } else if let Some(s) = previous.get(key).cloned().or_else(|| db.load(STAGE, SCHEDULE_VERSION, key)) {
-            found.insert(*key, s);
-        } else {
-            pending.insert(*key);
-            missing.push(index);
+/// Digest of a phase request with its addresses (what lower_exchanges reads of it).
+fn request_digest(request: &PhaseRequest) -> Digest {
+    let mut h = KeyHasher::new("ipuq exchange request v1");
+    h.add(&request.index).add(&request.transfers.len());
+    for t in &request.transfers {
+        h.add(&t.source).add(&t.source_address).add(&t.words).add(&t.destinations.len());
+        for d in &t.destinations {
+            h.add(&d.tile).add(&d.address);
         }
     }
-    if result.is_ok() {
-        let span = tracing::Span::current();
-        let fresh: Vec<_> = missing
-            .par_iter()
-            .map(|&index| {
-                let _span = span.enter();
-                exchange::schedule_phase(&t.value, &requests[index])
-            })
-            .collect();
-        for (&index, schedule) in missing.iter().zip(fresh) {
-            match schedule.map_err(CompileError::from).and_then(|s| db.save(STAGE, SCHEDULE_VERSION, keys[index], s)) {
-                Ok(s) => {
-                    found.insert(keys[index], s);
-                }
-                Err(e) => {
-                    result = Err(e);
-                    break;
-                }
-            }
-        }
-    }
-    let mut h = KeyHasher::new("ipuq schedules v1");
-    let out = result.map(|()| {
-        keys.iter()
-            .map(|key| {
-                let s = &found[key];
-                h.add(&s.digest);
-                (*s.value).clone()
-            })
-            .collect()
-    });
-    *db.schedule_memo.lock().expect("schedule memo lock") = if out.is_ok() { found } else { previous };
-    Ok(Staged { digest: h.finish(), value: Arc::new(out?) })
+    h.finish()
 }
 
 #[salsa::tracked(returns(clone))]
@@ -179,7 +140,7 @@ pub fn code_sizes(db: &dyn Db, sources: Sources) -> StageResult<Vec<u32>> {
     let key = db.ipuq().key("size_tile_code", CODE_VERSION, &[l.digest, s.digest]);
     db.ipuq().cached("size_tile_code", CODE_VERSION, key, || {
         let mut entries = vec![0u32; l.value.tiles as usize];
-        for (phase, schedule) in l.value.phases.iter().zip(s.value.iter()) {
+        for (phase, schedule) in l.value.phases.iter().zip(s.value.phases.iter()) {
             for piece in &schedule.pieces {
                 let t = &phase[piece.transfer as usize];
                 entries[l.value.buffers[t.source.0 as usize].tile as usize] += 1;
@@ -201,18 +162,23 @@ pub fn placement(db: &dyn Db, sources: Sources) -> StageResult<Placement> {
     db.ipuq().cached("place_storage", PLACE_VERSION, key, || place_storage(&t.value, &l.value, &c.value).map_err(CompileError::from))
 }
 
+/// Patch final addresses into every phase's schedule and validate the tables, per phase: a
+/// phase's key holds its schedule's digest and its request with addresses, so only phases
+/// whose addresses (or schedule) moved are re-validated.
 #[salsa::tracked(returns(clone))]
 pub fn tables(db: &dyn Db, sources: Sources) -> StageResult<Vec<ExchangePhase>> {
     let t = exchange_target(db, sources)?;
     let l = lowered(db, sources)?;
     let s = schedules(db, sources)?;
     let p = placement(db, sources)?;
-    let key = db.ipuq().key("lower_exchanges", TABLES_VERSION, &[t.digest, l.digest, s.digest, p.digest]);
-    db.ipuq().cached("lower_exchanges", TABLES_VERSION, key, || {
-        let addresses = &p.value.addresses;
-        let requests = requests(&l.value, |buffer, offset| addresses[buffer as usize] + offset);
-        requests.iter().zip(s.value.iter()).map(|(r, sched)| exchange::reuse(&t.value, r, sched).map_err(CompileError::from)).collect()
-    })
+    let addresses = &p.value.addresses;
+    let requests = requests(&l.value, |buffer, offset| addresses[buffer as usize] + offset);
+    let db = db.ipuq();
+    let digests: Vec<Digest> = requests.par_iter().map(request_digest).collect();
+    let keys: Vec<Digest> = digests.iter().zip(&s.value.digests).map(|(r, sd)| db.key("lower_exchanges", TABLES_VERSION, &[t.digest, *sd, *r])).collect();
+    let (target, schedules) = (&t.value, &s.value.phases);
+    let entries = per_phase(db, "lower_exchanges", TABLES_VERSION, &keys, &db.tables_memo, |i| exchange::reuse(target, &requests[i], &schedules[i]).map_err(CompileError::from))?;
+    Ok(Staged { digest: combined("ipuq exchange tables v2", &entries), value: Arc::new(entries.iter().map(|e| (*e.value).clone()).collect()) })
 }
 
 #[salsa::tracked(returns(clone))]
@@ -222,8 +188,59 @@ pub fn package(db: &dyn Db, sources: Sources) -> StageResult<Package> {
     let l = lowered(db, sources)?;
     let p = placement(db, sources)?;
     let x = tables(db, sources)?;
-    // The package embeds the workload text (initialisers included), so its key reads it too.
-    let text = Digest::of_bytes(sources.workload_text(db).as_bytes());
-    let key = db.ipuq().key("build_tile_images", PACKAGE_VERSION, &[t.digest, g.digest, text, l.digest, p.digest, x.digest]);
-    db.ipuq().cached("build_tile_images", PACKAGE_VERSION, key, || Ok(build_package(&t.value, &g.value, &l.value, &p.value, (*x.value).clone())))
+    // The package embeds the workload text (initialisers included): reading the input makes
+    // an initialiser edit re-run this stage although the graph's structure digest backdates.
+    let _ = sources.workload_text(db);
+    // Not stored in the disk cache: its one copy on disk is the output file, which the
+    // driver's build record (below) finds unchanged without running any stage.
+    db.ipuq().unstored("build_tile_images", build_package(&t.value, &g.value, &l.value, &p.value, (*x.value).clone()))
+}
+
+/// Each phase's version constant, in phase order (the golden test records them).
+pub const VERSIONS: &[(&str, u32)] = &[
+    ("lower_mid", LOWER_VERSION),
+    ("lower_exchanges_provisional", SCHEDULE_VERSION),
+    ("size_tile_code", CODE_VERSION),
+    ("place_storage", PLACE_VERSION),
+    ("lower_exchanges", TABLES_VERSION),
+    ("build_tile_images", PACKAGE_VERSION),
+];
+
+/// What the driver remembers of a whole build, keyed by the compiler fingerprint and the
+/// exact input texts: the package file's leading bytes (its header holds the payload's blake3
+/// and length) and size, and the figures the command line prints. A no-op rebuild whose output
+/// file still starts with these bytes and has this size runs no stage and writes nothing.
+#[derive(Clone, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct BuildRecord {
+    pub file_head: Vec<u8>,
+    pub file_len: u64,
+    pub tiles: u32,
+    pub estimated_cycles: u64,
+}
+
+const BUILD_RECORD: &str = "build_record";
+const BUILD_RECORD_VERSION: u32 = 1;
+
+fn build_record_key(db: &Database, workload_text: &str, target_text: &str) -> Digest {
+    let inputs = [Digest::of_bytes(workload_text.as_bytes()), Digest::of_bytes(target_text.as_bytes())];
+    db.key(BUILD_RECORD, BUILD_RECORD_VERSION ^ PACKAGE_VERSION << 8, &inputs)
+}
+
+/// The record of an earlier build of exactly these inputs by this compiler, if stored.
+pub fn load_build_record(db: &Database, workload_text: &str, target_text: &str) -> Option<BuildRecord> {
+    if db.verifying() {
+        return None;
+    }
+    let key = build_record_key(db, workload_text, target_text);
+    let bytes = db.store()?.load(BUILD_RECORD, &key, crate::db::schema(BUILD_RECORD, BUILD_RECORD_VERSION))?;
+    rkyv::from_bytes::<BuildRecord, rkyv::rancor::Error>(&bytes).ok()
+}
+
+/// Remember a build of these inputs (nothing without a disk store).
+pub fn store_build_record(db: &Database, workload_text: &str, target_text: &str, record: &BuildRecord) {
+    let Some(store) = db.store() else { return };
+    let key = build_record_key(db, workload_text, target_text);
+    if let Ok(bytes) = rkyv::to_bytes::<rkyv::rancor::Error>(record) {
+        store.store(BUILD_RECORD, &key, crate::db::schema(BUILD_RECORD, BUILD_RECORD_VERSION), &bytes);
+    }
 }

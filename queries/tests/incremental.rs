@@ -6,7 +6,8 @@ use std::sync::{Arc, Mutex};
 
 use ipuq_queries::db::{Database, Origin, Sources, StageStore};
 use ipuq_queries::hash::Digest;
-use ipuq_queries::pipeline::{package, run_phase, PHASES};
+use ipuq_queries::exchange::pattern_digest;
+use ipuq_queries::pipeline::{lowered, package, provisional_bases, requests, run_phase, PHASES};
 use ipuq_queries::target::fixtures;
 use salsa::Setter;
 
@@ -117,7 +118,7 @@ fn entries_of_another_compiler_build_are_misses() {
     // The same build again hits everything.
     let third = Database::new(Some(store.clone())).with_fingerprint(old);
     let sources = Sources::new(&third, WORKLOAD.to_string(), "mlp.toml".into(), fixtures::SMALL16.to_string(), "small16".into());
-    assert!(stages(&build_all(&third, sources), Origin::Computed).is_empty());
+    assert_eq!(stages(&build_all(&third, sources), Origin::Computed), vec!["build_tile_images"]);
 }
 
 #[test]
@@ -144,7 +145,8 @@ fn the_disk_store_serves_a_second_process_and_gives_identical_bytes() {
     let warm = Database::new(Some(store.clone()));
     let sources = Sources::new(&warm, WORKLOAD.to_string(), "mlp.toml".into(), fixtures::SMALL16.to_string(), "small16".into());
     let runs = build_all(&warm, sources);
-    assert!(stages(&runs, Origin::Computed).is_empty(), "a warm build recomputed: {runs:?}");
+    // The package is not stored (its copy on disk is the output file): only it is rebuilt.
+    assert_eq!(stages(&runs, Origin::Computed), vec!["build_tile_images"], "a warm build recomputed: {runs:?}");
     assert_eq!(package(&warm, sources).unwrap().value.to_bytes(), cold_bytes);
 
     // A damaged entry is a miss: recomputed, and the bytes are the same.
@@ -156,4 +158,22 @@ fn the_disk_store_serves_a_second_process_and_gives_identical_bytes() {
     let runs = build_all(&repaired, sources);
     assert!(stages(&runs, Origin::Computed).contains(&"lower_mid"), "{runs:?}");
     assert_eq!(package(&repaired, sources).unwrap().value.to_bytes(), cold_bytes);
+}
+
+#[test]
+fn identical_patterns_are_scheduled_once_and_threads_change_no_byte() {
+    let build = |threads: usize| {
+        rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap().install(|| {
+            let db = Database::default();
+            let sources = Sources::new(&db, WORKLOAD.to_string(), "mlp.toml".into(), fixtures::SMALL16.to_string(), "small16".into());
+            let runs = build_all(&db, sources);
+            let l = lowered(&db, sources).unwrap();
+            let bases = provisional_bases(&l.value);
+            let patterns: std::collections::BTreeSet<Digest> = requests(&l.value, |b, o| bases[b as usize] + o).iter().map(pattern_digest).collect();
+            let scheduled = runs.iter().filter(|r| r.0 == "exchange_schedule" && r.1 == Origin::Computed).count();
+            assert_eq!(scheduled, patterns.len(), "{} phases", l.value.phases.len());
+            package(&db, sources).unwrap().value.to_bytes()
+        })
+    };
+    assert!(build(1) == build(3), "the package depends on the thread count");
 }

@@ -1,0 +1,70 @@
+//! A one-line progress display on standard error, drawn only when standard error is a
+//! terminal (CI logs and redirected output stay clean). Log lines go through [`Writer`],
+//! which clears the progress line before a log line and redraws it after, so both stay
+//! readable on one terminal.
+
+use std::io::{IsTerminal, Write};
+use std::sync::Mutex;
+use std::time::Instant;
+
+/// The line being shown ("" when none).
+static LINE: Mutex<String> = Mutex::new(String::new());
+
+fn line() -> std::sync::MutexGuard<'static, String> {
+    LINE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Progress through the phases of one build; clears its line when dropped.
+pub struct Progress {
+    enabled: bool,
+    total: usize,
+    start: Instant,
+}
+
+impl Progress {
+    pub fn start(total: usize) -> Progress {
+        Progress { enabled: std::io::stderr().is_terminal(), total, start: Instant::now() }
+    }
+
+    /// Show that phase `index` (from 0) is running.
+    pub fn phase(&self, index: usize, name: &str) {
+        if !self.enabled {
+            return;
+        }
+        let text = format!("[{}/{}] {name} ({:.1} s)", index + 1, self.total, self.start.elapsed().as_secs_f64());
+        let mut current = line();
+        let _ = write!(std::io::stderr(), "\r\x1b[2K{text}");
+        *current = text;
+    }
+}
+
+impl Drop for Progress {
+    fn drop(&mut self) {
+        if self.enabled {
+            let mut current = line();
+            let _ = write!(std::io::stderr(), "\r\x1b[2K");
+            current.clear();
+        }
+    }
+}
+
+/// Standard error for log lines: clears and redraws the progress line around each write.
+pub struct Writer;
+
+impl Write for Writer {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let current = line();
+        let mut err = std::io::stderr().lock();
+        if !current.is_empty() {
+            err.write_all(b"\r\x1b[2K")?;
+        }
+        err.write_all(buf)?;
+        if !current.is_empty() && buf.ends_with(b"\n") {
+            err.write_all(current.as_bytes())?;
+        }
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        std::io::stderr().flush()
+    }
+}

@@ -1,0 +1,63 @@
+//! `ipuq watch --run`: one long-lived process rebuilds and runs on every save of the workload,
+//! prints one result line per rebuild, and keeps watching after an error.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use common::fixture;
+
+/// The next stdout line starting with `prefix`, within `limit`.
+fn next_line(lines: &mpsc::Receiver<String>, prefix: &str, limit: Duration) -> Option<String> {
+    let deadline = Instant::now() + limit;
+    loop {
+        let left = deadline.checked_duration_since(Instant::now())?;
+        match lines.recv_timeout(left) {
+            Ok(line) if line.starts_with(prefix) => return Some(line),
+            Ok(_) => continue,
+            Err(_) => return None,
+        }
+    }
+}
+
+#[test]
+fn watch_rebuilds_and_runs_after_each_save_and_survives_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let original = std::fs::read_to_string(fixture("workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml")).unwrap();
+    let workload = dir.path().join("mlp.toml");
+    std::fs::write(&workload, &original).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ipuq"))
+        .args(["watch", "mlp.toml", "--target", "small16", "-o", "out", "--run", "--poll-ms", "50"])
+        .current_dir(dir.path())
+        .env("IPUQ_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (send, lines) = mpsc::channel();
+    let stdout = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = send.send(line);
+        }
+    });
+    let result = |what: &str| next_line(&lines, "workload=", Duration::from_secs(120)).unwrap_or_else(|| panic!("no result line {what}"));
+    let first = result("after the first build");
+    assert!(first.contains("numericalTest=PASS"), "{first}");
+
+    // A broken save: an error, and the watch goes on.
+    std::fs::write(&workload, "this is not a workload [[[").unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    // A new initialiser seed: a new result line with other numbers, still passing.
+    std::fs::write(&workload, original.replacen("seed = 1\n", "seed = 7\n", 1)).unwrap();
+    let second = result("after the seed edit");
+    assert!(second.contains("numericalTest=PASS"), "{second}");
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert!(stderr.lines().any(|l| l.starts_with("error: ")), "the broken save printed no error: {stderr}");
+}
