@@ -12,6 +12,7 @@ pub mod profile;
 pub mod progress;
 pub mod reference;
 pub mod reference_cache;
+pub mod remote_args;
 pub mod report;
 pub mod runtime;
 pub mod verify;
