@@ -78,6 +78,11 @@ enum Command {
         /// Seconds to wait for the device lock before giving up.
         #[arg(long, default_value_t = 600)]
         lock_timeout: u64,
+        /// The machine the simulator models: a target file, or the built-in `ipu21` or `small16`
+        /// (default: ipuq's description of the machine the package names). A package built
+        /// for another machine (another target digest) is refused.
+        #[arg(long)]
+        device_target: Option<String>,
     },
     /// Rebuild the workload on every save, keeping one compiler in memory; with --run, run
     /// each build on the simulator and print its result line. Errors are printed and the
@@ -253,7 +258,7 @@ fn run(cli: Cli) -> Result<Outcome, String> {
             println!("package={} tiles={} estimatedCycles={}", built.path.display(), built.tiles, built.estimated_cycles);
             Ok(Outcome::Pass)
         }
-        Command::Run { input, compile: args, checkpoints, sample_limit, dump, lock_timeout } => {
+        Command::Run { input, compile: args, checkpoints, sample_limit, dump, lock_timeout, device_target } => {
             let (package_path, folder) = if input.extension().is_some_and(|e| e == "ipuexe") {
                 (input.clone(), input.parent().map(Path::to_path_buf).unwrap_or_default())
             } else {
@@ -261,7 +266,7 @@ fn run(cli: Cli) -> Result<Outcome, String> {
                 (built.path, input.parent().map(Path::to_path_buf).unwrap_or_default())
             };
             let package = read_package(&package_path).map_err(|e| e.to_string())?;
-            let options = report::RunRequest { checkpoints, sample_limit, dump, lock_timeout: Duration::from_secs(lock_timeout), workload_folder: folder };
+            let options = report::RunRequest { device_target, checkpoints, sample_limit, dump, lock_timeout: Duration::from_secs(lock_timeout), workload_folder: folder };
             report::run_and_verify(&package, &package_path, &options)
         }
         Command::Watch { workload, compile: args, run, lock_timeout, poll_ms, max_rebuilds } => {

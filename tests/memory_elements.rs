@@ -27,8 +27,8 @@ fn swap(send_at: u32, receive_at: u32, overlap: bool) -> Package {
         zero_fill: vec![AddressRange { start: send_at, end: send_at + 32 }],
         allocations: {
             let mut v = vec![
-                Allocation { start: send_at, end: send_at + 32, kind: AllocationKind::Data, label: 0 },
-                Allocation { start: receive_at, end: receive_at + 32, kind: AllocationKind::Data, label: 1 },
+                Allocation { start: send_at, end: send_at + 32, kind: AllocationKind::Data, label: 0, first_step: 0, last_step: 1 },
+                Allocation { start: receive_at, end: receive_at + 32, kind: AllocationKind::Data, label: 1, first_step: 0, last_step: 1 },
             ];
             v.sort_by_key(|a| a.start);
             v

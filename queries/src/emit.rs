@@ -198,7 +198,7 @@ pub fn build_package(target: &Target, graph: &Graph, lowered: &Lowered, placemen
     }
     for (i, b) in lowered.buffers.iter().enumerate() {
         let start = placement.addresses[i];
-        images[b.tile as usize].allocations.push(Allocation { start, end: start + b.bytes, kind: b.kind, label: b.label });
+        images[b.tile as usize].allocations.push(Allocation { start, end: start + b.bytes, kind: b.kind, label: b.label, first_step: b.first_step, last_step: b.last_step });
     }
     let mut entries: Vec<Vec<u8>> = vec![Vec::new(); tiles];
     for phase in &exchanges {
@@ -247,7 +247,7 @@ pub fn build_package(target: &Target, graph: &Graph, lowered: &Lowered, placemen
         }
         code.extend_from_slice(&entries[tile]);
         code.resize((end - start) as usize, 0);
-        image.allocations.push(Allocation { start, end, kind: AllocationKind::Code, label: 0 });
+        image.allocations.push(Allocation { start, end, kind: AllocationKind::Code, label: 0, first_step: 0, last_step: u32::MAX });
         image.allocations.sort_by_key(|a| (a.start, a.end));
         image.segments.push(Segment { address: start, bytes: code });
     }

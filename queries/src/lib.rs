@@ -13,6 +13,7 @@ pub mod hash;
 pub mod ir;
 pub mod lower;
 pub mod package;
+pub mod provenance;
 pub mod storage;
 pub mod target;
 pub mod db;

@@ -104,6 +104,19 @@ pub struct Allocation {
     pub kind: AllocationKind,
     /// Index into `Package::labels`.
     pub label: u32,
+    /// The program steps (indices into `Package::steps`) over which the allocation is live,
+    /// inclusive: written first at `first_step` (0 for host-written data), read last at
+    /// `last_step` (`steps.len()` when the host reads it after the run). The device refills
+    /// its bytes with NaN when its lifetime starts and rejects accesses outside it.
+    pub first_step: u32,
+    pub last_step: u32,
+}
+
+impl Allocation {
+    /// Live at program step `step`.
+    pub fn live_at(&self, step: u32) -> bool {
+        self.first_step <= step && step <= self.last_step
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]

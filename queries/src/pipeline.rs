@@ -38,7 +38,7 @@ const CODE_VERSION: u32 = 2;
 const PLACE_VERSION: u32 = 2;
 const OPTIMIZE_PLACEMENT_VERSION: u32 = 1;
 const TABLES_VERSION: u32 = 3;
-const PACKAGE_VERSION: u32 = 4;
+const PACKAGE_VERSION: u32 = 5;
 
 /// Run one phase by name (the driver's entry point); returns the digest of its output.
 pub fn run_phase(db: &dyn Db, sources: Sources, phase: &str) -> Result<Digest, CompileError> {
