@@ -44,6 +44,8 @@ pub struct CompileArgs {
     /// Print a per-phase table of times, computed stages and disk-cache hits.
     #[arg(long)]
     timings: bool,
+    #[command(flatten)]
+    remote: crate::remote_args::RemoteArgs,
 }
 
 #[derive(Subcommand)]
@@ -166,6 +168,17 @@ enum CacheAction {
         max_bytes: u64,
     },
     Clear,
+    /// Write cache entries into one file: those the workloads need (building them), or all.
+    Export {
+        file: PathBuf,
+        #[arg(long = "workload")]
+        workloads: Vec<PathBuf>,
+        /// Target the workloads are built for (default ipu21).
+        #[arg(long)]
+        target: Option<String>,
+    },
+    /// Verify every entry of an exported file and add it to the cache.
+    Import { file: PathBuf },
 }
 
 pub fn main() -> ExitCode {
@@ -194,20 +207,22 @@ fn workload_name(path: &Path) -> Result<String, String> {
     Graph::parse(&text, &path.display().to_string()).map(|g| g.name).map_err(|e| e.to_string())
 }
 
-fn build_options(args: &CompileArgs, out_dir: PathBuf) -> BuildOptions {
-    BuildOptions {
+fn build_options(args: &CompileArgs, out_dir: PathBuf) -> Result<BuildOptions, String> {
+    let remote = args.remote.options()?;
+    Ok(BuildOptions {
         target: args.target.clone(),
         out_dir,
-        incremental: args.incremental,
+        incremental: args.incremental || remote.is_some(),
         cache_dir: args.cache_dir.clone(),
         cache_read_only: args.cache_read_only,
         cache_max_bytes: args.cache_max_bytes,
-    }
+        remote,
+    })
 }
 
 fn compile(workload: &Path, args: &CompileArgs) -> Result<crate::build::Built, String> {
     let name = workload_name(workload)?;
-    let options = build_options(args, out_dir(args, &name));
+    let options = build_options(args, out_dir(args, &name))?;
     let built = build(workload, &options).map_err(|e| e.to_string())?;
     if args.timings {
         print_timings(&built.timings);
@@ -250,7 +265,7 @@ fn run(cli: Cli) -> Result<Outcome, String> {
             report::run_and_verify(&package, &package_path, &options)
         }
         Command::Watch { workload, compile: args, run, lock_timeout, poll_ms, max_rebuilds } => {
-            let options = build_options(&args, PathBuf::new());
+            let options = build_options(&args, PathBuf::new())?;
             let watch = crate::watch::WatchOptions { run, lock_timeout: Duration::from_secs(lock_timeout), poll: Duration::from_millis(poll_ms.max(1)), max_rebuilds };
             crate::watch::watch(&workload, options, |w| workload_name(w).map(|name| out_dir(&args, &name)), &watch)?;
             Ok(Outcome::Pass)
@@ -278,7 +293,18 @@ fn run(cli: Cli) -> Result<Outcome, String> {
             let read_only = matches!(action, CacheAction::Stats | CacheAction::Verify);
             let cache = ipuq_cache::Cache::open(&dir, ipuq_cache::CacheOptions { read_only, max_bytes: None }).map_err(|e| e.to_string())?;
             match action {
-                CacheAction::Stats => println!("{}", cache.stats().map_err(|e| e.to_string())?),
+                CacheAction::Stats => {
+                    println!("{}", cache.stats().map_err(|e| e.to_string())?);
+                    println!("remote (all builds with this cache folder): {}", cache.remote_totals());
+                }
+                CacheAction::Export { file, workloads, target } => println!("{}", crate::remote_args::export(&dir, &file, &workloads, target.as_deref())?),
+                CacheAction::Import { file } => {
+                    let report = cache.import(&file).map_err(|e| e.to_string())?;
+                    println!("{report}");
+                    if !report.rejected.is_empty() {
+                        return Ok(Outcome::NumericalFailure);
+                    }
+                }
                 CacheAction::Verify => {
                     let report = cache.verify().map_err(|e| e.to_string())?;
                     println!("{report}");

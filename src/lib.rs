@@ -11,6 +11,7 @@ pub mod logging;
 pub mod profile;
 pub mod progress;
 pub mod reference;
+pub mod remote_args;
 pub mod report;
 pub mod runtime;
 pub mod verify;
