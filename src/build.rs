@@ -364,3 +364,19 @@ pub fn print_timings(timings: &[PhaseTiming]) {
     let sum = |f: fn(&PhaseTiming) -> u128| timings.iter().map(f).sum::<u128>();
     eprintln!("{:<30} {:>10} {:>9} {:>9} {:>11}", "total", sum(|t| t.elapsed_ms), sum(|t| t.computed as u128), sum(|t| t.disk_hits as u128), sum(|t| t.remote_hits as u128));
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_counts_take_binary_units_and_name_bad_text() {
+        assert_eq!(parse_bytes("1024"), Ok(1024));
+        assert_eq!(parse_bytes("2G"), Ok(2 << 30));
+        assert_eq!(parse_bytes("512MiB"), Ok(512 << 20));
+        assert_eq!(parse_bytes("1k"), Ok(1024));
+        assert!(parse_bytes("3T").unwrap_err().contains("unknown unit"));
+        assert!(parse_bytes("lots").unwrap_err().contains("'lots'"));
+        assert!(parse_bytes("99999999999G").unwrap_err().contains("too large"));
+    }
+}
