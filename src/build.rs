@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use ipuq_cache::{Cache, CacheOptions};
+use ipuq_cache::{Cache, CacheOptions, Remote, RemoteOptions};
 use ipuq_queries::db::{graph, Database, Origin, Sources, StageStore};
 use ipuq_queries::hash::Digest;
 use ipuq_queries::package::Package;
@@ -16,16 +16,53 @@ use ipuq_queries::target::fixtures;
 use salsa::Setter;
 use tracing::{info, info_span};
 
-/// The disk cache behind the compiler's store trait.
-pub struct DiskStore(pub Cache);
+/// The disk cache, and the remote cache behind it, as the compiler's store trait: local, then
+/// remote (verified, copied locally), then compute; computed entries go up in the background.
+pub struct DiskStore {
+    pub cache: Cache,
+    pub remote: Option<Remote>,
+}
 
 impl StageStore for DiskStore {
     fn load(&self, stage: &str, key: &Digest, schema: u64) -> Option<rkyv::util::AlignedVec<16>> {
-        self.0.get(stage, &key.0, schema)
+        self.cache.get(stage, &key.0, schema).or_else(|| self.remote.as_ref()?.fetch(&self.cache, stage, &key.0, schema))
     }
     fn store(&self, stage: &str, key: &Digest, schema: u64, bytes: &[u8]) {
-        let _ = self.0.put_or_warn(stage, &key.0, schema, bytes);
+        let _ = self.cache.put_or_warn(stage, &key.0, schema, bytes);
+        if let Some(remote) = &self.remote {
+            remote.upload(stage, &key.0, schema, bytes);
+        }
     }
+}
+
+impl DiskStore {
+    fn remote_hits(&self) -> u64 {
+        self.remote.as_ref().map_or(0, |r| r.counters().hits)
+    }
+}
+
+impl Drop for DiskStore {
+    /// Bounded wait for queued uploads, then the remote counters join the cache's totals.
+    fn drop(&mut self) {
+        if let Some(remote) = &mut self.remote {
+            remote.finish(Some(&self.cache));
+        }
+    }
+}
+
+/// Opens the local cache (and the remote one, if asked) when the build is incremental.
+fn open_store(options: &BuildOptions) -> Result<Option<Arc<DiskStore>>, BuildError> {
+    if !options.incremental && options.remote.is_none() {
+        return Ok(None);
+    }
+    let dir = options.cache_dir.clone().unwrap_or_else(default_cache_dir);
+    let max_bytes = Some(cache_budget(options.cache_max_bytes)?);
+    let Some(cache) = Cache::open_or_warn(&dir, CacheOptions { read_only: options.cache_read_only, max_bytes }) else { return Ok(None) };
+    let remote = options.remote.as_ref().and_then(Remote::open_or_warn);
+    if let Some(remote) = &remote {
+        info!(remote = remote.shown_url(), "using a remote cache");
+    }
+    Ok(Some(Arc::new(DiskStore { cache, remote })))
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -61,6 +98,8 @@ pub struct BuildOptions {
     pub cache_max_bytes: Option<u64>,
     /// Operator-plan finalists `lower_mid` keeps (`--plan-finalists`).
     pub plan_finalists: usize,
+    /// A shared cache server behind the local cache (implies `incremental`).
+    pub remote: Option<RemoteOptions>,
 }
 
 /// The cache's default size budget: 2 GiB.
@@ -71,7 +110,10 @@ pub struct PhaseTiming {
     pub phase: &'static str,
     pub elapsed_ms: u128,
     pub computed: usize,
+    /// Stages read from the local cache.
     pub disk_hits: usize,
+    /// Stages read from the remote cache (and copied into the local one).
+    pub remote_hits: usize,
 }
 
 pub struct Built {
@@ -138,16 +180,15 @@ pub struct Session {
 
 impl Session {
     pub fn new(options: &BuildOptions) -> Result<Session, BuildError> {
-        let disk = if options.incremental {
-            let dir = options.cache_dir.clone().unwrap_or_else(default_cache_dir);
-            let max_bytes = Some(cache_budget(options.cache_max_bytes)?);
-            Cache::open_or_warn(&dir, CacheOptions { read_only: options.cache_read_only, max_bytes }).map(|c| Arc::new(DiskStore(c)))
-        } else {
-            None
-        };
+        let disk = open_store(options)?;
         let verify = std::env::var_os("IPUQ_VERIFY_CACHE").is_some_and(|v| v == "1");
         let db = Database::new(disk.clone().map(|d| d as Arc<dyn StageStore>)).verifying_hits(verify).with_plan_finalists(options.plan_finalists);
         Ok(Session { db, sources: None, disk })
+    }
+
+    /// The local cache and remote tier this session reads and writes, if any.
+    pub fn store(&self) -> Option<&Arc<DiskStore>> {
+        self.disk.as_ref()
     }
 
     /// Set the inputs, changing only what changed (an unchanged input keeps every query
@@ -202,16 +243,18 @@ impl Session {
             let phase_span = info_span!("ipuq.package.phase", phase);
             let _p = phase_span.enter();
             let start = Instant::now();
+            let remote_before = self.disk.as_ref().map_or(0, |d| d.remote_hits());
             let result = run_phase(db, sources, phase);
+            let remote_hits = (self.disk.as_ref().map_or(0, |d| d.remote_hits()) - remote_before) as usize;
             let elapsed_ms = start.elapsed().as_millis();
             info!(phase, elapsed_ms = elapsed_ms as u64, success = result.is_ok(), "package build phase finished");
             let runs = db.take_runs();
             let computed = runs.iter().filter(|r| r.1 == Origin::Computed).count();
-            let disk_hits = runs.iter().filter(|r| r.1 == Origin::DiskHit).count();
-            if computed == 0 && disk_hits > 0 {
-                info!(phase, stages = disk_hits, "reused cached stage outputs");
+            let disk_hits = runs.iter().filter(|r| r.1 == Origin::DiskHit).count().saturating_sub(remote_hits);
+            if computed == 0 && disk_hits + remote_hits > 0 {
+                info!(phase, stages = disk_hits + remote_hits, remote_hits, "reused cached stage outputs");
             }
-            timings.push(PhaseTiming { phase, elapsed_ms, computed, disk_hits });
+            timings.push(PhaseTiming { phase, elapsed_ms, computed, disk_hits, remote_hits });
             result.map_err(|e| BuildError::Compile(e.to_string()))?;
             if phase == "select_finalist" {
                 let l = lowered(db, sources).map_err(|e| BuildError::Compile(e.to_string()))?;
@@ -228,7 +271,7 @@ impl Session {
         store_build_record(db, &text, &target_text, &record);
         if let Some(disk) = &self.disk {
             if timings.iter().any(|t| t.computed > 0) {
-                if let Err(error) = disk.0.enforce_budget() {
+                if let Err(error) = disk.cache.enforce_budget() {
                     tracing::warn!(%error, "cache size budget not enforced");
                 }
             }
@@ -316,10 +359,26 @@ pub fn read_package(path: &Path) -> Result<Package, BuildError> {
 }
 
 pub fn print_timings(timings: &[PhaseTiming]) {
-    eprintln!("{:<30} {:>10} {:>9} {:>9}", "phase", "ms", "computed", "disk hits");
+    eprintln!("{:<30} {:>10} {:>9} {:>9} {:>11}", "phase", "ms", "computed", "disk hits", "remote hits");
     for t in timings {
-        eprintln!("{:<30} {:>10} {:>9} {:>9}", t.phase, t.elapsed_ms, t.computed, t.disk_hits);
+        eprintln!("{:<30} {:>10} {:>9} {:>9} {:>11}", t.phase, t.elapsed_ms, t.computed, t.disk_hits, t.remote_hits);
     }
     let sum = |f: fn(&PhaseTiming) -> u128| timings.iter().map(f).sum::<u128>();
-    eprintln!("{:<30} {:>10} {:>9} {:>9}", "total", sum(|t| t.elapsed_ms), sum(|t| t.computed as u128), sum(|t| t.disk_hits as u128));
+    eprintln!("{:<30} {:>10} {:>9} {:>9} {:>11}", "total", sum(|t| t.elapsed_ms), sum(|t| t.computed as u128), sum(|t| t.disk_hits as u128), sum(|t| t.remote_hits as u128));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_counts_take_binary_units_and_name_bad_text() {
+        assert_eq!(parse_bytes("1024"), Ok(1024));
+        assert_eq!(parse_bytes("2G"), Ok(2 << 30));
+        assert_eq!(parse_bytes("512MiB"), Ok(512 << 20));
+        assert_eq!(parse_bytes("1k"), Ok(1024));
+        assert!(parse_bytes("3T").unwrap_err().contains("unknown unit"));
+        assert!(parse_bytes("lots").unwrap_err().contains("'lots'"));
+        assert!(parse_bytes("99999999999G").unwrap_err().contains("too large"));
+    }
 }

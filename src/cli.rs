@@ -47,6 +47,8 @@ pub struct CompileArgs {
     /// Operator-plan finalists lower_mid keeps for select_finalist to cost exactly.
     #[arg(long, default_value_t = ipuq_queries::lower::search::DEFAULT_FINALISTS, value_parser = clap::value_parser!(usize))]
     plan_finalists: usize,
+    #[command(flatten)]
+    remote: crate::remote_args::RemoteArgs,
 }
 
 #[derive(Subcommand)]
@@ -79,6 +81,11 @@ enum Command {
         /// Seconds to wait for the device lock before giving up.
         #[arg(long, default_value_t = 600)]
         lock_timeout: u64,
+        /// The machine the simulator models: a target file, or the built-in `ipu21` or `small16`
+        /// (default: ipuq's description of the machine the package names). A package built
+        /// for another machine (another target digest) is refused.
+        #[arg(long)]
+        device_target: Option<String>,
     },
     /// Print the operator-plan finalists: plans, estimated and exact cycles, peak bytes, the chosen one.
     Plans {
@@ -177,6 +184,17 @@ enum CacheAction {
         max_bytes: u64,
     },
     Clear,
+    /// Write cache entries into one file: those the workloads need (building them), or all.
+    Export {
+        file: PathBuf,
+        #[arg(long = "workload")]
+        workloads: Vec<PathBuf>,
+        /// Target the workloads are built for (default ipu21).
+        #[arg(long)]
+        target: Option<String>,
+    },
+    /// Verify every entry of an exported file and add it to the cache.
+    Import { file: PathBuf },
 }
 
 pub fn main() -> ExitCode {
@@ -205,21 +223,23 @@ fn workload_name(path: &Path) -> Result<String, String> {
     Graph::parse(&text, &path.display().to_string()).map(|g| g.name).map_err(|e| e.to_string())
 }
 
-fn build_options(args: &CompileArgs, out_dir: PathBuf) -> BuildOptions {
-    BuildOptions {
+fn build_options(args: &CompileArgs, out_dir: PathBuf) -> Result<BuildOptions, String> {
+    let remote = args.remote.options()?;
+    Ok(BuildOptions {
         target: args.target.clone(),
         out_dir,
-        incremental: args.incremental,
+        incremental: args.incremental || remote.is_some(),
         cache_dir: args.cache_dir.clone(),
         cache_read_only: args.cache_read_only,
         cache_max_bytes: args.cache_max_bytes,
         plan_finalists: args.plan_finalists,
-    }
+        remote,
+    })
 }
 
 fn compile(workload: &Path, args: &CompileArgs) -> Result<crate::build::Built, String> {
     let name = workload_name(workload)?;
-    let options = build_options(args, out_dir(args, &name));
+    let options = build_options(args, out_dir(args, &name))?;
     let built = build(workload, &options).map_err(|e| e.to_string())?;
     if args.timings {
         print_timings(&built.timings);
@@ -250,7 +270,7 @@ fn run(cli: Cli) -> Result<Outcome, String> {
             println!("package={} tiles={} estimatedCycles={}", built.path.display(), built.tiles, built.estimated_cycles);
             Ok(Outcome::Pass)
         }
-        Command::Run { input, compile: args, checkpoints, sample_limit, dump, lock_timeout } => {
+        Command::Run { input, compile: args, checkpoints, sample_limit, dump, lock_timeout, device_target } => {
             let (package_path, folder) = if input.extension().is_some_and(|e| e == "ipuexe") {
                 (input.clone(), input.parent().map(Path::to_path_buf).unwrap_or_default())
             } else {
@@ -258,11 +278,11 @@ fn run(cli: Cli) -> Result<Outcome, String> {
                 (built.path, input.parent().map(Path::to_path_buf).unwrap_or_default())
             };
             let package = read_package(&package_path).map_err(|e| e.to_string())?;
-            let options = report::RunRequest { checkpoints, sample_limit, dump, lock_timeout: Duration::from_secs(lock_timeout), workload_folder: folder };
+            let options = report::RunRequest { device_target, checkpoints, sample_limit, dump, lock_timeout: Duration::from_secs(lock_timeout), workload_folder: folder };
             report::run_and_verify(&package, &package_path, &options)
         }
         Command::Watch { workload, compile: args, run, lock_timeout, poll_ms, max_rebuilds } => {
-            let options = build_options(&args, PathBuf::new());
+            let options = build_options(&args, PathBuf::new())?;
             let watch = crate::watch::WatchOptions { run, lock_timeout: Duration::from_secs(lock_timeout), poll: Duration::from_millis(poll_ms.max(1)), max_rebuilds };
             crate::watch::watch(&workload, options, |w| workload_name(w).map(|name| out_dir(&args, &name)), &watch)?;
             Ok(Outcome::Pass)
@@ -294,7 +314,18 @@ fn run(cli: Cli) -> Result<Outcome, String> {
             let read_only = matches!(action, CacheAction::Stats | CacheAction::Verify);
             let cache = ipuq_cache::Cache::open(&dir, ipuq_cache::CacheOptions { read_only, max_bytes: None }).map_err(|e| e.to_string())?;
             match action {
-                CacheAction::Stats => println!("{}", cache.stats().map_err(|e| e.to_string())?),
+                CacheAction::Stats => {
+                    println!("{}", cache.stats().map_err(|e| e.to_string())?);
+                    println!("remote (all builds with this cache folder): {}", cache.remote_totals());
+                }
+                CacheAction::Export { file, workloads, target } => println!("{}", crate::remote_args::export(&dir, &file, &workloads, target.as_deref())?),
+                CacheAction::Import { file } => {
+                    let report = cache.import(&file).map_err(|e| e.to_string())?;
+                    println!("{report}");
+                    if !report.rejected.is_empty() {
+                        return Ok(Outcome::NumericalFailure);
+                    }
+                }
                 CacheAction::Verify => {
                     let report = cache.verify().map_err(|e| e.to_string())?;
                     println!("{report}");

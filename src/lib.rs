@@ -12,6 +12,8 @@ pub mod plans;
 pub mod profile;
 pub mod progress;
 pub mod reference;
+pub mod reference_cache;
+pub mod remote_args;
 pub mod report;
 pub mod runtime;
 pub mod verify;

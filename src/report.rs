@@ -5,11 +5,10 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use ipuq_queries::ir::{Graph, Producer};
+use ipuq_queries::ir::{Graph, OpKind, Producer};
 use ipuq_queries::package::Package;
-use ipuq_queries::target::Target;
 
-use crate::runtime::{execute, RunOptions};
+use crate::runtime::{execute, DeviceTarget, RunOptions};
 use crate::verify::{check_samples, compare_bytes, Tolerance};
 use crate::workload::data::{decode, tensor_data};
 use crate::workload::npy::write_npy;
@@ -21,6 +20,8 @@ pub enum Outcome {
 }
 
 pub struct RunRequest {
+    /// `--device-target FILE|ipu21|small16`; `None`: the built-in machine the package names.
+    pub device_target: Option<String>,
     pub checkpoints: bool,
     pub sample_limit: usize,
     pub dump: Option<PathBuf>,
@@ -38,13 +39,35 @@ fn family_fields(graph: &Graph) -> String {
     known.chain(others).map(|(k, v)| format!(" {k}={}", v.to_string().trim_matches('"'))).collect()
 }
 
+/// Floating-point operations of the workload's matrix products (2 m k n per output batch),
+/// from the workload alone: what the efficiency figure divides by, whatever the package says.
+pub fn workload_gemm_flops(graph: &Graph) -> u64 {
+    graph
+        .operations
+        .iter()
+        .filter(|o| matches!(o.kind, OpKind::MatMul { .. }))
+        .map(|o| {
+            let k = o.inputs.first().and_then(|&a| graph.value(a).shape.last().copied()).unwrap_or(0);
+            2 * graph.value(o.output).elements() * k as u64
+        })
+        .sum()
+}
+
 pub fn run_and_verify(package: &Package, package_path: &Path, request: &RunRequest) -> Result<Outcome, String> {
-    let target = Target::from_toml(&package.target_toml, "package target").map_err(|e| e.to_string())?;
+    let device_target = match &request.device_target {
+        Some(spec) => {
+            let (text, origin) = crate::build::load_target(Some(spec)).map_err(|e| e.to_string())?;
+            DeviceTarget::from_text(&text, &origin).map_err(|e| e.to_string())?
+        }
+        None => DeviceTarget::built_in_for(package).map_err(|e| e.to_string())?,
+    };
+    let target = device_target.target.clone();
     let graph = Graph::parse(&package.workload_toml, &format!("{} (embedded workload)", package_path.display())).map_err(|e| e.to_string())?;
     let data = tensor_data(&graph, &request.workload_folder).map_err(|e| e.to_string())?;
     let inputs: BTreeMap<String, Vec<u8>> = data.iter().map(|(name, d)| (name.clone(), d.bytes.clone())).collect();
     let folder = package_path.parent().map(Path::to_path_buf).unwrap_or_default();
     let options = RunOptions {
+        device_target: Some(device_target),
         checkpoints: request.checkpoints,
         sample_limit: request.sample_limit,
         profile_path: Some(folder.join("execution.ipuprofile")),
@@ -52,18 +75,37 @@ pub fn run_and_verify(package: &Package, package_path: &Path, request: &RunReque
         lock_timeout: request.lock_timeout,
     };
     let result = execute(package, &inputs, &options).map_err(|e| e.to_string())?;
-    // The host reference: the outputs, and the checkpointed values when asked.
-    let mut wanted: Vec<String> = package.host.outputs.iter().map(|t| t.name.clone()).collect();
+    // The host reference: every output the workload declares (not the package's list), and
+    // the checkpointed values when asked.
+    let mut wanted: Vec<String> = graph.outputs.iter().map(|&v| graph.value(v).name.clone()).collect();
+    let declared = wanted.len();
     if request.checkpoints {
         wanted.extend(result.checkpoints.iter().map(|c| c.name.clone()));
     }
     let wanted_refs: Vec<&str> = wanted.iter().map(String::as_str).collect();
-    let reference = crate::reference::evaluate_values(&graph, &data, &wanted_refs).map_err(|e| e.to_string())?;
+    let reference = crate::reference_cache::evaluate_cached(&folder, &graph, &data, &wanted_refs).map_err(|e| e.to_string())?;
     let mut passed = true;
     let mut max_error = 0f64;
-    for t in &package.host.outputs {
-        let bytes = result.outputs.get(&t.name).ok_or_else(|| format!("the device returned no output '{}'", t.name))?;
-        let comparison = compare_bytes(&reference[&t.name], bytes, t.dtype).map_err(|e| e.to_string())?;
+    for name in &wanted[..declared] {
+        let value = graph.value(graph.find(name).ok_or_else(|| format!("output '{name}' is not a value of the workload"))?);
+        let table = package.host.outputs.iter().find(|t| &t.name == name);
+        let Some((t, bytes)) = table.and_then(|t| result.outputs.get(name).map(|b| (t, b))) else {
+            eprintln!("output '{name}', declared by the workload, is not among the package's outputs: the device returned nothing for it");
+            passed = false;
+            continue;
+        };
+        if t.shape != value.shape || t.dtype != value.dtype {
+            eprintln!(
+                "output '{name}': the package returns {} {:?}, the workload declares {} {:?}",
+                t.dtype.name(),
+                t.shape,
+                value.dtype.name(),
+                value.shape
+            );
+            passed = false;
+            continue;
+        }
+        let comparison = compare_bytes(&reference[name], bytes, t.dtype).map_err(|e| e.to_string())?;
         if !comparison.passed {
             eprintln!(
                 "output '{}' differs from the host reference: element {} is {} on the device, {} in the reference ({} of {} elements outside tolerance)",
@@ -77,7 +119,15 @@ pub fn run_and_verify(package: &Package, package_path: &Path, request: &RunReque
         println!("profile={} tiles={tiles} samples={samples}", path.display());
     }
     let seconds = result.cycles as f64 / target.chip.clock_hz as f64;
-    let effective = package.summary.gemm_flops as f64 / seconds.max(f64::MIN_POSITIVE) / 1e12;
+    let flops = workload_gemm_flops(&graph);
+    if result.executed_flops < flops {
+        eprintln!("the device executed {} matrix-product flops, fewer than the workload's {flops}: work is missing", result.executed_flops);
+        passed = false;
+    }
+    let effective = flops as f64 / seconds.max(f64::MIN_POSITIVE) / 1e12;
+    let host_bytes = result.input_bytes + result.weight_bytes + result.output_bytes;
+    let host_seconds = host_bytes as f64 / target.host.link_bytes_per_second.max(1) as f64;
+    let unmeasured = 100.0 * result.unmeasured_cycles as f64 / result.cycles.max(1) as f64;
     let peak = target.peak_tflops();
     let mut checkpoint_pass = true;
     if request.checkpoints {
@@ -96,10 +146,10 @@ pub fn run_and_verify(package: &Package, package_path: &Path, request: &RunReque
     }
     let all_pass = passed && checkpoint_pass;
     println!(
-        "workload={}{} activeTiles={} executionTiles={} inputBytes={} weightBytes={} cycles={} minimumTileCycles={} deviceMicroseconds={:.3} effectiveGemmTflops={:.3} peakTflops={:.3} efficiencyPercent={:.2} maximumAbsoluteError={:.6} numericalTest={}",
+        "workload={}{} activeTiles={} executionTiles={} inputBytes={} weightBytes={} cycles={} minimumTileCycles={} deviceMicroseconds={:.3} effectiveGemmTflops={:.3} peakTflops={:.3} efficiencyPercent={:.2} hostBytes={host_bytes} hostLinkMicroseconds={:.3} unmeasuredCyclePercent={unmeasured:.2} deviceTarget={} targetDigest={} maximumAbsoluteError={:.6} numericalTest={}",
         graph.name,
         family_fields(&graph),
-        package.summary.active_tiles,
+        result.active_tiles,
         package.tile_count(),
         result.input_bytes,
         result.weight_bytes,
@@ -109,6 +159,9 @@ pub fn run_and_verify(package: &Package, package_path: &Path, request: &RunReque
         effective,
         peak,
         100.0 * effective / peak,
+        host_seconds * 1e6,
+        result.target_name,
+        result.target_digest,
         max_error,
         if passed { "PASS" } else { "FAIL" }
     );
@@ -129,7 +182,8 @@ fn dump(dir: &Path, graph: &Graph, data: &BTreeMap<String, crate::workload::Tens
         }
     }
     for t in &package.host.outputs {
-        let values = decode(&outputs[&t.name], t.dtype).map_err(|e| e.to_string())?;
+        let Some(bytes) = outputs.get(&t.name) else { continue };
+        let values = decode(bytes, t.dtype).map_err(|e| e.to_string())?;
         let shape: Vec<u64> = t.shape.iter().map(|&x| x as u64).collect();
         write_npy(&dir.join(format!("{}.npy", t.name)), t.dtype, &shape, &values).map_err(|e| e.to_string())?;
     }

@@ -15,15 +15,49 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use ipuq_queries::package::{HostRole, Package};
-use ipuq_queries::target::{Target, TargetError};
+use ipuq_queries::provenance::Provenance;
+use ipuq_queries::target::{fixtures, Target, TargetError};
 
 use crate::device::lock::{DeviceLock, LockError};
 use crate::device::{self, DeviceError, Probe};
 use crate::profile::{self, ProfileError};
 
+/// The machine a device simulates: its description and the provenance tags of its constants.
+#[derive(Clone, Debug)]
+pub struct DeviceTarget {
+    pub target: Target,
+    pub provenance: Provenance,
+    /// Where the description came from ("ipu21 (built in)", a file path).
+    pub origin: String,
+}
+
+impl DeviceTarget {
+    /// Parse a target description file's text (comments carry the provenance tags).
+    pub fn from_text(text: &str, origin: &str) -> Result<DeviceTarget, TargetError> {
+        let target = Target::from_toml(text, origin)?;
+        Ok(DeviceTarget { target, provenance: Provenance::from_target_text(text), origin: origin.to_string() })
+    }
+
+    /// ipuq's own description of the machine a package names (by the name inside the
+    /// package's target): the device never takes its machine from the package.
+    pub fn built_in_for(package: &Package) -> Result<DeviceTarget, RunError> {
+        let named = Target::from_toml(&package.target_toml, "the package's target")?;
+        for (text, origin) in [(fixtures::IPU21, "ipu21 (built in)"), (fixtures::SMALL16, "small16 (built in)")] {
+            let built_in = DeviceTarget::from_text(text, origin)?;
+            if built_in.target.name == named.name {
+                return Ok(built_in);
+            }
+        }
+        Err(RunError::UnknownMachine { name: named.name })
+    }
+}
+
 /// How to run a package.
 #[derive(Clone, Debug)]
 pub struct RunOptions {
+    /// The machine the device simulates; `None`: ipuq's built-in description of the machine
+    /// the package names ([`DeviceTarget::built_in_for`]).
+    pub device_target: Option<DeviceTarget>,
     /// Sample the package's checkpoint tensors right after the steps that complete them.
     pub checkpoints: bool,
     /// At most this many samples per checkpoint tensor.
@@ -38,7 +72,7 @@ pub struct RunOptions {
 
 impl Default for RunOptions {
     fn default() -> Self {
-        RunOptions { checkpoints: false, sample_limit: 256, profile_path: None, lock_path: None, lock_timeout: Duration::from_secs(600) }
+        RunOptions { device_target: None, checkpoints: false, sample_limit: 256, profile_path: None, lock_path: None, lock_timeout: Duration::from_secs(600) }
     }
 }
 
@@ -66,6 +100,19 @@ pub struct RunResult {
     pub input_bytes: u64,
     /// Bytes streamed to the device for `Weight` host tensors, replicas counted.
     pub weight_bytes: u64,
+    /// Bytes read back from the device (outputs).
+    pub output_bytes: u64,
+    /// See [`crate::device::RunReport::unmeasured_cycles`].
+    pub unmeasured_cycles: u64,
+    /// See [`crate::device::RunReport::executed_flops`].
+    pub executed_flops: u64,
+    /// Tiles that ran at least one vertex call.
+    pub active_tiles: u32,
+    /// The machine the device simulated.
+    pub target_name: String,
+    pub target_digest: String,
+    /// Bytes per second of the device target's host link.
+    pub host_link_bytes_per_second: u64,
     /// The profile written: path, tiles, samples.
     pub profile: Option<(PathBuf, u32, u64)>,
     /// The device that ran ("simulator").
@@ -86,6 +133,8 @@ pub enum RunError {
     Input { name: String, message: String },
     #[error(transparent)]
     Profile(#[from] ProfileError),
+    #[error("the package names machine `{name}`, which ipuq has no built-in description of: name its target description with --device-target FILE")]
+    UnknownMachine { name: String },
 }
 
 /// At most `limit` flat indices, evenly spread over `elements` (deterministic, increasing,
@@ -114,15 +163,20 @@ fn check_inputs(package: &Package, inputs: &BTreeMap<String, Vec<u8>>) -> Result
     Ok(())
 }
 
-/// Run a package once on the default device (the simulator).
+/// Run a package once on the default device (the simulator) of the device target.
 pub fn execute(package: &Package, inputs: &BTreeMap<String, Vec<u8>>, options: &RunOptions) -> Result<RunResult, RunError> {
     let started = Instant::now();
     let _span = tracing::info_span!("ipuq.runtime.execute", tile_count = package.tile_count()).entered();
-    let target = Target::from_toml(&package.target_toml, "the package's target")?;
+    let device_target = match &options.device_target {
+        Some(t) => t.clone(),
+        None => DeviceTarget::built_in_for(package)?,
+    };
+    let target = &device_target.target;
+    tracing::info!(target = %target.name, origin = %device_target.origin, digest = %target.digest().short(), "device target");
     check_inputs(package, inputs)?;
     let _lock = options.lock_path.as_deref().map(|path| DeviceLock::acquire(path, options.lock_timeout)).transpose()?;
 
-    let mut device = device::open_default(&target)?;
+    let mut device = device::open_default(target, &device_target.provenance)?;
     device.initialize()?;
     device.replay_configuration(package)?;
     device.load(package)?;
@@ -159,8 +213,11 @@ pub fn execute(package: &Package, inputs: &BTreeMap<String, Vec<u8>>, options: &
     let report = device.run(&probes)?;
 
     let mut outputs = BTreeMap::new();
+    let mut output_bytes = 0u64;
     for tensor in &package.host.outputs {
-        outputs.insert(tensor.name.clone(), device.read_tensor(tensor)?);
+        let bytes = device.read_tensor(tensor)?;
+        output_bytes += bytes.len() as u64;
+        outputs.insert(tensor.name.clone(), bytes);
     }
     let checkpoints = checkpoints
         .iter()
@@ -185,6 +242,13 @@ pub fn execute(package: &Package, inputs: &BTreeMap<String, Vec<u8>>, options: &
         minimum_tile_cycles: timeline.minimum_tile_cycles(),
         input_bytes,
         weight_bytes,
+        output_bytes,
+        unmeasured_cycles: report.unmeasured_cycles,
+        executed_flops: report.executed_flops,
+        active_tiles: timeline.active_tiles(),
+        target_name: target.name.clone(),
+        target_digest: target.digest().short(),
+        host_link_bytes_per_second: target.host.link_bytes_per_second,
         profile,
         device: device.name().to_string(),
         wall: started.elapsed(),

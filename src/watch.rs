@@ -74,6 +74,8 @@ fn rebuild(session: &mut Session, workload: &Path, options: &mut BuildOptions, o
         },
     };
     let request = RunRequest {
+        // The device models the machine the build targeted (the built-in one it names by default).
+        device_target: options.target.clone(),
         checkpoints: false,
         sample_limit: 256,
         dump: None,

@@ -247,3 +247,25 @@ impl SpawnOutput for std::process::Command {
         self.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap()
     }
 }
+
+#[test]
+fn a_package_for_a_doctored_target_is_refused_by_default_and_runs_on_a_device_of_that_target() {
+    let dir = workdir();
+    let text = ipuq_queries::target::fixtures::SMALL16.replace("gemm_per_row = 4 ", "gemm_per_row = 1 ").replace("sync_cycles = 600 ", "sync_cycles = 0 ");
+    assert_ne!(text, ipuq_queries::target::fixtures::SMALL16);
+    std::fs::write(dir.path().join("doctored.toml"), &text).unwrap();
+    let doctored = ipuq_queries::target::Target::from_toml(&text, "doctored").unwrap().digest().short();
+    let small16 = ipuq_queries::target::Target::from_toml(ipuq_queries::target::fixtures::SMALL16, "small16").unwrap().digest().short();
+    let out = ipuq(&["build", &fixture("workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml"), "--target", "doctored.toml", "-o", "out"], dir.path());
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    // The default device is ipuq's own small16, whatever the package says about its machine.
+    let out = ipuq(&["run", "out/model.ipuexe"], dir.path());
+    assert_eq!(out.code, 2, "{}", out.stdout);
+    let error = out.stderr.lines().find(|l| l.starts_with("error:")).unwrap_or_default();
+    assert!(error.contains(&doctored) && error.contains(&small16) && error.contains("refused"), "{error}");
+    let out = ipuq(&["run", "out/model.ipuexe", "--device-target", "doctored.toml"], dir.path());
+    assert_pass(&out);
+    assert_eq!(field(&out.stdout, "workload=", "targetDigest"), Some(doctored));
+    let out = ipuq(&["run", "out/model.ipuexe", "--device-target", "small16"], dir.path());
+    assert_eq!(out.code, 2);
+}

@@ -175,6 +175,7 @@ impl Cache {
                 source,
             })?;
         }
+        self.reset_remote_totals();
         Ok(())
     }
 

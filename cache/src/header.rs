@@ -148,6 +148,33 @@ fn field<const N: usize>(bytes: &[u8; HEADER_LEN], offset: usize) -> [u8; N] {
     out
 }
 
+/// Checks a whole cache file held in memory (from a remote cache or an
+/// export bundle) exactly as [`read_file`] checks one on disk: header, length
+/// and checksum. Returns the header and the payload.
+pub(crate) fn parse_bytes(
+    bytes: &[u8],
+    kind: Kind,
+    schema: Option<u64>,
+) -> Result<(Header, &[u8]), Problem> {
+    let Some((header_bytes, payload)) = bytes.split_first_chunk::<HEADER_LEN>() else {
+        return Err(Problem::WrongLength {
+            expected: HEADER_LEN as u64,
+            found: bytes.len() as u64,
+        });
+    };
+    let header = Header::decode(header_bytes, kind, schema)?;
+    if payload.len() as u64 != header.payload_len {
+        return Err(Problem::WrongLength {
+            expected: (HEADER_LEN as u64).saturating_add(header.payload_len),
+            found: bytes.len() as u64,
+        });
+    }
+    if digest_of(payload) != header.payload_digest {
+        return Err(Problem::Checksum);
+    }
+    Ok((header, payload))
+}
+
 /// Reads a whole cache file, checks its header against the expected kind and
 /// schema (any schema if `None`), its length against the header, and its payload against the
 /// header's blake3. Returns the header and the payload in a 16-byte-aligned

@@ -7,7 +7,14 @@
 //! <root>/ac/ab/cdef….used    last-used stamps (explicit mtime, for LRU)
 //! <root>/tmp/                files being published
 //! <root>/gc.lock             shared by publishing builds, exclusive for gc
+//! <root>/remote-stats        running totals of the remote tier (bookkeeping)
 //! ```
+//!
+//! Behind the local directory, an optional remote tier (`remote/`) shares
+//! entries through a server in the Bazel HTTP cache layout or Redis, and
+//! `bundle.rs` exports entries into one file and imports them elsewhere.
+//! Both move the same manifest files and payloads, and check them as a read
+//! from disk does before anything is stored.
 //!
 //! Every file is a 64-byte header (magic, format version, rkyv layout,
 //! schema, payload length, blake3 of the payload) followed by the payload,
@@ -42,6 +49,7 @@
 //! assert_eq!(cache.counters()["plan"].hits, 1);
 //! ```
 
+mod bundle;
 mod error;
 mod gc;
 mod header;
@@ -49,9 +57,11 @@ mod inspect;
 mod key;
 mod manifest;
 mod publish;
+pub mod remote;
 mod session;
 mod store;
 
+pub use bundle::{BundleError, ExportReport, ImportReport};
 pub use error::{CacheError, Problem};
 pub use gc::GcReport;
 pub use header::{FORMAT_VERSION, HEADER_LEN, RKYV_LAYOUT};
@@ -60,4 +70,5 @@ pub use key::{digest_of, from_hex, to_hex, Digest, Key};
 pub use manifest::MAX_STAGE_LEN;
 pub use rkyv::util::AlignedVec;
 pub use session::StageCounters;
+pub use remote::{Remote, RemoteCounters, RemoteError, RemoteOptions};
 pub use store::{Cache, CacheOptions, BLOB_SCHEMA};

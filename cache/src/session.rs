@@ -95,6 +95,13 @@ impl Session {
         relock(&self.touched).insert(*key)
     }
 
+    /// Every key this process used or wrote, sorted.
+    pub(crate) fn touched_keys(&self) -> Vec<Key> {
+        let mut keys: Vec<Key> = relock(&self.touched).iter().copied().collect();
+        keys.sort_unstable();
+        keys
+    }
+
     /// Whether this process used or wrote `key`.
     pub(crate) fn has_touched(&self, key: &Key) -> bool {
         relock(&self.touched).contains(key)

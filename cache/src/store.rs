@@ -257,17 +257,7 @@ impl Cache {
                 &[&blob_header.encode(), payload],
             )?;
         }
-        let manifest = Manifest {
-            stage: stage.to_owned(),
-            key: *key,
-            digest,
-            payload_len: payload.len() as u64,
-        };
-        let manifest_payload = manifest.encode();
-        let mut manifest_bytes = Header::for_payload(Kind::Manifest, schema, &manifest_payload)
-            .encode()
-            .to_vec();
-        manifest_bytes.extend_from_slice(&manifest_payload);
+        let manifest_bytes = manifest_file(stage, key, schema, &digest, payload.len() as u64);
         let manifest_path = self.manifest_path(key);
         if fs::read(&manifest_path).ok().as_deref() != Some(manifest_bytes.as_slice()) {
             publish(&self.tmp_dir(), &manifest_path, &[&manifest_bytes])?;
@@ -300,6 +290,12 @@ impl Cache {
                 None
             }
         }
+    }
+
+    /// Every key this process looked up successfully or wrote, sorted: what
+    /// a build needed (`ipuq cache export --workload`).
+    pub fn touched_keys(&self) -> Vec<Key> {
+        self.session.touched_keys()
     }
 
     /// Hits, misses and writes per stage in this process, for `--timings`.
@@ -361,6 +357,29 @@ fn blob_is_intact(path: &Path, digest: &Digest) -> bool {
             false
         }
     }
+}
+
+/// The bytes of the manifest file binding `stage` and `key` to a payload:
+/// what `ac/` holds on disk, and what a remote cache's `ac/<key>` holds.
+pub(crate) fn manifest_file(
+    stage: &str,
+    key: &Key,
+    schema: u64,
+    digest: &Digest,
+    payload_len: u64,
+) -> Vec<u8> {
+    let manifest = Manifest {
+        stage: stage.to_owned(),
+        key: *key,
+        digest: *digest,
+        payload_len,
+    };
+    let manifest_payload = manifest.encode();
+    let mut bytes = Header::for_payload(Kind::Manifest, schema, &manifest_payload)
+        .encode()
+        .to_vec();
+    bytes.extend_from_slice(&manifest_payload);
+    bytes
 }
 
 /// A directory that cannot be created because of permissions or a read-only

@@ -6,7 +6,7 @@
 //! charges them for the vertex calls it executes, so the two can only disagree where the
 //! planner's picture of a call differs from the call the package really makes.
 
-use crate::package::VertexCall;
+use crate::package::{Operand, VertexCall};
 use crate::target::Target;
 
 fn ceil_div(a: u64, b: u64) -> u64 {
@@ -106,8 +106,64 @@ pub fn exchange_phase(t: &Target, horizon: u32) -> u64 {
 /// Cycles of one vertex call as the package states it: the weight class of a matrix product
 /// and the copy rate follow from the operands' addresses.
 pub fn vertex(t: &Target, call: &VertexCall) -> u64 {
+    if let VertexCall::MatMul { m, k, n, b, b_transposed, .. } = call {
+        return gemm(t, *m, *k, *n, weight_class(t, b), *b_transposed);
+    }
     vertex_with(t, call, |o| o.address >= t.memory.interleaved_start)
 }
+
+/// The weight-load path of a placed B operand (f16): 128-bit loads need interleaved memory and
+/// an address and row pitch aligned to `memory.weight_load_alignment`; anything else loads
+/// 64 bits at a time, at the standard-memory cost.
+pub fn weight_class(t: &Target, b: &Operand) -> WeightClass {
+    let m = &t.memory;
+    let align = m.weight_load_alignment.max(1) as u64;
+    let aligned = (b.address as u64).is_multiple_of(align) && (b.row_stride as u64 * 2).is_multiple_of(align);
+    if b.address >= m.interleaved_start && aligned {
+        WeightClass::Interleaved
+    } else {
+        WeightClass::Standard
+    }
+}
+
+/// The target constants (`section.key`) that [`vertex`] reads to price a placed call: what the
+/// simulator checks against the target file's provenance tags.
+pub fn vertex_constants(t: &Target, call: &VertexCall) -> Vec<&'static str> {
+    let mut keys = vec!["costs.kernel_launch"];
+    match call {
+        VertexCall::MatMul { b, b_transposed, .. } => {
+            keys.extend(["costs.gemm_base", "costs.gemm_block", "costs.gemm_per_row", "costs.gemm_per_block"]);
+            if weight_class(t, b) == WeightClass::Standard {
+                keys.push("costs.gemm_standard_weight_extra_per_block");
+            }
+            if *b_transposed {
+                keys.push("costs.gemm_transposed_weight_extra_per_block");
+            }
+        }
+        VertexCall::Reduce { .. } => keys.extend(["costs.reduce_base", "costs.reduce_chunk", "costs.reduce_chunk_base", "costs.reduce_per_partial"]),
+        VertexCall::Gelu { .. } => keys.extend(["costs.gelu_base", "costs.gelu_chunk", "costs.gelu_per_chunk"]),
+        VertexCall::Scale { .. } => keys.extend(["costs.unary_base", "costs.unary_tail", "costs.cpl_mul_half", "compute.vector_f16_lanes", "chip.workers"]),
+        VertexCall::Add { .. } => keys.extend(["costs.binary_base", "costs.binary_tail", "costs.cpl_add_half", "compute.vector_f16_lanes", "chip.workers"]),
+        VertexCall::Softmax { .. } => keys.extend([
+            "costs.unary_base",
+            "costs.unary_exp_base",
+            "costs.unary_tail",
+            "costs.cpl_max_half",
+            "costs.cpl_exp_half",
+            "costs.cpl_add_half",
+            "costs.cpl_mul_half",
+            "compute.vector_f16_lanes",
+            "chip.workers",
+        ]),
+        VertexCall::Copy { .. } => keys.extend(["costs.copy_overhead", "costs.copy_standard_bytes_per_cycle", "costs.copy_interleaved_bytes_per_cycle"]),
+    }
+    keys
+}
+
+/// The target constants an exchange phase's cycles read: the sync and the route delays that
+/// set the horizon.
+pub const EXCHANGE_CONSTANTS: &[&str] =
+    &["exchange.sync_cycles", "exchange.delay_base", "exchange.delay_per_column", "exchange.delay_per_row_group", "exchange.row_group", "exchange.delay_turn"];
 
 /// Cycles of a call over any operands; `interleaved(operand)` says where an operand lies (the
 /// planner, before placement, assumes what it will ask placement for).

@@ -1,8 +1,9 @@
 //! `size_tile_code`, `prepare_tile_code`, `emit_tile_code`, `build_tile_images`: turn the placed
 //! program into per-tile images and programs, and assemble the package.
 //!
-//! Each tile's code segment holds its vertex state (one fixed-size record per call) and its
-//! exchange tables (one record per entry), encoded little-endian, so the bytes a tile needs
+//! Each tile's code segment holds its runtime header, its host-exchange records (one per host
+//! segment), its vertex state (one fixed-size record per call) and its exchange tables (one
+//! record per entry), encoded little-endian, so the bytes a tile needs
 //! are accounted for in its memory; the simulator executes the structured calls and tables
 //! that the same package carries beside them.
 
@@ -16,24 +17,89 @@ use crate::package::{
 use crate::storage::Placement;
 use crate::target::Target;
 
-/// Bytes of the per-tile runtime header, one vertex-state record, one exchange-table record.
+/// Bytes of the per-tile runtime header, one vertex-state record, one exchange-table record,
+/// one host-exchange record (a host segment the tile streams in or out).
 pub const RUNTIME_HEADER_BYTES: u32 = 64;
 pub const VERTEX_RECORD_BYTES: u32 = 64;
-pub const EXCHANGE_RECORD_BYTES: u32 = 16;
+/// Exchange records are three words: cycle, address, and words (20 bits: no tile holds 2^20
+/// words) | source tile (11 bits; 0 for sends) << 20 | paired << 31.
+pub const EXCHANGE_RECORD_BYTES: u32 = 12;
+pub const HOST_RECORD_BYTES: u32 = 32;
 
-/// Bytes of code and tables per tile, from call counts and exchange entries (no addresses).
-pub fn size_tile_code(lowered: &Lowered, entries_per_tile: &[u32]) -> Vec<u32> {
+/// A tile's support memory, laid out from the bottom of standard memory in this order: the
+/// runtime header (the "linked" part), host-exchange code, generated code (vertex state),
+/// exchange tables, then the profile area (none: the simulator profiles from the host side).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SupportMemory {
+    pub runtime_bytes: u32,
+    pub host_code_bytes: u32,
+    pub generated_code_bytes: u32,
+    pub exchange_table_bytes: u32,
+    pub profile_bytes: u32,
+}
+
+impl SupportMemory {
+    pub fn total(&self) -> u32 {
+        self.runtime_bytes + self.host_code_bytes + self.generated_code_bytes + self.exchange_table_bytes + self.profile_bytes
+    }
+}
+
+/// Host segments per tile (inputs, outputs and checkpoints): one host-exchange record each.
+fn host_segments_per_tile(lowered: &Lowered) -> Vec<u32> {
+    let mut n = vec![0u32; lowered.tiles as usize];
+    let tensors = lowered.inputs.iter().chain(lowered.outputs.iter()).chain(lowered.checkpoints.iter().map(|c| &c.tensor));
+    for t in tensors {
+        for s in &t.segments {
+            n[lowered.buffers[s.buffer as usize].tile as usize] += 1;
+        }
+    }
+    n
+}
+
+/// Support memory per tile, from call counts, exchange entries and host segments (no addresses).
+pub fn support_memory(lowered: &Lowered, entries_per_tile: &[u32]) -> Vec<SupportMemory> {
     let mut calls = vec![0u32; lowered.tiles as usize];
     for set in &lowered.compute_sets {
         for (tile, _) in set {
             calls[*tile as usize] += 1;
         }
     }
-    calls
-        .iter()
-        .zip(entries_per_tile)
-        .map(|(&c, &e)| RUNTIME_HEADER_BYTES + c * VERTEX_RECORD_BYTES + e * EXCHANGE_RECORD_BYTES)
+    let host = host_segments_per_tile(lowered);
+    (0..lowered.tiles as usize)
+        .map(|tile| SupportMemory {
+            runtime_bytes: RUNTIME_HEADER_BYTES,
+            host_code_bytes: host[tile] * HOST_RECORD_BYTES,
+            generated_code_bytes: calls[tile] * VERTEX_RECORD_BYTES,
+            exchange_table_bytes: entries_per_tile.get(tile).copied().unwrap_or(0) * EXCHANGE_RECORD_BYTES,
+            profile_bytes: 0,
+        })
         .collect()
+}
+
+/// Bytes of code and tables per tile (the sum of its support memory).
+pub fn size_tile_code(lowered: &Lowered, entries_per_tile: &[u32]) -> Vec<u32> {
+    support_memory(lowered, entries_per_tile).iter().map(SupportMemory::total).collect()
+}
+
+/// The seed's support-memory line for the tile with the most support memory (lowest such
+/// tile): where its code starts and ends, and the standard memory left for data above it.
+pub fn log_support_memory(target: &Target, support: &[SupportMemory]) {
+    let Some((tile, s)) = support.iter().enumerate().max_by_key(|(i, s)| (s.total(), std::cmp::Reverse(*i))) else { return };
+    let m = &target.memory;
+    let linked_end = m.base + s.runtime_bytes;
+    let code_address = (linked_end + s.host_code_bytes).div_ceil(8) * 8;
+    let code_end = (code_address + s.generated_code_bytes + s.exchange_table_bytes + s.profile_bytes).div_ceil(16) * 16;
+    tracing::info!(
+        tile,
+        linked_end,
+        profile_bytes = s.profile_bytes,
+        exchange_table_bytes = s.exchange_table_bytes,
+        host_code_bytes = s.host_code_bytes,
+        generated_code_bytes = s.generated_code_bytes,
+        code_address,
+        standard_ranges = %format!("[({code_end}, {})]", m.interleaved_start),
+        "allocated package support memory"
+    );
 }
 
 fn operand(placement: &Placement, loc: &Loc) -> Operand {
@@ -88,6 +154,30 @@ fn host_tensor(placement: &Placement, lowered: &Lowered, t: &LHostTensor) -> Hos
     })
 }
 
+/// The compiler's estimate of a placed program: (cycles, exchange cycles), from the same cost
+/// formulas the package's summary states (the longest tile per compute set, plus each
+/// exchange phase's sync and horizon).
+pub fn estimate_cycles(target: &Target, lowered: &Lowered, placement: &Placement, exchanges: &[ExchangePhase]) -> (u64, u64) {
+    let mut set_cycles: Vec<Vec<u64>> = vec![vec![0; lowered.tiles as usize]; lowered.compute_sets.len()];
+    for (index, set) in lowered.compute_sets.iter().enumerate() {
+        for (tile, call) in set {
+            set_cycles[index][*tile as usize] += cost::vertex(target, &vertex(placement, call));
+        }
+    }
+    let (mut total, mut exchange) = (0u64, 0u64);
+    for s in &lowered.steps {
+        match s {
+            LStep::Compute(i) => total += set_cycles[*i as usize].iter().copied().max().unwrap_or(0),
+            LStep::Exchange(p) => {
+                let c = exchanges.get(*p as usize).map_or(0, |x| cost::exchange_phase(target, x.horizon));
+                total += c;
+                exchange += c;
+            }
+        }
+    }
+    (total, exchange)
+}
+
 /// Assemble the package from the placed program and the final exchange tables.
 pub fn build_package(target: &Target, graph: &Graph, lowered: &Lowered, placement: &Placement, exchanges: Vec<ExchangePhase>) -> Package {
     let tiles = lowered.tiles as usize;
@@ -108,21 +198,37 @@ pub fn build_package(target: &Target, graph: &Graph, lowered: &Lowered, placemen
     }
     for (i, b) in lowered.buffers.iter().enumerate() {
         let start = placement.addresses[i];
-        images[b.tile as usize].allocations.push(Allocation { start, end: start + b.bytes, kind: b.kind, label: b.label });
+        images[b.tile as usize].allocations.push(Allocation { start, end: start + b.bytes, kind: b.kind, label: b.label, first_step: b.first_step, last_step: b.last_step });
     }
     let mut entries: Vec<Vec<u8>> = vec![Vec::new(); tiles];
     for phase in &exchanges {
         for t in &phase.tiles {
             let bytes = &mut entries[t.tile as usize];
             for s in &t.sends {
-                for w in [s.cycle, s.address, s.words, s.paired as u32] {
+                for w in [s.cycle, s.address, s.words | (s.paired as u32) << 31] {
                     bytes.extend_from_slice(&w.to_le_bytes());
                 }
             }
             for r in &t.receives {
-                for w in [r.cycle, r.address, r.words, r.source << 1 | r.paired as u32] {
+                for w in [r.cycle, r.address, r.words | r.source << 20 | (r.paired as u32) << 31] {
                     bytes.extend_from_slice(&w.to_le_bytes());
                 }
+            }
+        }
+    }
+    // Host-exchange records: (role and tensor, address, first element, count, rows, strides).
+    let mut host_records: Vec<Vec<u8>> = vec![Vec::new(); tiles];
+    let host_tensors = lowered.inputs.iter().map(|t| (0u32, t)).chain(lowered.outputs.iter().map(|t| (1, t))).chain(lowered.checkpoints.iter().map(|c| (2, &c.tensor)));
+    let mut counters = [0u32; 3];
+    for (role, t) in host_tensors {
+        let index = counters[role as usize];
+        counters[role as usize] += 1;
+        for seg in &t.segments {
+            let b = seg.buffer as usize;
+            let address = placement.addresses[b] + seg.offset;
+            let bytes = &mut host_records[lowered.buffers[b].tile as usize];
+            for w in [role << 30 | index, address, seg.element, seg.count, seg.rows, seg.element_stride, seg.offset_stride, 0] {
+                bytes.extend_from_slice(&w.to_le_bytes());
             }
         }
     }
@@ -133,6 +239,7 @@ pub fn build_package(target: &Target, graph: &Graph, lowered: &Lowered, placemen
             code.extend_from_slice(&w.to_le_bytes());
         }
         code.resize(RUNTIME_HEADER_BYTES as usize, 0);
+        code.extend_from_slice(&host_records[tile]);
         for set in &image.compute_sets {
             for call in &set.calls {
                 encode_call(call, &mut code);
@@ -140,7 +247,7 @@ pub fn build_package(target: &Target, graph: &Graph, lowered: &Lowered, placemen
         }
         code.extend_from_slice(&entries[tile]);
         code.resize((end - start) as usize, 0);
-        image.allocations.push(Allocation { start, end, kind: AllocationKind::Code, label: 0 });
+        image.allocations.push(Allocation { start, end, kind: AllocationKind::Code, label: 0, first_step: 0, last_step: u32::MAX });
         image.allocations.sort_by_key(|a| (a.start, a.end));
         image.segments.push(Segment { address: start, bytes: code });
     }

@@ -4,13 +4,16 @@
 //! disk cache is reached through a small trait (`db::StageStore`).
 
 pub mod cost;
+pub mod elements;
 pub mod emit;
+pub mod exchange_placement;
 pub mod exchange;
 pub mod fingerprint;
 pub mod hash;
 pub mod ir;
 pub mod lower;
 pub mod package;
+pub mod provenance;
 pub mod storage;
 pub mod target;
 pub mod db;

@@ -16,7 +16,7 @@ use crate::ir::DType;
 
 pub const PACKAGE_MAGIC: [u8; 8] = *b"IPUQPKG\0";
 /// Bump when the layout of anything below changes.
-pub const PACKAGE_FORMAT_VERSION: u32 = 3;
+pub const PACKAGE_FORMAT_VERSION: u32 = 4;
 /// rkyv's format flags this build writes (little endian, aligned, 32-bit offsets).
 pub const RKYV_FLAGS: u32 = 0x0000_0001;
 pub const HEADER_BYTES: usize = 96;
@@ -104,6 +104,19 @@ pub struct Allocation {
     pub kind: AllocationKind,
     /// Index into `Package::labels`.
     pub label: u32,
+    /// The program steps (indices into `Package::steps`) over which the allocation is live,
+    /// inclusive: written first at `first_step` (0 for host-written data), read last at
+    /// `last_step` (`steps.len()` when the host reads it after the run). The device refills
+    /// its bytes with NaN when its lifetime starts and rejects accesses outside it.
+    pub first_step: u32,
+    pub last_step: u32,
+}
+
+impl Allocation {
+    /// Live at program step `step`.
+    pub fn live_at(&self, step: u32) -> bool {
+        self.first_step <= step && step <= self.last_step
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]

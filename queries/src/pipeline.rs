@@ -4,8 +4,9 @@
 //! lower_mid                    search operator plans; keep K whole-program feasible finalists
 //! select_finalist              schedule, place and cost each finalist exactly; keep the cheapest
 //! lower_exchanges_provisional  schedule each exchange phase (address-free, cached per pattern)
-//! size_tile_code               bytes of vertex state and exchange tables per tile
+//! size_tile_code               support memory per tile: runtime, host code, vertex state, tables
 //! place_storage                addresses for every buffer, by region, alignment and lifetime
+//! optimize_exchange_placement  move exchange buffers off memory-element conflicts, costed
 //! lower_exchanges              patch final addresses into the schedules and validate them
 //! build_tile_images            tile images, programs and host tables: the package
 //!
@@ -20,8 +21,9 @@ use std::sync::Arc;
 use rayon::prelude::*;
 
 use crate::db::{exchange_target, graph, lowering_target, memory_target, target, CompileError, Database, Db, Sources, StageResult, Staged};
-use crate::emit::{build_package, size_tile_code};
+use crate::emit::{build_package, log_support_memory, support_memory, SupportMemory};
 use crate::exchange::{self, Destination, PhaseRequest, Schedule};
+use crate::exchange_placement::optimize_exchange_placement;
 use crate::hash::{Digest, KeyHasher};
 use crate::lower::search;
 use crate::lower::select::{select_finalist, Selection};
@@ -31,15 +33,16 @@ use crate::package::{ExchangePhase, Package};
 use crate::storage::{place_storage, Placement};
 
 /// The phases in order, as the driver runs and logs them.
-pub const PHASES: &[&str] = &["lower_mid", "select_finalist", "lower_exchanges_provisional", "size_tile_code", "place_storage", "lower_exchanges", "build_tile_images"];
+pub const PHASES: &[&str] = &["lower_mid", "select_finalist", "lower_exchanges_provisional", "size_tile_code", "place_storage", "optimize_exchange_placement", "lower_exchanges", "build_tile_images"];
 
 const LOWER_VERSION: u32 = 8;
 const SELECT_VERSION: u32 = 1;
 const SCHEDULE_VERSION: u32 = 4;
-const CODE_VERSION: u32 = 1;
-const PLACE_VERSION: u32 = 1;
-const TABLES_VERSION: u32 = 2;
-const PACKAGE_VERSION: u32 = 3;
+const CODE_VERSION: u32 = 2;
+const PLACE_VERSION: u32 = 2;
+const OPTIMIZE_PLACEMENT_VERSION: u32 = 1;
+const TABLES_VERSION: u32 = 3;
+const PACKAGE_VERSION: u32 = 5;
 
 /// Run one phase by name (the driver's entry point); returns the digest of its output.
 pub fn run_phase(db: &dyn Db, sources: Sources, phase: &str) -> Result<Digest, CompileError> {
@@ -49,6 +52,7 @@ pub fn run_phase(db: &dyn Db, sources: Sources, phase: &str) -> Result<Digest, C
         "lower_exchanges_provisional" => schedules(db, sources)?.digest,
         "size_tile_code" => code_sizes(db, sources)?.digest,
         "place_storage" => placement(db, sources)?.digest,
+        "optimize_exchange_placement" => placed(db, sources)?.digest,
         "lower_exchanges" => tables(db, sources)?.digest,
         "build_tile_images" => package(db, sources)?.digest,
         other => return Err(CompileError(format!("unknown phase '{other}'"))),
@@ -181,9 +185,10 @@ fn request_digest(request: &PhaseRequest) -> Digest {
 
 #[salsa::tracked(returns(clone))]
 pub fn code_sizes(db: &dyn Db, sources: Sources) -> StageResult<Vec<u32>> {
+    let t = memory_target(db, sources)?;
     let l = lowered(db, sources)?;
     let s = schedules(db, sources)?;
-    let key = db.ipuq().key("size_tile_code", CODE_VERSION, &[l.digest, s.digest]);
+    let key = db.ipuq().key("size_tile_code", CODE_VERSION, &[t.digest, l.digest, s.digest]);
     db.ipuq().cached("size_tile_code", CODE_VERSION, key, || {
         let mut entries = vec![0u32; l.value.tiles as usize];
         for (phase, schedule) in l.value.phases.iter().zip(s.value.phases.iter()) {
@@ -195,7 +200,9 @@ pub fn code_sizes(db: &dyn Db, sources: Sources) -> StageResult<Vec<u32>> {
                 }
             }
         }
-        Ok(size_tile_code(&l.value, &entries))
+        let support = support_memory(&l.value, &entries);
+        log_support_memory(&t.value, &support);
+        Ok(support.iter().map(SupportMemory::total).collect())
     })
 }
 
@@ -208,6 +215,22 @@ pub fn placement(db: &dyn Db, sources: Sources) -> StageResult<Placement> {
     db.ipuq().cached("place_storage", PLACE_VERSION, key, || place_storage(&t.value, &l.value, &c.value).map_err(CompileError::from))
 }
 
+/// `optimize_exchange_placement`: keyed by the lowering view of the target (it reads memory
+/// elements, delays and costs), the lowered program, the schedules, the code sizes and the
+/// placement it starts from.
+#[salsa::tracked(returns(clone))]
+pub fn placed(db: &dyn Db, sources: Sources) -> StageResult<Placement> {
+    let t = lowering_target(db, sources)?;
+    let l = lowered(db, sources)?;
+    let s = schedules(db, sources)?;
+    let c = code_sizes(db, sources)?;
+    let p = placement(db, sources)?;
+    let key = db.ipuq().key("optimize_exchange_placement", OPTIMIZE_PLACEMENT_VERSION, &[t.digest, l.digest, s.digest, c.digest, p.digest]);
+    db.ipuq().cached("optimize_exchange_placement", OPTIMIZE_PLACEMENT_VERSION, key, || {
+        optimize_exchange_placement(&t.value, &l.value, &s.value.phases, &c.value, &p.value)
+    })
+}
+
 /// Patch final addresses into every phase's schedule and validate the tables, per phase: a
 /// phase's key holds its schedule's digest and its request with addresses, so only phases
 /// whose addresses (or schedule) moved are re-validated.
@@ -216,7 +239,7 @@ pub fn tables(db: &dyn Db, sources: Sources) -> StageResult<Vec<ExchangePhase>> 
     let t = exchange_target(db, sources)?;
     let l = lowered(db, sources)?;
     let s = schedules(db, sources)?;
-    let p = placement(db, sources)?;
+    let p = placed(db, sources)?;
     let addresses = &p.value.addresses;
     let requests = requests(&l.value, |buffer, offset| addresses[buffer as usize] + offset);
     let db = db.ipuq();
@@ -232,7 +255,7 @@ pub fn package(db: &dyn Db, sources: Sources) -> StageResult<Package> {
     let t = target(db, sources)?;
     let g = graph(db, sources)?;
     let l = lowered(db, sources)?;
-    let p = placement(db, sources)?;
+    let p = placed(db, sources)?;
     let x = tables(db, sources)?;
     // The package embeds the workload text (initialisers included): reading the input makes
     // an initialiser edit re-run this stage although the graph's structure digest backdates.
@@ -249,6 +272,7 @@ pub const VERSIONS: &[(&str, u32)] = &[
     ("lower_exchanges_provisional", SCHEDULE_VERSION),
     ("size_tile_code", CODE_VERSION),
     ("place_storage", PLACE_VERSION),
+    ("optimize_exchange_placement", OPTIMIZE_PLACEMENT_VERSION),
     ("lower_exchanges", TABLES_VERSION),
     ("build_tile_images", PACKAGE_VERSION),
 ];

@@ -9,6 +9,7 @@
 
 use rayon::prelude::*;
 
+use crate::elements::element_range;
 use crate::lower::Lowered;
 use crate::package::AllocationKind;
 use crate::target::Target;
@@ -47,6 +48,22 @@ struct Placed {
 }
 
 pub fn place_storage(target: &Target, lowered: &Lowered, code_bytes: &[u32]) -> Result<Placement, PlacementError> {
+    place_storage_with(target, lowered, code_bytes, &ExchangeRules::default())
+}
+
+/// What `optimize_exchange_placement` asks of placement: per buffer, the buffers of the same
+/// tile that it sends against or receives against in some phase (they must not share a memory
+/// element with it, where room allows), and the offset from the region start at which
+/// receive buffers start their search (in 4 KiB steps; the search wraps to the region start).
+#[derive(Clone, Debug, Default)]
+pub struct ExchangeRules {
+    pub opposites: Vec<Vec<u32>>,
+    pub receives: Vec<bool>,
+    pub receive_offset: u32,
+}
+
+/// `place_storage` under exchange rules (see `ExchangeRules`).
+pub fn place_storage_with(target: &Target, lowered: &Lowered, code_bytes: &[u32], rules: &ExchangeRules) -> Result<Placement, PlacementError> {
     let m = &target.memory;
     let mut per_tile: Vec<Vec<u32>> = vec![Vec::new(); lowered.tiles as usize];
     for (i, b) in lowered.buffers.iter().enumerate() {
@@ -66,7 +83,8 @@ pub fn place_storage(target: &Target, lowered: &Lowered, code_bytes: &[u32]) -> 
             });
             let mut placed_std: Vec<Placed> = Vec::new();
             let mut placed_int: Vec<Placed> = Vec::new();
-            let mut out = Vec::with_capacity(order.len());
+            let mut out: Vec<(u32, u32)> = Vec::with_capacity(order.len());
+            let mut at: std::collections::HashMap<u32, u32> = std::collections::HashMap::new();
             let (mut peak_s, mut peak_i) = (code_end, m.interleaved_start);
             for i in order {
                 let b = &lowered.buffers[i as usize];
@@ -76,15 +94,32 @@ pub fn place_storage(target: &Target, lowered: &Lowered, code_bytes: &[u32]) -> 
                     (_, true) => &[true, false],
                     _ => &[false, true],
                 };
+                // Element ranges of placed buffers this one exchanges against.
+                let avoid: Vec<(u32, u32)> = rules
+                    .opposites
+                    .get(i as usize)
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|o| at.get(o).map(|&s| (s, s + lowered.buffers[*o as usize].bytes)))
+                    .map(|(s, e)| (element_range(m, s).0, element_range(m, e.saturating_sub(1).max(s)).1))
+                    .collect();
+                let offset = if rules.receives.get(i as usize).copied().unwrap_or(false) { rules.receive_offset } else { 0 };
+                // Try: away from opposite elements from the offset, then from the region start,
+                // then (room is short) anywhere.
+                let attempts: [(&[(u32, u32)], u32); 3] = [(&avoid, offset), (&avoid, 0), (&[], 0)];
                 let mut done = false;
-                for &inter in regions {
-                    let (range, placed) = if inter { (interleaved, &mut placed_int) } else { (standard, &mut placed_std) };
-                    if let Some(start) = first_fit(range, placed, b.bytes, alignment, b.first_step, b.last_step) {
-                        placed.push(Placed { start, end: start + b.bytes, first: b.first_step, last: b.last_step });
-                        if inter { peak_i = peak_i.max(start + b.bytes) } else { peak_s = peak_s.max(start + b.bytes) }
-                        out.push((i, start));
-                        done = true;
-                        break;
+                'attempts: for (avoid, offset) in attempts {
+                    for &inter in regions {
+                        let (range, placed) = if inter { (interleaved, &mut placed_int) } else { (standard, &mut placed_std) };
+                        let from = (range.0.saturating_add(offset).min(range.1), range.1);
+                        if let Some(start) = first_fit(from, placed, avoid, b.bytes, alignment, b.first_step, b.last_step) {
+                            placed.push(Placed { start, end: start + b.bytes, first: b.first_step, last: b.last_step });
+                            if inter { peak_i = peak_i.max(start + b.bytes) } else { peak_s = peak_s.max(start + b.bytes) }
+                            out.push((i, start));
+                            at.insert(i, start);
+                            done = true;
+                            break 'attempts;
+                        }
                     }
                 }
                 if !done {
@@ -122,8 +157,9 @@ fn align(x: u32, a: u32) -> u32 {
 }
 
 /// Lowest aligned start in `range` not overlapping any placed buffer alive at the same time.
-fn first_fit(range: (u32, u32), placed: &[Placed], bytes: u32, alignment: u32, first: u32, last: u32) -> Option<u32> {
+fn first_fit(range: (u32, u32), placed: &[Placed], avoid: &[(u32, u32)], bytes: u32, alignment: u32, first: u32, last: u32) -> Option<u32> {
     let mut busy: Vec<(u32, u32)> = placed.iter().filter(|p| p.first <= last && first <= p.last).map(|p| (p.start, p.end)).collect();
+    busy.extend_from_slice(avoid);
     busy.sort_unstable();
     let mut start = align(range.0, alignment);
     for (s, e) in busy {

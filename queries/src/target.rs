@@ -41,6 +41,9 @@ pub struct Memory {
     pub interleaved_element_bytes: u32,
     pub partial_alignment: u32,
     pub data_alignment: u32,
+    /// The AMP's 128-bit weight-load path needs weights in interleaved memory at this alignment
+    /// (address and row pitch); other weights load 64 bits at a time (the standard-memory cost).
+    pub weight_load_alignment: u32,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -137,6 +140,9 @@ impl Target {
         if !c.tiles.is_multiple_of(2) {
             return Err(format!("chip.tiles = {} must be even (tiles pair into supertiles)", c.tiles));
         }
+        if c.tiles > 2048 {
+            return Err(format!("chip.tiles = {} exceeds 2048 (exchange records hold an 11-bit source tile)", c.tiles));
+        }
         let m = &self.memory;
         let end = m.base as u64 + m.size as u64;
         if !(m.base < m.interleaved_start && (m.interleaved_start as u64) < end) {
@@ -144,6 +150,9 @@ impl Target {
         }
         if m.loader_limit as u64 > end || m.loader_limit <= m.interleaved_start {
             return Err("memory.loader_limit must lie inside the interleaved region".into());
+        }
+        if m.data_alignment == 0 || m.partial_alignment == 0 || m.weight_load_alignment == 0 {
+            return Err("memory alignments must be positive".into());
         }
         if c.clock_hz == 0 || self.exchange.row_group == 0 || self.costs.gemm_block == 0 || self.costs.reduce_chunk == 0 || self.costs.gelu_chunk == 0 {
             return Err("clock, row_group and cost chunk sizes must be positive".into());

@@ -13,6 +13,7 @@ pub mod lock;
 pub mod simulator;
 
 use ipuq_queries::package::{HostTensor, Package, Step};
+use ipuq_queries::provenance::Provenance;
 use ipuq_queries::target::Target;
 
 pub use simulator::Simulator;
@@ -82,6 +83,12 @@ impl Timeline {
         (0..self.steps.len()).map(|s| self.record(s, tile_slot).busy()).sum()
     }
 
+    /// Tiles that ran at least one vertex call.
+    pub fn active_tiles(&self) -> u32 {
+        let tiles = self.tiles.len();
+        (0..tiles).filter(|&t| (0..self.steps.len()).any(|s| self.record(s, t).compute > 0)).count() as u32
+    }
+
     /// `minimumTileCycles`: the smallest [`Timeline::tile_busy`] over the tiles that run at
     /// least one vertex (over all tiles when none does). A tile without compute work would
     /// only measure the syncs, which says nothing about balance.
@@ -98,13 +105,17 @@ impl Timeline {
 pub struct RunReport {
     pub timeline: Timeline,
     pub samples: Vec<Vec<f32>>,
+    /// Cycles of the run priced by formulas whose target constants are not all `[MEAS]`.
+    pub unmeasured_cycles: u64,
+    /// Floating-point operations of the matrix products the device executed (2 m k n each).
+    pub executed_flops: u64,
 }
 
 /// Everything that can go wrong on a device. On hardware most of these would be a hang or
 /// silent corruption; the simulator names the place instead.
 #[derive(Debug, thiserror::Error)]
 pub enum DeviceError {
-    #[error("package was compiled for target {package} but the device models {device}")]
+    #[error("package was compiled for target digest {package} but the device models {device}: refused (run with --device-target naming the machine the package was built for)")]
     TargetMismatch { package: String, device: String },
     #[error("device not initialised: initialise it before loading a package")]
     NotInitialized,
@@ -155,7 +166,7 @@ pub trait Device: Send {
     fn sync_mark(&self) -> u64;
 }
 
-/// Open the default device for a target: the simulator.
-pub fn open_default(target: &Target) -> Result<Box<dyn Device>, DeviceError> {
-    Ok(Box::new(Simulator::open(target.clone())))
+/// Open the default device for a target: the simulator of that machine.
+pub fn open_default(target: &Target, provenance: &Provenance) -> Result<Box<dyn Device>, DeviceError> {
+    Ok(Box::new(Simulator::open(target.clone()).with_provenance(provenance.clone())))
 }

@@ -17,6 +17,7 @@ pub fn ipuq(args: &[&str], cwd: &Path) -> Output {
         .current_dir(cwd)
         .env("IPUQ_LOG", "info,salsa=warn")
         .env_remove("RUST_LOG")
+        .env_remove("IPUQ_REMOTE_CACHE")
         .output()
         .expect("the ipuq binary runs");
     Output {

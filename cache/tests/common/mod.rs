@@ -2,6 +2,8 @@
 //! to damage files on disk. Tests only; nothing here is part of the crate.
 #![allow(dead_code)]
 
+pub mod fake_server;
+
 use std::fs;
 use std::path::{Path, PathBuf};
 

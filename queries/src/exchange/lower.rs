@@ -145,13 +145,25 @@ pub(crate) fn check_fits(problem: &Problem, phase: &PhaseRequest, schedule: &Sch
     Ok(())
 }
 
+/// Patch this phase's addresses into a cached schedule without logging; `check` also
+/// validates the tables (placement candidates are scored unchecked, finalists checked).
+pub fn relocate(target: &Target, phase: &PhaseRequest, cached: &Schedule, check: bool) -> Result<ExchangePhase, ExchangeError> {
+    if check {
+        let problem = prepare(target, phase)?;
+        check_fits(&problem, phase, cached)?;
+    }
+    let tables = write_tables(target, phase, cached);
+    if check {
+        validate(target, phase, &tables).map_err(|source| ExchangeError::Invalid { phase: phase.index, source })?;
+    }
+    Ok(tables)
+}
+
 /// Replay a cached schedule of an identical pattern with this phase's addresses: patch,
 /// validate, and return the tables. Fails when the schedule does not fit (then schedule anew).
 pub fn reuse(target: &Target, phase: &PhaseRequest, cached: &Schedule) -> Result<ExchangePhase, ExchangeError> {
     let problem = prepare(target, phase)?;
-    check_fits(&problem, phase, cached)?;
-    let tables = write_tables(target, phase, cached);
-    validate(target, phase, &tables).map_err(|source| ExchangeError::Invalid { phase: phase.index, source })?;
+    let tables = relocate(target, phase, cached, true)?;
     info!(phase = phase.index, "reused exchange optimization after validating relocated rows");
     info!(phase = phase.index, transfers = phase.transfers.len(), maximum_identical_destinations = problem.maximum_identical_destinations(), "prepared large physical exchange phase");
     super::log_optimized(phase.index, cached.horizon, tables.horizon, cached.endpoint_lower_bound, ScheduleKind::Reused, 0);

@@ -6,12 +6,15 @@
 //! summed per tile and compute set: the simulator charges exactly what the cost model states
 //! for the call the package makes, never a constant of its own.
 //!
-//! This module must not run a call that `check_call` has not accepted: execution indexes
+//! Every operand must lie in an allocation of the right kind that is live at each step the set
+//! runs, start at the target's data alignment (partials: in interleaved memory at the partial
+//! alignment). This module must not run a call that `check_set` has not accepted: execution indexes
 //! memory without further checks.
 
 use half::f16;
 use ipuq_queries::cost;
 use ipuq_queries::package::{ComputeSet, Operand, VertexCall};
+use ipuq_queries::provenance::Provenance;
 use ipuq_queries::target::Target;
 
 use super::kernels;
@@ -22,6 +25,10 @@ use crate::device::DeviceError;
 pub struct CheckedSet {
     pub calls: Vec<VertexCall>,
     pub cycles: u64,
+    /// Cycles priced by formulas whose constants are not all `[MEAS]` in the target file.
+    pub unmeasured: u64,
+    /// Floating-point operations of the set's matrix products (2 m k n each).
+    pub flops: u64,
 }
 
 /// Reused buffers, one set per tile and step.
@@ -64,7 +71,7 @@ fn accesses(call: &VertexCall) -> Vec<Access> {
         VertexCall::MatMul { m, k, n, a, a_panel, b, b_transposed, c, partials } => {
             let (b_rows, b_cols) = if *b_transposed { (*n, *k) } else { (*k, *n) };
             // Panelled A: ceil(k / w) panels of m rows, read as one (panels * m) x w block.
-            let (a_rows, a_cols) = if *a_panel > 0 { (k.div_ceil(*a_panel) * *m, *a_panel) } else { (*m, *k) };
+            let (a_rows, a_cols) = if *a_panel > 0 { (k.div_ceil(*a_panel).saturating_mul(*m), *a_panel) } else { (*m, *k) };
             let out = if *partials {
                 Access { name: "c", op: *c, rows: *m, cols: *n, element_bytes: 4, need: Need::Partials }
             } else {
@@ -96,10 +103,18 @@ fn accesses(call: &VertexCall) -> Vec<Access> {
     }
 }
 
-/// Check every call of a tile's compute set and add up its cycles.
-pub fn check_set(target: &Target, memory: &TileMemory, set: &ComputeSet, labels: &[String]) -> Result<CheckedSet, DeviceError> {
+/// Check every call of a tile's compute set, which runs at program steps `steps`, and add up
+/// its cycles: in all, and those priced by formulas that are not hardware-measured.
+pub fn check_set(
+    target: &Target,
+    provenance: &Provenance,
+    memory: &TileMemory,
+    set: &ComputeSet,
+    labels: &[String],
+    steps: &[u32],
+) -> Result<CheckedSet, DeviceError> {
     let m = &target.memory;
-    let mut cycles = 0;
+    let (mut cycles, mut unmeasured, mut flops) = (0, 0, 0u64);
     for (index, call) in set.calls.iter().enumerate() {
         for access in accesses(call) {
             let (start, end) = extent(access.op, access.rows, access.cols, access.element_bytes);
@@ -132,12 +147,24 @@ pub fn check_set(target: &Target, memory: &TileMemory, set: &ComputeSet, labels:
                 if start % m.partial_alignment as u64 != 0 {
                     return Err(fail(format!("holds AMP partials but is not {}-byte aligned", m.partial_alignment)));
                 }
+            } else if start % m.data_alignment as u64 != 0 {
+                return Err(fail(format!("starts at an address that is not {}-byte aligned (the target's data alignment: 64-bit loads)", m.data_alignment)));
             }
-            memory.check(start, end, access.need, labels).map_err(fail)?;
+            memory.check(start, end, access.need, steps, labels).map_err(|problem| {
+                let at = steps.first().map(|s| format!(" at step {s}")).unwrap_or_default();
+                fail(format!("{problem}{at}"))
+            })?;
         }
-        cycles += cost::vertex(target, call);
+        let c = cost::vertex(target, call);
+        cycles += c;
+        if !provenance.measured(&cost::vertex_constants(target, call)) {
+            unmeasured += c;
+        }
+        if let VertexCall::MatMul { m, k, n, .. } = call {
+            flops += 2 * *m as u64 * *k as u64 * *n as u64;
+        }
     }
-    Ok(CheckedSet { calls: set.calls.clone(), cycles })
+    Ok(CheckedSet { calls: set.calls.clone(), cycles, unmeasured, flops })
 }
 
 /// Run one checked call on a tile's memory.

@@ -9,11 +9,15 @@
 //!   cycles), and a tile's own entries never overlap (each incoming word is stored once);
 //! - each receive starting at cycle `c` from `source` is covered, word for word, by sends of
 //!   `source` that start at `c - delay(source, tile)`, of the same width, back to back;
-//! - every entry is word aligned (paired: even words, 8-byte aligned) and lies in tensor storage.
+//! - every entry is word aligned (paired: even words, 8-byte aligned) and lies in tensor storage
+//!   that is live at the phase's step;
+//! - the byte rules (overlapping receive writes, read-after-write hazards, unreceived sends)
+//!   live in `rules.rs`.
 //!
 //! A violation is an error naming the phase, the tile and the cycle: on hardware it would be a
-//! hang or corrupted data. The words moved are the sources' memory as it was when the phase
-//! began (all reads are gathered before any write). This module must not estimate costs: the
+//! hang or corrupted data. Because no send may read a byte written earlier in the same phase
+//! (`rules::read_after_write`), reading every source as it was when the phase began gives
+//! exactly the words each send reads at its own cycle. This module must not estimate costs: the
 //! phase's horizon is recomputed from the tables, and the caller charges it.
 
 use std::collections::BTreeMap;
@@ -23,6 +27,7 @@ use ipuq_queries::target::Target;
 use rayon::prelude::*;
 
 use super::memory::{Need, TileMemory};
+use super::rules;
 use crate::device::DeviceError;
 
 /// Bytes in one exchange word: the exchange moves 32-bit words (an ISA fact, not a tunable).
@@ -97,12 +102,14 @@ fn check_port(phase: u32, port: &str, ports: BTreeMap<u32, Vec<PortUse>>) -> Res
 
 /// Check a phase's tables against the target and the tiles' allocations, and plan its moves.
 /// `slots[tile]` is the memory index of each loaded tile.
+/// `steps` are the program steps that run the phase: every entry must lie in storage live then.
 pub fn check_phase(
     target: &Target,
     phase: &ExchangePhase,
     slots: &[Option<usize>],
     memories: &[TileMemory],
     labels: &[String],
+    steps: &[u32],
 ) -> Result<PhasePlan, DeviceError> {
     let x = &target.exchange;
     let index = phase.index;
@@ -142,7 +149,7 @@ pub fn check_phase(
             }
             let end = address as u64 + words as u64 * WORD_BYTES;
             memory
-                .check(address as u64, end, Need::Tensor, labels)
+                .check(address as u64, end, Need::Tensor, steps, labels)
                 .map_err(|problem| fail(tile, cycle, format!("{kind} range [{address:#x}, {end:#x}) {problem}")))?;
         }
     }
@@ -171,6 +178,12 @@ pub fn check_phase(
     }
     check_port(index, "send", send_ports)?;
     check_port(index, "receive", receive_ports)?;
+    let paired_rate = x.paired_words_per_cycle as u64;
+    for (&tile, table) in &tables {
+        rules::receive_overlaps(index, tile, &table.receives)?;
+        rules::read_after_write(index, tile, &table.sends, &table.receives, paired_rate)?;
+    }
+    let mut coverage = rules::Coverage::default();
 
     // Match every receive with the sends that feed it.
     let sorted_sends: BTreeMap<u32, Vec<SendEntry>> = tables
@@ -222,6 +235,7 @@ pub fn check_phase(
                 let offset = cycle - e.cycle as u64;
                 let available = (send_cycles(e) - offset) * rate;
                 let words = available.min(remaining).min(e.words as u64 - offset * rate);
+                coverage.hear(r.source, next.unwrap_or_default(), offset * rate, words);
                 incoming[slot].push(Piece {
                     source: source_slot,
                     source_address: (e.address as u64 + offset * rate * WORD_BYTES) as u32,
@@ -236,6 +250,7 @@ pub fn check_phase(
             }
         }
     }
+    coverage.check_all_heard(index, &sorted_sends, paired_rate)?;
     for pieces in &mut incoming {
         pieces.sort_by_key(|p| p.arrival);
     }

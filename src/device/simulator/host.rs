@@ -24,15 +24,33 @@ fn host_error(tensor: &HostTensor, message: String) -> DeviceError {
     DeviceError::Host { tensor: tensor.name.clone(), message }
 }
 
-/// Check every segment of a tensor; returns the memory slot of each.
+/// Check every segment of a tensor, moved by the host at program step `step` (0 before the
+/// run, the step count after it), where its storage must be live; returns the memory slot of
+/// each.
 pub fn check_segments(
     tensor: &HostTensor,
     slots: &[Option<usize>],
     memories: &[TileMemory],
     labels: &[String],
+    step: u32,
 ) -> Result<Vec<usize>, DeviceError> {
     let (elements, _) = tensor_size(tensor)?;
     let element_bytes = tensor.dtype.bytes() as u64;
+    // A segment's runs must not overlap in memory nor reach past the tensor, computed in 64
+    // bits before they are listed: a hostile row count cannot make the list huge or wrap.
+    for s in &tensor.segments {
+        if s.rows <= 1 {
+            continue;
+        }
+        let last = s.rows as u64 - 1;
+        let what = format!("segment of {} runs on tile {} at {:#x}", s.rows, s.tile, s.address);
+        if (s.address_stride as u64) < s.count as u64 * element_bytes || (s.element_stride as u64) < s.count as u64 {
+            return Err(host_error(tensor, format!("{what}: its runs overlap (address stride {}, element stride {})", s.address_stride, s.element_stride)));
+        }
+        if s.element as u64 + last * s.element_stride as u64 + s.count as u64 > elements || s.address as u64 + last * s.address_stride as u64 > u32::MAX as u64 {
+            return Err(host_error(tensor, format!("{what} reaches past the tensor's {elements} elements or the address space")));
+        }
+    }
     let runs = tensor.runs();
     let mut found = Vec::with_capacity(runs.len());
     for s in &runs {
@@ -48,7 +66,7 @@ pub fn check_segments(
         let start = s.address as u64;
         let end = start + s.count as u64 * element_bytes;
         memories[slot]
-            .check(start, end, Need::Tensor, labels)
+            .check(start, end, Need::Tensor, &[step], labels)
             .map_err(|problem| host_error(tensor, format!("{what}: range [{start:#x}, {end:#x}) {problem}")))?;
         found.push(slot);
     }

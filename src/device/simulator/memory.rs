@@ -4,7 +4,8 @@
 //! Loading follows the package's image: every allocated range is first filled with
 //! [`POISON`] (an all-ones byte, so any f16 or f32 read of a byte that was never written is a
 //! NaN that survives to the outputs), then `zero_fill` ranges are cleared and segments are
-//! written. Bytes outside every allocation stay zero and are never read: every access is
+//! written. Storage shared by buffers with disjoint lifetimes is refilled with [`POISON`] when
+//! each allocation's lifetime starts ([`TileMemory::begin_step`]). Bytes outside every allocation stay zero and are never read: every access is
 //! checked against the allocation map before the program runs ([`TileMemory::check`]).
 //!
 //! This module must not interpret vertex calls or exchange tables: it knows ranges and bytes.
@@ -77,8 +78,12 @@ impl TileMemory {
             }
         }
         let mut memory = TileMemory { tile, base: m.base, bytes: vec![0; m.size as usize], allocations };
+        // Allocations whose lifetime starts later are filled when it starts (`begin_step`):
+        // their pages are not touched before then.
         for a in memory.allocations.clone() {
-            memory.range_mut(a.start, (a.end - a.start) as usize).fill(POISON);
+            if a.first_step == 0 || a.kind == AllocationKind::Code {
+                memory.range_mut(a.start, (a.end - a.start) as usize).fill(POISON);
+            }
         }
         for z in &image.zero_fill {
             if z.start > z.end || z.start < m.base || z.end > m.loader_limit {
@@ -96,17 +101,30 @@ impl TileMemory {
         Ok(memory)
     }
 
-    /// `Ok` when `[start, end)` lies inside one allocation whose kind `need` admits; otherwise
-    /// the problem, naming the allocation involved.
-    pub fn check(&self, start: u64, end: u64, need: Need, labels: &[String]) -> Result<(), String> {
+    /// `Ok` when `[start, end)` lies inside one allocation whose kind `need` admits and that is
+    /// live at every step of `steps` (no liveness requirement when `steps` is empty);
+    /// otherwise the problem, naming the allocation involved and the step.
+    pub fn check(&self, start: u64, end: u64, need: Need, steps: &[u32], labels: &[String]) -> Result<(), String> {
         if start >= end {
             return Ok(());
         }
         let inside = |a: &&Allocation| a.start as u64 <= start && end <= a.end as u64;
-        if self.allocations.iter().filter(inside).any(|a| need.admits(a.kind)) {
+        let live = |a: &&Allocation| steps.iter().all(|&s| a.live_at(s));
+        if self.allocations.iter().filter(inside).any(|a| need.admits(a.kind) && live(&a)) {
             return Ok(());
         }
         let label = |a: &Allocation| labels.get(a.label as usize).cloned().unwrap_or_else(|| "?".into());
+        if let Some(a) = self.allocations.iter().filter(inside).find(|a| need.admits(a.kind)) {
+            let step = steps.iter().find(|&&s| !a.live_at(s)).copied().unwrap_or_default();
+            return Err(format!(
+                "lies in buffer `{}` [{:#x}, {:#x}), which is live at steps {}..={} but not at step {step}: no live buffer owns these bytes",
+                label(a),
+                a.start,
+                a.end,
+                a.first_step,
+                a.last_step
+            ));
+        }
         if let Some(a) = self.allocations.iter().find(inside) {
             return Err(format!("lies in {:?} allocation `{}` [{:#x}, {:#x}) but needs {:?} storage", a.kind, label(a), a.start, a.end, need));
         }
@@ -114,6 +132,21 @@ impl TileMemory {
         match holder {
             Some(a) => Err(format!("runs past the end of allocation `{}` [{:#x}, {:#x})", label(a), a.start, a.end)),
             None => Err("lies in no allocation".into()),
+        }
+    }
+
+    /// Refill with [`POISON`] every allocation whose lifetime starts at `step` (> 0; step 0's
+    /// allocations were filled at load, before the host wrote them): storage that is reused
+    /// never shows the previous owner's bytes.
+    pub fn begin_step(&mut self, step: u32) {
+        if step == 0 {
+            return;
+        }
+        for i in 0..self.allocations.len() {
+            let a = self.allocations[i];
+            if a.first_step == step && a.kind != AllocationKind::Code && a.first_step <= a.last_step {
+                self.range_mut(a.start, (a.end - a.start) as usize).fill(POISON);
+            }
         }
     }
 

@@ -12,15 +12,18 @@
 //! must not panic on a bad package: every rule violation is a [`DeviceError`].
 
 mod compute;
+mod elements;
 mod exchange;
 mod host;
 mod kernels;
 mod memory;
+mod rules;
 
 use std::collections::BTreeMap;
 
 use ipuq_queries::cost;
 use ipuq_queries::package::{HostTensor, Package, Step};
+use ipuq_queries::provenance::Provenance;
 use ipuq_queries::target::Target;
 use rayon::prelude::*;
 
@@ -34,6 +37,8 @@ pub use self::memory::POISON;
 /// The simulator of one IPU.
 pub struct Simulator {
     target: Target,
+    /// Which of the target's constants are hardware-measured (from its file's tags).
+    provenance: Provenance,
     path: String,
     initialized: bool,
     mark: u64,
@@ -53,13 +58,40 @@ struct Loaded {
     steps: Vec<Step>,
 }
 
+impl Loaded {
+    /// The program step at which the host moves a tensor: inputs before the run (step 0),
+    /// outputs after it (the step count).
+    fn host_step(&self, after_run: bool) -> u32 {
+        if after_run { self.steps.len() as u32 } else { 0 }
+    }
+}
+
+/// The steps that run each compute set and each exchange phase.
+fn step_lists(steps: &[Step]) -> (BTreeMap<u32, Vec<u32>>, BTreeMap<u32, Vec<u32>>) {
+    let (mut sets, mut phases): (BTreeMap<u32, Vec<u32>>, BTreeMap<u32, Vec<u32>>) = Default::default();
+    for (s, step) in steps.iter().enumerate() {
+        match *step {
+            Step::Compute { index } => sets.entry(index).or_default().push(s as u32),
+            Step::Exchange { phase } => phases.entry(phase).or_default().push(s as u32),
+        }
+    }
+    (sets, phases)
+}
+
 impl Simulator {
-    /// Open a simulator of `target` ("simulator:<target name>").
+    /// Open a simulator of `target` ("simulator:<target name>"). Without provenance (see
+    /// [`Simulator::with_provenance`]) every cycle counts as priced by an unmeasured formula.
     pub fn open(target: Target) -> Simulator {
         let path = format!("simulator:{}", target.name);
         tracing::info!(path = %path, "opening IPU device");
         tracing::info!(path = %path, "IPU device attached");
-        Simulator { target, path, initialized: false, mark: 0, loaded: None }
+        Simulator { target, provenance: Provenance::default(), path, initialized: false, mark: 0, loaded: None }
+    }
+
+    /// The provenance tags of the target's constants, read from its description file.
+    pub fn with_provenance(mut self, provenance: Provenance) -> Simulator {
+        self.provenance = provenance;
+        self
     }
 
     pub fn target(&self) -> &Target {
@@ -85,8 +117,8 @@ impl Simulator {
     }
 }
 
-fn host_slots(loaded: &Loaded, tensor: &HostTensor) -> Result<Vec<usize>, DeviceError> {
-    host::check_segments(tensor, &loaded.slots, &loaded.memories, &loaded.labels)
+fn host_slots(loaded: &Loaded, tensor: &HostTensor, step: u32) -> Result<Vec<usize>, DeviceError> {
+    host::check_segments(tensor, &loaded.slots, &loaded.memories, &loaded.labels, step)
 }
 
 impl Device for Simulator {
@@ -127,7 +159,7 @@ impl Device for Simulator {
         if package.target_digest != expected {
             return Err(DeviceError::TargetMismatch {
                 package: package.target_digest.short(),
-                device: format!("{} ({})", self.target.name, expected.short()),
+                device: format!("`{}`, target digest {}", self.target.name, expected.short()),
             });
         }
         let tile_count = package.tile_count();
@@ -135,8 +167,11 @@ impl Device for Simulator {
         tracing::info!(tile_count, final_mark, "loading application");
         self.loaded = None;
         let target = &self.target;
+        let provenance = &self.provenance;
         let labels = &package.labels;
         let slots = self.slot_table(package)?;
+        let (set_steps, phase_steps) = step_lists(&package.steps);
+        let no_steps = Vec::new();
         let memories: Vec<TileMemory> =
             package.tiles.par_iter().map(|image| TileMemory::load(target, image, labels)).collect::<Result<_, _>>()?;
         let programs: Vec<BTreeMap<u32, CheckedSet>> = package
@@ -146,7 +181,8 @@ impl Device for Simulator {
             .map(|(image, memory)| {
                 let mut sets = BTreeMap::new();
                 for set in &image.compute_sets {
-                    let checked = compute::check_set(target, memory, set, labels)?;
+                    let steps = set_steps.get(&set.index).unwrap_or(&no_steps);
+                    let checked = compute::check_set(target, provenance, memory, set, labels, steps)?;
                     if sets.insert(set.index, checked).is_some() {
                         let message = format!("compute set {} appears twice", set.index);
                         return Err(DeviceError::Load { tile: image.tile, message });
@@ -158,7 +194,12 @@ impl Device for Simulator {
         let checked: Vec<(u32, PhasePlan)> = package
             .exchanges
             .par_iter()
-            .map(|phase| Ok((phase.index, exchange::check_phase(target, phase, &slots, &memories, labels)?)))
+            .map(|phase| {
+                let steps = phase_steps.get(&phase.index).unwrap_or(&no_steps);
+                let plan = exchange::check_phase(target, phase, &slots, &memories, labels, steps)?;
+                elements::check(target, phase)?;
+                Ok((phase.index, plan))
+            })
             .collect::<Result<_, DeviceError>>()?;
         let mut phases = BTreeMap::new();
         for (index, plan) in checked {
@@ -187,13 +228,13 @@ impl Device for Simulator {
             let message = format!("host supplied {} bytes, the tensor has {total} ({:?} {})", bytes.len(), tensor.shape, tensor.dtype.name());
             return Err(DeviceError::Host { tensor: tensor.name.clone(), message });
         }
-        let slots = host_slots(loaded, tensor)?;
+        let slots = host_slots(loaded, tensor, loaded.host_step(false))?;
         Ok(host::write(tensor, &slots, &mut loaded.memories, bytes))
     }
 
     fn read_tensor(&self, tensor: &HostTensor) -> Result<Vec<u8>, DeviceError> {
         let loaded = self.loaded("reading a tensor")?;
-        host::read(tensor, &host_slots(loaded, tensor)?, &loaded.memories)
+        host::read(tensor, &host_slots(loaded, tensor, loaded.host_step(true))?, &loaded.memories)
     }
 
     fn run(&mut self, probes: &[Probe<'_>]) -> Result<RunReport, DeviceError> {
@@ -205,17 +246,20 @@ impl Device for Simulator {
                 let message = format!("checkpoint `{}` is read after step {}, but the program has {} steps", p.tensor.name, p.after_step, loaded.steps.len());
                 return Err(DeviceError::Program { step: p.after_step as usize, message });
             }
-            probe_slots.push(host_slots(loaded, p.tensor)?);
+            probe_slots.push(host_slots(loaded, p.tensor, p.after_step)?);
         }
         let target = &self.target;
         let tiles = loaded.tiles.len();
         let mut steps = Vec::with_capacity(loaded.steps.len());
         let mut records = Vec::with_capacity(loaded.steps.len() * tiles);
         let mut samples = vec![Vec::new(); probes.len()];
+        let (mut unmeasured_cycles, mut executed_flops) = (0u64, 0u64);
+        let exchange_measured = self.provenance.measured(cost::EXCHANGE_CONSTANTS);
         for (s, step) in loaded.steps.iter().enumerate() {
             match *step {
                 Step::Compute { index } => {
                     loaded.memories.par_iter_mut().zip(loaded.programs.par_iter()).for_each(|(memory, program)| {
+                        memory.begin_step(s as u32);
                         if let Some(set) = program.get(&index) {
                             let mut scratch = Scratch::default();
                             for call in &set.calls {
@@ -225,14 +269,22 @@ impl Device for Simulator {
                     });
                     let own: Vec<u64> = loaded.programs.iter().map(|p| p.get(&index).map_or(0, |set| set.cycles)).collect();
                     let cycles = own.iter().copied().max().unwrap_or(0);
+                    // The step costs its slowest tile: its share priced by unmeasured formulas.
+                    let slowest = own.iter().position(|&c| c == cycles).and_then(|slot| loaded.programs[slot].get(&index));
+                    unmeasured_cycles += slowest.map_or(0, |set| set.unmeasured);
+                    executed_flops += loaded.programs.iter().filter_map(|p| p.get(&index)).map(|set| set.flops).sum::<u64>();
                     records.extend(own.iter().map(|&compute| TileStepRecord { compute, idle: cycles - compute, ..Default::default() }));
                     steps.push((*step, cycles));
                 }
                 Step::Exchange { phase } => {
                     let plan = &loaded.phases[&phase];
+                    loaded.memories.par_iter_mut().for_each(|memory| memory.begin_step(s as u32));
                     exchange::execute(plan, &mut loaded.memories);
                     let sync = target.exchange.sync_cycles;
                     let cycles = cost::exchange_phase(target, plan.horizon);
+                    if !exchange_measured {
+                        unmeasured_cycles += cycles;
+                    }
                     let horizon = plan.horizon as u64;
                     // A tile's own runs end by the horizon unless it sends words nobody receives.
                     records.extend(plan.busy.iter().map(|&own| {
@@ -250,7 +302,7 @@ impl Device for Simulator {
             }
         }
         let timeline = Timeline { clock_hz: target.chip.clock_hz, tiles: loaded.tiles.clone(), steps, records };
-        Ok(RunReport { timeline, samples })
+        Ok(RunReport { timeline, samples, unmeasured_cycles, executed_flops })
     }
 
     fn sync_mark(&self) -> u64 {

@@ -1,0 +1,189 @@
+//! Memory elements (banks) and the exchange's memory-element rule, as the compiler sees it.
+//!
+//! Tile SRAM is made of 16 KiB elements below the interleaved window and 32 KiB element pairs
+//! inside it (`target.memory`). A tile cannot send from and receive into the same element in
+//! one cycle. This module counts, over final exchange tables, the tile-cycles that break the
+//! rule, and computes the per-phase lower bound that the rule implies for a placement (a tile
+//! whose sends and receives share an element needs at least their sum of cycles there).
+//! `optimize_exchange_placement` scores placements with it; the simulator checks the rule
+//! with its own code.
+
+use std::collections::BTreeMap;
+
+use crate::package::ExchangePhase;
+use crate::target::{Memory, Target};
+
+/// The element holding byte `address`: standard elements first, then interleaved pairs.
+pub fn element_of(m: &Memory, address: u32) -> u32 {
+    if address < m.interleaved_start {
+        address.saturating_sub(m.base) / m.element_bytes.max(1)
+    } else {
+        let standard = (m.interleaved_start - m.base).div_ceil(m.element_bytes.max(1));
+        standard + (address - m.interleaved_start) / m.interleaved_element_bytes.max(1)
+    }
+}
+
+/// One access run split at element boundaries: cycles [start, end) touch `element`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ElementRun {
+    pub element: u32,
+    pub start: u64,
+    pub end: u64,
+}
+
+/// Split `words` words at `address` moved from `cycle`, `rate` words per cycle, by element.
+pub fn split_runs(m: &Memory, cycle: u32, address: u32, words: u32, rate: u32, out: &mut Vec<ElementRun>) {
+    let rate = rate.max(1) as u64;
+    let mut word = 0u64;
+    while word < words as u64 {
+        let at = address as u64 + word * 4;
+        let element = element_of(m, at as u32);
+        // Last byte of this element (the next element starts at the first address mapping elsewhere).
+        let boundary = next_element_start(m, at as u32) as u64;
+        let words_here = ((boundary - at).div_ceil(4)).min(words as u64 - word);
+        let first_cycle = cycle as u64 + word / rate;
+        let last_cycle = cycle as u64 + (word + words_here - 1) / rate + 1;
+        match out.last_mut() {
+            Some(last) if last.element == element && last.end >= first_cycle => last.end = last.end.max(last_cycle),
+            _ => out.push(ElementRun { element, start: first_cycle, end: last_cycle }),
+        }
+        word += words_here;
+    }
+}
+
+fn next_element_start(m: &Memory, address: u32) -> u32 {
+    if address < m.interleaved_start {
+        let e = m.element_bytes.max(1);
+        (m.base + ((address.saturating_sub(m.base)) / e + 1) * e).min(m.interleaved_start)
+    } else {
+        let e = m.interleaved_element_bytes.max(1);
+        m.interleaved_start.saturating_add(((address - m.interleaved_start) / e + 1).saturating_mul(e))
+    }
+}
+
+/// Conflicting tile-cycles of one phase, the tiles concerned, and the first one found.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Conflicts {
+    pub tile_cycles: u64,
+    pub tiles: u32,
+    /// (tile, cycle, element) of the earliest conflict on the lowest such tile.
+    pub first: Option<(u32, u64, u32)>,
+}
+
+/// Per tile, the send and receive runs of a phase by element.
+fn tile_runs(target: &Target, phase: &ExchangePhase) -> Vec<(u32, Vec<ElementRun>, Vec<ElementRun>)> {
+    let m = &target.memory;
+    let x = &target.exchange;
+    phase
+        .tiles
+        .iter()
+        .map(|t| {
+            let (mut sends, mut receives) = (Vec::new(), Vec::new());
+            for s in &t.sends {
+                split_runs(m, s.cycle, s.address, s.words, if s.paired { x.paired_words_per_cycle } else { x.send_words_per_cycle }, &mut sends);
+            }
+            for r in &t.receives {
+                split_runs(m, r.cycle, r.address, r.words, if r.paired { x.paired_words_per_cycle } else { x.receive_words_per_cycle }, &mut receives);
+            }
+            (t.tile, sends, receives)
+        })
+        .collect()
+}
+
+/// Count the cycles in which a tile sends from and receives into the same element.
+pub fn phase_conflicts(target: &Target, phase: &ExchangePhase) -> Conflicts {
+    let mut out = Conflicts::default();
+    for (tile, sends, receives) in tile_runs(target, phase) {
+        let mut by_element: BTreeMap<u32, (Vec<(u64, u64)>, Vec<(u64, u64)>)> = BTreeMap::new();
+        for r in &sends {
+            by_element.entry(r.element).or_default().0.push((r.start, r.end));
+        }
+        for r in &receives {
+            by_element.entry(r.element).or_default().1.push((r.start, r.end));
+        }
+        let mut tile_total = 0u64;
+        let mut first: Option<(u64, u32)> = None;
+        for (element, (mut s, mut r)) in by_element {
+            if s.is_empty() || r.is_empty() {
+                continue;
+            }
+            s.sort_unstable();
+            r.sort_unstable();
+            let (n, at) = overlap(&s, &r);
+            if n > 0 {
+                tile_total += n;
+                if first.is_none_or(|(c, _)| at < c) {
+                    first = Some((at, element));
+                }
+            }
+        }
+        if tile_total > 0 {
+            out.tile_cycles += tile_total;
+            out.tiles += 1;
+            if out.first.is_none() {
+                out.first = first.map(|(c, e)| (tile, c, e));
+            }
+        }
+    }
+    out
+}
+
+/// Total overlap of two sorted interval lists (each may overlap itself only through merged
+/// runs of one entry), and the earliest overlapping cycle.
+fn overlap(a: &[(u64, u64)], b: &[(u64, u64)]) -> (u64, u64) {
+    let a = merge(a);
+    let b = merge(b);
+    let (mut i, mut j, mut total, mut first) = (0, 0, 0u64, u64::MAX);
+    while i < a.len() && j < b.len() {
+        let lo = a[i].0.max(b[j].0);
+        let hi = a[i].1.min(b[j].1);
+        if lo < hi {
+            total += hi - lo;
+            first = first.min(lo);
+        }
+        if a[i].1 < b[j].1 {
+            i += 1;
+        } else {
+            j += 1;
+        }
+    }
+    (total, first)
+}
+
+fn merge(v: &[(u64, u64)]) -> Vec<(u64, u64)> {
+    let mut out: Vec<(u64, u64)> = Vec::with_capacity(v.len());
+    for &(s, e) in v {
+        match out.last_mut() {
+            Some(last) if s <= last.1 => last.1 = last.1.max(e),
+            _ => out.push((s, e)),
+        }
+    }
+    out
+}
+
+/// The memory-element lower bound of a phase under its placement: on every tile, sends from
+/// and receives into one element cannot share a cycle, so the tile is busy at least
+/// max over elements of (send cycles there + receive cycles there). Returns the largest
+/// such figure over tiles (compare with the endpoint bound: it binds when larger).
+pub fn element_bound(target: &Target, phase: &ExchangePhase) -> u64 {
+    let mut bound = 0u64;
+    for (_, sends, receives) in tile_runs(target, phase) {
+        let mut per: BTreeMap<u32, u64> = BTreeMap::new();
+        for r in sends.iter().chain(receives.iter()) {
+            *per.entry(r.element).or_default() += r.end - r.start;
+        }
+        bound = bound.max(per.values().copied().max().unwrap_or(0));
+    }
+    bound
+}
+
+/// [start, end) of the element (or interleaved element pair) holding `address`.
+pub fn element_range(m: &Memory, address: u32) -> (u32, u32) {
+    let end = next_element_start(m, address);
+    let start = if address < m.interleaved_start {
+        m.base + (address.saturating_sub(m.base)) / m.element_bytes.max(1) * m.element_bytes.max(1)
+    } else {
+        m.interleaved_start + (address - m.interleaved_start) / m.interleaved_element_bytes.max(1) * m.interleaved_element_bytes.max(1)
+    };
+    (start, end)
+}

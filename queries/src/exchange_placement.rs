@@ -1,0 +1,208 @@
+//! `optimize_exchange_placement`: move exchange buffers so that no tile sends from and
+//! receives into the same memory element in one cycle, at the least cost.
+//!
+//! For every exchange phase and tile, the buffers the tile sends from and the buffers it
+//! receives into are "opposites": placed in different elements they can never conflict,
+//! whatever the schedule. Candidates re-run placement with that rule, receive buffers starting
+//! their search at offsets of 0, 4, …, 28 KiB into their region. Each candidate (and the
+//! baseline placement) is scored on the cached schedules with relocated addresses:
+//! score = conflicting tile-cycles × 2^20 + the exchange cycles the memory-element bound
+//! forces above the horizons (two offsets at a time, stopping once two distinct placements
+//! score zero). The best candidates are finalists: the whole placed program is costed, and
+//! the winner's relocated rows are validated (so the schedules are reused, not rebuilt). A finalist is accepted when it has fewer conflicts than the baseline, or as many
+//! and a lower cost; among those, the least conflicts, then the least cost, win.
+
+use rayon::prelude::*;
+use tracing::{debug, info, warn};
+
+use crate::db::CompileError;
+use crate::elements::{element_bound, phase_conflicts};
+use crate::emit::estimate_cycles;
+use crate::exchange::{self, Schedule};
+use crate::lower::Lowered;
+use crate::package::ExchangePhase;
+use crate::pipeline::requests;
+use crate::storage::{place_storage_with, ExchangeRules, Placement};
+use crate::target::Target;
+
+/// Receive-buffer offsets tried, in bytes from the region start (the seed's 4 KiB steps).
+const OFFSET_STEP: u32 = 4096;
+const OFFSETS: u32 = 8;
+/// Finalists costed in full.
+const FINALISTS: usize = 2;
+/// Weight of one conflicting tile-cycle in the score, against one forced exchange cycle.
+const CONFLICT_WEIGHT: u64 = 1 << 20;
+
+/// Per buffer: the same-tile buffers it sends or receives against in some phase, and whether
+/// it receives in any phase.
+pub fn exchange_rules(lowered: &Lowered, receive_offset: u32) -> ExchangeRules {
+    let n = lowered.buffers.len();
+    let mut opposites: Vec<Vec<u32>> = vec![Vec::new(); n];
+    let mut receives = vec![false; n];
+    for phase in &lowered.phases {
+        // (tile, role, buffer): role 0 sends, 1 receives.
+        let mut roles: Vec<(u32, u8, u32)> = Vec::new();
+        for t in phase {
+            roles.push((lowered.buffers[t.source.0 as usize].tile, 0, t.source.0));
+            for d in &t.destinations {
+                roles.push((lowered.buffers[d.0 as usize].tile, 1, d.0));
+                receives[d.0 as usize] = true;
+            }
+        }
+        roles.sort_unstable();
+        roles.dedup();
+        for group in roles.chunk_by(|a, b| a.0 == b.0) {
+            let split = group.partition_point(|r| r.1 == 0);
+            let (senders, receivers) = group.split_at(split);
+            for s in senders {
+                for r in receivers {
+                    if s.2 != r.2 {
+                        opposites[s.2 as usize].push(r.2);
+                        opposites[r.2 as usize].push(s.2);
+                    }
+                }
+            }
+        }
+    }
+    for o in &mut opposites {
+        o.sort_unstable();
+        o.dedup();
+    }
+    ExchangeRules { opposites, receives, receive_offset }
+}
+
+/// Tables of every phase under a placement (`check`: validated, as the final tables are).
+pub fn placed_tables(target: &Target, lowered: &Lowered, schedules: &[Schedule], placement: &Placement, check: bool) -> Result<Vec<ExchangePhase>, CompileError> {
+    let addresses = &placement.addresses;
+    let requests = requests(lowered, |buffer, offset| addresses[buffer as usize] + offset);
+    requests.iter().zip(schedules).map(|(r, s)| exchange::relocate(target, r, s, check).map_err(CompileError::from)).collect()
+}
+
+/// A scored placement: conflicting tile-cycles, forced cycles and the score.
+struct Scored {
+    offset: Option<u32>,
+    placement: Placement,
+    conflicts: u64,
+    score: u64,
+}
+
+fn score(target: &Target, tables: &[ExchangePhase]) -> (u64, u64) {
+    let mut conflicts = 0u64;
+    let mut forced = 0u64;
+    for phase in tables {
+        conflicts += phase_conflicts(target, phase).tile_cycles;
+        forced += element_bound(target, phase).saturating_sub(phase.horizon as u64);
+    }
+    (conflicts, conflicts * CONFLICT_WEIGHT + forced)
+}
+
+/// The stage: the accepted placement (the baseline when no candidate is accepted).
+pub fn optimize_exchange_placement(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_bytes: &[u32], baseline: &Placement) -> Result<Placement, CompileError> {
+    let base_tables = placed_tables(target, lowered, schedules, baseline, false)?;
+    let (base_conflicts, base_score) = score(target, &base_tables);
+    log_phases(target, "baseline", &base_tables);
+    info!(score = base_score, conflicts = base_conflicts, "scored baseline exchange placement");
+    // Candidates are independent: place and score them two at a time in parallel, in offset
+    // order, and stop once `FINALISTS` distinct placements score zero (no conflicts and no
+    // forced cycles: later offsets could differ only in cost, which the finalists compare).
+    let mut scored: Vec<Scored> = Vec::new();
+    for batch in (0..OFFSETS).collect::<Vec<_>>().chunks(FINALISTS) {
+        let candidates: Vec<(u32, Result<Option<(Placement, u64, u64)>, CompileError>)> = batch
+            .par_iter()
+            .map(|&k| {
+                let offset = k * OFFSET_STEP;
+                let rules = exchange_rules(lowered, offset);
+                let result = match place_storage_with(target, lowered, code_bytes, &rules) {
+                    Ok(placement) => placed_tables(target, lowered, schedules, &placement, false).map(|tables| {
+                        let (conflicts, score) = score(target, &tables);
+                        Some((placement, conflicts, score))
+                    }),
+                    Err(e) => {
+                        debug!(offset, error = %e, "exchange placement candidate does not fit");
+                        Ok(None)
+                    }
+                };
+                (offset, result)
+            })
+            .collect();
+        for (offset, result) in candidates {
+            if let Some((placement, conflicts, score)) = result? {
+                info!(offset, score, conflicts, "scored exchange placement");
+                scored.push(Scored { offset: Some(offset), placement, conflicts, score });
+            }
+        }
+        let mut perfect: Vec<&Placement> = scored.iter().filter(|s| s.score == 0).map(|s| &s.placement).collect();
+        perfect.dedup();
+        if perfect.len() >= FINALISTS {
+            break;
+        }
+    }
+    // Identical placements need costing once: keep the first offset of each.
+    scored.sort_by_key(|s| (s.score, s.offset));
+    let mut finalists: Vec<Scored> = Vec::new();
+    for s in scored {
+        if finalists.len() < FINALISTS && !finalists.iter().any(|f| f.placement == s.placement) {
+            finalists.push(s);
+        }
+    }
+    let (base_cycles, base_exchange) = estimate_cycles(target, lowered, baseline, &base_tables);
+    let mut best: Option<(Scored, u64, u64)> = None;
+    for f in finalists {
+        let tables = placed_tables(target, lowered, schedules, &f.placement, false)?;
+        let (cycles, exchange_cycles) = estimate_cycles(target, lowered, &f.placement, &tables);
+        let better_than_base = f.conflicts < base_conflicts || (f.conflicts == base_conflicts && cycles < base_cycles);
+        let better_than_best = best.as_ref().is_none_or(|(b, c, _)| (f.conflicts, cycles) < (b.conflicts, *c));
+        let accepted = better_than_base && better_than_best;
+        info!(
+            offset = f.offset.unwrap_or(0),
+            baseline_score = base_score,
+            score = f.score,
+            baseline_cycles = base_cycles,
+            candidate_cycles = cycles,
+            baseline_conflicts = base_conflicts,
+            conflicts = f.conflicts,
+            accepted,
+            "evaluated exchange placement finalist"
+        );
+        if accepted {
+            best = Some((f, cycles, exchange_cycles));
+        }
+    }
+    // The winner's relocated rows must validate (its schedules are reused as they are).
+    if let Some((f, _, _)) = &best {
+        if let Err(e) = placed_tables(target, lowered, schedules, &f.placement, true) {
+            warn!(offset = f.offset.unwrap_or(0), error = %e, "exchange placement finalist's relocated rows do not validate: keeping the baseline");
+            best = None;
+        }
+    }
+    let (placement, conflicts, cycles, exchange_cycles) = match best {
+        Some((f, c, x)) => (f.placement, f.conflicts, c, x),
+        None => (baseline.clone(), base_conflicts, base_cycles, base_exchange),
+    };
+    log_phases(target, "final", &placed_tables(target, lowered, schedules, &placement, false)?);
+    if conflicts > 0 {
+        warn!(conflicts, "memory-element conflicts remain after exchange placement (tile memory too full to separate send and receive buffers)");
+    }
+    info!(final_cycles = cycles, final_exchange = exchange_cycles, conflicts, "costed final placed program");
+    Ok(placement)
+}
+
+/// Per phase: conflicts and the memory-element bound beside the endpoint bound (the bound
+/// binds where it exceeds the endpoint bound).
+fn log_phases(target: &Target, placement: &str, tables: &[ExchangePhase]) {
+    for phase in tables {
+        let c = phase_conflicts(target, phase);
+        let bound = element_bound(target, phase);
+        info!(
+            placement,
+            phase = phase.index,
+            conflicts = c.tile_cycles,
+            conflict_tiles = c.tiles,
+            memory_element_bound = bound,
+            endpoint_lower_bound = phase.endpoint_lower_bound,
+            binds = bound > phase.endpoint_lower_bound as u64,
+            horizon = phase.horizon,
+            "memory-element exchange bound"
+        );
+    }
+}

@@ -1,0 +1,286 @@
+//! Property tests of every reader of outside bytes: workload TOML, target descriptions,
+//! packages (header, checksum, rkyv validation, and the simulator's load-time checks behind
+//! them), cache entries, `.npy` files and the host-reference cache. Each property is "any
+//! input gives `Ok` or a clear `Err`: no panic, no hang", checked over seeded random mutations
+//! of valid inputs (bit flips, byte overwrites, truncations, insertions, splices; for packages
+//! also payload mutations under a recomputed checksum and field mutations of the decoded
+//! structure), so that failures reproduce from the printed seed and case.
+//!
+//! These run in `cargo test` with small counts so the suite stays fast on two cores; longer
+//! campaigns of the same readers: `IPUQ_FUZZ_SCALE=N` (see the README). Findings are fixed and
+//! stay covered here (a panelled-A row count that overflowed, host segments whose row count
+//! made the run list unbounded).
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use ipuq_queries::ir::Graph;
+use ipuq_queries::package::*;
+use ipuq_queries::target::{fixtures, Target};
+
+/// xorshift64*: a tiny deterministic generator, so a failing case is named by (seed, case).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+}
+
+/// One random byte-level mutation of `input`.
+fn mutate(rng: &mut Rng, input: &[u8], dictionary: &[&[u8]]) -> Vec<u8> {
+    let mut out = input.to_vec();
+    let rounds = 1 + rng.below(4);
+    for _ in 0..rounds {
+        let at = rng.below(out.len() + 1);
+        match rng.below(7) {
+            0 if !out.is_empty() => {
+                let i = at.min(out.len() - 1);
+                out[i] ^= 1 << rng.below(8);
+            }
+            1 if !out.is_empty() => {
+                let i = at.min(out.len() - 1);
+                out[i] = [0, 0xFF, 0x7F, 0x80, b'"', b'=', b'[', b'\n'][rng.below(8)];
+            }
+            2 => out.truncate(at),
+            3 => {
+                let word = dictionary[rng.below(dictionary.len())];
+                out.splice(at..at, word.iter().copied());
+            }
+            4 if out.len() > 8 => {
+                let from = rng.below(out.len() - 4);
+                let len = rng.below(64).min(out.len() - from);
+                let chunk = out[from..from + len].to_vec();
+                out.splice(at..at, chunk);
+            }
+            5 => {
+                let end = (at + rng.below(16)).min(out.len());
+                out.drain(at..end);
+            }
+            _ => {
+                let value = (rng.next() as u32).to_le_bytes();
+                let i = at.min(out.len().saturating_sub(4));
+                if out.len() >= 4 {
+                    out[i..i + 4].copy_from_slice(&value);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// `IPUQ_FUZZ_SCALE=N` multiplies every campaign's cases and time limit (long campaigns:
+/// `IPUQ_FUZZ_SCALE=1000 cargo test --release --test fuzz -- --nocapture`).
+fn scale() -> usize {
+    std::env::var("IPUQ_FUZZ_SCALE").ok().and_then(|s| s.parse().ok()).unwrap_or(1).max(1)
+}
+
+/// Run `reader` on `cases` mutations of `seed_input`; fail naming the case on a panic, and
+/// when the whole campaign takes longer than `limit` (a hang).
+fn campaign(name: &str, seed_input: &[u8], dictionary: &[&[u8]], cases: usize, limit: Duration, reader: impl Fn(&[u8])) {
+    let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ name.len() as u64);
+    let (cases, limit) = (cases * scale(), limit * scale() as u32);
+    let started = Instant::now();
+    for case in 0..cases {
+        let input = mutate(&mut rng, seed_input, dictionary);
+        if catch_unwind(AssertUnwindSafe(|| reader(&input))).is_err() {
+            panic!("{name}: case {case} panicked on input {:?}", String::from_utf8_lossy(&input));
+        }
+    }
+    assert!(started.elapsed() < limit, "{name}: {cases} cases took {:?}", started.elapsed());
+    eprintln!("fuzz campaign {name}: {cases} executions in {:?}, no panic", started.elapsed());
+}
+
+fn fixture(relative: &str) -> String {
+    std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(relative)).unwrap()
+}
+
+const TOML_WORDS: &[&[u8]] = &[b"[[tensor]]", b"[[operation]]", b"shape = [", b"4294967295", b"-1", b"0", b"1e308", b"\"", b"inputs = []", b"op = \"matmul\"", b"\n", b"perm = [1, 0]", b"factor = nan"];
+
+#[test]
+fn workload_files_never_panic() {
+    for file in ["workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml", "workloads/attention-grouped-materialized-gaussian-f16-b1-t29-h4-kv2-d8.toml"] {
+        let text = fixture(file);
+        campaign(file, text.as_bytes(), TOML_WORDS, 1500, Duration::from_secs(60), |bytes| {
+            let _ = Graph::parse(&String::from_utf8_lossy(bytes), "fuzz.toml");
+        });
+    }
+}
+
+#[test]
+fn target_descriptions_never_panic() {
+    campaign("target", fixtures::SMALL16.as_bytes(), TOML_WORDS, 1500, Duration::from_secs(60), |bytes| {
+        if let Ok(t) = Target::from_toml(&String::from_utf8_lossy(bytes), "fuzz.toml") {
+            let _ = (t.delay_range(), t.delay(0, t.chip.tiles - 1), t.digest());
+        }
+    });
+}
+
+#[test]
+fn npy_files_and_reference_caches_never_panic() {
+    let npy = ipuq::workload::npy::encode_npy(ipuq_queries::ir::DType::F16, &[3, 5], &[0.5; 15], "seed").unwrap();
+    let words: &[&[u8]] = &[b"{'descr': '<f4', 'fortran_order': False, 'shape': (", b"18446744073709551615,", b")}", b"<f2", b"True", b"\x93NUMPY"];
+    campaign("npy", &npy, words, 3000, Duration::from_secs(60), |bytes| {
+        let _ = ipuq::workload::npy::parse_npy(bytes, "fuzz.npy");
+    });
+    let key = [7u8; 32];
+    let mut values = ipuq::reference::Values::new();
+    values.insert("y".into(), vec![1.0, 2.0, 3.0]);
+    let cached = ipuq::reference_cache::encode(&key, &values);
+    campaign("reference cache", &cached, &[&[0xFF; 8], &[0; 8]], 3000, Duration::from_secs(60), |bytes| {
+        let _ = ipuq::reference_cache::decode(&key, bytes);
+    });
+}
+
+#[test]
+fn cache_entries_never_panic() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = ipuq_cache::Cache::open(dir.path(), ipuq_cache::CacheOptions::default()).unwrap();
+    let key = [3u8; 32];
+    let payload: Vec<u8> = (0..200u8).collect();
+    cache.put("stage", &key, 1, &payload).unwrap();
+    let mut files = Vec::new();
+    let mut stack = vec![dir.path().to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            let p = e.path();
+            if p.is_dir() { stack.push(p) } else { files.push(p) }
+        }
+    }
+    files.sort();
+    assert!(!files.is_empty());
+    for file in files {
+        let original = std::fs::read(&file).unwrap();
+        campaign(&file.display().to_string(), &original, &[&[0; 8]], 300, Duration::from_secs(60), |bytes| {
+            std::fs::write(&file, bytes).unwrap();
+            let _ = cache.get("stage", &key, 1);
+        });
+        std::fs::write(&file, &original).unwrap();
+    }
+}
+
+/// The header `Package::to_bytes` writes, for a mutated payload.
+fn with_header(payload: &[u8], digest: &[u8; 32]) -> Vec<u8> {
+    let mut out = Vec::new();
+    out.extend_from_slice(&PACKAGE_MAGIC);
+    out.extend_from_slice(&PACKAGE_FORMAT_VERSION.to_le_bytes());
+    out.extend_from_slice(&RKYV_FLAGS.to_le_bytes());
+    out.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+    out.extend_from_slice(blake3::hash(payload).as_bytes());
+    out.extend_from_slice(digest);
+    out.resize(HEADER_BYTES, 0);
+    out.extend_from_slice(payload);
+    out
+}
+
+fn small_package() -> (Package, std::collections::BTreeMap<String, Vec<u8>>) {
+    let dir = tempfile::tempdir().unwrap();
+    let workload = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml");
+    let options = ipuq::build::BuildOptions { target: Some("small16".into()), out_dir: dir.path().to_path_buf(), incremental: false, cache_dir: None, cache_read_only: false, cache_max_bytes: None, plan_finalists: ipuq_queries::lower::search::DEFAULT_FINALISTS, remote: None };
+    let built = ipuq::build::build(&workload, &options).unwrap();
+    let package = ipuq::build::read_package(&built.path).unwrap();
+    let graph = Graph::parse(&package.workload_toml, "embedded").unwrap();
+    let data = ipuq::workload::tensor_data(&graph, dir.path()).unwrap();
+    let inputs = data.into_iter().map(|(name, d)| (name, d.bytes)).collect();
+    (package, inputs)
+}
+
+#[test]
+fn packages_never_panic_the_reader_or_the_device() {
+    let (package, inputs) = small_package();
+    let bytes = package.to_bytes();
+    campaign("package file", &bytes, &[&PACKAGE_MAGIC, &[0xFF; 4]], 300, Duration::from_secs(120), |b| {
+        let _ = Package::from_bytes(b, "fuzz.ipuexe");
+    });
+    // Payload mutations under a valid checksum reach rkyv's validation and the device.
+    let payload = bytes[HEADER_BYTES..].to_vec();
+    let digest = package.target_digest.0;
+    let options = ipuq::runtime::RunOptions::default();
+    campaign("package payload", &payload, &[&[0xFF; 4], &[0; 4]], 300, Duration::from_secs(300), |p| {
+        if let Ok(decoded) = Package::from_bytes(&with_header(p, &digest), "fuzz.ipuexe") {
+            let _ = ipuq::runtime::execute(&decoded, &inputs, &options);
+        }
+    });
+}
+
+/// Field-level mutations of a decoded package: tables, calls, allocations and steps with
+/// hostile numbers. The device must reject or run each, never panic or hang.
+#[test]
+fn structurally_mutated_packages_never_panic_the_device() {
+    let (package, inputs) = small_package();
+    let options = ipuq::runtime::RunOptions::default();
+    let mut rng = Rng(0xD1B5_4A32_D192_ED03);
+    let started = Instant::now();
+    let cases = 500 * scale();
+    let hostile = [0u32, 1, 2, 3, 4, 0x4C000, 0x7FFFC, 0x80000, 0xE7BB0, 0xE8000, u32::MAX, u32::MAX / 2, 1 << 20];
+    for case in 0..cases {
+        let mut p = package.clone();
+        let value = if rng.below(2) == 0 { hostile[rng.below(hostile.len())] } else { rng.next() as u32 % 2048 };
+        match rng.below(8) {
+            0 | 1 => {
+                let phase = rng.below(p.exchanges.len());
+                let tables = &mut p.exchanges[phase].tiles;
+                let t = rng.below(tables.len());
+                let table = &mut tables[t];
+                if rng.below(2) == 0 && !table.sends.is_empty() {
+                    let s = rng.below(table.sends.len());
+                    let e = &mut table.sends[s];
+                    match rng.below(4) { 0 => e.cycle = value, 1 => e.address = value, 2 => e.words = value, _ => e.paired = !e.paired }
+                } else if !table.receives.is_empty() {
+                    let r = rng.below(table.receives.len());
+                    let e = &mut table.receives[r];
+                    match rng.below(5) { 0 => e.cycle = value, 1 => e.address = value, 2 => e.words = value, 3 => e.source = value, _ => e.paired = !e.paired }
+                }
+            }
+            2 | 3 => {
+                let tile = rng.below(p.tiles.len());
+                let image = &mut p.tiles[tile];
+                if let Some(set) = image.compute_sets.first_mut() {
+                    let c = rng.below(set.calls.len());
+                    let call = &mut set.calls[c];
+                    let pick = rng.below(3);
+                    let mut touched = 0;
+                    *call = call.map(|o| {
+                        touched += 1;
+                        if touched - 1 == pick { Operand { address: value, row_stride: o.row_stride } } else { *o }
+                    });
+                    if let VertexCall::MatMul { m, k, n, .. } = call {
+                        match rng.below(4) { 0 => *m = value, 1 => *k = value, 2 => *n = value, _ => {} }
+                    }
+                }
+            }
+            4 => {
+                let tile = rng.below(p.tiles.len());
+                let allocations = &mut p.tiles[tile].allocations;
+                let a = rng.below(allocations.len());
+                match rng.below(4) { 0 => allocations[a].start = value, 1 => allocations[a].end = value, 2 => allocations[a].first_step = value, _ => allocations[a].last_step = value }
+            }
+            5 => {
+                let s = rng.below(p.steps.len());
+                p.steps[s] = if rng.below(2) == 0 { Step::Compute { index: value } } else { Step::Exchange { phase: value } };
+            }
+            6 => {
+                if let Some(t) = p.host.outputs.first_mut() {
+                    let s = rng.below(t.segments.len());
+                    match rng.below(3) { 0 => t.segments[s].address = value, 1 => t.segments[s].count = value, _ => t.segments[s].rows = value }
+                }
+            }
+            _ => {
+                let tile = rng.below(p.tiles.len());
+                p.tiles[tile].tile = value;
+            }
+        }
+        if catch_unwind(AssertUnwindSafe(|| ipuq::runtime::execute(&p, &inputs, &options))).is_err() {
+            panic!("structural mutation case {case} panicked the device");
+        }
+    }
+    assert!(started.elapsed() < Duration::from_secs(300) * scale() as u32, "{cases} cases took {:?}", started.elapsed());
+    eprintln!("fuzz campaign structural package mutations: {cases} executions in {:?}, no panic", started.elapsed());
+}
