@@ -97,7 +97,7 @@ fn tensor(name: &str, shape: Vec<u32>, role: HostRole, segments: Vec<HostSegment
     HostTensor { name: name.into(), shape, dtype: DType::F16, role, segments }
 }
 fn segment(tile: u32, address: u32, element: u32, count: u32) -> HostSegment {
-    HostSegment { tile, address, element, count, rows: 1, element_stride: 0, address_stride: 0 }
+    HostSegment { tile, address, element, count, rows: 1, element_stride: 0, address_stride: 0, element_step: 1 }
 }
 
 /// Deterministic f16 values in [-1, 1).

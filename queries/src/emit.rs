@@ -151,6 +151,7 @@ fn host_tensor(placement: &Placement, lowered: &Lowered, t: &LHostTensor) -> Hos
         rows: s.rows,
         element_stride: s.element_stride,
         address_stride: s.offset_stride,
+        element_step: s.element_step,
     })
 }
 
@@ -216,7 +217,7 @@ pub fn build_package(target: &Target, graph: &Graph, lowered: &Lowered, placemen
             }
         }
     }
-    // Host-exchange records: (role and tensor, address, first element, count, rows, strides).
+    // Host-exchange records: (role and tensor, address, first element, count, rows, strides, step).
     let mut host_records: Vec<Vec<u8>> = vec![Vec::new(); tiles];
     let host_tensors = lowered.inputs.iter().map(|t| (0u32, t)).chain(lowered.outputs.iter().map(|t| (1, t))).chain(lowered.checkpoints.iter().map(|c| (2, &c.tensor)));
     let mut counters = [0u32; 3];
@@ -227,7 +228,7 @@ pub fn build_package(target: &Target, graph: &Graph, lowered: &Lowered, placemen
             let b = seg.buffer as usize;
             let address = placement.addresses[b] + seg.offset;
             let bytes = &mut host_records[lowered.buffers[b].tile as usize];
-            for w in [role << 30 | index, address, seg.element, seg.count, seg.rows, seg.element_stride, seg.offset_stride, 0] {
+            for w in [role << 30 | index, address, seg.element, seg.count, seg.rows, seg.element_stride, seg.offset_stride, seg.element_step] {
                 bytes.extend_from_slice(&w.to_le_bytes());
             }
         }

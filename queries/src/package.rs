@@ -16,7 +16,7 @@ use crate::ir::DType;
 
 pub const PACKAGE_MAGIC: [u8; 8] = *b"IPUQPKG\0";
 /// Bump when the layout of anything below changes.
-pub const PACKAGE_FORMAT_VERSION: u32 = 4;
+pub const PACKAGE_FORMAT_VERSION: u32 = 5;
 /// rkyv's format flags this build writes (little endian, aligned, 32-bit offsets).
 pub const RKYV_FLAGS: u32 = 0x0000_0001;
 pub const HEADER_BYTES: usize = 96;
@@ -266,9 +266,12 @@ impl<S> HostTensor<S> {
     }
 }
 
-/// `rows` runs of `count` consecutive logical elements: run r starts at flat index
-/// `element + r * element_stride` and is stored contiguously at `address + r * address_stride`
-/// on `tile` (a column block of a row-major tensor is one segment, not one per row).
+/// `rows` runs of `count` logical elements: run r starts at flat index
+/// `element + r * element_stride`, its elements lie `element_step` apart in the host's
+/// row-major tensor (1: consecutive), and the run is stored contiguously at
+/// `address + r * address_stride` on `tile`. A column block of a row-major tensor is one
+/// segment, not one per row; a block of a transposed view is one too (step = the base
+/// tensor's columns): the host transposes it as it streams, so tile memory gets whole rows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct HostSegment {
     pub tile: u32,
@@ -278,6 +281,24 @@ pub struct HostSegment {
     pub rows: u32,
     pub element_stride: u32,
     pub address_stride: u32,
+    pub element_step: u32,
+}
+
+impl HostSegment {
+    /// Flat index of the `i`-th element of run `r`.
+    pub fn element_at(&self, r: u32, i: u32) -> u64 {
+        self.element as u64 + r as u64 * self.element_stride as u64 + i as u64 * self.element_step as u64
+    }
+
+    /// Whether this one-row segment holds flat index `index`, and at which position.
+    pub fn position_of(&self, index: u64) -> Option<u32> {
+        let start = self.element as u64;
+        let step = self.element_step.max(1) as u64;
+        if index < start || (index - start) % step != 0 || (index - start) / step >= self.count as u64 {
+            return None;
+        }
+        Some(((index - start) / step) as u32)
+    }
 }
 
 impl HostTensor {
@@ -294,6 +315,7 @@ impl HostTensor {
                     rows: 1,
                     element_stride: 0,
                     address_stride: 0,
+                    element_step: s.element_step,
                 });
             }
         }

@@ -11,7 +11,7 @@ use tracing::debug;
 
 use super::grid::{block_elements_stored, offset_in_block, row_stride, split, Grid, ViewChain};
 use super::orient::Oriented;
-use super::plan::{plan_matmul, MatMulPlan, MatMulProblem};
+use super::plan::{column_reduction, plan_matmul, MatMulPlan, MatMulProblem};
 use super::{BufferDecl, Call, LCheckpoint, LHostTensor, LSegment, LStep, Loc, Lowered, OperationPlan, Transfer};
 use crate::cost;
 use crate::ir::{split3, DType, Graph, OpKind, Producer, Role, ValueId};
@@ -281,12 +281,14 @@ impl<'a> Builder<'a> {
                 role: if role == Role::Weight { HostRole::Weight } else { HostRole::Input },
                 segments: Vec::new(),
             });
+            // One segment: row r of the block is base column r, read `base_cols` apart and
+            // written contiguously (the host transposes as it streams).
             let (r0, r1) = block[0];
             let (c0, c1) = block[1];
-            for r in r0..r1 {
-                let offset = held.loc(&[r, c0]).offset * dtype.bytes();
-                entry.segments.push(LSegment { buffer, offset, element: c0 * base_cols + r, count: 1, rows: c1 - c0, element_stride: base_cols, offset_stride: dtype.bytes() });
-            }
+            let offset = held.loc(&[r0, c0]).offset * dtype.bytes();
+            let offset_stride = if r1 - r0 > 1 { (held.loc(&[r0 + 1, c0]).offset - held.loc(&[r0, c0]).offset) * dtype.bytes() } else { 0 };
+            let element_stride = if r1 - r0 > 1 { 1 } else { 0 };
+            entry.segments.push(LSegment { buffer, offset, element: c0 * base_cols + r0, count: c1 - c0, rows: r1 - r0, element_stride, offset_stride, element_step: base_cols });
             return Ok(held);
         }
         let rank = block.len();
@@ -317,7 +319,7 @@ impl<'a> Builder<'a> {
                             role: if role == Role::Weight { HostRole::Weight } else { HostRole::Input },
                             segments: Vec::new(),
                         });
-                        push_segment(&mut entry.segments, LSegment { buffer, offset: dst_offset, element: element as u32, count: run, rows: 1, element_stride: 0, offset_stride: 0 }, dtype.bytes());
+                        push_segment(&mut entry.segments, LSegment { buffer, offset: dst_offset, element: element as u32, count: run, rows: 1, element_stride: 0, offset_stride: 0, element_step: 1 }, dtype.bytes());
                         c += run;
                     }
                     _ => {
@@ -430,17 +432,18 @@ impl<'a> Builder<'a> {
         let v = self.graph.value(value);
         let stored = &self.stored[&chain.base];
         if chain.is_matrix_transpose() {
-            // Each stored row of each cell holds one column of the view: a strided segment.
+            // Each stored row of each cell holds part of one column of the view: one segment
+            // per cell, its runs `cols` apart element by element and contiguous in memory.
             let cols = v.shape[1];
             let mut segments = Vec::new();
             for cell in 0..stored.grid.tiles.len() {
                 let block = stored.grid.cell_block(cell);
                 let held = Held::plain(stored.grid.buffers[cell], block.clone(), stored.dtype);
-                for base_row in block[0].0..block[0].1 {
-                    let (t0, t1) = block[1];
-                    let offset = held.loc(&[base_row, t0]).offset * stored.dtype.bytes();
-                    segments.push(LSegment { buffer: held.buffer, offset, element: t0 * cols + base_row, count: 1, rows: t1 - t0, element_stride: cols, offset_stride: stored.dtype.bytes() });
-                }
+                let ((b0, b1), (t0, t1)) = (block[0], block[1]);
+                let offset = held.loc(&[b0, t0]).offset * stored.dtype.bytes();
+                let offset_stride = if b1 - b0 > 1 { (held.loc(&[b0 + 1, t0]).offset - held.loc(&[b0, t0]).offset) * stored.dtype.bytes() } else { 0 };
+                let element_stride = if b1 - b0 > 1 { 1 } else { 0 };
+                segments.push(LSegment { buffer: held.buffer, offset, element: t0 * cols + b0, count: t1 - t0, rows: b1 - b0, element_stride, offset_stride, element_step: cols });
             }
             segments.sort_by_key(|s| (s.buffer, s.offset));
             return LHostTensor { name: v.name.clone(), shape: v.shape.clone(), dtype: v.dtype, role, segments };
@@ -466,7 +469,7 @@ impl<'a> Builder<'a> {
                 let piece = run.min(cell_block[last].1 - base_index[last]);
                 let held = Held::plain(stored.grid.buffers[cell], cell_block, stored.dtype);
                 let offset = held.loc(&base_index).offset * stored.dtype.bytes();
-                push_segment(&mut segments, LSegment { buffer: held.buffer, offset, element: (row * cols as u64 + c as u64) as u32, count: piece, rows: 1, element_stride: 0, offset_stride: 0 }, stored.dtype.bytes());
+                push_segment(&mut segments, LSegment { buffer: held.buffer, offset, element: (row * cols as u64 + c as u64) as u32, count: piece, rows: 1, element_stride: 0, offset_stride: 0, element_step: 1 }, stored.dtype.bytes());
                 c += piece;
             }
         }
@@ -582,6 +585,16 @@ impl<'a> Builder<'a> {
         let narrow_cells = chain.is_identity()
             && self.stored.get(&chain.base).and_then(|s| s.grid.cuts.last()).is_some_and(|c| c.windows(2).all(|w| w[1] - w[0] <= gemm_block));
         let panel = if narrow_cells { gemm_block } else { 0 };
+        // Column pieces of each column block: one when partials reduce by row chunks (or there
+        // is no reduction), one per group member when they reduce by columns.
+        let by_columns = column_reduction(&plan.n_cuts, nk as u32, gemm_block);
+        let pieces_of = |nr: (u32, u32)| -> Vec<(u32, u32)> {
+            if by_columns {
+                split(nr.1 - nr.0, nk as u32, gemm_block).windows(2).map(|w| (nr.0 + w[0], nr.0 + w[1])).collect()
+            } else {
+                vec![nr]
+            }
+        };
         // Gather operands and allocate outputs (or partials) per work item.
         let mut work = Vec::new();
         for ib in 0..nb {
@@ -592,38 +605,50 @@ impl<'a> Builder<'a> {
                         let ha = self.gather(a, tile, &a_block(&plan, ib, im, ik), false, panel)?;
                         let hb = self.gather(b, tile, &b_block(&plan, ib, i_n, ik), !plan.weights_standard || constraint.is_none_or(|c| c.weight_memory.is_none()), 0)?;
                         let (br, mr, nr) = ((plan.b_cuts[ib], plan.b_cuts[ib + 1]), (plan.m_cuts[im], plan.m_cuts[im + 1]), (plan.n_cuts[i_n], plan.n_cuts[i_n + 1]));
-                        let out_block = if a_rank3 { vec![br, mr, nr] } else { vec![mr, nr] };
                         let (dtype, kind) = if nk > 1 { (DType::F32, AllocationKind::Partials) } else { (DType::F16, AllocationKind::Data) };
                         let label = if nk > 1 { format!("{out_name}.partials") } else { out_name.clone() };
-                        let buffer = self.buffer(tile, block_elements_stored(&out_block, dtype) * dtype.bytes() as u64, kind, kind == AllocationKind::Partials, &label);
-                        work.push((tile, ib, im, i_n, ik, ha, hb, Held::plain(buffer, out_block, dtype)));
+                        let mut outs = Vec::new();
+                        for piece in pieces_of(nr) {
+                            let out_block = if a_rank3 { vec![br, mr, piece] } else { vec![mr, piece] };
+                            let buffer = self.buffer(tile, block_elements_stored(&out_block, dtype) * dtype.bytes() as u64, kind, kind == AllocationKind::Partials, &label);
+                            outs.push(Held::plain(buffer, out_block, dtype));
+                        }
+                        work.push((tile, ib, im, i_n, ik, ha, hb, outs));
                     }
                 }
             }
         }
         let step = self.open_compute();
-        for (tile, ib, im, i_n, ik, ha, hb, hc) in &work {
-            let (kr, nr, mr) = ((plan.k_cuts[*ik], plan.k_cuts[*ik + 1]), (plan.n_cuts[*i_n], plan.n_cuts[*i_n + 1]), (plan.m_cuts[*im], plan.m_cuts[*im + 1]));
+        for (tile, ib, im, _, ik, ha, hb, outs) in &work {
+            let (kr, mr) = ((plan.k_cuts[*ik], plan.k_cuts[*ik + 1]), (plan.m_cuts[*im], plan.m_cuts[*im + 1]));
             for batch in plan.b_cuts[*ib]..plan.b_cuts[*ib + 1] {
                 let with_batch = |rank3: bool, v: Vec<u32>, bi: u32| if rank3 { [vec![bi], v].concat() } else { v };
                 let a_loc = ha.loc(&with_batch(a_rank3, vec![mr.0, kr.0], batch));
-                let b_first = if b_transposed { vec![nr.0, kr.0] } else { vec![kr.0, nr.0] };
-                let b_loc = hb.loc(&with_batch(b_rank3, b_first, batch / group));
-                let c_loc = hc.loc(&with_batch(a_rank3, vec![mr.0, nr.0], batch));
-                let call = Call::MatMul { m: mr.1 - mr.0, k: kr.1 - kr.0, n: nr.1 - nr.0, a: a_loc, a_panel: ha.panel, b: b_loc, b_transposed, c: c_loc, partials: nk > 1 };
-                self.emit(step, *tile, call);
+                for hc in outs {
+                    let nr = hc.block[hc.block.len() - 1];
+                    let b_first = if b_transposed { vec![nr.0, kr.0] } else { vec![kr.0, nr.0] };
+                    let b_loc = hb.loc(&with_batch(b_rank3, b_first, batch / group));
+                    let c_loc = hc.loc(&with_batch(a_rank3, vec![mr.0, nr.0], batch));
+                    let call = Call::MatMul { m: mr.1 - mr.0, k: kr.1 - kr.0, n: nr.1 - nr.0, a: a_loc, a_panel: ha.panel, b: b_loc, b_transposed, c: c_loc, partials: nk > 1 };
+                    self.emit(step, *tile, call);
+                }
             }
         }
         let mut grid = Grid { cuts: Vec::new(), tiles: Vec::new(), buffers: Vec::new() };
         let mut final_step = step;
         if nk == 1 {
             grid.cuts = if a_rank3 { vec![plan.b_cuts.clone(), plan.m_cuts.clone(), plan.n_cuts.clone()] } else { vec![plan.m_cuts.clone(), plan.n_cuts.clone()] };
-            for (tile, .., hc) in &work {
+            for (tile, .., outs) in &work {
                 grid.tiles.push(*tile);
-                grid.buffers.push(hc.buffer);
+                grid.buffers.push(outs[0].buffer);
             }
         } else {
-            final_step = self.reduce(&plan, &work.iter().map(|w| (w.0, w.7.buffer)).collect::<Vec<_>>(), a_rank3, &out_name, &mut grid)?;
+            let partials: Vec<(u32, Vec<u32>)> = work.iter().map(|w| (w.0, w.7.iter().map(|h| h.buffer).collect())).collect();
+            final_step = if by_columns {
+                self.reduce_by_columns(&plan, &partials, a_rank3, &out_name, &mut grid, &pieces_of)?
+            } else {
+                self.reduce(&plan, &partials.iter().map(|p| (p.0, p.1[0])).collect::<Vec<_>>(), a_rank3, &out_name, &mut grid)?
+            };
         }
         let swapped = self.checkpoint_value.contains_key(&output);
         let op_plan = OperationPlan {
@@ -671,6 +696,7 @@ impl<'a> Builder<'a> {
                     rows: 1,
                     element_stride: 0,
                     offset_stride: 0,
+                    element_step: 1,
                 });
             }
             grid.tiles.push(tile);
@@ -679,6 +705,61 @@ impl<'a> Builder<'a> {
         self.home_rotation += 1;
         self.host.insert(weight, LHostTensor { name: value.name.clone(), shape: value.shape.clone(), dtype: value.dtype, role: HostRole::Weight, segments });
         self.stored.insert(weight, Stored { grid, dtype: value.dtype });
+    }
+
+    /// Reduce the inner partials of each (batch, row, column) block by column pieces: member j
+    /// of a group owns piece j (all rows), receives the others' partials of it (each one
+    /// contiguous buffer) and sums them into f16. The value is stored in cells one piece wide.
+    fn reduce_by_columns(&mut self, plan: &MatMulPlan, partials: &[(u32, Vec<u32>)], rank3: bool, name: &str, grid: &mut Grid, pieces_of: &dyn Fn((u32, u32)) -> Vec<(u32, u32)>) -> Result<u32, LowerError> {
+        let (nb, nm, nn, nk) = (plan.b_cuts.len() - 1, plan.m_cuts.len() - 1, plan.n_cuts.len() - 1, plan.k_cuts.len() - 1);
+        let mut col_cuts = vec![0u32];
+        for i_n in 0..nn {
+            col_cuts.extend(pieces_of((plan.n_cuts[i_n], plan.n_cuts[i_n + 1])).into_iter().map(|p| p.1));
+        }
+        let mut reductions = Vec::new();
+        for ib in 0..nb {
+            // A reduction group spans one batch piece of one element (the planner splits the
+            // inner axis only then), so the rows of a block are its rows.
+            let batches = plan.b_cuts[ib + 1] - plan.b_cuts[ib];
+            for im in 0..nm {
+                let rows = (plan.m_cuts[im + 1] - plan.m_cuts[im]) * batches;
+                for i_n in 0..nn {
+                    let pieces = pieces_of((plan.n_cuts[i_n], plan.n_cuts[i_n + 1]));
+                    let group: &[(u32, Vec<u32>)] = &partials[((ib * nm + im) * nn + i_n) * nk..][..nk];
+                    for (j, piece) in pieces.iter().enumerate() {
+                        let owner = group[j].0;
+                        let cols = piece.1 - piece.0;
+                        let stride32 = row_stride(cols, DType::F32);
+                        let mut parts = Vec::new();
+                        for (i, (_, buffers)) in group.iter().enumerate() {
+                            if i == j {
+                                parts.push(Loc { buffer: buffers[j], offset: 0, row_stride: stride32, dtype_bytes: 4 });
+                            } else {
+                                let words = rows * stride32;
+                                let received = self.buffer(owner, words as u64 * 4, AllocationKind::Partials, true, &format!("{name}.partials"));
+                                self.pending.push(((buffers[j], 0), words, (received, 0)));
+                                parts.push(Loc { buffer: received, offset: 0, row_stride: stride32, dtype_bytes: 4 });
+                            }
+                        }
+                        let out = self.buffer(owner, rows as u64 * row_stride(cols, DType::F16) as u64 * 2, AllocationKind::Data, false, name);
+                        reductions.push((ib, im, piece.0, owner, rows, cols, parts, out));
+                    }
+                }
+            }
+        }
+        let step = self.open_compute();
+        let mut cells: BTreeMap<(usize, usize, u32), (u32, u32)> = BTreeMap::new();
+        for (ib, im, col, owner, rows, cols, parts, out) in reductions {
+            let out_loc = Loc { buffer: out, offset: 0, row_stride: row_stride(cols, DType::F16), dtype_bytes: 2 };
+            self.emit(step, owner, Call::Reduce { rows, cols, parts, out: out_loc });
+            cells.insert((ib, im, col), (owner, out));
+        }
+        grid.cuts = if rank3 { vec![plan.b_cuts.clone(), plan.m_cuts.clone(), col_cuts] } else { vec![plan.m_cuts.clone(), col_cuts] };
+        for (_, (tile, buffer)) in cells {
+            grid.tiles.push(tile);
+            grid.buffers.push(buffer);
+        }
+        Ok(step)
     }
 
     /// Reduce the inner partials of each (batch, row, column) block: member j of a group owns
@@ -909,7 +990,7 @@ fn flatten(index: &[u32], shape: &[u32]) -> u64 {
 fn push_segment(segments: &mut Vec<LSegment>, s: LSegment, bytes: u32) {
     if s.count == 1 {
         if let Some(last) = segments.last_mut() {
-            if last.buffer == s.buffer && last.count == 1 && s.element > last.element && s.offset > last.offset {
+            if last.buffer == s.buffer && last.count == 1 && s.count == 1 && s.element > last.element && s.offset > last.offset {
                 let (de, doff) = (s.element - last.element, s.offset - last.offset);
                 if last.rows == 1 && !(de == 1 && doff == bytes) {
                     last.element_stride = de;
@@ -932,7 +1013,8 @@ fn merge_segments(mut segments: Vec<LSegment>, dtype: DType) -> Vec<LSegment> {
     let mut runs: Vec<LSegment> = Vec::with_capacity(segments.len());
     for s in segments {
         if let Some(last) = runs.last_mut() {
-            if last.rows == 1 && s.rows == 1 && last.buffer == s.buffer && last.element + last.count == s.element && last.offset + last.count * dtype.bytes() == s.offset {
+            let consecutive = last.element_step == 1 && s.element_step == 1;
+            if consecutive && last.rows == 1 && s.rows == 1 && last.buffer == s.buffer && last.element + last.count == s.element && last.offset + last.count * dtype.bytes() == s.offset {
                 last.count += s.count;
                 continue;
             }
@@ -943,7 +1025,7 @@ fn merge_segments(mut segments: Vec<LSegment>, dtype: DType) -> Vec<LSegment> {
     let mut out: Vec<LSegment> = Vec::with_capacity(runs.len());
     for s in runs {
         if let Some(last) = out.last_mut() {
-            if s.rows == 1 && last.buffer == s.buffer && last.count == s.count && s.element > last.element && s.offset > last.offset {
+            if s.rows == 1 && last.buffer == s.buffer && last.count == s.count && last.element_step == s.element_step && s.element > last.element && s.offset > last.offset {
                 if last.rows == 1 {
                     last.element_stride = s.element - last.element;
                     last.offset_stride = s.offset - last.offset;

@@ -73,6 +73,17 @@ pub struct Planned {
     pub matching_plans: u32,
 }
 
+/// Whether the inner partials of a plan reduce by column pieces instead of row chunks: every
+/// column block holds at least one AMP block (`block` columns) per member of its reduction
+/// group. Each member then owns whole column pieces (`split(width, pk, block)`): the product
+/// writes each piece's partials to their own buffer (one call per piece), a member receives
+/// the others' pieces as single contiguous runs, and the reduced value is stored in cells one
+/// piece wide, which a consumer taking AMP-aligned column blocks gathers in runs of whole
+/// rows instead of one transfer per row.
+pub fn column_reduction(n_cuts: &[u32], pk: u32, block: u32) -> bool {
+    pk > 1 && n_cuts.windows(2).all(|w| (w[1] - w[0]).div_ceil(block.max(1)) >= pk)
+}
+
 fn distinct_partitions(blocks: u32, limit: u32) -> Vec<u32> {
     // For each distinct block size ceil(blocks / p), the smallest p that gives it: the same
     // per-tile work on the fewest tiles.
@@ -222,9 +233,16 @@ fn cost_plan(t: &Target, p: &MatMulProblem, b_cuts: Vec<u32>, m_cuts: Vec<u32>, 
     // Partials (and the partial rows a reduction receives) must sit in interleaved memory.
     let standard = p.standard_budget;
     let interleaved = p.interleaved_budget;
-    let chunk = ms.div_ceil(pk);
-    let receive_words = (pk - 1) as u64 * chunk as u64 * ns_f32 as u64;
-    let partials_bytes = if pk > 1 { bs as u64 * ms as u64 * ns_f32 as u64 * 4 + receive_words * 4 } else { 0 };
+    let block = t.costs.gemm_block as u32;
+    let by_columns = column_reduction(&plan.n_cuts, pk, block);
+    // The largest column block's pieces (balanced splits put the largest first).
+    let pieces: Vec<u32> = if by_columns { split(ns, pk, block).windows(2).map(|w| w[1] - w[0]).collect() } else { vec![ns] };
+    let piece_f32 = pieces[0].div_ceil(4) * 4;
+    // Per member: the rows and columns it reduces.
+    let (chunk_rows, chunk_cols, chunk_cols_f32) = if by_columns { (ms, pieces[0], piece_f32) } else { (ms.div_ceil(pk), ns, ns_f32) };
+    let receive_words = (pk - 1) as u64 * chunk_rows as u64 * chunk_cols_f32 as u64;
+    let stored_f32: u64 = pieces.iter().map(|w| w.div_ceil(4) as u64 * 4).sum();
+    let partials_bytes = if pk > 1 { bs as u64 * ms as u64 * stored_f32 * 4 + receive_words * 4 } else { 0 };
     if partials_bytes > interleaved {
         return None;
     }
@@ -236,12 +254,12 @@ fn cost_plan(t: &Target, p: &MatMulProblem, b_cuts: Vec<u32>, m_cuts: Vec<u32>, 
         _ if fits_interleaved => WeightClass::Interleaved,
         _ => WeightClass::Standard,
     };
-    let mut compute = bs as u64 * cost::gemm(t, ms, ks, ns, class, p.b_transposed);
+    let mut compute = bs as u64 * pieces.iter().map(|&w| cost::gemm(t, ms, ks, w, class, p.b_transposed)).sum::<u64>();
     let mut exchange = 0u64;
     let mut bytes = a_bytes + b_bytes;
     if pk > 1 {
-        bytes += partials_bytes + chunk as u64 * ns_f16 as u64 * 2;
-        compute += cost::reduce(t, pk, chunk as u64 * ns as u64);
+        bytes += partials_bytes + chunk_rows as u64 * chunk_cols.div_ceil(4) as u64 * 4 * 2;
+        compute += cost::reduce(t, pk, chunk_rows as u64 * chunk_cols as u64);
         exchange += sync + max_delay as u64 + receive_words;
     } else {
         bytes += bs as u64 * ms as u64 * ns_f16 as u64 * 2;
