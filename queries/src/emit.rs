@@ -122,8 +122,8 @@ fn encode_call(call: &VertexCall, out: &mut Vec<u8>) {
         }
     };
     match call {
-        VertexCall::MatMul { m, k, n, a, a_panel, b, b_transposed, c, partials } => {
-            ops(1, &[*m, *k, *n, *a_panel, *b_transposed as u32 | (*partials as u32) << 1], &[a, b, c])
+        VertexCall::MatMul { m, k, n, a, a_panel, b, b_transposed, c, c_panel, partials } => {
+            ops(1, &[*m, *k, *n, *a_panel, *b_transposed as u32 | (*partials as u32) << 1 | *c_panel << 8], &[a, b, c])
         }
         VertexCall::Reduce { rows, cols, parts, out: o } => {
             let mut refs: Vec<&Operand> = parts.iter().take(4).collect();

@@ -143,8 +143,10 @@ pub enum VertexCall<O = Operand> {
     /// `a_panel` = 0: A is row-major with `a.row_stride`. `a_panel` = w > 0: A is stored as
     /// ceil(k / w) contiguous panels of m rows x w columns (row stride `a.row_stride` >= w),
     /// panel p at `a.address + p * m * a.row_stride * 2`: the AMP's input-channel grouping, which
-    /// lets a gathered block arrive in long contiguous runs.
-    MatMul { m: u32, k: u32, n: u32, a: O, a_panel: u32, b: O, b_transposed: bool, c: O, partials: bool },
+    /// lets a gathered block arrive in long contiguous runs. `c_panel` = w > 0: C is stored the
+    /// same way, ceil(n / w) panels of m rows x w columns (the AMP's output-channel groups),
+    /// panel p at `c.address + p * m * c.row_stride * element bytes`.
+    MatMul { m: u32, k: u32, n: u32, a: O, a_panel: u32, b: O, b_transposed: bool, c: O, c_panel: u32, partials: bool },
     /// out (f16) = sum of fp32 partial blocks, rows x cols each.
     Reduce { rows: u32, cols: u32, parts: Vec<O>, out: O },
     /// GELU (tanh approximation), f16.
@@ -164,8 +166,8 @@ impl<O> VertexCall<O> {
     /// The same call over other operands (placement turns `Loc`s into `Operand`s).
     pub fn map<P>(&self, mut f: impl FnMut(&O) -> P) -> VertexCall<P> {
         match self {
-            VertexCall::MatMul { m, k, n, a, a_panel, b, b_transposed, c, partials } => {
-                VertexCall::MatMul { m: *m, k: *k, n: *n, a: f(a), a_panel: *a_panel, b: f(b), b_transposed: *b_transposed, c: f(c), partials: *partials }
+            VertexCall::MatMul { m, k, n, a, a_panel, b, b_transposed, c, c_panel, partials } => {
+                VertexCall::MatMul { m: *m, k: *k, n: *n, a: f(a), a_panel: *a_panel, b: f(b), b_transposed: *b_transposed, c: f(c), c_panel: *c_panel, partials: *partials }
             }
             VertexCall::Reduce { rows, cols, parts, out } => VertexCall::Reduce { rows: *rows, cols: *cols, parts: parts.iter().map(&mut f).collect(), out: f(out) },
             VertexCall::Gelu { rows, cols, input, output } => VertexCall::Gelu { rows: *rows, cols: *cols, input: f(input), output: f(output) },

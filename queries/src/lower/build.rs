@@ -11,7 +11,8 @@ use tracing::debug;
 
 use super::grid::{block_elements_stored, offset_in_block, row_stride, split, Grid, ViewChain};
 use super::orient::Oriented;
-use super::plan::{column_reduction, plan_matmul, MatMulPlan, MatMulProblem};
+use super::candidates;
+use super::plan::{column_reduction, MatMulPlan, MatMulProblem};
 use super::{BufferDecl, Call, LCheckpoint, LHostTensor, LSegment, LStep, Loc, Lowered, OperationPlan, Transfer};
 use crate::cost;
 use crate::ir::{split3, DType, Graph, OpKind, Producer, Role, ValueId};
@@ -563,7 +564,13 @@ impl<'a> Builder<'a> {
         let original_name = graph.value(self.checkpoint_value.get(&output).copied().unwrap_or(output)).name.clone();
         let constraint = graph.file.constraints.iter().find(|c| c.operation == original_name);
         let problem = MatMulProblem { batches, m, k, n, b_transposed, whole_rows, remote_a_words: &remote_a, remote_b_words: &remote_b, gather_bound: &gather_bound, memory_budget: self.budget(), interleaved_budget: self.interleaved_budget(), standard_budget: self.standard_budget(), constraint };
-        let planned = plan_matmul(self.target, &problem).map_err(|reason| match constraint {
+        let layout = |chain: &ViewChain| match self.stored.get(&chain.base) {
+            Some(s) => format!("{} stored {:?} {:?}", chain.signature(), s.grid.cuts, s.grid.tiles),
+            None => format!("{} host", chain.signature()),
+        };
+        let parts = format!("{b_batches} {a_rank3} {b_rank3} {home_b} {:?} {:?}|A {}|B {}", av.dtype, bv.dtype, layout(&a_chain), layout(&b_chain));
+        let key = candidates::signature(self.target, &problem, &parts);
+        let planned = candidates::planned(self.target, &problem, key).map_err(|reason| match constraint {
             Some(_) => LowerError::Constraint { operation: original_name.clone(), reason },
             None => LowerError::NoPlan { operation: self.operation_name.clone(), kind: "matmul".into(), budget: self.budget(), tiles: self.target.chip.tiles },
         })?;
@@ -585,16 +592,9 @@ impl<'a> Builder<'a> {
         let narrow_cells = chain.is_identity()
             && self.stored.get(&chain.base).and_then(|s| s.grid.cuts.last()).is_some_and(|c| c.windows(2).all(|w| w[1] - w[0] <= gemm_block));
         let panel = if narrow_cells { gemm_block } else { 0 };
-        // Column pieces of each column block: one when partials reduce by row chunks (or there
-        // is no reduction), one per group member when they reduce by columns.
+        // Partials reduced by column panels are written as panels of `gemm_block` columns.
         let by_columns = column_reduction(&plan.n_cuts, nk as u32, gemm_block);
-        let pieces_of = |nr: (u32, u32)| -> Vec<(u32, u32)> {
-            if by_columns {
-                split(nr.1 - nr.0, nk as u32, gemm_block).windows(2).map(|w| (nr.0 + w[0], nr.0 + w[1])).collect()
-            } else {
-                vec![nr]
-            }
-        };
+        let c_panel = if by_columns { gemm_block } else { 0 };
         // Gather operands and allocate outputs (or partials) per work item.
         let mut work = Vec::new();
         for ib in 0..nb {
@@ -607,47 +607,41 @@ impl<'a> Builder<'a> {
                         let (br, mr, nr) = ((plan.b_cuts[ib], plan.b_cuts[ib + 1]), (plan.m_cuts[im], plan.m_cuts[im + 1]), (plan.n_cuts[i_n], plan.n_cuts[i_n + 1]));
                         let (dtype, kind) = if nk > 1 { (DType::F32, AllocationKind::Partials) } else { (DType::F16, AllocationKind::Data) };
                         let label = if nk > 1 { format!("{out_name}.partials") } else { out_name.clone() };
-                        let mut outs = Vec::new();
-                        for piece in pieces_of(nr) {
-                            let out_block = if a_rank3 { vec![br, mr, piece] } else { vec![mr, piece] };
-                            let buffer = self.buffer(tile, block_elements_stored(&out_block, dtype) * dtype.bytes() as u64, kind, kind == AllocationKind::Partials, &label);
-                            outs.push(Held::plain(buffer, out_block, dtype));
-                        }
-                        work.push((tile, ib, im, i_n, ik, ha, hb, outs));
+                        let out_block = if a_rank3 { vec![br, mr, nr] } else { vec![mr, nr] };
+                        let hc = Held { buffer: u32::MAX, block: out_block, dtype, panel: c_panel };
+                        let buffer = self.buffer(tile, hc.stored_elements() * dtype.bytes() as u64, kind, kind == AllocationKind::Partials, &label);
+                        work.push((tile, ib, im, i_n, ik, ha, hb, Held { buffer, ..hc }));
                     }
                 }
             }
         }
         let step = self.open_compute();
-        for (tile, ib, im, _, ik, ha, hb, outs) in &work {
-            let (kr, mr) = ((plan.k_cuts[*ik], plan.k_cuts[*ik + 1]), (plan.m_cuts[*im], plan.m_cuts[*im + 1]));
+        for (tile, ib, im, i_n, ik, ha, hb, hc) in &work {
+            let (kr, nr, mr) = ((plan.k_cuts[*ik], plan.k_cuts[*ik + 1]), (plan.n_cuts[*i_n], plan.n_cuts[*i_n + 1]), (plan.m_cuts[*im], plan.m_cuts[*im + 1]));
             for batch in plan.b_cuts[*ib]..plan.b_cuts[*ib + 1] {
                 let with_batch = |rank3: bool, v: Vec<u32>, bi: u32| if rank3 { [vec![bi], v].concat() } else { v };
                 let a_loc = ha.loc(&with_batch(a_rank3, vec![mr.0, kr.0], batch));
-                for hc in outs {
-                    let nr = hc.block[hc.block.len() - 1];
-                    let b_first = if b_transposed { vec![nr.0, kr.0] } else { vec![kr.0, nr.0] };
-                    let b_loc = hb.loc(&with_batch(b_rank3, b_first, batch / group));
-                    let c_loc = hc.loc(&with_batch(a_rank3, vec![mr.0, nr.0], batch));
-                    let call = Call::MatMul { m: mr.1 - mr.0, k: kr.1 - kr.0, n: nr.1 - nr.0, a: a_loc, a_panel: ha.panel, b: b_loc, b_transposed, c: c_loc, partials: nk > 1 };
-                    self.emit(step, *tile, call);
-                }
+                let b_first = if b_transposed { vec![nr.0, kr.0] } else { vec![kr.0, nr.0] };
+                let b_loc = hb.loc(&with_batch(b_rank3, b_first, batch / group));
+                let c_loc = hc.loc(&with_batch(a_rank3, vec![mr.0, nr.0], batch));
+                let call = Call::MatMul { m: mr.1 - mr.0, k: kr.1 - kr.0, n: nr.1 - nr.0, a: a_loc, a_panel: ha.panel, b: b_loc, b_transposed, c: c_loc, c_panel: hc.panel, partials: nk > 1 };
+                self.emit(step, *tile, call);
             }
         }
         let mut grid = Grid { cuts: Vec::new(), tiles: Vec::new(), buffers: Vec::new() };
         let mut final_step = step;
         if nk == 1 {
             grid.cuts = if a_rank3 { vec![plan.b_cuts.clone(), plan.m_cuts.clone(), plan.n_cuts.clone()] } else { vec![plan.m_cuts.clone(), plan.n_cuts.clone()] };
-            for (tile, .., outs) in &work {
+            for (tile, .., hc) in &work {
                 grid.tiles.push(*tile);
-                grid.buffers.push(outs[0].buffer);
+                grid.buffers.push(hc.buffer);
             }
         } else {
-            let partials: Vec<(u32, Vec<u32>)> = work.iter().map(|w| (w.0, w.7.iter().map(|h| h.buffer).collect())).collect();
+            let partials: Vec<(u32, u32)> = work.iter().map(|w| (w.0, w.7.buffer)).collect();
             final_step = if by_columns {
-                self.reduce_by_columns(&plan, &partials, a_rank3, &out_name, &mut grid, &pieces_of)?
+                self.reduce_by_columns(&plan, &partials, a_rank3, &out_name, &mut grid)?
             } else {
-                self.reduce(&plan, &partials.iter().map(|p| (p.0, p.1[0])).collect::<Vec<_>>(), a_rank3, &out_name, &mut grid)?
+                self.reduce(&plan, &partials, a_rank3, &out_name, &mut grid)?
             };
         }
         let swapped = self.checkpoint_value.contains_key(&output);
@@ -707,42 +701,43 @@ impl<'a> Builder<'a> {
         self.stored.insert(weight, Stored { grid, dtype: value.dtype });
     }
 
-    /// Reduce the inner partials of each (batch, row, column) block by column pieces: member j
-    /// of a group owns piece j (all rows), receives the others' partials of it (each one
-    /// contiguous buffer) and sums them into f16. The value is stored in cells one piece wide.
-    fn reduce_by_columns(&mut self, plan: &MatMulPlan, partials: &[(u32, Vec<u32>)], rank3: bool, name: &str, grid: &mut Grid, pieces_of: &dyn Fn((u32, u32)) -> Vec<(u32, u32)>) -> Result<u32, LowerError> {
+    /// Reduce the inner partials of each (batch, row, column) block by column panels: member j
+    /// of a group owns panel j (all rows), receives the others' panel j (one contiguous run
+    /// each) and sums them into f16. The value is stored in cells one panel wide.
+    fn reduce_by_columns(&mut self, plan: &MatMulPlan, partials: &[(u32, u32)], rank3: bool, name: &str, grid: &mut Grid) -> Result<u32, LowerError> {
         let (nb, nm, nn, nk) = (plan.b_cuts.len() - 1, plan.m_cuts.len() - 1, plan.n_cuts.len() - 1, plan.k_cuts.len() - 1);
+        let w = self.target.costs.gemm_block as u32;
         let mut col_cuts = vec![0u32];
         for i_n in 0..nn {
-            col_cuts.extend(pieces_of((plan.n_cuts[i_n], plan.n_cuts[i_n + 1])).into_iter().map(|p| p.1));
+            let (c0, c1) = (plan.n_cuts[i_n], plan.n_cuts[i_n + 1]);
+            col_cuts.extend((1..=nk as u32).map(|j| (c0 + j * w).min(c1)));
         }
         let mut reductions = Vec::new();
         for ib in 0..nb {
-            // A reduction group spans one batch piece of one element (the planner splits the
-            // inner axis only then), so the rows of a block are its rows.
+            // The planner splits the inner axis only when batch pieces are one element.
             let batches = plan.b_cuts[ib + 1] - plan.b_cuts[ib];
             for im in 0..nm {
                 let rows = (plan.m_cuts[im + 1] - plan.m_cuts[im]) * batches;
                 for i_n in 0..nn {
-                    let pieces = pieces_of((plan.n_cuts[i_n], plan.n_cuts[i_n + 1]));
-                    let group: &[(u32, Vec<u32>)] = &partials[((ib * nm + im) * nn + i_n) * nk..][..nk];
-                    for (j, piece) in pieces.iter().enumerate() {
-                        let owner = group[j].0;
-                        let cols = piece.1 - piece.0;
-                        let stride32 = row_stride(cols, DType::F32);
+                    let (c0, c1) = (plan.n_cuts[i_n], plan.n_cuts[i_n + 1]);
+                    let group = &partials[((ib * nm + im) * nn + i_n) * nk..][..nk];
+                    for (j, &(owner, _)) in group.iter().enumerate() {
+                        let col = c0 + j as u32 * w;
+                        let cols = w.min(c1 - col);
+                        let offset = j as u32 * rows * w;
                         let mut parts = Vec::new();
-                        for (i, (_, buffers)) in group.iter().enumerate() {
+                        for (i, &(_, buffer)) in group.iter().enumerate() {
                             if i == j {
-                                parts.push(Loc { buffer: buffers[j], offset: 0, row_stride: stride32, dtype_bytes: 4 });
+                                parts.push(Loc { buffer, offset, row_stride: w, dtype_bytes: 4 });
                             } else {
-                                let words = rows * stride32;
+                                let words = rows * w;
                                 let received = self.buffer(owner, words as u64 * 4, AllocationKind::Partials, true, &format!("{name}.partials"));
-                                self.pending.push(((buffers[j], 0), words, (received, 0)));
-                                parts.push(Loc { buffer: received, offset: 0, row_stride: stride32, dtype_bytes: 4 });
+                                self.pending.push(((buffer, offset * 4), words, (received, 0)));
+                                parts.push(Loc { buffer: received, offset: 0, row_stride: w, dtype_bytes: 4 });
                             }
                         }
                         let out = self.buffer(owner, rows as u64 * row_stride(cols, DType::F16) as u64 * 2, AllocationKind::Data, false, name);
-                        reductions.push((ib, im, piece.0, owner, rows, cols, parts, out));
+                        reductions.push((ib, im, col, owner, rows, cols, parts, out));
                     }
                 }
             }
