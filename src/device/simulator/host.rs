@@ -92,11 +92,21 @@ pub fn write(tensor: &HostTensor, slots: &[usize], memories: &mut [TileMemory], 
     let element_bytes = tensor.dtype.bytes() as usize;
     let mut streamed = 0u64;
     let mut staged: Vec<u8> = Vec::new();
+    // Runs a whole row apart element by element are columns: the host transposes the tensor
+    // (as [elements / cols, cols]) once, and each such run is then one contiguous copy.
+    let cols = tensor.shape.last().copied().unwrap_or(1).max(1) as usize;
+    let rows = bytes.len() / element_bytes / cols;
+    let mut transposed: Option<Vec<u8>> = None;
     for (s, &slot) in tensor.runs().iter().zip(slots) {
         let from = s.element as usize * element_bytes;
         let len = s.count as usize * element_bytes;
         if s.element_step <= 1 || s.count == 1 {
             memories[slot].range_mut(s.address, len).copy_from_slice(&bytes[from..from + len]);
+        } else if s.element_step as usize == cols {
+            let t = transposed.get_or_insert_with(|| transpose(bytes, rows, cols, element_bytes));
+            let (row, col) = (s.element as usize / cols, s.element as usize % cols);
+            let at = (col * rows + row) * element_bytes;
+            memories[slot].range_mut(s.address, len).copy_from_slice(&t[at..at + len]);
         } else {
             let step = s.element_step as usize * element_bytes;
             staged.clear();
@@ -108,6 +118,19 @@ pub fn write(tensor: &HostTensor, slots: &[usize], memories: &mut [TileMemory], 
         streamed += len as u64;
     }
     streamed
+}
+
+/// The bytes of a row-major [rows, cols] tensor in column-major order.
+fn transpose(bytes: &[u8], rows: usize, cols: usize, element_bytes: usize) -> Vec<u8> {
+    let mut out = vec![0u8; rows * cols * element_bytes];
+    for r in 0..rows {
+        for c in 0..cols {
+            let from = (r * cols + c) * element_bytes;
+            let to = (c * rows + r) * element_bytes;
+            out[to..to + element_bytes].copy_from_slice(&bytes[from..from + element_bytes]);
+        }
+    }
+    out
 }
 
 /// Gather the tensor's row-major bytes; every element must be covered by some segment.
