@@ -120,6 +120,9 @@ enum Command {
         /// Export a Chrome trace-event JSON file (Perfetto, chrome://tracing).
         #[arg(long)]
         chrome_trace: Option<PathBuf>,
+        /// The package the profile is a run of: also print cycles per operation kind.
+        #[arg(long)]
+        package: Option<PathBuf>,
     },
     /// Describe a package (identity, program, memory, exchange and host tables) without running it.
     Inspect { package: PathBuf },
@@ -167,6 +170,24 @@ enum Family {
         kv_heads: u32,
         #[arg(long, default_value_t = 72)]
         head_dim: u32,
+        #[arg(long, default_value_t = 1)]
+        batch: u32,
+        #[arg(short = 'o', long = "out")]
+        out: Option<PathBuf>,
+    },
+    /// SigLIP So400m/14 encoder layers (pre-LayerNorm, biases, GELU tanh) with random weights.
+    SiglipEncoder {
+        #[arg(long, default_value_t = 1)]
+        layers: u32,
+        #[arg(long, default_value_t = 729)]
+        tokens: u32,
+        #[arg(long, default_value_t = 1152)]
+        dim: u32,
+        #[arg(long, default_value_t = 16)]
+        heads: u32,
+        /// The MLP's inner width.
+        #[arg(long, default_value_t = 4304)]
+        hidden: u32,
         #[arg(long, default_value_t = 1)]
         batch: u32,
         #[arg(short = 'o', long = "out")]
@@ -259,6 +280,10 @@ fn run(cli: Cli) -> Result<Outcome, String> {
                     let p = crate::workload::GroupedAttention { batch, tokens, heads, kv_heads, head_dimension: head_dim };
                     (crate::workload::grouped_attention(&p).map_err(|e| e.to_string())?, out)
                 }
+                Family::SiglipEncoder { layers, tokens, dim, heads, hidden, batch, out } => {
+                    let p = crate::workload::SiglipEncoder { batch, tokens, dimension: dim, heads, hidden, layers };
+                    (crate::workload::siglip_encoder(&p).map_err(|e| e.to_string())?, out)
+                }
             };
             let path = out.unwrap_or_else(|| PathBuf::from(format!("{}.toml", file.name)));
             std::fs::write(&path, crate::workload::to_toml(&file)).map_err(|e| format!("{}: {e}", path.display()))?;
@@ -287,9 +312,15 @@ fn run(cli: Cli) -> Result<Outcome, String> {
             crate::watch::watch(&workload, options, |w| workload_name(w).map(|name| out_dir(&args, &name)), &watch)?;
             Ok(Outcome::Pass)
         }
-        Command::Profile { file, chrome_trace } => {
+        Command::Profile { file, chrome_trace, package } => {
             let summary = crate::profile::summarize(&file).map_err(|e| e.to_string())?;
             println!("{summary}");
+            if let Some(path) = package {
+                let package = read_package(&path).map_err(|e| e.to_string())?;
+                let timeline = crate::profile::read(&file).map_err(|e| e.to_string())?;
+                let split = crate::op_profile::by_kind(&package, &timeline).map_err(|e| format!("{}: {e}", path.display()))?;
+                println!("{split}");
+            }
             if let Some(out) = chrome_trace {
                 crate::profile::chrome_trace(&file, &out).map_err(|e| e.to_string())?;
                 println!("chromeTrace={}", out.display());

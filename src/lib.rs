@@ -8,6 +8,7 @@ pub mod device;
 pub mod exchange_report;
 pub mod inspect;
 pub mod logging;
+pub mod op_profile;
 pub mod plans;
 pub mod profile;
 pub mod progress;

@@ -8,6 +8,7 @@
 
 pub mod build;
 pub mod candidates;
+pub mod elementwise;
 pub mod grid;
 pub mod plan;
 pub mod orient;
