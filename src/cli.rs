@@ -190,6 +190,24 @@ enum Family {
         #[arg(short = 'o', long = "out")]
         out: Option<PathBuf>,
     },
+    /// SigLIP So400m/14 encoder layers (pre-LayerNorm, biases, GELU tanh) with random weights.
+    SiglipEncoder {
+        #[arg(long, default_value_t = 1)]
+        layers: u32,
+        #[arg(long, default_value_t = 729)]
+        tokens: u32,
+        #[arg(long, default_value_t = 1152)]
+        dim: u32,
+        #[arg(long, default_value_t = 16)]
+        heads: u32,
+        /// The MLP's inner width.
+        #[arg(long, default_value_t = 4304)]
+        hidden: u32,
+        #[arg(long, default_value_t = 1)]
+        batch: u32,
+        #[arg(short = 'o', long = "out")]
+        out: Option<PathBuf>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -276,6 +294,10 @@ fn run(cli: Cli) -> Result<Outcome, String> {
                 Family::Attention { tokens, heads, kv_heads, head_dim, batch, out } => {
                     let p = crate::workload::GroupedAttention { batch, tokens, heads, kv_heads, head_dimension: head_dim };
                     (crate::workload::grouped_attention(&p).map_err(|e| e.to_string())?, out)
+                }
+                Family::SiglipEncoder { layers, tokens, dim, heads, hidden, batch, out } => {
+                    let p = crate::workload::SiglipEncoder { batch, tokens, dimension: dim, heads, hidden, layers };
+                    (crate::workload::siglip_encoder(&p).map_err(|e| e.to_string())?, out)
                 }
             };
             let path = out.unwrap_or_else(|| PathBuf::from(format!("{}.toml", file.name)));

@@ -86,6 +86,12 @@ pub struct OperationDecl {
     /// transpose: the permutation of axes (output axis a is input axis perm[a]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub perm: Option<Vec<u32>>,
+    /// layer_norm: the epsilon added to the variance (default 1e-5).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eps: Option<f64>,
+    /// gelu: "tanh" (the default) or "none" (exact, with erf).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approximate: Option<String>,
 }
 
 /// The file as written: `name`, optional `[family]` parameters, `[[tensor]]`, `[[operation]]`, `outputs`.
@@ -152,8 +158,15 @@ pub enum OpKind {
     /// Batched matrix product; the leading axis of a rank-3 operand is the batch. When A has
     /// more batches than B (grouped heads), batch b of A uses batch b / (Ba / Bb) of B.
     MatMul { transpose_b: bool },
-    /// GELU, tanh approximation.
+    /// GELU, tanh approximation (`approximate = "tanh"`, the default).
     Gelu,
+    /// GELU, exact: `0.5 x (1 + erf(x / sqrt 2))` (`approximate = "none"`).
+    GeluErf,
+    /// LayerNorm over the last axis: inputs x, gamma and beta (both 1-D, the last axis's
+    /// length); fp32 statistics, `(x - mean) / sqrt(var + eps) * gamma + beta`.
+    LayerNorm { eps: f64 },
+    /// x + bias, the 1-D bias broadcast over every leading axis.
+    BiasAdd,
     /// Softmax over the last axis.
     Softmax,
     Scale { factor: f64 },
@@ -167,6 +180,9 @@ impl OpKind {
         match self {
             OpKind::MatMul { .. } => "matmul",
             OpKind::Gelu => "gelu",
+            OpKind::GeluErf => "gelu_erf",
+            OpKind::LayerNorm { .. } => "layer_norm",
+            OpKind::BiasAdd => "bias_add",
             OpKind::Softmax => "softmax",
             OpKind::Scale { .. } => "scale",
             OpKind::Add => "add",
@@ -180,7 +196,10 @@ impl OpKind {
     }
 }
 
-pub const KNOWN_OPERATIONS: &str = "matmul, gelu, softmax, scale, add, reshape, transpose";
+pub const KNOWN_OPERATIONS: &str = "matmul, gelu, softmax, scale, add, bias_add, layer_norm, reshape, transpose";
+
+/// LayerNorm's epsilon when a workload gives none (PyTorch's default).
+pub const DEFAULT_LAYER_NORM_EPS: f64 = 1e-5;
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum Producer {
@@ -289,7 +308,19 @@ impl Graph {
             check_name(&o.name).map_err(|m| invalid(location.clone(), m))?;
             let kind = match o.op.as_str() {
                 "matmul" => OpKind::MatMul { transpose_b: o.transpose_b },
-                "gelu" => OpKind::Gelu,
+                "gelu" => match o.approximate.as_deref() {
+                    None | Some("tanh") => OpKind::Gelu,
+                    Some("none") => OpKind::GeluErf,
+                    Some(other) => return Err(invalid(location, format!("gelu's 'approximate' must be \"tanh\" or \"none\", got {other:?}"))),
+                },
+                "layer_norm" => {
+                    let eps = o.eps.unwrap_or(DEFAULT_LAYER_NORM_EPS);
+                    if !(eps.is_finite() && eps > 0.0) {
+                        return Err(invalid(location, format!("layer_norm's 'eps' must be finite and positive, got {eps}")));
+                    }
+                    OpKind::LayerNorm { eps }
+                }
+                "bias_add" => OpKind::BiasAdd,
                 "softmax" => OpKind::Softmax,
                 "scale" => OpKind::Scale {
                     factor: o.factor.filter(|f| f.is_finite()).ok_or_else(|| invalid(location.clone(), "scale needs a finite 'factor'".into()))?,
@@ -299,6 +330,12 @@ impl Graph {
                 "transpose" => OpKind::Transpose { perm: o.perm.clone().ok_or_else(|| invalid(location.clone(), "transpose needs 'perm'".into()))? },
                 other => return Err(invalid(location, format!("unknown operation '{other}'; known operations: {KNOWN_OPERATIONS}"))),
             };
+            if o.eps.is_some() && !matches!(kind, OpKind::LayerNorm { .. }) {
+                return Err(invalid(location, format!("'eps' applies only to layer_norm, not {}", o.op)));
+            }
+            if o.approximate.is_some() && !matches!(kind, OpKind::Gelu | OpKind::GeluErf) {
+                return Err(invalid(location, format!("'approximate' applies only to gelu, not {}", o.op)));
+            }
             let mut inputs = Vec::new();
             for name in &o.inputs {
                 let id = *by_name.get(name).ok_or_else(|| invalid(location.clone(), format!("input '{name}' is not defined before this operation")))?;
@@ -429,7 +466,23 @@ fn infer(kind: &OpKind, inputs: &[&Value]) -> Result<(Vec<u32>, DType), String> 
             let shape = if a.shape.len() == 3 { vec![ab, m, n] } else { vec![m, n] };
             Ok((shape, a.dtype))
         }
-        OpKind::Gelu | OpKind::Softmax | OpKind::Scale { .. } => {
+        OpKind::LayerNorm { .. } | OpKind::BiasAdd => {
+            let params = if matches!(kind, OpKind::LayerNorm { .. }) { 3 } else { 2 };
+            arity(kind, inputs, params)?;
+            let x = inputs[0];
+            let cols = *x.shape.last().expect("shapes have at least one axis");
+            let names = if params == 3 { &["gamma", "beta"][..] } else { &["bias"][..] };
+            for (v, what) in inputs[1..].iter().zip(names) {
+                if v.shape != [cols] {
+                    return Err(format!("{what} '{}' must have shape [{cols}] (the last axis of {:?}), got {:?}", v.name, x.shape, v.shape));
+                }
+            }
+            if inputs.iter().any(|v| v.dtype != DType::F16) {
+                return Err(format!("{} is implemented for f16 values", kind.name()));
+            }
+            Ok((x.shape.clone(), x.dtype))
+        }
+        OpKind::Gelu | OpKind::GeluErf | OpKind::Softmax | OpKind::Scale { .. } => {
             arity(kind, inputs, 1)?;
             if inputs[0].dtype != DType::F16 {
                 return Err(format!("{} is implemented for f16 values, got {}", kind.name(), inputs[0].dtype.name()));

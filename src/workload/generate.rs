@@ -225,13 +225,21 @@ pub fn from_name(name: &str) -> Result<WorkloadFile, GenerateError> {
         let [batch, tokens, dimension, hidden, blocks] = numbers(rest, ["b", "t", "d", "h", "n"]).map_err(unknown)?;
         return siglip_mlp(&SiglipMlp { batch, tokens, dimension, hidden, blocks, biases });
     }
+    if name == super::encoder::SIGLIP_ENCODER_BENCHMARK {
+        return super::encoder::siglip_encoder(&super::encoder::SiglipEncoder::default());
+    }
+    if let Some(rest) = name.strip_prefix(&format!("{}-", super::encoder::SIGLIP_ENCODER_BENCHMARK)) {
+        let [batch, tokens, dimension, heads, hidden, layers] = numbers(rest, ["b", "t", "d", "h", "m", "l"]).map_err(unknown)?;
+        return super::encoder::siglip_encoder(&super::encoder::SiglipEncoder { batch, tokens, dimension, heads, hidden, layers });
+    }
     if let Some(rest) = name.strip_prefix(&format!("{ATTENTION_BENCHMARK}-f16-")) {
         let [batch, tokens, heads, kv_heads, head_dimension] = numbers(rest, ["b", "t", "h", "kv", "d"]).map_err(unknown)?;
         return grouped_attention(&GroupedAttention { batch, tokens, heads, kv_heads, head_dimension });
     }
     Err(unknown(format!(
         "known families are {SIGLIP_MLP_BENCHMARK}-b<batch>-t<tokens>-d<dim>-h<hidden>-n<blocks>[-biases] and \
-         {ATTENTION_BENCHMARK}-f16-b<batch>-t<tokens>-h<heads>-kv<kv heads>-d<head dim>"
+         {ATTENTION_BENCHMARK}-f16-b<batch>-t<tokens>-h<heads>-kv<kv heads>-d<head dim> and \
+         siglip-encoder-f16-b<batch>-t<tokens>-d<dim>-h<heads>-m<mlp width>-l<layers>"
     )))
 }
 
@@ -293,6 +301,8 @@ fn operation(name: &str, op: &str, inputs: &[&str]) -> OperationDecl {
         factor: None,
         shape: None,
         perm: None,
+        eps: None,
+        approximate: None,
     }
 }
 

@@ -6,6 +6,7 @@
 //! compiler makes (layouts, tiles, schedules), and nothing here depends on a device.
 
 pub mod data;
+pub mod encoder;
 pub mod generate;
 pub mod given;
 pub mod npy;
@@ -16,6 +17,7 @@ use std::path::{Path, PathBuf};
 use ipuq_queries::ir::{Graph, WorkloadError};
 
 pub use data::{tensor_data, tensor_data_with, DataError, TensorData};
+pub use encoder::{siglip_encoder, SiglipEncoder};
 pub use generate::{from_name, grouped_attention, siglip_mlp, to_toml, GenerateError, GroupedAttention, SiglipMlp};
 
 /// A validated workload and the folder its `npy` initialisers are resolved against.
