@@ -319,33 +319,96 @@ fn bad_configs_exit_2_naming_the_file_and_the_field() {
     assert_error(&out, &["empty/config.json", "cannot read"]);
 }
 
+/// A hand-written workload whose weight is a checkpoint tensor (`init.safetensors`), with
+/// only a matrix product, so that it runs whatever operations the encoder needs.
+fn product_workload(model: &Path, digest: &str) -> String {
+    format!(
+        r#"name = "checkpoint-product"
+outputs = ["y"]
+
+[[tensor]]
+name = "x"
+shape = [16, 32]
+dtype = "f16"
+role = "input"
+init = {{ gaussian = {{ seed = 1, std = 1.0 }} }}
+
+[[tensor]]
+name = "w"
+shape = [64, 32]
+dtype = "f16"
+role = "weight"
+
+[tensor.init.safetensors]
+path = "{}/model.safetensors"
+tensor = "vision_model.encoder.layers.0.mlp.fc1.weight"
+digest = "{digest}"
+
+[[operation]]
+name = "y"
+op = "matmul"
+inputs = ["x", "w"]
+transpose_b = true
+"#,
+        model.file_name().unwrap().to_str().unwrap()
+    )
+}
+
 #[test]
-fn a_checkpoint_changed_after_import_or_a_wrong_input_is_refused_at_run() {
+fn checkpoint_weights_and_npy_inputs_enter_the_run_and_changed_files_are_refused() {
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("m");
-    write_model(&model, SIGLIP_CONFIG, &siglip_tensors(Dtype::F16));
+    let tensors = siglip_tensors(Dtype::F32);
+    write_model(&model, SIGLIP_CONFIG, &tensors);
+    let name = "vision_model.encoder.layers.0.mlp.fc1.weight";
+    let stored = read_tensor(&model.join("model.safetensors"), name).unwrap();
     let workload = dir.path().join("w.toml");
-    assert_eq!(import(&model, &workload, &["--layers", "1"]).code, 0);
+    std::fs::write(&workload, product_workload(&model, &stored.digest())).unwrap();
+
+    // Our input in, the product out: the device's output is x·Wᵀ with W from the checkpoint.
+    let mut s = Stream(5);
+    let x: Vec<f32> = (0..16 * HIDDEN).map(|_| s.next()).collect();
+    write_npy(&dir.path().join("x.npy"), DType::F32, &[16, HIDDEN as u64], &x).unwrap();
+    let out = run(&workload, &["--input", "x=x.npy", "--dump", "dump"]);
+    assert_pass(&out);
+    let y = read_npy(&dir.path().join("dump/y.npy")).unwrap();
+    assert_eq!(y.shape, vec![16, INTER as u64]);
+    let w = &tensors.iter().find(|t| t.name == name).unwrap().values;
+    let f16 = |v: f32| half::f16::from_f32(v).to_f32();
+    for (i, j) in [(0, 0), (3, 17), (15, 63)] {
+        let expected: f32 = (0..HIDDEN).map(|k| f16(x[i * HIDDEN + k]) * f16(w[j * HIDDEN + k])).sum();
+        let got = y.values[i * INTER + j];
+        assert!((got - expected).abs() < 0.02, "y[{i},{j}] = {got}, x·Wᵀ = {expected}");
+    }
+    let dumped_x = read_npy(&dir.path().join("dump/x.npy")).unwrap();
+    assert_eq!(dumped_x.values, x.iter().map(|&v| f16(v)).collect::<Vec<_>>(), "the run used the supplied input");
 
     // A wrong shape or an unknown name for --input: exit 2 naming the file and the tensor.
     write_npy(&dir.path().join("bad.npy"), DType::F32, &[15, HIDDEN as u64], &vec![0.0; 15 * HIDDEN]).unwrap();
-    let out = run(&workload, &["--input", "hidden_states=bad.npy"]);
-    assert_error(&out, &["bad.npy", "hidden_states", "[15, 32]", "[16, 32]"]);
+    let out = run(&workload, &["--input", "x=bad.npy"]);
+    assert_error(&out, &["bad.npy", "'x'", "[15, 32]", "[16, 32]"]);
     let out = run(&workload, &["--input", "pixels=bad.npy"]);
-    assert_error(&out, &["bad.npy", "'pixels'", "hidden_states"]);
-    let out = run(&workload, &["--input", "vision_model.encoder.layers.0.mlp.fc1.bias=bad.npy"]);
+    assert_error(&out, &["bad.npy", "'pixels'", "inputs: x"]);
+    let out = run(&workload, &["--input", "w=bad.npy"]);
     assert_error(&out, &["bad.npy", "not an input"]);
+    let out = run(&workload, &["--input", "x"]);
+    assert_error(&out, &["NAME=FILE.npy"]);
 
-    // Other weights under the same names: the digest no longer matches.
-    let mut changed = siglip_tensors(Dtype::F16);
-    changed.iter_mut().find(|t| t.name == "vision_model.encoder.layers.0.layer_norm1.bias").unwrap().values[3] += 0.5;
+    // Other weights under the same name: the digest no longer matches.
+    let mut changed = siglip_tensors(Dtype::F32);
+    changed.iter_mut().find(|t| t.name == name).unwrap().values[3] += 0.5;
     std::fs::write(model.join("model.safetensors"), safetensors_bytes(&changed)).unwrap();
     let out = run(&workload, &[]);
-    assert_error(&out, &["m/model.safetensors", "vision_model.encoder.layers.0.layer_norm1.bias", "digest"]);
+    assert_error(&out, &["m/model.safetensors", name, "digest"]);
+    // Truncated after the workload was written.
     let bytes = std::fs::read(model.join("model.safetensors")).unwrap();
     std::fs::write(model.join("model.safetensors"), &bytes[..bytes.len() / 2]).unwrap();
     let out = run(&workload, &[]);
     assert_error(&out, &["m/model.safetensors", "truncated"]);
+    // A digest that is not blake3 hex is refused when the workload is read.
+    std::fs::write(&workload, product_workload(&model, "abc")).unwrap();
+    let out = run(&workload, &[]);
+    assert_error(&out, &["w.toml", "tensor 'w'", "digest"]);
 }
 
 #[test]
