@@ -96,6 +96,21 @@ pub fn evaluate_values(graph: &Graph, data: &BTreeMap<String, TensorData>, wante
                 }
                 a.par_iter().zip(b.par_iter()).map(|(&x, &y)| round_to(dtype, x as f64 + y as f64)).collect()
             }
+            (OpKind::GeluErf, [(x, _)]) => elementwise(x, |v| round_to(dtype, gelu_erf(v as f64))),
+            (OpKind::BiasAdd, [(x, shape), (bias, _)]) => rows_with(x, shape, |row, out| {
+                for ((o, &v), &b) in out.iter_mut().zip(row).zip(bias.iter()) {
+                    *o = round_to(dtype, v as f64 + b as f64);
+                }
+            }),
+            (OpKind::LayerNorm { eps }, [(x, shape), (gamma, _), (beta, _)]) => rows_with(x, shape, |row, out| {
+                let n = row.len() as f64;
+                let mean = row.iter().map(|&v| v as f64).sum::<f64>() / n;
+                let variance = row.iter().map(|&v| (v as f64 - mean) * (v as f64 - mean)).sum::<f64>() / n;
+                let inverse = 1.0 / (variance + eps).sqrt();
+                for (((o, &v), &g), &b) in out.iter_mut().zip(row).zip(gamma.iter()).zip(beta.iter()) {
+                    *o = round_to(dtype, (v as f64 - mean) * inverse * g as f64 + b as f64);
+                }
+            }),
             (OpKind::Reshape { .. }, [(x, _)]) => x.to_vec(),
             (OpKind::Transpose { perm }, [(x, shape)]) => transpose(x, shape, perm).map_err(fail)?,
             (kind, _) => return Err(fail(format!("{} got {} inputs", kind.name(), inputs.len()))),
@@ -127,6 +142,36 @@ fn elementwise(x: &[f32], f: impl Fn(f32) -> f32 + Sync) -> Vec<f32> {
 pub fn gelu(x: f64) -> f64 {
     let inner = (2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x);
     0.5 * x * (1.0 + inner.tanh())
+}
+
+/// Each row of the last axis of `x` mapped by `f(row, out_row)`.
+fn rows_with(x: &[f32], shape: &[u32], f: impl Fn(&[f32], &mut [f32]) + Sync) -> Vec<f32> {
+    let length = (*shape.last().unwrap_or(&1) as usize).max(1);
+    let mut out = vec![0.0f32; x.len()];
+    out.par_chunks_mut(length).zip(x.par_chunks(length)).for_each(|(out_row, row)| f(row, out_row));
+    out
+}
+
+/// Exact GELU: 0.5·x·(1 + erf(x/√2)).
+pub fn gelu_erf(x: f64) -> f64 {
+    0.5 * x * (1.0 + erf(x / std::f64::consts::SQRT_2))
+}
+
+/// erf by its everywhere-convergent series of positive terms,
+/// erf(x) = 2/√π · e^(−x²) · Σ 2ⁿ x^(2n+1) / (1·3·…·(2n+1)), which has no cancellation;
+/// beyond |x| = 6, erf is ±1 to within 1e-17.
+pub fn erf(x: f64) -> f64 {
+    let a = x.abs();
+    if a >= 6.0 {
+        return x.signum();
+    }
+    let (mut term, mut sum, mut n) = (a, a, 0.0f64);
+    while term > sum * 1e-17 {
+        n += 1.0;
+        term *= 2.0 * a * a / (2.0 * n + 1.0);
+        sum += term;
+    }
+    x.signum() * (2.0 / std::f64::consts::PI.sqrt()) * (-a * a).exp() * sum
 }
 
 /// Softmax over the last axis, max-subtracted, in f64.

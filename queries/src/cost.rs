@@ -60,6 +60,39 @@ pub fn unary_half(t: &Target, n: u64, cpl: u64, is_exp: bool) -> u64 {
     c.kernel_launch + w * (base + body) + c.unary_tail
 }
 
+/// GELU's exact (erf) form over n elements: the measured tanh form's shape with its own
+/// per-chunk cost (`gelu_erf_per_chunk`, an assumption: no erf instruction, a polynomial).
+pub fn gelu_erf(t: &Target, n: u64) -> u64 {
+    let c = &t.costs;
+    c.kernel_launch + c.gelu_base + c.gelu_erf_per_chunk * ceil_div(n, c.gelu_chunk)
+}
+
+/// poplibs' unary elementwise estimate over n float elements (fp32 vectors of
+/// `vector_f32_lanes`, plus the float setup), for fp32 statistics.
+pub fn unary_float(t: &Target, n: u64, cpl: u64) -> u64 {
+    let c = &t.costs;
+    let w = workers(t);
+    let body = ceil_div(ceil_div(n, w), t.compute.vector_f32_lanes as u64) * (cpl + 4);
+    c.kernel_launch + w * (c.unary_base + c.float_setup + body) + c.unary_tail
+}
+
+/// LayerNorm over rows, composed (like softmax) of elementwise passes at the poplibs per-element
+/// costs: the row sums for the mean and the sums of squared deviations in fp32 (add; subtract,
+/// multiply, add), one fp32 reciprocal square root per row (a divide, rows spread over the
+/// workers), normalisation in f16 (subtract, multiply), and the affine gamma/beta (two binary
+/// passes, multiply and add).
+pub fn layer_norm(t: &Target, rows: u32, cols: u32) -> u64 {
+    let c = &t.costs;
+    let n = rows as u64 * cols as u64;
+    let w = workers(t);
+    unary_float(t, n, c.cpl_add_float)
+        + unary_float(t, n, 2 * c.cpl_add_float + c.cpl_mul_float)
+        + w * ceil_div(rows as u64, w) * c.cpl_divide_float
+        + unary_half(t, n, c.cpl_add_half + c.cpl_mul_half, false)
+        + binary_half(t, n, c.cpl_mul_half)
+        + binary_half(t, n, c.cpl_add_half)
+}
+
 /// poplibs' binary elementwise estimate over n half elements.
 pub fn binary_half(t: &Target, n: u64, cpl: u64) -> u64 {
     let c = &t.costs;
@@ -155,6 +188,23 @@ pub fn vertex_constants(t: &Target, call: &VertexCall) -> Vec<&'static str> {
             "compute.vector_f16_lanes",
             "chip.workers",
         ]),
+        VertexCall::GeluErf { .. } => keys.extend(["costs.gelu_base", "costs.gelu_chunk", "costs.gelu_erf_per_chunk"]),
+        VertexCall::BiasAdd { .. } => keys.extend(["costs.binary_base", "costs.binary_tail", "costs.cpl_add_half", "compute.vector_f16_lanes", "chip.workers"]),
+        VertexCall::LayerNorm { .. } => keys.extend([
+            "costs.unary_base",
+            "costs.unary_tail",
+            "costs.float_setup",
+            "costs.binary_base",
+            "costs.binary_tail",
+            "costs.cpl_add_float",
+            "costs.cpl_mul_float",
+            "costs.cpl_divide_float",
+            "costs.cpl_add_half",
+            "costs.cpl_mul_half",
+            "compute.vector_f16_lanes",
+            "compute.vector_f32_lanes",
+            "chip.workers",
+        ]),
         VertexCall::Copy { .. } => keys.extend(["costs.copy_overhead", "costs.copy_standard_bytes_per_cycle", "costs.copy_interleaved_bytes_per_cycle"]),
     }
     keys
@@ -179,6 +229,9 @@ pub fn vertex_with<O>(t: &Target, call: &VertexCall<O>, interleaved: impl Fn(&O)
         VertexCall::Add { rows, cols, .. } => binary_half(t, *rows as u64 * *cols as u64, t.costs.cpl_add_half),
         VertexCall::Softmax { rows, cols, scale, .. } if *scale != 1.0 => scaled_softmax(t, *rows, *cols),
         VertexCall::Softmax { rows, cols, .. } => softmax(t, *rows, *cols),
+        VertexCall::GeluErf { rows, cols, .. } => gelu_erf(t, *rows as u64 * *cols as u64),
+        VertexCall::BiasAdd { rows, cols, .. } => binary_half(t, *rows as u64 * *cols as u64, t.costs.cpl_add_half),
+        VertexCall::LayerNorm { rows, cols, .. } => layer_norm(t, *rows, *cols),
         VertexCall::Copy { rows, cols, dtype, input, output } => {
             copy(t, *rows as u64 * *cols as u64 * dtype.bytes() as u64, interleaved(input) && interleaved(output))
         }

@@ -156,6 +156,13 @@ pub enum VertexCall<O = Operand> {
     /// Softmax over each row of `input * scale`, f16 in and out, fp32 arithmetic; the scaled
     /// input is rounded to f16 first, as a separate f16 scale pass would (`scale` = 1: plain).
     Softmax { rows: u32, cols: u32, scale: f32, input: O, output: O },
+    /// GELU, exact (erf), f16.
+    GeluErf { rows: u32, cols: u32, input: O, output: O },
+    /// output = input + bias, f16; `bias` is one row of `cols` elements added to every row.
+    BiasAdd { rows: u32, cols: u32, input: O, bias: O, output: O },
+    /// LayerNorm of each row of `cols` elements, f16 in and out, fp32 statistics:
+    /// `(x - mean) / sqrt(var + eps) * gamma + beta`; `gamma` and `beta` are one row each.
+    LayerNorm { rows: u32, cols: u32, eps: f32, input: O, gamma: O, beta: O, output: O },
     /// Local copy of rows x cols elements of `dtype`.
     Copy { rows: u32, cols: u32, dtype: DType, input: O, output: O },
 }
@@ -172,6 +179,11 @@ impl<O> VertexCall<O> {
             VertexCall::Scale { rows, cols, factor, input, output } => VertexCall::Scale { rows: *rows, cols: *cols, factor: *factor, input: f(input), output: f(output) },
             VertexCall::Add { rows, cols, a, b, output } => VertexCall::Add { rows: *rows, cols: *cols, a: f(a), b: f(b), output: f(output) },
             VertexCall::Softmax { rows, cols, scale, input, output } => VertexCall::Softmax { rows: *rows, cols: *cols, scale: *scale, input: f(input), output: f(output) },
+            VertexCall::GeluErf { rows, cols, input, output } => VertexCall::GeluErf { rows: *rows, cols: *cols, input: f(input), output: f(output) },
+            VertexCall::BiasAdd { rows, cols, input, bias, output } => VertexCall::BiasAdd { rows: *rows, cols: *cols, input: f(input), bias: f(bias), output: f(output) },
+            VertexCall::LayerNorm { rows, cols, eps, input, gamma, beta, output } => {
+                VertexCall::LayerNorm { rows: *rows, cols: *cols, eps: *eps, input: f(input), gamma: f(gamma), beta: f(beta), output: f(output) }
+            }
             VertexCall::Copy { rows, cols, dtype, input, output } => VertexCall::Copy { rows: *rows, cols: *cols, dtype: *dtype, input: f(input), output: f(output) },
         }
     }
@@ -183,6 +195,9 @@ impl<O> VertexCall<O> {
             VertexCall::Reduce { parts, out, .. } => parts.iter().chain([out]).collect(),
             VertexCall::Gelu { input, output, .. } | VertexCall::Scale { input, output, .. } | VertexCall::Softmax { input, output, .. } | VertexCall::Copy { input, output, .. } => vec![input, output],
             VertexCall::Add { a, b, output, .. } => vec![a, b, output],
+            VertexCall::GeluErf { input, output, .. } => vec![input, output],
+            VertexCall::BiasAdd { input, bias, output, .. } => vec![input, bias, output],
+            VertexCall::LayerNorm { input, gamma, beta, output, .. } => vec![input, gamma, beta, output],
         }
     }
 }

@@ -72,6 +72,7 @@ pub struct Costs {
     pub gelu_base: u64,
     pub gelu_chunk: u64,
     pub gelu_per_chunk: u64,
+    pub gelu_erf_per_chunk: u64,
     pub kernel_launch: u64,
     pub binary_base: u64,
     pub binary_tail: u64,

@@ -745,7 +745,7 @@ impl<'a> Builder<'a> {
         let out = self.graph.value(output).clone();
         let chain = ViewChain::resolve(self.graph, inputs[0]);
         let reuse = chain.is_identity()
-            && self.stored.get(&chain.base).is_some_and(|s| !matches!(kind, OpKind::Softmax) || s.grid.cuts.last().is_some_and(|c| c.len() == 2));
+            && self.stored.get(&chain.base).is_some_and(|s| !super::elementwise::needs_whole_rows(&kind) || s.grid.cuts.last().is_some_and(|c| c.len() == 2));
         let (cuts, tiles): (Vec<Vec<u32>>, Vec<u32>) = if reuse {
             let s = &self.stored[&chain.base];
             (s.grid.cuts.clone(), s.grid.tiles.clone())
@@ -770,7 +770,13 @@ impl<'a> Builder<'a> {
         for cell in 0..grid.tiles.len() {
             let tile = grid.tiles[cell];
             let block = grid.cell_block(cell);
-            let held: Vec<Held> = inputs.iter().map(|&v| self.gather(v, tile, &block, false, 0)).collect::<Result<_, _>>()?;
+            // A 1-D row parameter (bias, gamma, beta) is gathered as the block's columns.
+            let param_block = vec![block[block.len() - 1]];
+            let held: Vec<Held> = inputs
+                .iter()
+                .enumerate()
+                .map(|(i, &v)| self.gather(v, tile, if super::elementwise::is_row_parameter(&kind, i) { &param_block } else { &block }, false, 0))
+                .collect::<Result<_, _>>()?;
             let buffer = self.buffer(tile, block_elements_stored(&block, out.dtype) * out.dtype.bytes() as u64, AllocationKind::Data, false, &out.name);
             grid.buffers.push(buffer);
             work.push((tile, block, held, Held::plain(buffer, grid.cell_block(cell), out.dtype)));
@@ -787,14 +793,10 @@ impl<'a> Builder<'a> {
             for prefix in outer {
                 let mut first: Vec<u32> = prefix.clone();
                 first.extend(block[prefix.len()..].iter().map(|r| r.0));
-                let ins: Vec<Loc> = held.iter().map(|h| h.loc(&first)).collect();
+                let ins: Vec<Loc> = held.iter().map(|h| if h.block.len() < first.len() { h.loc(&first[first.len() - 1..]) } else { h.loc(&first) }).collect();
                 let o = out_held.loc(&first);
-                let call = match &kind {
-                    OpKind::Gelu => Call::Gelu { rows, cols, input: ins[0], output: o },
-                    OpKind::Scale { factor } => Call::Scale { rows, cols, factor: *factor as f32, input: ins[0], output: o },
-                    OpKind::Softmax => Call::Softmax { rows, cols, scale, input: ins[0], output: o },
-                    OpKind::Add => Call::Add { rows, cols, a: ins[0], b: ins[1], output: o },
-                    other => return Err(LowerError::Unsupported { operation: out.name.clone(), message: format!("{} is not an elementwise operation", other.name()) }),
+                let Some(call) = super::elementwise::call(&kind, rows, cols, &ins, o, scale) else {
+                    return Err(LowerError::Unsupported { operation: out.name.clone(), message: format!("{} is not an elementwise operation", kind.name()) });
                 };
                 compute += cost::vertex_with(self.target, &call, |_| false);
                 self.emit(step, tile, call);
@@ -889,8 +891,8 @@ fn needs_whole_rows(graph: &Graph, value: ValueId) -> bool {
     graph.operations.iter().any(|o| {
         o.inputs.first() == Some(&value)
             && match o.kind {
-                OpKind::Softmax => true,
-                OpKind::Gelu | OpKind::Scale { .. } | OpKind::Add => needs_whole_rows(graph, o.output),
+                ref kind if super::elementwise::needs_whole_rows(kind) => true,
+                ref kind if super::elementwise::keeps_layout(kind) => needs_whole_rows(graph, o.output),
                 _ => false,
             }
     })

@@ -7,6 +7,7 @@
 //! included, as the seed's runtime does). Addresses are assigned later by `storage`.
 
 pub mod build;
+pub mod elementwise;
 pub mod grid;
 pub mod plan;
 pub mod orient;

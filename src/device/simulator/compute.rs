@@ -61,6 +61,9 @@ fn vertex_name(call: &VertexCall) -> &'static str {
         VertexCall::Scale { .. } => "Scale",
         VertexCall::Add { .. } => "Add",
         VertexCall::Softmax { .. } => "Softmax",
+        VertexCall::GeluErf { .. } => "GeluErf",
+        VertexCall::BiasAdd { .. } => "BiasAdd",
+        VertexCall::LayerNorm { .. } => "LayerNorm",
         VertexCall::Copy { .. } => "Copy",
     }
 }
@@ -95,6 +98,18 @@ fn accesses(call: &VertexCall) -> Vec<Access> {
         VertexCall::Add { rows, cols, a, b, output } => {
             vec![half("a", *a, *rows, *cols), half("b", *b, *rows, *cols), half("output", *output, *rows, *cols)]
         }
+        VertexCall::GeluErf { rows, cols, input, output } => {
+            vec![half("input", *input, *rows, *cols), half("output", *output, *rows, *cols)]
+        }
+        VertexCall::BiasAdd { rows, cols, input, bias, output } => {
+            vec![half("input", *input, *rows, *cols), half("bias", *bias, 1, *cols), half("output", *output, *rows, *cols)]
+        }
+        VertexCall::LayerNorm { rows, cols, input, gamma, beta, output, .. } => vec![
+            half("input", *input, *rows, *cols),
+            half("gamma", *gamma, 1, *cols),
+            half("beta", *beta, 1, *cols),
+            half("output", *output, *rows, *cols),
+        ],
         VertexCall::Copy { rows, cols, dtype, input, output } => {
             let bytes = dtype.bytes();
             let tensor = |name, op| Access { name, op, rows: *rows, cols: *cols, element_bytes: bytes, need: Need::Tensor };
@@ -227,6 +242,24 @@ pub fn execute(memory: &mut TileMemory, call: &VertexCall, s: &mut Scratch) {
                 kernels::round_to_f16(&mut s.a);
             }
             kernels::softmax_rows(&mut s.a, *cols as usize);
+            memory.write_f16(*output, *rows, *cols, &s.a, &mut s.halves);
+        }
+        VertexCall::GeluErf { rows, cols, input, output } => {
+            memory.read_f16(*input, *rows, *cols, &mut s.bits, &mut s.a);
+            kernels::gelu_erf(&mut s.a);
+            memory.write_f16(*output, *rows, *cols, &s.a, &mut s.halves);
+        }
+        VertexCall::BiasAdd { rows, cols, input, bias, output } => {
+            memory.read_f16(*input, *rows, *cols, &mut s.bits, &mut s.a);
+            memory.read_f16(*bias, 1, *cols, &mut s.bits, &mut s.b);
+            kernels::add_row(&mut s.a, &s.b);
+            memory.write_f16(*output, *rows, *cols, &s.a, &mut s.halves);
+        }
+        VertexCall::LayerNorm { rows, cols, eps, input, gamma, beta, output } => {
+            memory.read_f16(*input, *rows, *cols, &mut s.bits, &mut s.a);
+            memory.read_f16(*gamma, 1, *cols, &mut s.bits, &mut s.b);
+            memory.read_f16(*beta, 1, *cols, &mut s.bits, &mut s.t);
+            kernels::layer_norm_rows(&mut s.a, &s.b, &s.t, *eps);
             memory.write_f16(*output, *rows, *cols, &s.a, &mut s.halves);
         }
         VertexCall::Copy { rows, cols, dtype, input, output } => {

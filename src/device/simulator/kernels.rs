@@ -75,6 +75,49 @@ pub fn gelu(values: &mut [f32]) {
     }
 }
 
+/// GELU, exact form, in f32: `0.5 x (1 + erf(x / sqrt 2))`, with erf by Abramowitz and Stegun
+/// 7.1.26 (a rational-exponential fit, absolute error below 1.5e-7, far under f16's step).
+pub fn gelu_erf(values: &mut [f32]) {
+    for x in values.iter_mut() {
+        let v = *x;
+        let z = (v * std::f32::consts::FRAC_1_SQRT_2).abs();
+        let t = 1.0 / (1.0 + 0.327_591_1 * z);
+        let poly = t * (0.254_829_6 + t * (-0.284_496_74 + t * (1.421_413_7 + t * (-1.453_152_1 + t * 1.061_405_4))));
+        let erf = (1.0 - poly * (-z * z).exp()).copysign(v);
+        *x = 0.5 * v * (1.0 + erf);
+    }
+}
+
+/// `values[r][c] += row[c]` for every row of `row.len()` elements.
+pub fn add_row(values: &mut [f32], row: &[f32]) {
+    if row.is_empty() {
+        return;
+    }
+    for chunk in values.chunks_exact_mut(row.len()) {
+        for (v, &b) in chunk.iter_mut().zip(row) {
+            *v += b;
+        }
+    }
+}
+
+/// LayerNorm of each row (`gamma.len()` elements) in f32: the mean is the sum in increasing
+/// column order over the length; the variance the same sum of squared deviations (two passes);
+/// `(x - mean) * (1 / sqrt(var + eps)) * gamma + beta`.
+pub fn layer_norm_rows(values: &mut [f32], gamma: &[f32], beta: &[f32], eps: f32) {
+    let cols = gamma.len();
+    if cols == 0 {
+        return;
+    }
+    for row in values.chunks_exact_mut(cols) {
+        let mean = row.iter().sum::<f32>() / cols as f32;
+        let variance = row.iter().map(|&x| (x - mean) * (x - mean)).sum::<f32>() / cols as f32;
+        let inverse = 1.0 / (variance + eps).sqrt();
+        for ((x, &g), &b) in row.iter_mut().zip(gamma).zip(beta) {
+            *x = (*x - mean) * inverse * g + b;
+        }
+    }
+}
+
 pub fn scale(values: &mut [f32], factor: f32) {
     for x in values.iter_mut() {
         *x *= factor;

@@ -1,0 +1,111 @@
+//! Transformer encoder operations and stacks on the 16-tile test target: each new operation
+//! alone (LayerNorm, bias add, exact GELU, a product with [out, in] weights), tiny two-layer
+//! encoders of both layer styles, against the host reference; and their validation errors.
+
+mod common;
+
+use common::{assert_pass, field, ipuq};
+use ipuq::workload::encoder::{build, random_parameter, Activation, EncoderSpec, LayerStyle};
+use ipuq_queries::ir::Graph;
+
+/// A workload of one operation over `x` [rows, cols] (Gaussian) and its parameters.
+fn single(op: &str, extra: &str, params: &[(&str, Vec<u32>, &str)], rows: u32, cols: u32) -> String {
+    let mut text = format!("name = \"single-{op}\"\noutputs = [\"y\"]\n\n[[tensor]]\nname = \"x\"\nshape = [{rows}, {cols}]\ndtype = \"f16\"\nrole = \"input\"\n[tensor.init.gaussian]\nseed = 1\nstd = 2.0\n");
+    let mut names = vec!["\"x\"".to_string()];
+    for (i, (name, shape, init)) in params.iter().enumerate() {
+        text += &format!("\n[[tensor]]\nname = \"{name}\"\nshape = {shape:?}\ndtype = \"f16\"\nrole = \"weight\"\n[tensor.init.{init}]\nseed = {}\n", 10 + i);
+        text += if *init == "gaussian" { "std = 0.5\n" } else { "low = 0.5\nhigh = 1.5\n" };
+        names.push(format!("\"{name}\""));
+    }
+    text += &format!("\n[[operation]]\nname = \"y\"\nop = \"{op}\"\ninputs = [{}]\n{extra}", names.join(", "));
+    text
+}
+
+fn run_file(dir: &std::path::Path, file: &str, text: &str) -> common::Output {
+    std::fs::write(dir.join(file), text).unwrap();
+    ipuq(&["run", file, "--target", "small16", "-o", &format!("out-{file}"), "--checkpoints"], dir)
+}
+
+#[test]
+fn each_new_operation_runs_and_matches_the_host_reference() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases = [
+        single("layer_norm", "eps = 1e-6\n", &[("gamma", vec![40], "uniform"), ("beta", vec![40], "gaussian")], 21, 40),
+        // Without eps: the default 1e-5; rows narrower than a tile's share.
+        single("layer_norm", "", &[("gamma", vec![24], "uniform"), ("beta", vec![24], "gaussian")], 5, 24),
+        single("bias_add", "", &[("bias", vec![36], "gaussian")], 19, 36),
+        single("gelu", "approximate = \"none\"\n", &[], 23, 30),
+        single("gelu", "approximate = \"tanh\"\n", &[], 23, 30),
+        // A product with weights stored [out, in], as checkpoints store them.
+        single("matmul", "transpose_b = true\n", &[("w", vec![28, 40], "gaussian")], 21, 40),
+    ];
+    for (i, text) in cases.iter().enumerate() {
+        let out = run_file(dir.path(), &format!("op{i}.toml"), text);
+        assert_pass(&out);
+        assert_eq!(field(&out.stdout, "diagnosticCheckpoints=", "numericalTest").as_deref(), Some("PASS"), "{text}");
+    }
+}
+
+/// A tiny encoder of `style`, written as a workload file.
+fn tiny(style: LayerStyle, activation: Activation, final_norm: bool, batch: u32) -> String {
+    let spec = EncoderSpec { batch, tokens: 11, hidden: 24, heads: 3, intermediate: 40, layers: 2, style, activation, eps: 1e-5, final_norm };
+    let encoder = build(&spec, |p| Ok::<_, String>(random_parameter(p))).unwrap();
+    let file = encoder.into_file(format!("tiny-{style:?}-{batch}").to_lowercase(), Default::default());
+    Graph::from_file(file.clone(), "tiny").expect("the builder's workload validates");
+    ipuq::workload::to_toml(&file)
+}
+
+#[test]
+fn two_layer_tiny_encoders_of_both_styles_match_the_host_reference() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases = [
+        tiny(LayerStyle::PreNorm, Activation::GeluTanh, false, 1),
+        tiny(LayerStyle::PostNorm, Activation::GeluErf, false, 1),
+        tiny(LayerStyle::PreNorm, Activation::GeluErf, true, 2),
+    ];
+    for (i, text) in cases.iter().enumerate() {
+        let out = run_file(dir.path(), &format!("enc{i}.toml"), text);
+        assert_pass(&out);
+        assert_eq!(field(&out.stdout, "diagnosticCheckpoints=", "numericalTest").as_deref(), Some("PASS"));
+    }
+}
+
+#[test]
+fn the_generator_writes_a_named_pre_norm_encoder_that_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = ipuq(&["workload", "siglip-encoder", "--layers", "2", "--tokens", "9", "--dim", "32", "--heads", "4", "--hidden", "48", "-o", "enc.toml"], dir.path());
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(out.stdout.contains("workload=siglip-encoder-f16-b1-t9-d32-h4-m48-l2"), "{}", out.stdout);
+    let text = std::fs::read_to_string(dir.path().join("enc.toml")).unwrap();
+    let graph = Graph::parse(&text, "enc.toml").unwrap();
+    assert_eq!(graph.value(graph.outputs[0]).name, "last_hidden_state");
+    assert!(graph.find("hidden_states").is_some());
+    let count = |kind: &str| graph.operations.iter().filter(|o| o.kind.name() == kind).count();
+    assert_eq!((count("layer_norm"), count("bias_add"), count("matmul"), count("gelu")), (4, 12, 16, 2));
+    // The name stands for the same workload.
+    let again = ipuq::workload::from_name("siglip-encoder-f16-b1-t9-d32-h4-m48-l2").unwrap();
+    assert_eq!(ipuq::workload::to_toml(&again), text);
+    let out = ipuq(&["run", "enc.toml", "--target", "small16", "-o", "out"], dir.path());
+    assert_pass(&out);
+    // A shape the family cannot take is refused with the parameter named.
+    let out = ipuq(&["workload", "siglip-encoder", "--dim", "30", "--heads", "4"], dir.path());
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(out.stderr.contains("4 heads do not divide the hidden width 30"), "{}", out.stderr);
+}
+
+#[test]
+fn bad_parameters_of_the_new_operations_are_named() {
+    let cases = [
+        (single("layer_norm", "", &[("gamma", vec![7], "uniform"), ("beta", vec![40], "gaussian")], 3, 40), "gamma 'gamma' must have shape [40]"),
+        (single("layer_norm", "eps = -1.0\n", &[("gamma", vec![40], "uniform"), ("beta", vec![40], "gaussian")], 3, 40), "'eps' must be finite and positive"),
+        (single("layer_norm", "", &[("gamma", vec![40], "uniform")], 3, 40), "layer_norm takes 3 input(s), got 2"),
+        (single("bias_add", "", &[("bias", vec![3, 40], "gaussian")], 3, 40), "bias 'bias' must have shape [40]"),
+        (single("gelu", "approximate = \"fast\"\n", &[], 3, 40), "must be \"tanh\" or \"none\""),
+        (single("gelu", "eps = 0.1\n", &[], 3, 40), "'eps' applies only to layer_norm"),
+        (single("bias_add", "approximate = \"none\"\n", &[("bias", vec![40], "gaussian")], 3, 40), "'approximate' applies only to gelu"),
+    ];
+    for (text, expected) in cases {
+        let error = Graph::parse(&text, "w.toml").unwrap_err().to_string();
+        assert!(error.contains(expected) && error.contains("operation 'y'"), "{error}");
+    }
+}
