@@ -124,6 +124,119 @@ const BERT_CONFIG: &str = r#"{
   "hidden_act": "gelu", "layer_norm_eps": 1e-12, "max_position_embeddings": 64
 }"#;
 
+/// Hugging Face's forward pass of the imported stack, written out here in f64 from the
+/// checkpoint's values: independent of ipuq's builder and host reference, so a mis-mapped
+/// tensor, a wrong LayerNorm placement or a missing post LayerNorm shows.
+mod hf {
+    use super::{Tensor, HIDDEN, INTER};
+    use std::collections::BTreeMap;
+
+    pub type Rows = Vec<Vec<f64>>;
+
+    pub struct Model<'a> {
+        by_name: BTreeMap<&'a str, &'a [f32]>,
+    }
+
+    impl<'a> Model<'a> {
+        pub fn new(tensors: &'a [Tensor]) -> Model<'a> {
+            Model { by_name: tensors.iter().map(|t| (t.name.as_str(), t.values.as_slice())).collect() }
+        }
+        fn get(&self, name: &str) -> Vec<f64> {
+            self.by_name[name].iter().map(|&v| v as f64).collect()
+        }
+        /// y = x Wᵀ + b, W stored [out, in].
+        fn linear(&self, x: &Rows, name: &str) -> Rows {
+            let (w, b) = (self.get(&format!("{name}.weight")), self.get(&format!("{name}.bias")));
+            let inp = x[0].len();
+            x.iter().map(|row| (0..b.len()).map(|o| b[o] + (0..inp).map(|k| row[k] * w[o * inp + k]).sum::<f64>()).collect()).collect()
+        }
+        fn norm(&self, x: &Rows, name: &str, (g, b): (&str, &str), eps: f64) -> Rows {
+            let (gamma, beta) = (self.get(&format!("{name}.{g}")), self.get(&format!("{name}.{b}")));
+            x.iter()
+                .map(|row| {
+                    let n = row.len() as f64;
+                    let mean = row.iter().sum::<f64>() / n;
+                    let var = row.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / n;
+                    row.iter().enumerate().map(|(i, v)| (v - mean) / (var + eps).sqrt() * gamma[i] + beta[i]).collect()
+                })
+                .collect()
+        }
+        fn attention(&self, x: &Rows, [q, k, v, o]: [&str; 4], heads: usize) -> Rows {
+            let (q, k, v) = (self.linear(x, q), self.linear(x, k), self.linear(x, v));
+            let d = HIDDEN / heads;
+            let t = x.len();
+            let mut context = vec![vec![0.0; HIDDEN]; t];
+            for h in 0..heads {
+                for i in 0..t {
+                    let scores: Vec<f64> = (0..t).map(|j| (0..d).map(|c| q[i][h * d + c] * k[j][h * d + c]).sum::<f64>() / (d as f64).sqrt()).collect();
+                    let max = scores.iter().cloned().fold(f64::MIN, f64::max);
+                    let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+                    let sum: f64 = e.iter().sum();
+                    for c in 0..d {
+                        context[i][h * d + c] = (0..t).map(|j| e[j] / sum * v[j][h * d + c]).sum();
+                    }
+                }
+            }
+            self.linear(&context, o)
+        }
+        pub fn siglip(&self, mut x: Rows, layers: usize, heads: usize, eps: f64) -> Rows {
+            for i in 0..layers {
+                let p = format!("vision_model.encoder.layers.{i}");
+                let h = self.norm(&x, &format!("{p}.layer_norm1"), ("weight", "bias"), eps);
+                let names = ["q_proj", "k_proj", "v_proj", "out_proj"].map(|n| format!("{p}.self_attn.{n}"));
+                let a = self.attention(&h, names.each_ref().map(String::as_str), heads);
+                x = add(&x, &a);
+                let h = self.norm(&x, &format!("{p}.layer_norm2"), ("weight", "bias"), eps);
+                let up = map(&self.linear(&h, &format!("{p}.mlp.fc1")), gelu_tanh);
+                x = add(&x, &self.linear(&up, &format!("{p}.mlp.fc2")));
+            }
+            self.norm(&x, "vision_model.post_layernorm", ("weight", "bias"), eps)
+        }
+        pub fn bert(&self, mut x: Rows, layers: usize, heads: usize, eps: f64) -> Rows {
+            for i in 0..layers {
+                let p = format!("bert.encoder.layer.{i}");
+                let names = ["self.query", "self.key", "self.value", "output.dense"].map(|n| format!("{p}.attention.{n}"));
+                let a = self.attention(&x, names.each_ref().map(String::as_str), heads);
+                x = self.norm(&add(&x, &a), &format!("{p}.attention.output.LayerNorm"), ("gamma", "beta"), eps);
+                let up = map(&self.linear(&x, &format!("{p}.intermediate.dense")), gelu_erf);
+                assert_eq!(up[0].len(), INTER);
+                let down = self.linear(&up, &format!("{p}.output.dense"));
+                x = self.norm(&add(&x, &down), &format!("{p}.output.LayerNorm"), ("gamma", "beta"), eps);
+            }
+            x
+        }
+    }
+
+    fn add(a: &Rows, b: &Rows) -> Rows {
+        a.iter().zip(b).map(|(x, y)| x.iter().zip(y).map(|(p, q)| p + q).collect()).collect()
+    }
+    fn map(a: &Rows, f: fn(f64) -> f64) -> Rows {
+        a.iter().map(|r| r.iter().map(|&v| f(v)).collect()).collect()
+    }
+    fn gelu_tanh(x: f64) -> f64 {
+        0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x.powi(3))).tanh())
+    }
+    /// erf by Abramowitz and Stegun 7.1.26 (error below 1.5e-7).
+    fn gelu_erf(x: f64) -> f64 {
+        let z = x / std::f64::consts::SQRT_2;
+        let t = 1.0 / (1.0 + 0.3275911 * z.abs());
+        let poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))));
+        let erf = (1.0 - poly * (-z * z).exp()).copysign(z);
+        0.5 * x * (1.0 + erf)
+    }
+
+    /// The largest |device − model| over the largest |model|.
+    pub fn relative_error(device: &[f32], model: &Rows) -> f64 {
+        let flat: Vec<f64> = model.iter().flatten().cloned().collect();
+        let scale = flat.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+        device.iter().zip(&flat).map(|(d, m)| (*d as f64 - m).abs()).fold(0.0, f64::max) / scale
+    }
+}
+
+fn rows(values: &[f32], width: usize) -> hf::Rows {
+    values.chunks(width).map(|r| r.iter().map(|&v| half::f16::from_f32(v).to_f32() as f64).collect()).collect()
+}
+
 fn write_model(dir: &Path, config: &str, tensors: &[Tensor]) {
     std::fs::create_dir_all(dir).unwrap();
     std::fs::write(dir.join("config.json"), config).unwrap();
@@ -200,6 +313,11 @@ fn a_siglip_checkpoint_imports_runs_on_an_npy_input_and_matches_the_reference() 
     let given = read_npy(&dir.path().join("dump/hidden_states.npy")).unwrap();
     let rounded: Vec<f32> = tokens.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect();
     assert_eq!(given.values, rounded, "the run used the supplied input");
+    let tensors = siglip_tensors(Dtype::F32);
+    let model_output = hf::Model::new(&tensors).siglip(rows(&tokens, HIDDEN), LAYERS, 2, 1e-6);
+    let error = hf::relative_error(&output.values, &model_output);
+    eprintln!("siglip: largest error against Hugging Face's forward pass {error:.5} of the largest value");
+    assert!(error < 0.01, "the imported SigLIP differs from Hugging Face's forward pass by {error} of the largest value");
     assert!(output.values.iter().all(|v| v.is_finite()));
 
     // Another input gives another output (the input's bytes entered the run), still passing.
@@ -234,6 +352,16 @@ fn a_sharded_bert_checkpoint_in_bf16_imports_runs_and_matches_the_reference() {
     assert_pass(&out);
     let output = read_npy(&dir.path().join("dump/last_hidden_state.npy")).unwrap();
     assert_eq!(output.shape, vec![16, HIDDEN as u64]);
+    // The workload's own Gaussian input, as the run dumped it, through Hugging Face's BERT layers.
+    let input = read_npy(&dir.path().join("dump/hidden_states.npy")).unwrap();
+    let tensors: Vec<Tensor> = bert_tensors(Dtype::BF16)
+        .into_iter()
+        .map(|t| Tensor { values: t.values.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect(), ..t })
+        .collect();
+    let model_output = hf::Model::new(&tensors).bert(rows(&input.values, HIDDEN), LAYERS, 2, 1e-12);
+    let error = hf::relative_error(&output.values, &model_output);
+    eprintln!("bert: largest error against Hugging Face's forward pass {error:.5} of the largest value");
+    assert!(error < 0.01, "the imported BERT differs from Hugging Face's forward pass by {error} of the largest value");
 
     // BERT's default is 128 tokens, capped by max_position_embeddings (64 here).
     let out = import(&model, &dir.path().join("default.toml"), &[]);
