@@ -138,6 +138,9 @@ enum Command {
         /// Export a Chrome trace-event JSON file (Perfetto, chrome://tracing).
         #[arg(long)]
         chrome_trace: Option<PathBuf>,
+        /// The package the profile is a run of: also print cycles per operation kind.
+        #[arg(long)]
+        package: Option<PathBuf>,
     },
     /// Describe a package (identity, program, memory, exchange and host tables) without running it.
     Inspect { package: PathBuf },
@@ -341,9 +344,15 @@ fn run(cli: Cli) -> Result<Outcome, String> {
             crate::watch::watch(&workload, options, |w| workload_name(w).map(|name| out_dir(&args, &name)), &watch)?;
             Ok(Outcome::Pass)
         }
-        Command::Profile { file, chrome_trace } => {
+        Command::Profile { file, chrome_trace, package } => {
             let summary = crate::profile::summarize(&file).map_err(|e| e.to_string())?;
             println!("{summary}");
+            if let Some(path) = package {
+                let package = read_package(&path).map_err(|e| e.to_string())?;
+                let timeline = crate::profile::read(&file).map_err(|e| e.to_string())?;
+                let split = crate::op_profile::by_kind(&package, &timeline).map_err(|e| format!("{}: {e}", path.display()))?;
+                println!("{split}");
+            }
             if let Some(out) = chrome_trace {
                 crate::profile::chrome_trace(&file, &out).map_err(|e| e.to_string())?;
                 println!("chromeTrace={}", out.display());

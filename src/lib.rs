@@ -9,6 +9,7 @@ pub mod exchange_report;
 pub mod import;
 pub mod inspect;
 pub mod logging;
+pub mod op_profile;
 pub mod plans;
 pub mod profile;
 pub mod progress;

@@ -87,6 +87,14 @@ fn the_generator_writes_a_named_pre_norm_encoder_that_runs() {
     assert_eq!(ipuq::workload::to_toml(&again), text);
     let out = ipuq(&["run", "enc.toml", "--target", "small16", "-o", "out"], dir.path());
     assert_pass(&out);
+    // The run's cycles split by operation kind add up to the run's cycles.
+    let cycles = field(&out.stdout, "workload=", "cycles").unwrap();
+    let split = ipuq(&["profile", "out/execution.ipuprofile", "--package", "out/model.ipuexe"], dir.path());
+    assert_eq!(split.code, 0, "{}", split.stderr);
+    for kind in ["| matmul | 16 |", "| layer_norm | 4 |", "| softmax (scale folded in) | 2 |", "| gelu | 2 |"] {
+        assert!(split.stdout.contains(kind), "{kind}: {}", split.stdout);
+    }
+    assert!(split.stdout.contains(&format!("| all | | {cycles} | 100 % ({cycles} attributed)")), "{}", split.stdout);
     // A shape the family cannot take is refused with the parameter named.
     let out = ipuq(&["workload", "siglip-encoder", "--dim", "30", "--heads", "4"], dir.path());
     assert_eq!(out.code, 2, "{}", out.stderr);

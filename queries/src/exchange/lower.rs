@@ -47,8 +47,11 @@ fn log_finished(tables: &ExchangePhase) {
 
 fn write_tables(target: &Target, phase: &PhaseRequest, schedule: &Schedule) -> ExchangePhase {
     let tiles = target.chip.tiles as usize;
-    let mut sends: Vec<Vec<SendEntry>> = vec![Vec::new(); tiles];
-    let mut receives: Vec<Vec<ReceiveEntry>> = vec![Vec::new(); tiles];
+    // Entries carry their transfer: only entries of one transfer (one source buffer, one
+    // destination buffer each) are joined, so an entry never spans two allocations that
+    // placement happened to put side by side.
+    let mut sends: Vec<Vec<(u32, SendEntry)>> = vec![Vec::new(); tiles];
+    let mut receives: Vec<Vec<(u32, ReceiveEntry)>> = vec![Vec::new(); tiles];
     for piece in &schedule.pieces {
         // A piece naming a transfer that does not exist is skipped; the validator then
         // reports the words it fails to deliver.
@@ -57,15 +60,15 @@ fn write_tables(target: &Target, phase: &PhaseRequest, schedule: &Schedule) -> E
             continue;
         }
         let offset = piece.offset_words.wrapping_mul(4);
-        sends[t.source as usize].push(SendEntry { cycle: piece.send_cycle, address: t.source_address.wrapping_add(offset), words: piece.words, paired: piece.paired });
+        sends[t.source as usize].push((piece.transfer, SendEntry { cycle: piece.send_cycle, address: t.source_address.wrapping_add(offset), words: piece.words, paired: piece.paired }));
         for d in t.destinations.iter().filter(|d| (d.tile as usize) < tiles) {
-            receives[d.tile as usize].push(ReceiveEntry {
+            receives[d.tile as usize].push((piece.transfer, ReceiveEntry {
                 cycle: piece.send_cycle + target.delay(t.source, d.tile),
                 source: t.source,
                 address: d.address.wrapping_add(offset),
                 words: piece.words,
                 paired: piece.paired,
-            });
+            }));
         }
     }
     let mut out = Vec::new();
@@ -75,8 +78,8 @@ fn write_tables(target: &Target, phase: &PhaseRequest, schedule: &Schedule) -> E
         if s.is_empty() && r.is_empty() {
             continue;
         }
-        s.sort_unstable_by_key(|e| (e.cycle, e.address));
-        r.sort_unstable_by_key(|e| (e.cycle, e.source, e.address));
+        s.sort_unstable_by_key(|(t, e)| (e.cycle, e.address, *t));
+        r.sort_unstable_by_key(|(t, e)| (e.cycle, e.source, e.address, *t));
         let s = join_sends(s);
         let r = join_receives(r);
         for e in &r {
@@ -95,10 +98,12 @@ fn cycles(words: u32, paired: bool) -> u32 {
     }
 }
 
-fn join_sends(entries: Vec<SendEntry>) -> Vec<SendEntry> {
+fn join_sends(entries: Vec<(u32, SendEntry)>) -> Vec<SendEntry> {
     let mut out: Vec<SendEntry> = Vec::with_capacity(entries.len());
-    for e in entries {
-        if let Some(last) = out.last_mut() {
+    let mut last_transfer = u32::MAX;
+    for (transfer, e) in entries {
+        let same = std::mem::replace(&mut last_transfer, transfer) == transfer;
+        if let Some(last) = out.last_mut().filter(|_| same) {
             if last.paired == e.paired && last.cycle + cycles(last.words, last.paired) == e.cycle && last.address.wrapping_add(last.words * 4) == e.address {
                 last.words += e.words;
                 continue;
@@ -109,10 +114,12 @@ fn join_sends(entries: Vec<SendEntry>) -> Vec<SendEntry> {
     out
 }
 
-fn join_receives(entries: Vec<ReceiveEntry>) -> Vec<ReceiveEntry> {
+fn join_receives(entries: Vec<(u32, ReceiveEntry)>) -> Vec<ReceiveEntry> {
     let mut out: Vec<ReceiveEntry> = Vec::with_capacity(entries.len());
-    for e in entries {
-        if let Some(last) = out.last_mut() {
+    let mut last_transfer = u32::MAX;
+    for (transfer, e) in entries {
+        let same = std::mem::replace(&mut last_transfer, transfer) == transfer;
+        if let Some(last) = out.last_mut().filter(|_| same) {
             if last.paired == e.paired
                 && last.source == e.source
                 && last.cycle + cycles(last.words, last.paired) == e.cycle

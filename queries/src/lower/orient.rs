@@ -31,13 +31,16 @@ pub struct Oriented {
 /// Suffix of the stored value of a swapped operation.
 pub const SWAPPED: &str = ".swapped";
 
-/// The rank-2 matrix products of `graph` (operation indices) that may be swapped.
+/// The rank-2 matrix products of `graph` (operation indices) that may be swapped. A product
+/// feeding a bias add is not: the bias add would read the transposed view, whose f16 columns
+/// cannot be gathered in whole words (so every such candidate would fail to lower).
 pub fn swappable(graph: &Graph) -> Vec<usize> {
+    let biased = |o: &crate::ir::Operation| graph.operations.iter().any(|c| matches!(c.kind, OpKind::BiasAdd) && c.inputs.first() == Some(&o.output));
     graph
         .operations
         .iter()
         .enumerate()
-        .filter(|(_, o)| matches!(o.kind, OpKind::MatMul { .. }) && o.inputs.iter().all(|&v| graph.value(v).shape.len() == 2))
+        .filter(|(_, o)| matches!(o.kind, OpKind::MatMul { .. }) && o.inputs.iter().all(|&v| graph.value(v).shape.len() == 2) && !biased(o))
         .map(|(i, _)| i)
         .collect()
 }

@@ -1,0 +1,94 @@
+//! Cycles per operation kind: a run's profile (`execution.ipuprofile`) split over the
+//! operations of the package that produced it (`ipuq profile FILE --package PACKAGE`).
+//!
+//! Each operation owns the program steps after the previous operation's checkpoint up to and
+//! including its own (`Checkpoint::after_step`). Where the lowering put an operation's calls
+//! into the compute set of the operation before it (an elementwise pass over a product's
+//! output cells, no exchange between), those calls' cycles count with that earlier
+//! operation: this split is by superstep, not by call. Efficiency is the matrix-product FLOPs
+//! of the kind over the kind's cycles at the chip's peak (all tiles).
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use ipuq_queries::ir::{split3, Graph, OpKind};
+use ipuq_queries::package::{Package, Step};
+use ipuq_queries::target::Target;
+
+use crate::device::Timeline;
+
+/// One operation kind's share of a run.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KindRow {
+    pub kind: String,
+    pub operations: u32,
+    pub compute_cycles: u64,
+    pub exchange_cycles: u64,
+    pub flops: u64,
+}
+
+/// The split of a run by operation kind, and the run's total.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KindProfile {
+    pub rows: Vec<KindRow>,
+    pub total_cycles: u64,
+    pub peak_flops_per_cycle: u64,
+}
+
+/// Split `timeline` (a run of `package`) by operation kind.
+pub fn by_kind(package: &Package, timeline: &Timeline) -> Result<KindProfile, String> {
+    if timeline.steps.len() != package.steps.len() {
+        return Err(format!("the profile has {} steps, the package {}: not a run of this package", timeline.steps.len(), package.steps.len()));
+    }
+    let graph = Graph::parse(&package.workload_toml, &package.workload_name).map_err(|e| e.to_string())?;
+    let target = Target::from_toml(&package.target_toml, "package").map_err(|e| e.to_string())?;
+    let mut checkpoints: Vec<(u32, u32)> = package.host.checkpoints.iter().map(|c| (c.after_step, c.operation)).collect();
+    checkpoints.sort_unstable();
+    let mut rows: BTreeMap<String, KindRow> = BTreeMap::new();
+    let mut first = 0usize;
+    for (after, operation) in checkpoints {
+        let op = graph.operations.get(operation as usize).ok_or_else(|| format!("checkpoint of operation {operation}, which the workload lacks"))?;
+        let kind = match &op.kind {
+            OpKind::Softmax => "softmax (scale folded in)".to_string(),
+            k => k.name().to_string(),
+        };
+        let row = rows.entry(kind.clone()).or_insert(KindRow { kind, operations: 0, compute_cycles: 0, exchange_cycles: 0, flops: 0 });
+        row.operations += 1;
+        if let OpKind::MatMul { transpose_b } = op.kind {
+            let (batches, m, k) = split3(&graph.value(op.inputs[0]).shape);
+            let b = split3(&graph.value(op.inputs[1]).shape);
+            let n = if transpose_b { b.1 } else { b.2 };
+            row.flops += 2 * batches as u64 * m as u64 * k as u64 * n as u64;
+        }
+        let last = (after as usize + 1).min(timeline.steps.len());
+        for &(step, cycles) in &timeline.steps[first.min(last)..last] {
+            match step {
+                Step::Compute { .. } => row.compute_cycles += cycles,
+                Step::Exchange { .. } => row.exchange_cycles += cycles,
+            }
+        }
+        first = first.max(last);
+    }
+    let total_cycles = timeline.steps.iter().map(|s| s.1).sum();
+    let peak = target.compute.peak_flops_per_cycle as u64 * target.chip.tiles as u64;
+    let mut rows: Vec<KindRow> = rows.into_values().collect();
+    rows.sort_by_key(|r| std::cmp::Reverse(r.compute_cycles + r.exchange_cycles));
+    Ok(KindProfile { rows, total_cycles, peak_flops_per_cycle: peak })
+}
+
+impl fmt::Display for KindProfile {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "| operation kind | operations | cycles | share | compute | exchange (sync included) | efficiency of peak |")?;
+        writeln!(f, "|---|---|---|---|---|---|---|")?;
+        for r in &self.rows {
+            let cycles = r.compute_cycles + r.exchange_cycles;
+            let share = 100.0 * cycles as f64 / self.total_cycles.max(1) as f64;
+            let efficiency = if r.flops > 0 { format!("{:.1} %", 100.0 * r.flops as f64 / (cycles.max(1) as f64 * self.peak_flops_per_cycle as f64)) } else { "-".into() };
+            writeln!(f, "| {} | {} | {cycles} | {share:.1} % | {} | {} | {efficiency} |", r.kind, r.operations, r.compute_cycles, r.exchange_cycles)?;
+        }
+        let attributed: u64 = self.rows.iter().map(|r| r.compute_cycles + r.exchange_cycles).sum();
+        let flops: u64 = self.rows.iter().map(|r| r.flops).sum();
+        let efficiency = 100.0 * flops as f64 / (self.total_cycles.max(1) as f64 * self.peak_flops_per_cycle as f64);
+        write!(f, "| all | | {} | 100 % ({} attributed) | | | {efficiency:.1} % |", self.total_cycles, attributed)
+    }
+}
