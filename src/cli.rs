@@ -1,4 +1,4 @@
-//! The command line: `ipuq workload | build | run | watch | profile | cache`.
+//! The command line: `ipuq workload | import | build | run | watch | profile | cache`.
 //!
 //! Exit codes: 0 success, 1 a numerical check failed, 2 usage, input, compile or device error.
 
@@ -58,6 +58,21 @@ enum Command {
         #[command(subcommand)]
         family: Family,
     },
+    /// Write a workload for a Hugging Face checkpoint directory (config.json and
+    /// model.safetensors or its sharded index): the SigLIP vision or BERT encoder stack, its
+    /// weights referenced by file, tensor name and digest.
+    Import {
+        model_dir: PathBuf,
+        /// Rows of hidden_states (default: SigLIP (image_size/patch_size)^2, BERT 128).
+        #[arg(long)]
+        tokens: Option<u32>,
+        /// Import only the first N layers (default: all).
+        #[arg(long)]
+        layers: Option<u32>,
+        /// The workload file to write (default: <workload name>.toml).
+        #[arg(short = 'o', long = "out")]
+        out: Option<PathBuf>,
+    },
     /// Compile a workload file into DIR/model.ipuexe.
     Build {
         workload: PathBuf,
@@ -75,9 +90,12 @@ enum Command {
         checkpoints: bool,
         #[arg(long, default_value_t = 256)]
         sample_limit: usize,
-        /// Write inputs, weights and outputs as .npy files into this folder.
+        /// Write inputs, weights and outputs as .npy files (NAME.npy) into this folder.
         #[arg(long)]
         dump: Option<PathBuf>,
+        /// Supply an input's values: NAME=FILE.npy (f32 or f16, the declared shape); repeatable.
+        #[arg(long = "input", value_name = "NAME=FILE.npy", value_parser = crate::workload::given::parse_assignment)]
+        inputs: Vec<(String, PathBuf)>,
         /// Seconds to wait for the device lock before giving up.
         #[arg(long, default_value_t = 600)]
         lock_timeout: u64,
@@ -290,12 +308,26 @@ fn run(cli: Cli) -> Result<Outcome, String> {
             println!("workload={} file={}", file.name, path.display());
             Ok(Outcome::Pass)
         }
+        Command::Import { model_dir, tokens, layers, out } => {
+            let imported = crate::import::import(&crate::import::ImportRequest { model_dir, tokens, layers, out }).map_err(|e| e.to_string())?;
+            println!(
+                "workload={} file={} modelType={} tokens={} layers={} weights={} postLayerNorm={}",
+                imported.file.name,
+                imported.path.display(),
+                imported.config.model_type,
+                imported.tokens,
+                imported.layers,
+                imported.tensors,
+                imported.final_norm
+            );
+            Ok(Outcome::Pass)
+        }
         Command::Build { workload, compile: args } => {
             let built = compile(&workload, &args)?;
             println!("package={} tiles={} estimatedCycles={}", built.path.display(), built.tiles, built.estimated_cycles);
             Ok(Outcome::Pass)
         }
-        Command::Run { input, compile: args, checkpoints, sample_limit, dump, lock_timeout, device_target } => {
+        Command::Run { input, compile: args, checkpoints, sample_limit, dump, inputs, lock_timeout, device_target } => {
             let (package_path, folder) = if input.extension().is_some_and(|e| e == "ipuexe") {
                 (input.clone(), input.parent().map(Path::to_path_buf).unwrap_or_default())
             } else {
@@ -303,7 +335,7 @@ fn run(cli: Cli) -> Result<Outcome, String> {
                 (built.path, input.parent().map(Path::to_path_buf).unwrap_or_default())
             };
             let package = read_package(&package_path).map_err(|e| e.to_string())?;
-            let options = report::RunRequest { device_target, checkpoints, sample_limit, dump, lock_timeout: Duration::from_secs(lock_timeout), workload_folder: folder };
+            let options = report::RunRequest { device_target, checkpoints, sample_limit, dump, lock_timeout: Duration::from_secs(lock_timeout), workload_folder: folder, inputs };
             report::run_and_verify(&package, &package_path, &options)
         }
         Command::Watch { workload, compile: args, run, lock_timeout, poll_ms, max_rebuilds } => {

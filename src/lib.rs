@@ -6,6 +6,7 @@ pub mod build;
 pub mod cli;
 pub mod device;
 pub mod exchange_report;
+pub mod import;
 pub mod inspect;
 pub mod logging;
 pub mod op_profile;

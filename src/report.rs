@@ -10,7 +10,7 @@ use ipuq_queries::package::Package;
 
 use crate::runtime::{execute, DeviceTarget, RunOptions};
 use crate::verify::{check_samples, compare_bytes, Tolerance};
-use crate::workload::data::{decode, tensor_data};
+use crate::workload::data::{decode, tensor_data_with};
 use crate::workload::npy::write_npy;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -27,6 +27,8 @@ pub struct RunRequest {
     pub dump: Option<PathBuf>,
     pub lock_timeout: Duration,
     pub workload_folder: PathBuf,
+    /// `--input NAME=FILE.npy`: values that replace those inputs' initialisers.
+    pub inputs: Vec<(String, PathBuf)>,
 }
 
 /// The seed's order of family fields in the result line; other fields follow alphabetically.
@@ -63,7 +65,8 @@ pub fn run_and_verify(package: &Package, package_path: &Path, request: &RunReque
     };
     let target = device_target.target.clone();
     let graph = Graph::parse(&package.workload_toml, &format!("{} (embedded workload)", package_path.display())).map_err(|e| e.to_string())?;
-    let data = tensor_data(&graph, &request.workload_folder).map_err(|e| e.to_string())?;
+    let given = crate::workload::given::given_inputs(&graph, &request.inputs)?;
+    let data = tensor_data_with(&graph, &request.workload_folder, given).map_err(|e| e.to_string())?;
     let inputs: BTreeMap<String, Vec<u8>> = data.iter().map(|(name, d)| (name.clone(), d.bytes.clone())).collect();
     let folder = package_path.parent().map(Path::to_path_buf).unwrap_or_default();
     let options = RunOptions {

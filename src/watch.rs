@@ -81,6 +81,7 @@ fn rebuild(session: &mut Session, workload: &Path, options: &mut BuildOptions, o
         dump: None,
         lock_timeout: watch.lock_timeout,
         workload_folder: workload.parent().map(Path::to_path_buf).unwrap_or_default(),
+        inputs: Vec::new(),
     };
     if let Err(message) = run_and_verify(&package, &built.path, &request) {
         eprintln!("error: {message}");

@@ -50,6 +50,11 @@ pub enum Init {
     Zeros,
     /// A `.npy` file, relative to the workload file's folder.
     Npy { path: String },
+    /// One tensor of a safetensors file (a Hugging Face checkpoint), referenced, not copied:
+    /// `path` relative to the workload file's folder (or absolute), `tensor` its name in the
+    /// file, `digest` the blake3 (hex) of its stored bytes, checked when the data is loaded.
+    /// The digest is part of the workload text, so other weights make another workload.
+    Safetensors { path: String, tensor: String, digest: String },
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -281,6 +286,14 @@ impl Graph {
             if let Init::Uniform { low, high, .. } = t.init {
                 if !(low.is_finite() && high.is_finite() && low <= high) {
                     return Err(invalid(location, format!("uniform bounds must be finite with low <= high, got [{low}, {high}]")));
+                }
+            }
+            if let Init::Safetensors { path, tensor, digest } = &t.init {
+                if path.is_empty() || tensor.is_empty() {
+                    return Err(invalid(location, "safetensors init needs a non-empty 'path' and 'tensor'".into()));
+                }
+                if digest.len() != 64 || !digest.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
+                    return Err(invalid(location, format!("safetensors digest must be 64 lowercase hex digits (blake3), got {digest:?}")));
                 }
             }
             let id = ValueId(values.len() as u32);

@@ -15,6 +15,7 @@ use ipuq_queries::ir::{DType, Graph, Init, TensorDecl};
 use rayon::prelude::*;
 
 use crate::workload::npy::{read_npy, NpyError};
+use crate::workload::safetensors::{Headers, ImportError};
 
 /// Random values are generated in chunks of this many elements, each with its own generator.
 /// Even, so that Box–Muller pairs never straddle two chunks.
@@ -54,6 +55,8 @@ pub enum DataError {
     NpyDType { tensor: String, file: String, found: &'static str, declared: &'static str },
     #[error("tensor '{tensor}': shape {shape:?} does not hold {count} values")]
     Count { tensor: String, shape: Vec<u32>, count: usize },
+    #[error("tensor '{tensor}': {source}")]
+    Safetensors { tensor: String, source: ImportError },
     #[error("{length} bytes are not a whole number of {dtype} values")]
     ByteLength { length: usize, dtype: &'static str },
 }
@@ -61,16 +64,31 @@ pub enum DataError {
 /// The values of every tensor (inputs and weights) of `graph`, by name. `workload_dir` is the
 /// folder of the workload file, against which `npy` paths are resolved.
 pub fn tensor_data(graph: &Graph, workload_dir: &Path) -> Result<BTreeMap<String, TensorData>, DataError> {
+    tensor_data_with(graph, workload_dir, BTreeMap::new())
+}
+
+/// As [`tensor_data`], with the values of some tensors given (`ipuq run --input`): those are
+/// taken as they are, their initialisers not evaluated.
+pub fn tensor_data_with(graph: &Graph, workload_dir: &Path, mut given: BTreeMap<String, TensorData>) -> Result<BTreeMap<String, TensorData>, DataError> {
     let mut data = BTreeMap::new();
+    let mut headers = Headers::default();
     for declaration in &graph.file.tensors {
         let _span = tracing::debug_span!("tensor_data", tensor = %declaration.name).entered();
-        data.insert(declaration.name.clone(), tensor_values(declaration, workload_dir)?);
+        let values = match given.remove(&declaration.name) {
+            Some(values) => values,
+            None => values_with(declaration, workload_dir, &mut headers)?,
+        };
+        data.insert(declaration.name.clone(), values);
     }
     Ok(data)
 }
 
 /// The values of one declared tensor.
 pub fn tensor_values(declaration: &TensorDecl, workload_dir: &Path) -> Result<TensorData, DataError> {
+    values_with(declaration, workload_dir, &mut Headers::default())
+}
+
+fn values_with(declaration: &TensorDecl, workload_dir: &Path, headers: &mut Headers) -> Result<TensorData, DataError> {
     let dtype = declaration.dtype;
     let shape = declaration.shape.clone();
     let count = shape.iter().map(|&d| d as usize).product::<usize>();
@@ -85,6 +103,13 @@ pub fn tensor_values(declaration: &TensorDecl, workload_dir: &Path) -> Result<Te
         }),
         Init::Zeros => vec![0.0; count],
         Init::Npy { path } => return npy_values(declaration, &workload_dir.join(path)),
+        Init::Safetensors { path, tensor, digest } => {
+            let stored = headers
+                .load_checked(&workload_dir.join(path), tensor, digest, &shape)
+                .map_err(|source| DataError::Safetensors { tensor: declaration.name.clone(), source })?;
+            // Every stored dtype is exact in f32; `from_values` rounds once, to the declared dtype.
+            return TensorData::from_values(dtype, shape, stored.values());
+        }
     };
     let bytes = encode(&values, dtype);
     Ok(TensorData { dtype, shape, values, bytes })

@@ -8,13 +8,15 @@
 pub mod data;
 pub mod encoder;
 pub mod generate;
+pub mod given;
 pub mod npy;
+pub mod safetensors;
 
 use std::path::{Path, PathBuf};
 
 use ipuq_queries::ir::{Graph, WorkloadError};
 
-pub use data::{tensor_data, DataError, TensorData};
+pub use data::{tensor_data, tensor_data_with, DataError, TensorData};
 pub use encoder::{siglip_encoder, SiglipEncoder};
 pub use generate::{from_name, grouped_attention, siglip_mlp, to_toml, GenerateError, GroupedAttention, SiglipMlp};
 
