@@ -8,10 +8,12 @@
 //! that the same package carries beside them.
 
 use crate::cost;
+use crate::db::CompileError;
+use crate::tables::{self, PackedPhase, PackedTile};
 use crate::ir::Graph;
 use crate::lower::{Call, LHostTensor, LStep, Loc, Lowered};
 use crate::package::{
-    Allocation, AllocationKind, Checkpoint, ComputeSet, ExchangePhase, HostSegment, HostTables, HostTensor, Operand, Package, Segment, Step,
+    AddressRange, Allocation, AllocationKind, Checkpoint, ComputeSet, ExchangePhase, HostSegment, HostTables, HostTensor, Operand, Package, Segment, Step,
     Summary, TileImage, VertexCall,
 };
 use crate::storage::Placement;
@@ -56,8 +58,8 @@ fn host_segments_per_tile(lowered: &Lowered) -> Vec<u32> {
     n
 }
 
-/// Support memory per tile, from call counts, exchange entries and host segments (no addresses).
-pub fn support_memory(lowered: &Lowered, entries_per_tile: &[u32]) -> Vec<SupportMemory> {
+/// Support memory per tile, from call counts, encoded exchange-table bytes and host segments.
+pub fn support_memory(lowered: &Lowered, table_bytes: &[u32]) -> Vec<SupportMemory> {
     let mut calls = vec![0u32; lowered.tiles as usize];
     for set in &lowered.compute_sets {
         for (tile, _) in set {
@@ -70,15 +72,15 @@ pub fn support_memory(lowered: &Lowered, entries_per_tile: &[u32]) -> Vec<Suppor
             runtime_bytes: RUNTIME_HEADER_BYTES,
             host_code_bytes: host[tile] * HOST_RECORD_BYTES,
             generated_code_bytes: calls[tile] * VERTEX_RECORD_BYTES,
-            exchange_table_bytes: entries_per_tile.get(tile).copied().unwrap_or(0) * EXCHANGE_RECORD_BYTES,
+            exchange_table_bytes: table_bytes.get(tile).copied().unwrap_or(0),
             profile_bytes: 0,
         })
         .collect()
 }
 
 /// Bytes of code and tables per tile (the sum of its support memory).
-pub fn size_tile_code(lowered: &Lowered, entries_per_tile: &[u32]) -> Vec<u32> {
-    support_memory(lowered, entries_per_tile).iter().map(SupportMemory::total).collect()
+pub fn size_tile_code(lowered: &Lowered, table_bytes: &[u32]) -> Vec<u32> {
+    support_memory(lowered, table_bytes).iter().map(SupportMemory::total).collect()
 }
 
 /// The seed's support-memory line for the tile with the most support memory (lowest such
@@ -179,7 +181,7 @@ pub fn estimate_cycles(target: &Target, lowered: &Lowered, placement: &Placement
 }
 
 /// Assemble the package from the placed program and the final exchange tables.
-pub fn build_package(target: &Target, graph: &Graph, lowered: &Lowered, placement: &Placement, exchanges: Vec<ExchangePhase>) -> Package {
+pub fn build_package(target: &Target, graph: &Graph, lowered: &Lowered, placement: &Placement, exchanges: Vec<PackedPhase>) -> Result<Package, CompileError> {
     let tiles = lowered.tiles as usize;
     let mut images: Vec<TileImage> = (0..tiles as u32)
         .map(|tile| TileImage { tile, segments: Vec::new(), zero_fill: Vec::new(), allocations: Vec::new(), compute_sets: Vec::new() })
@@ -200,22 +202,7 @@ pub fn build_package(target: &Target, graph: &Graph, lowered: &Lowered, placemen
         let start = placement.addresses[i];
         images[b.tile as usize].allocations.push(Allocation { start, end: start + b.bytes, kind: b.kind, label: b.label, first_step: b.first_step, last_step: b.last_step });
     }
-    let mut entries: Vec<Vec<u8>> = vec![Vec::new(); tiles];
-    for phase in &exchanges {
-        for t in &phase.tiles {
-            let bytes = &mut entries[t.tile as usize];
-            for s in &t.sends {
-                for w in [s.cycle, s.address, s.words | (s.paired as u32) << 31] {
-                    bytes.extend_from_slice(&w.to_le_bytes());
-                }
-            }
-            for r in &t.receives {
-                for w in [r.cycle, r.address, r.words | r.source << 20 | (r.paired as u32) << 31] {
-                    bytes.extend_from_slice(&w.to_le_bytes());
-                }
-            }
-        }
-    }
+    let table_bytes = tile_tables(tiles, &exchanges);
     // Host-exchange records: (role and tensor, address, first element, count, rows, strides).
     let mut host_records: Vec<Vec<u8>> = vec![Vec::new(); tiles];
     let host_tensors = lowered.inputs.iter().map(|t| (0u32, t)).chain(lowered.outputs.iter().map(|t| (1, t))).chain(lowered.checkpoints.iter().map(|c| (2, &c.tensor)));
@@ -245,10 +232,21 @@ pub fn build_package(target: &Target, graph: &Graph, lowered: &Lowered, placemen
                 encode_call(call, &mut code);
             }
         }
-        code.extend_from_slice(&entries[tile]);
-        code.resize((end - start) as usize, 0);
+        code.extend_from_slice(&table_bytes[tile]);
+        if code.len() > (end - start) as usize {
+            return Err(CompileError(format!(
+                "tile {tile}: code and exchange tables need {} bytes, but size_tile_code reserved {} (the final addresses made the exchange tables less compact than sized)",
+                code.len(),
+                end - start
+            )));
+        }
         image.allocations.push(Allocation { start, end, kind: AllocationKind::Code, label: 0, first_step: 0, last_step: u32::MAX });
         image.allocations.sort_by_key(|a| (a.start, a.end));
+        // The reserve past the written bytes is a load-time fill, not bytes in the package.
+        let written = start + code.len() as u32;
+        if written < end {
+            image.zero_fill.push(AddressRange { start: written, end });
+        }
         image.segments.push(Segment { address: start, bytes: code });
     }
     let steps: Vec<Step> = lowered.steps.iter().map(|s| match s {
@@ -277,7 +275,7 @@ pub fn build_package(target: &Target, graph: &Graph, lowered: &Lowered, placemen
             .map(|c| Checkpoint { operation: c.operation, after_step: c.after_step, tensor: host_tensor(placement, lowered, &c.tensor) })
             .collect(),
     };
-    Package {
+    Ok(Package {
         compiler: crate::fingerprint::compiler_id(),
         target_toml: target.canonical_toml(),
         target_digest: target.digest(),
@@ -296,5 +294,18 @@ pub fn build_package(target: &Target, graph: &Graph, lowered: &Lowered, placemen
             estimated_exchange_cycles: estimated_exchange,
             logical_shards: lowered.logical_shards,
         },
+    })
+}
+
+/// Each tile's encoded exchange tables over all phases (bindings and shared segments).
+pub fn tile_tables(tiles: usize, exchanges: &[PackedPhase]) -> Vec<Vec<u8>> {
+    let mut per_tile: Vec<Vec<(u32, &PackedTile)>> = vec![Vec::new(); tiles];
+    for phase in exchanges {
+        for t in &phase.tiles {
+            if let Some(v) = per_tile.get_mut(t.tile as usize) {
+                v.push((phase.index, t));
+            }
+        }
     }
+    per_tile.iter().map(|v| if v.is_empty() { Vec::new() } else { tables::encode_tile(v) }).collect()
 }

@@ -13,10 +13,11 @@
 
 use crate::hash::Digest;
 use crate::ir::DType;
+use crate::tables::PackedPhase;
 
 pub const PACKAGE_MAGIC: [u8; 8] = *b"IPUQPKG\0";
 /// Bump when the layout of anything below changes.
-pub const PACKAGE_FORMAT_VERSION: u32 = 4;
+pub const PACKAGE_FORMAT_VERSION: u32 = 5;
 /// rkyv's format flags this build writes (little endian, aligned, 32-bit offsets).
 pub const RKYV_FLAGS: u32 = 0x0000_0001;
 pub const HEADER_BYTES: usize = 96;
@@ -32,7 +33,8 @@ pub struct Package {
     pub tiles: Vec<TileImage>,
     /// The BSP sequence the device executes.
     pub steps: Vec<Step>,
-    pub exchanges: Vec<ExchangePhase>,
+    /// Exchange tables as compact run descriptors (`tables.rs`); the device expands them.
+    pub exchanges: Vec<PackedPhase>,
     pub host: HostTables,
     /// Interned labels for allocations (value names, "code", ...), for error messages.
     pub labels: Vec<String>,
