@@ -305,12 +305,14 @@ fn every_mutation_is_caught() {
     assert_caught(&run(d, "shifted-send", &p, &[]), "shifted send address");
     kinds += 1;
 
-    // 17b. A corrupted run descriptor: a receive run's address stride moved by one word, so
-    // every row after its first lands in the wrong place.
+    // 17b. A corrupted run descriptor: a receive's row count raised to 3 (rows back to back
+    // after it), so the device listens for two rows that no send supplies.
     let mut p = base.clone();
-    let run_at = p.exchanges.iter_mut().flat_map(|e| e.tiles.iter_mut()).flat_map(|t| t.receives.iter_mut()).find(|r| r.count > 2).expect("a receive run of 3 or more rows");
-    run_at.address_stride = run_at.address_stride.wrapping_add(4);
-    assert_caught(&run(d, "corrupted-run-stride", &p, &[]), "corrupted run stride");
+    let run_at = p.exchanges.iter_mut().flat_map(|e| e.tiles.iter_mut()).flat_map(|t| t.receives.iter_mut()).next().expect("a receive");
+    run_at.cycle_stride = if run_at.paired { run_at.words / 2 } else { run_at.words } + 7;
+    run_at.address_stride = run_at.words * 4;
+    run_at.count += 2;
+    assert_caught(&run(d, "corrupted-run", &p, &[]), "corrupted run descriptor");
     kinds += 1;
 
     // 17c. A run descriptor of zero rows, and one asking for more rows than any phase may
@@ -345,9 +347,13 @@ fn every_mutation_is_caught() {
     let attention_dir = d.join("attention");
     std::fs::create_dir_all(&attention_dir).unwrap();
     let mut p = build(&attention_dir, ATTENTION);
-    let call = p.tiles.iter_mut().flat_map(|i| i.compute_sets.iter_mut()).flat_map(|s| s.calls.iter_mut()).find(|c| matches!(c, VertexCall::Scale { .. })).unwrap();
-    if let VertexCall::Scale { factor, .. } = call {
-        *factor *= 2.0;
+    // The scale is its own call, or folded into the softmax that reads it.
+    let scaled = |c: &&mut VertexCall| matches!(c, VertexCall::Scale { .. }) || matches!(c, VertexCall::Softmax { scale, .. } if *scale != 1.0);
+    let call = p.tiles.iter_mut().flat_map(|i| i.compute_sets.iter_mut()).flat_map(|s| s.calls.iter_mut()).find(scaled).expect("a scale");
+    match call {
+        VertexCall::Scale { factor, .. } => *factor *= 2.0,
+        VertexCall::Softmax { scale, .. } => *scale *= 2.0,
+        _ => unreachable!(),
     }
     assert_fail(&run(&attention_dir, "wrong-scale", &p, &[]), "wrong scale");
     kinds += 1;

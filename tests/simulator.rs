@@ -47,7 +47,7 @@ impl Build {
         Build { target: target(), labels: vec![], tiles: BTreeMap::new(), steps: vec![], exchanges: vec![], host }
     }
     fn tile(&mut self, tile: u32) -> &mut TileImage {
-        self.tiles.entry(tile).or_insert_with(|| TileImage { tile, segments: vec![], zero_fill: vec![], allocations: vec![], compute_sets: vec![] })
+        self.tiles.entry(tile).or_insert_with(|| TileImage { tile, segments: vec![], shared: vec![], zero_fill: vec![], allocations: vec![], compute_sets: vec![] })
     }
     fn alloc(&mut self, tile: u32, name: &str, start: u32, bytes: u32, kind: AllocationKind) {
         self.labels.push(name.to_string());
@@ -72,6 +72,7 @@ impl Build {
             workload_name: "hand-built".into(),
             workload_toml: String::new(),
             tiles: self.tiles.into_values().collect(),
+            shared_segments: vec![],
             steps: self.steps,
             exchanges: ipuq_queries::tables::pack(&self.exchanges),
             host: self.host,

@@ -1,10 +1,13 @@
 //! `size_tile_code`, `prepare_tile_code`, `emit_tile_code`, `build_tile_images`: turn the placed
 //! program into per-tile images and programs, and assemble the package.
 //!
-//! Each tile's code segment holds its runtime header, its host-exchange records (one per host
-//! segment), its vertex state (one fixed-size record per call) and its exchange tables (one
-//! record per entry), encoded little-endian, so the bytes a tile needs
-//! are accounted for in its memory; the simulator executes the structured calls and tables
+//! Each tile's code holds its runtime header, its host-exchange records (one per host
+//! segment), its vertex state (one fixed-size record per call) and its exchange tables
+//! (compact run descriptors with per-phase bindings, `tables.rs`), encoded little-endian, so
+//! the bytes a tile needs are accounted for in its memory. Vertex state and tables that
+//! several tiles hold are stored once in the package (`Package::shared_segments`); the rest of
+//! the code reserve is a load-time zero fill, not bytes. Host-streamed inputs and weights are
+//! never in an image. The simulator executes the structured calls and the packed tables
 //! that the same package carries beside them.
 
 use crate::cost;
@@ -13,7 +16,7 @@ use crate::tables::{self, PackedPhase, PackedTile};
 use crate::ir::Graph;
 use crate::lower::{Call, LHostTensor, LStep, Loc, Lowered};
 use crate::package::{
-    AddressRange, Allocation, AllocationKind, Checkpoint, ComputeSet, ExchangePhase, HostSegment, HostTables, HostTensor, Operand, Package, Segment, Step,
+    AddressRange, Allocation, AllocationKind, Checkpoint, ComputeSet, ExchangePhase, HostSegment, HostTables, HostTensor, Operand, Package, Segment, SharedSegment, Step,
     Summary, TileImage, VertexCall,
 };
 use crate::storage::Placement;
@@ -184,7 +187,7 @@ pub fn estimate_cycles(target: &Target, lowered: &Lowered, placement: &Placement
 pub fn build_package(target: &Target, graph: &Graph, lowered: &Lowered, placement: &Placement, exchanges: Vec<PackedPhase>) -> Result<Package, CompileError> {
     let tiles = lowered.tiles as usize;
     let mut images: Vec<TileImage> = (0..tiles as u32)
-        .map(|tile| TileImage { tile, segments: Vec::new(), zero_fill: Vec::new(), allocations: Vec::new(), compute_sets: Vec::new() })
+        .map(|tile| TileImage { tile, segments: Vec::new(), shared: Vec::new(), zero_fill: Vec::new(), allocations: Vec::new(), compute_sets: Vec::new() })
         .collect();
     let mut set_cycles: Vec<Vec<u64>> = vec![vec![0; tiles]; lowered.compute_sets.len()];
     for (index, set) in lowered.compute_sets.iter().enumerate() {
@@ -202,7 +205,13 @@ pub fn build_package(target: &Target, graph: &Graph, lowered: &Lowered, placemen
         let start = placement.addresses[i];
         images[b.tile as usize].allocations.push(Allocation { start, end: start + b.bytes, kind: b.kind, label: b.label, first_step: b.first_step, last_step: b.last_step });
     }
-    let table_bytes = tile_tables(tiles, &exchanges);
+    // The seed cleared the padding of finite GEMM operands and then dropped the clears that
+    // load-time SRAM initialisation made redundant. ipuq's matrix-product splits are exact
+    // (no padded rows or columns), so it emits no padding clear to remove.
+    tracing::info!(removed = 0u32, "eliminated finite GEMM padding clears using load-time SRAM initialization");
+    let mut table_bytes = tile_tables(tiles, &exchanges);
+    let mut pool: std::collections::HashMap<Vec<u8>, u32> = std::collections::HashMap::new();
+    let mut shared_segments: Vec<Vec<u8>> = Vec::new();
     // Host-exchange records: (role and tensor, address, first element, count, rows, strides).
     let mut host_records: Vec<Vec<u8>> = vec![Vec::new(); tiles];
     let host_tensors = lowered.inputs.iter().map(|t| (0u32, t)).chain(lowered.outputs.iter().map(|t| (1, t))).chain(lowered.checkpoints.iter().map(|c| (2, &c.tensor)));
@@ -227,27 +236,47 @@ pub fn build_package(target: &Target, graph: &Graph, lowered: &Lowered, placemen
         }
         code.resize(RUNTIME_HEADER_BYTES as usize, 0);
         code.extend_from_slice(&host_records[tile]);
+        let mut vertex_state = Vec::new();
         for set in &image.compute_sets {
             for call in &set.calls {
-                encode_call(call, &mut code);
+                encode_call(call, &mut vertex_state);
             }
         }
-        code.extend_from_slice(&table_bytes[tile]);
-        if code.len() > (end - start) as usize {
+        let tables = std::mem::take(&mut table_bytes[tile]);
+        let total = code.len() + vertex_state.len() + tables.len();
+        if total > (end - start) as usize {
             return Err(CompileError(format!(
-                "tile {tile}: code and exchange tables need {} bytes, but size_tile_code reserved {} (the final addresses made the exchange tables less compact than sized)",
-                code.len(),
+                "tile {tile}: code and exchange tables need {total} bytes, but size_tile_code reserved {} (the final addresses made the exchange tables less compact than sized)",
                 end - start
             )));
         }
         image.allocations.push(Allocation { start, end, kind: AllocationKind::Code, label: 0, first_step: 0, last_step: u32::MAX });
         image.allocations.sort_by_key(|a| (a.start, a.end));
         // The reserve past the written bytes is a load-time fill, not bytes in the package.
-        let written = start + code.len() as u32;
+        let written = start + total as u32;
         if written < end {
             image.zero_fill.push(AddressRange { start: written, end });
         }
+        // Vertex state and tables that another tile holds too are stored once.
+        let mut at = start + code.len() as u32;
+        for part in [vertex_state, tables] {
+            if part.is_empty() {
+                continue;
+            }
+            let len = part.len() as u32;
+            let next = shared_segments.len() as u32;
+            let index = *pool.entry(part).or_insert(next);
+            if index == next {
+                shared_segments.push(Vec::new());
+            }
+            image.shared.push(SharedSegment { address: at, index });
+            at += len;
+        }
         image.segments.push(Segment { address: start, bytes: code });
+    }
+    // The pool's contents, in order of first use.
+    for (bytes, index) in pool {
+        shared_segments[index as usize] = bytes;
     }
     let steps: Vec<Step> = lowered.steps.iter().map(|s| match s {
         LStep::Compute(i) => Step::Compute { index: *i },
@@ -282,6 +311,7 @@ pub fn build_package(target: &Target, graph: &Graph, lowered: &Lowered, placemen
         workload_name: graph.name.clone(),
         workload_toml: graph.canonical_toml(),
         tiles: images,
+        shared_segments,
         steps,
         exchanges,
         host,

@@ -174,7 +174,7 @@ impl Device for Simulator {
         let (set_steps, phase_steps) = step_lists(&package.steps);
         let no_steps = Vec::new();
         let memories: Vec<TileMemory> =
-            package.tiles.par_iter().map(|image| TileMemory::load(target, image, labels)).collect::<Result<_, _>>()?;
+            package.tiles.par_iter().map(|image| TileMemory::load(target, image, &package.shared_segments, labels)).collect::<Result<_, _>>()?;
         let programs: Vec<BTreeMap<u32, CheckedSet>> = package
             .tiles
             .par_iter()
