@@ -1,7 +1,8 @@
 //! Compact exchange tables: the form the package and the tile images carry.
 //!
-//! A tile's table for one phase is a list of run descriptors, sends and receives apart. A run
-//! is `count` entries of the same width (and, for receives, the same source), entry i at
+//! A tile's table for one phase is a list of run descriptors, sends and receives apart, each
+//! list grouped by entry shape (width, source, pairing) and in cycle order within a group,
+//! so one stream's rows interleaved with another's still form a run. A run is `count` entries of the same width (and, for receives, the same source), entry i at
 //! `cycle + i * cycle_stride` and `address + i * address_stride` (wrapping): contiguous and
 //! strided rows are one descriptor, not one entry each. Runs are chosen by an exact dynamic
 //! program (fewest encoded bytes for a sorted entry list cut into arithmetic runs), so equal
@@ -157,19 +158,28 @@ fn runs_of<R: Row>(entries: &[R]) -> Vec<(usize, u32, u32, u32)> {
     out
 }
 
+/// Entries grouped by shape (width, source, pairing), each group in cycle order: rows of one
+/// stream interleaved with others' become neighbours, so their strides show.
+fn grouped<R: Row>(entries: &[R]) -> Vec<R> {
+    let mut v = entries.to_vec();
+    v.sort_by_key(|e| (e.shape(), e.cycle(), e.address()));
+    v
+}
+
 /// The runs of one tile's table.
 pub fn pack_tile(t: &TileExchange) -> PackedTile {
-    let sends = runs_of(&t.sends)
+    let (sends_in, receives_in) = (grouped(&t.sends), grouped(&t.receives));
+    let sends = runs_of(&sends_in)
         .into_iter()
         .map(|(s, count, cycle_stride, address_stride)| {
-            let e = t.sends[s];
+            let e = sends_in[s];
             SendRun { cycle: e.cycle, address: e.address, words: e.words, paired: e.paired, count, cycle_stride, address_stride }
         })
         .collect();
-    let receives = runs_of(&t.receives)
+    let receives = runs_of(&receives_in)
         .into_iter()
         .map(|(s, count, cycle_stride, address_stride)| {
-            let e = t.receives[s];
+            let e = receives_in[s];
             ReceiveRun { cycle: e.cycle, source: e.source, address: e.address, words: e.words, paired: e.paired, count, cycle_stride, address_stride }
         })
         .collect();
@@ -201,7 +211,8 @@ fn expand(count: u32, cycle: u32, address: u32, cycle_stride: u32, address_strid
     Ok((0..count).map(|i| (cycle + i * cycle_stride, address.wrapping_add(i.wrapping_mul(address_stride)))).collect())
 }
 
-/// The device's expansion of a packed phase into entries: at most `max_entries` in all.
+/// The device's expansion of a packed phase into entries, sorted as the compiler's tables
+/// are (by cycle): at most `max_entries` in all.
 /// Errors name the tile (never a panic, whatever the values).
 pub fn unpack_phase(p: &PackedPhase, max_entries: u64) -> Result<ExchangePhase, (u32, String)> {
     let mut budget = max_entries;
@@ -219,6 +230,9 @@ pub fn unpack_phase(p: &PackedPhase, max_entries: u64) -> Result<ExchangePhase, 
                 receives.push(ReceiveEntry { cycle, source: r.source, address, words: r.words, paired: r.paired });
             }
         }
+        // Back in table order (the compiler's: by cycle, then source, then address).
+        sends.sort_unstable_by_key(|e| (e.cycle, e.address, e.words, e.paired));
+        receives.sort_unstable_by_key(|e| (e.cycle, e.source, e.address, e.words, e.paired));
         tiles.push(TileExchange { tile: t.tile, sends, receives });
     }
     Ok(ExchangePhase { index: p.index, tiles, horizon: p.horizon, endpoint_lower_bound: p.endpoint_lower_bound })
@@ -295,4 +309,61 @@ pub fn encode_tile(phases: &[(u32, &PackedTile)]) -> Vec<u8> {
         out.extend_from_slice(&s);
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::exchange::synthetic::SplitMix64;
+
+    fn receive(cycle: u32, source: u32, address: u32, words: u32) -> ReceiveEntry {
+        ReceiveEntry { cycle, source, address, words, paired: false }
+    }
+
+    #[test]
+    fn interleaved_strided_streams_become_one_run_each_and_expand_back() {
+        // Two sources alternate on one tile: rows of 8 words, every 16 cycles each.
+        let mut receives: Vec<ReceiveEntry> = (0..20).flat_map(|i| [receive(i * 16, 3, 0x1000 + i * 64, 8), receive(i * 16 + 8, 5, 0x9000 + i * 32, 8)]).collect();
+        receives.sort_by_key(|e| (e.cycle, e.source, e.address));
+        let table = TileExchange { tile: 2, sends: vec![SendEntry { cycle: 0, address: 0x100, words: 4, paired: false }], receives };
+        let phase = ExchangePhase { index: 7, tiles: vec![table], horizon: 328, endpoint_lower_bound: 320 };
+        let packed = pack_phase(&phase);
+        assert_eq!(packed.tiles[0].receives.len(), 2, "{:?}", packed.tiles[0].receives);
+        assert_eq!(packed.tiles[0].receives[0].address_stride, 64);
+        assert_eq!(unpack_phase(&packed, MAX_PHASE_ENTRIES).unwrap(), phase);
+        assert_eq!(entry_count(&packed), 41);
+        let bytes = encode_tile(&[(7, &packed.tiles[0])]);
+        assert_eq!(bytes.len() as u32, BINDING_BYTES + SEGMENT_HEADER_BYTES + ENTRY_BYTES + 2 * RUN_BYTES);
+    }
+
+    #[test]
+    fn random_tables_round_trip_and_never_grow() {
+        let mut rng = SplitMix64(17);
+        for _ in 0..200 {
+            let n = rng.below(40) as usize;
+            let mut receives: Vec<ReceiveEntry> = (0..n).map(|_| receive(rng.below(64) * 4, rng.below(3), 0x4000 + rng.below(16) * 16, 1 + rng.below(2))).collect();
+            receives.sort_by_key(|e| (e.cycle, e.source, e.address, e.words));
+            receives.dedup();
+            let table = TileExchange { tile: 0, sends: vec![], receives };
+            let phase = ExchangePhase { index: 0, tiles: vec![table.clone()], horizon: 0, endpoint_lower_bound: 0 };
+            let packed = pack_phase(&phase);
+            assert_eq!(unpack_phase(&packed, MAX_PHASE_ENTRIES).unwrap(), phase);
+            let encoded = encode_segment(&packed.tiles[0], 0, 0x4000).len() as u32;
+            assert!(encoded <= SEGMENT_HEADER_BYTES + ENTRY_BYTES * table.receives.len() as u32);
+        }
+    }
+
+    #[test]
+    fn hostile_runs_are_errors_not_panics() {
+        let run = |count, cycle, cycle_stride| PackedPhase {
+            index: 0,
+            tiles: vec![PackedTile { tile: 4, sends: vec![SendRun { cycle, address: u32::MAX, words: 1, paired: false, count, cycle_stride, address_stride: u32::MAX }], receives: vec![] }],
+            horizon: 0,
+            endpoint_lower_bound: 0,
+        };
+        assert!(unpack_phase(&run(0, 0, 1), 100).unwrap_err().1.contains("zero entries"));
+        assert!(unpack_phase(&run(101, 0, 1), 100).unwrap_err().1.contains("exceeds"));
+        assert!(unpack_phase(&run(3, u32::MAX - 1, 1), 100).unwrap_err().1.contains("passes cycle"));
+        assert_eq!(unpack_phase(&run(3, 5, 2), 100).unwrap().tiles[0].sends.len(), 3);
+    }
 }
