@@ -7,6 +7,7 @@
 //! included, as the seed's runtime does). Addresses are assigned later by `storage`.
 
 pub mod build;
+pub mod candidates;
 pub mod grid;
 pub mod plan;
 pub mod orient;
@@ -64,7 +65,8 @@ pub enum LStep {
 }
 
 /// `rows` runs of `count` logical elements: run r from flat index `element + r * element_stride`
-/// at (buffer, byte offset `offset + r * offset_stride`).
+/// (its elements `element_step` apart, 1 = consecutive) at (buffer, byte offset
+/// `offset + r * offset_stride`), contiguous in memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct LSegment {
     pub buffer: u32,
@@ -74,6 +76,7 @@ pub struct LSegment {
     pub rows: u32,
     pub element_stride: u32,
     pub offset_stride: u32,
+    pub element_step: u32,
 }
 
 /// A host table over address-free segments.

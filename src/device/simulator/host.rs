@@ -39,23 +39,35 @@ pub fn check_segments(
     // A segment's runs must not overlap in memory nor reach past the tensor, computed in 64
     // bits before they are listed: a hostile row count cannot make the list huge or wrap.
     for s in &tensor.segments {
-        if s.rows <= 1 {
+        let what = format!("segment of {} runs on tile {} at {:#x}", s.rows, s.tile, s.address);
+        if s.element_step == 0 && s.count > 1 {
+            return Err(host_error(tensor, format!("{what}: its element step is 0")));
+        }
+        if s.rows == 0 || s.count == 0 {
             continue;
         }
         let last = s.rows as u64 - 1;
-        let what = format!("segment of {} runs on tile {} at {:#x}", s.rows, s.tile, s.address);
-        if (s.address_stride as u64) < s.count as u64 * element_bytes || (s.element_stride as u64) < s.count as u64 {
-            return Err(host_error(tensor, format!("{what}: its runs overlap (address stride {}, element stride {})", s.address_stride, s.element_stride)));
+        let step = s.element_step as u64;
+        let span = (s.count as u64 - 1) * step;
+        if s.rows > 1 {
+            // Runs must not overlap in memory, nor share elements: either each run ends before
+            // the next starts, or the runs interleave inside one step.
+            let apart = s.element_stride as u64 > span;
+            let interleaved = step > 1 && s.element_stride >= 1 && last * s.element_stride as u64 + 1 <= step;
+            if (s.address_stride as u64) < s.count as u64 * element_bytes || !(apart || interleaved) {
+                return Err(host_error(tensor, format!("{what}: its runs overlap (address stride {}, element stride {}, step {})", s.address_stride, s.element_stride, s.element_step)));
+            }
         }
-        if s.element as u64 + last * s.element_stride as u64 + s.count as u64 > elements || s.address as u64 + last * s.address_stride as u64 > u32::MAX as u64 {
+        if s.element as u64 + last * s.element_stride as u64 + span >= elements || s.address as u64 + last * s.address_stride as u64 > u32::MAX as u64 {
             return Err(host_error(tensor, format!("{what} reaches past the tensor's {elements} elements or the address space")));
         }
     }
     let runs = tensor.runs();
     let mut found = Vec::with_capacity(runs.len());
     for s in &runs {
-        let what = format!("segment of elements [{}, {}) on tile {} at {:#x}", s.element, s.element as u64 + s.count as u64, s.tile, s.address);
-        if s.element as u64 + s.count as u64 > elements {
+        let end = s.element_at(0, s.count.saturating_sub(1)) + 1;
+        let what = format!("segment of elements [{}, {end}) step {} on tile {} at {:#x}", s.element, s.element_step, s.tile, s.address);
+        if end > elements {
             return Err(host_error(tensor, format!("{what} reaches past the tensor's {elements} elements")));
         }
         let slot = slots
@@ -73,17 +85,52 @@ pub fn check_segments(
     Ok(found)
 }
 
-/// Write the tensor's row-major bytes into every segment; returns the bytes streamed.
+/// Write the tensor's row-major bytes into every segment; returns the bytes streamed. A run
+/// whose elements lie `element_step` apart is gathered (transposed) on the host first, so it
+/// streams as contiguous bytes like any other.
 pub fn write(tensor: &HostTensor, slots: &[usize], memories: &mut [TileMemory], bytes: &[u8]) -> u64 {
     let element_bytes = tensor.dtype.bytes() as usize;
     let mut streamed = 0u64;
+    let mut staged: Vec<u8> = Vec::new();
+    // Runs a whole row apart element by element are columns: the host transposes the tensor
+    // (as [elements / cols, cols]) once, and each such run is then one contiguous copy.
+    let cols = tensor.shape.last().copied().unwrap_or(1).max(1) as usize;
+    let rows = bytes.len() / element_bytes / cols;
+    let mut transposed: Option<Vec<u8>> = None;
     for (s, &slot) in tensor.runs().iter().zip(slots) {
         let from = s.element as usize * element_bytes;
         let len = s.count as usize * element_bytes;
-        memories[slot].range_mut(s.address, len).copy_from_slice(&bytes[from..from + len]);
+        if s.element_step <= 1 || s.count == 1 {
+            memories[slot].range_mut(s.address, len).copy_from_slice(&bytes[from..from + len]);
+        } else if s.element_step as usize == cols {
+            let t = transposed.get_or_insert_with(|| transpose(bytes, rows, cols, element_bytes));
+            let (row, col) = (s.element as usize / cols, s.element as usize % cols);
+            let at = (col * rows + row) * element_bytes;
+            memories[slot].range_mut(s.address, len).copy_from_slice(&t[at..at + len]);
+        } else {
+            let step = s.element_step as usize * element_bytes;
+            staged.clear();
+            for i in 0..s.count as usize {
+                staged.extend_from_slice(&bytes[from + i * step..from + i * step + element_bytes]);
+            }
+            memories[slot].range_mut(s.address, len).copy_from_slice(&staged);
+        }
         streamed += len as u64;
     }
     streamed
+}
+
+/// The bytes of a row-major [rows, cols] tensor in column-major order.
+fn transpose(bytes: &[u8], rows: usize, cols: usize, element_bytes: usize) -> Vec<u8> {
+    let mut out = vec![0u8; rows * cols * element_bytes];
+    for r in 0..rows {
+        for c in 0..cols {
+            let from = (r * cols + c) * element_bytes;
+            let to = (c * rows + r) * element_bytes;
+            out[to..to + element_bytes].copy_from_slice(&bytes[from..from + element_bytes]);
+        }
+    }
+    out
 }
 
 /// Gather the tensor's row-major bytes; every element must be covered by some segment.
@@ -91,23 +138,39 @@ pub fn read(tensor: &HostTensor, slots: &[usize], memories: &[TileMemory]) -> Re
     let (elements, total) = tensor_size(tensor)?;
     let element_bytes = tensor.dtype.bytes() as usize;
     let runs = tensor.runs();
-    let mut covered: Vec<(u64, u64)> = runs.iter().map(|s| (s.element as u64, s.element as u64 + s.count as u64)).collect();
-    covered.sort_unstable();
-    let mut reached = 0u64;
-    for (start, end) in covered {
-        if start > reached {
-            break;
+    // Coverage, one bit per element (runs may be strided, so intervals do not describe them).
+    let mut covered = vec![0u64; elements.div_ceil(64) as usize];
+    for s in &runs {
+        if s.element_step <= 1 {
+            for e in s.element as u64..s.element as u64 + s.count as u64 {
+                covered[(e / 64) as usize] |= 1 << (e % 64);
+            }
+        } else {
+            for i in 0..s.count {
+                let e = s.element_at(0, i);
+                covered[(e / 64) as usize] |= 1 << (e % 64);
+            }
         }
-        reached = reached.max(end);
     }
-    if reached < elements {
-        return Err(host_error(tensor, format!("element {reached} is stored on no tile, so the tensor cannot be read")));
+    let full = |w: usize| if (w as u64 + 1) * 64 <= elements { u64::MAX } else { (1u64 << (elements % 64)) - 1 };
+    let gap = covered.iter().enumerate().find(|&(w, &bits)| bits != full(w));
+    if let Some(missing) = gap.map(|(w, &bits)| w as u64 * 64 + (!bits).trailing_zeros() as u64) {
+        return Err(host_error(tensor, format!("element {missing} is stored on no tile, so the tensor cannot be read")));
     }
     let mut out = vec![0u8; total as usize];
     for (s, &slot) in runs.iter().zip(slots) {
         let from = s.element as usize * element_bytes;
         let len = s.count as usize * element_bytes;
-        out[from..from + len].copy_from_slice(memories[slot].range(s.address, len));
+        let source = memories[slot].range(s.address, len);
+        if s.element_step <= 1 || s.count == 1 {
+            out[from..from + len].copy_from_slice(source);
+        } else {
+            let step = s.element_step as usize * element_bytes;
+            for (i, element) in source.chunks_exact(element_bytes).enumerate() {
+                let at = from + i * step;
+                out[at..at + element_bytes].copy_from_slice(element);
+            }
+        }
     }
     Ok(out)
 }
@@ -122,9 +185,9 @@ pub fn sample(tensor: &HostTensor, slots: &[usize], memories: &[TileMemory], ind
         .iter()
         .map(|&index| {
             let at = order.partition_point(|(s, _)| s.element as u64 <= index);
-            let hit = order[..at].iter().rev().find(|(s, _)| index < s.element as u64 + s.count as u64);
-            let (segment, slot) = hit.ok_or_else(|| host_error(tensor, format!("sampled element {index} is stored on no tile")))?;
-            let address = segment.address + (index - segment.element as u64) as u32 * element_bytes;
+            let hit = order[..at].iter().rev().find_map(|(s, slot)| s.position_of(index).map(|p| (s, slot, p)));
+            let (segment, slot, position) = hit.ok_or_else(|| host_error(tensor, format!("sampled element {index} is stored on no tile")))?;
+            let address = segment.address + position * element_bytes;
             let bytes = memories[*slot].range(address, element_bytes as usize);
             Ok(match tensor.dtype {
                 DType::F16 => f16::from_le_bytes([bytes[0], bytes[1]]).to_f32(),
