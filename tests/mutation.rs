@@ -347,9 +347,14 @@ fn every_mutation_is_caught() {
     let attention_dir = d.join("attention");
     std::fs::create_dir_all(&attention_dir).unwrap();
     let mut p = build(&attention_dir, ATTENTION);
-    // The scale is its own call, or folded into the softmax that reads it.
-    let scaled = |c: &&mut VertexCall| matches!(c, VertexCall::Scale { .. }) || matches!(c, VertexCall::Softmax { scale, .. } if *scale != 1.0);
-    let call = p.tiles.iter_mut().flat_map(|i| i.compute_sets.iter_mut()).flat_map(|s| s.calls.iter_mut()).find(scaled).expect("a scale");
+    // The planner folds the scale into the softmax that consumes it; a separate pass when not.
+    let call = p
+        .tiles
+        .iter_mut()
+        .flat_map(|i| i.compute_sets.iter_mut())
+        .flat_map(|s| s.calls.iter_mut())
+        .find(|c| matches!(c, VertexCall::Scale { .. }) || matches!(c, VertexCall::Softmax { scale, .. } if *scale != 1.0))
+        .expect("a scale pass or a softmax with the scale folded in");
     match call {
         VertexCall::Scale { factor, .. } => *factor *= 2.0,
         VertexCall::Softmax { scale, .. } => *scale *= 2.0,
