@@ -45,10 +45,13 @@ pub fn describe(p: &Package) -> String {
     }
     line(format!("memory largestAllocatedBytes={} onTile={} largestCodeBytes={} vertexCalls={calls}", peak.0, peak.1, code));
     for phase in &p.exchanges {
-        let sends: usize = phase.tiles.iter().map(|t| t.sends.len()).sum();
-        let receives: usize = phase.tiles.iter().map(|t| t.receives.len()).sum();
+        let count = |runs: &mut dyn Iterator<Item = u32>| runs.fold(0u64, |a, c| a.saturating_add(c as u64));
+        let sends = count(&mut phase.tiles.iter().flat_map(|t| t.sends.iter().map(|r| r.count)));
+        let receives = count(&mut phase.tiles.iter().flat_map(|t| t.receives.iter().map(|r| r.count)));
+        let send_runs: usize = phase.tiles.iter().map(|t| t.sends.len()).sum();
+        let receive_runs: usize = phase.tiles.iter().map(|t| t.receives.len()).sum();
         line(format!(
-            "exchange phase={} tiles={} sendEntries={sends} receiveEntries={receives} horizon={} endpointLowerBound={}",
+            "exchange phase={} tiles={} sendEntries={sends} receiveEntries={receives} sendRuns={send_runs} receiveRuns={receive_runs} horizon={} endpointLowerBound={}",
             phase.index,
             phase.tiles.len(),
             phase.horizon,

@@ -232,11 +232,11 @@ fn structurally_mutated_packages_never_panic_the_device() {
                 if rng.below(2) == 0 && !table.sends.is_empty() {
                     let s = rng.below(table.sends.len());
                     let e = &mut table.sends[s];
-                    match rng.below(4) { 0 => e.cycle = value, 1 => e.address = value, 2 => e.words = value, _ => e.paired = !e.paired }
+                    match rng.below(6) { 0 => e.cycle = value, 1 => e.address = value, 2 => e.words = value, 3 => e.count = value, 4 => e.cycle_stride = value, _ => e.paired = !e.paired }
                 } else if !table.receives.is_empty() {
                     let r = rng.below(table.receives.len());
                     let e = &mut table.receives[r];
-                    match rng.below(5) { 0 => e.cycle = value, 1 => e.address = value, 2 => e.words = value, 3 => e.source = value, _ => e.paired = !e.paired }
+                    match rng.below(7) { 0 => e.cycle = value, 1 => e.address = value, 2 => e.words = value, 3 => e.source = value, 4 => e.count = value, 5 => e.address_stride = value, _ => e.paired = !e.paired }
                 }
             }
             2 | 3 => {

@@ -24,6 +24,7 @@ fn swap(send_at: u32, receive_at: u32, overlap: bool) -> Package {
     let tile = |tile: u32| TileImage {
         tile,
         segments: vec![],
+        shared: vec![],
         zero_fill: vec![AddressRange { start: send_at, end: send_at + 32 }],
         allocations: {
             let mut v = vec![
@@ -54,8 +55,9 @@ fn swap(send_at: u32, receive_at: u32, overlap: bool) -> Package {
         workload_name: "hand-built".into(),
         workload_toml: String::new(),
         tiles: vec![tile(0), tile(1)],
+        shared_segments: vec![],
         steps: vec![Step::Exchange { phase: 0 }],
-        exchanges: vec![ExchangePhase { index: 0, tiles: tables, horizon: 0, endpoint_lower_bound: 0 }],
+        exchanges: ipuq_queries::tables::pack(&[ExchangePhase { index: 0, tiles: tables, horizon: 0, endpoint_lower_bound: 0 }]),
         host: HostTables { inputs: vec![], outputs: vec![], checkpoints: vec![] },
         labels,
         summary: Summary { operations: 0, active_tiles: 0, gemm_flops: 0, estimated_cycles: 0, estimated_exchange_cycles: 0, logical_shards: 0 },

@@ -13,6 +13,7 @@ use std::path::Path;
 
 use common::{field, fixture, ipuq, Output};
 use ipuq_queries::package::*;
+use ipuq_queries::tables;
 use ipuq_queries::target::{fixtures, Target};
 
 const MLP: &str = "workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml";
@@ -65,10 +66,22 @@ fn assert_caught(out: &Output, what: &str) {
     }
 }
 
+/// The package's exchange tables as the device expands them: one entry per row.
+fn entries(p: &Package) -> Vec<ExchangePhase> {
+    p.exchanges.iter().map(|x| tables::unpack_phase(x, tables::MAX_PHASE_ENTRIES).unwrap()).collect()
+}
+
+/// Mutate the tables entry by entry, then write them back as runs.
+fn edit(p: &mut Package, f: impl FnOnce(&mut Vec<ExchangePhase>)) {
+    let mut x = entries(p);
+    f(&mut x);
+    p.exchanges = tables::pack(&x);
+}
+
 /// (index into `exchanges`, index into its tiles, index into that tile's receives) of the
 /// first receive that satisfies `keep`.
 fn find_receive(p: &Package, keep: impl Fn(&ExchangePhase, &TileExchange, &ReceiveEntry) -> bool) -> (usize, usize, usize) {
-    for (e, phase) in p.exchanges.iter().enumerate() {
+    for (e, phase) in entries(p).iter().enumerate() {
         for (t, table) in phase.tiles.iter().enumerate() {
             if let Some(r) = table.receives.iter().position(|r| keep(phase, table, r)) {
                 return (e, t, r);
@@ -138,31 +151,37 @@ fn every_mutation_is_caught() {
     // 4. A dropped receive: its words are sent to nobody (or, multicast, never arrive).
     let mut p = base.clone();
     let (e, t, r) = find_receive(&p, |_, _, _| true);
-    p.exchanges[e].tiles[t].receives.remove(r);
+    edit(&mut p, |x| {
+        x[e].tiles[t].receives.remove(r);
+    });
     assert_caught(&run(d, "dropped-receive", &p, &[]), "dropped receive");
     kinds += 1;
 
     // 5. A shifted receive: the mux listens one cycle late.
     let mut p = base.clone();
     let (e, t, r) = find_receive(&p, |_, _, _| true);
-    p.exchanges[e].tiles[t].receives[r].cycle += 1;
+    edit(&mut p, |x| x[e].tiles[t].receives[r].cycle += 1);
     assert_exchange_error(&run(d, "shifted-receive", &p, &[]), "receive");
     kinds += 1;
 
     // 6. A duplicated receive, moved to a free cycle: two receives write the same bytes.
     let mut p = base.clone();
     let (e, t, r) = find_receive(&p, |_, _, _| true);
-    let mut copy = p.exchanges[e].tiles[t].receives[r];
-    copy.cycle = 1_000_000;
-    p.exchanges[e].tiles[t].receives.push(copy);
+    edit(&mut p, |x| {
+        let mut copy = x[e].tiles[t].receives[r];
+        copy.cycle = 1_000_000;
+        x[e].tiles[t].receives.push(copy);
+    });
     assert_exchange_error(&run(d, "duplicated-receive", &p, &[]), "receives overlap in memory");
     kinds += 1;
 
     // 7. A redirected receive: it names another source tile.
     let mut p = base.clone();
     let (e, t, r) = find_receive(&p, |_, _, _| true);
-    let receive = &mut p.exchanges[e].tiles[t].receives[r];
-    receive.source = (receive.source + 2) % 16;
+    edit(&mut p, |x| {
+        let receive = &mut x[e].tiles[t].receives[r];
+        receive.source = (receive.source + 2) % 16;
+    });
     assert_exchange_error(&run(d, "redirected-receive", &p, &[]), "receive");
     kinds += 1;
 
@@ -170,36 +189,43 @@ fn every_mutation_is_caught() {
     // tiles hear the same send, never arrive here).
     let mut p = base.clone();
     let (e, t, r) = find_receive(&p, |_, _, r| r.words > 2);
-    let receive = &mut p.exchanges[e].tiles[t].receives[r];
-    receive.words -= if receive.paired { 2 } else { 1 };
+    edit(&mut p, |x| {
+        let receive = &mut x[e].tiles[t].receives[r];
+        receive.words -= if receive.paired { 2 } else { 1 };
+    });
     assert_caught(&run(d, "truncated-receive", &p, &[]), "truncated receive");
     kinds += 1;
 
     // 9. An extra send that no receive hears.
     let mut p = base.clone();
     let (e, t, _) = find_receive(&p, |_, table, _| !table.sends.is_empty());
-    let phase = p.exchanges[e].clone();
-    let table = &mut p.exchanges[e].tiles[t];
-    let source = table.sends[0];
-    table.sends.push(SendEntry { cycle: free_send_cycle(&phase, table.tile), address: source.address, words: 1, paired: false });
+    edit(&mut p, |x| {
+        let phase = x[e].clone();
+        let table = &mut x[e].tiles[t];
+        let source = table.sends[0];
+        table.sends.push(SendEntry { cycle: free_send_cycle(&phase, table.tile), address: source.address, words: 1, paired: false });
+    });
     assert_exchange_error(&run(d, "unreceived-send", &p, &[]), "unreceived send");
     kinds += 1;
 
     // 10. A read-after-write hazard: a tile sends a word it received earlier in the phase.
     let mut p = base.clone();
     let (e, t, r) = find_receive(&p, |_, _, _| true);
-    let phase = p.exchanges[e].clone();
-    let table = &mut p.exchanges[e].tiles[t];
-    let written = table.receives[r];
-    let cycle = free_send_cycle(&phase, table.tile).max(written.cycle + written.words);
-    table.sends.push(SendEntry { cycle, address: written.address, words: 1, paired: false });
+    edit(&mut p, |x| {
+        let phase = x[e].clone();
+        let table = &mut x[e].tiles[t];
+        let written = table.receives[r];
+        let cycle = free_send_cycle(&phase, table.tile).max(written.cycle + written.words);
+        table.sends.push(SendEntry { cycle, address: written.address, words: 1, paired: false });
+    });
     assert_exchange_error(&run(d, "hazard", &p, &[]), "read-after-write hazard");
     kinds += 1;
 
     // 11. A receive into bytes no live buffer owns: its buffer's lifetime starts a step later.
     let mut p = base.clone();
     let (e, t, r) = find_receive(&p, |_, _, _| true);
-    let (tile, address) = (p.exchanges[e].tiles[t].tile, p.exchanges[e].tiles[t].receives[r].address);
+    let x = entries(&p);
+    let (tile, address) = (x[e].tiles[t].tile, x[e].tiles[t].receives[r].address);
     let step = step_of_phase(&p, p.exchanges[e].index);
     allocation_at(&mut p, tile, address, step).first_step = step + 1;
     assert_exchange_error(&run(d, "receive-not-live", &p, &[]), "no live buffer owns");
@@ -270,11 +296,41 @@ fn every_mutation_is_caught() {
 
     // 17. A send reading the wrong bytes (one word further on, inside its buffer).
     let mut p = base.clone();
-    let send = p.exchanges.iter_mut().flat_map(|e| e.tiles.iter_mut()).flat_map(|t| t.sends.iter_mut()).find(|s| s.words > 2).expect("a send");
-    let step = if send.paired { 2 } else { 1 };
-    send.words -= step;
-    send.address += 4 * step;
+    edit(&mut p, |x| {
+        let send = x.iter_mut().flat_map(|e| e.tiles.iter_mut()).flat_map(|t| t.sends.iter_mut()).find(|s| s.words > 2).expect("a send");
+        let step = if send.paired { 2 } else { 1 };
+        send.words -= step;
+        send.address += 4 * step;
+    });
     assert_caught(&run(d, "shifted-send", &p, &[]), "shifted send address");
+    kinds += 1;
+
+    // 17b. A corrupted run descriptor: a receive's row count raised to 3 (rows back to back
+    // after it), so the device listens for two rows that no send supplies.
+    let mut p = base.clone();
+    let run_at = p.exchanges.iter_mut().flat_map(|e| e.tiles.iter_mut()).flat_map(|t| t.receives.iter_mut()).next().expect("a receive");
+    run_at.cycle_stride = if run_at.paired { run_at.words / 2 } else { run_at.words } + 7;
+    run_at.address_stride = run_at.words * 4;
+    run_at.count += 2;
+    assert_caught(&run(d, "corrupted-run", &p, &[]), "corrupted run descriptor");
+    kinds += 1;
+
+    // 17c. A run descriptor of zero rows, and one asking for more rows than any phase may
+    // expand to: refused at load, naming the tile.
+    let mut p = base.clone();
+    let table = &mut p.exchanges[0].tiles[0];
+    match table.sends.first_mut() {
+        Some(s) => s.count = 0,
+        None => table.receives[0].count = 0,
+    }
+    assert_error(&run(d, "empty-run", &p, &[]), "a run of zero entries");
+    let mut p = base.clone();
+    let table = &mut p.exchanges[0].tiles[0];
+    match table.receives.first_mut() {
+        Some(r) => r.count = u32::MAX,
+        None => table.sends[0].count = u32::MAX,
+    }
+    assert_error(&run(d, "huge-run", &p, &[]), "exceeds the entries left");
     kinds += 1;
 
     // 18. Tile images corrupted: the package's checksum no longer matches.

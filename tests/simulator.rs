@@ -47,7 +47,7 @@ impl Build {
         Build { target: target(), labels: vec![], tiles: BTreeMap::new(), steps: vec![], exchanges: vec![], host }
     }
     fn tile(&mut self, tile: u32) -> &mut TileImage {
-        self.tiles.entry(tile).or_insert_with(|| TileImage { tile, segments: vec![], zero_fill: vec![], allocations: vec![], compute_sets: vec![] })
+        self.tiles.entry(tile).or_insert_with(|| TileImage { tile, segments: vec![], shared: vec![], zero_fill: vec![], allocations: vec![], compute_sets: vec![] })
     }
     fn alloc(&mut self, tile: u32, name: &str, start: u32, bytes: u32, kind: AllocationKind) {
         self.labels.push(name.to_string());
@@ -72,8 +72,9 @@ impl Build {
             workload_name: "hand-built".into(),
             workload_toml: String::new(),
             tiles: self.tiles.into_values().collect(),
+            shared_segments: vec![],
             steps: self.steps,
-            exchanges: self.exchanges,
+            exchanges: ipuq_queries::tables::pack(&self.exchanges),
             host: self.host,
             labels: self.labels,
             summary: Summary { operations: 0, active_tiles: 0, gemm_flops: 0, estimated_cycles: 0, estimated_exchange_cycles: 0, logical_shards: 0 },
@@ -301,9 +302,10 @@ fn overlapping_receives_on_one_tile_are_rejected_with_tile_phase_and_cycle() {
     // already listening to tile 0 in phase 1.
     let arrival = t.delay(0, 9) + 5;
     let phase = &mut package.exchanges[1];
-    phase.tiles.push(table(1, vec![send(arrival - t.delay(1, 9), IL + 0x1000, 4, false)], vec![]));
+    phase.tiles.push(ipuq_queries::tables::pack_tile(&table(1, vec![send(arrival - t.delay(1, 9), IL + 0x1000, 4, false)], vec![])));
     phase.tiles.sort_by_key(|x| x.tile);
-    phase.tiles.iter_mut().find(|x| x.tile == 9).unwrap().receives.push(receive(arrival, 1, IL + 0x3000, 4, false));
+    let extra = ipuq_queries::tables::pack_tile(&table(9, vec![], vec![receive(arrival, 1, IL + 0x3000, 4, false)]));
+    phase.tiles.iter_mut().find(|x| x.tile == 9).unwrap().receives.push(extra.receives[0]);
     let err = load(&package).err().expect("a double-booked receive port must be rejected");
     assert!(matches!(err, DeviceError::Exchange { phase: 1, tile: 9, cycle, .. } if cycle == arrival as u64), "{err}");
     let text = err.to_string();

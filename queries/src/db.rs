@@ -86,7 +86,7 @@ pub struct Database {
     /// schedules stage reschedules only new patterns, with or without a disk cache.
     pub(crate) schedule_memo: Arc<crate::phases::Memo<crate::exchange::Schedule>>,
     /// Per-phase exchange tables by key: only phases whose addresses moved are re-validated.
-    pub(crate) tables_memo: Arc<crate::phases::Memo<crate::package::ExchangePhase>>,
+    pub(crate) tables_memo: Arc<crate::phases::Memo<crate::tables::PackedPhase>>,
 }
 
 #[salsa::db]

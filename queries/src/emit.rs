@@ -1,17 +1,22 @@
 //! `size_tile_code`, `prepare_tile_code`, `emit_tile_code`, `build_tile_images`: turn the placed
 //! program into per-tile images and programs, and assemble the package.
 //!
-//! Each tile's code segment holds its runtime header, its host-exchange records (one per host
-//! segment), its vertex state (one fixed-size record per call) and its exchange tables (one
-//! record per entry), encoded little-endian, so the bytes a tile needs
-//! are accounted for in its memory; the simulator executes the structured calls and tables
+//! Each tile's code holds its runtime header, its host-exchange records (one per host
+//! segment), its vertex state (one fixed-size record per call) and its exchange tables
+//! (compact run descriptors with per-phase bindings, `tables.rs`), encoded little-endian, so
+//! the bytes a tile needs are accounted for in its memory. Vertex state and tables that
+//! several tiles hold are stored once in the package (`Package::shared_segments`); the rest of
+//! the code reserve is a load-time zero fill, not bytes. Host-streamed inputs and weights are
+//! never in an image. The simulator executes the structured calls and the packed tables
 //! that the same package carries beside them.
 
 use crate::cost;
+use crate::db::CompileError;
+use crate::tables::{self, PackedPhase, PackedTile};
 use crate::ir::Graph;
 use crate::lower::{Call, LHostTensor, LStep, Loc, Lowered};
 use crate::package::{
-    Allocation, AllocationKind, Checkpoint, ComputeSet, ExchangePhase, HostSegment, HostTables, HostTensor, Operand, Package, Segment, Step,
+    AddressRange, Allocation, AllocationKind, Checkpoint, ComputeSet, ExchangePhase, HostSegment, HostTables, HostTensor, Operand, Package, Segment, SharedSegment, Step,
     Summary, TileImage, VertexCall,
 };
 use crate::storage::Placement;
@@ -56,8 +61,8 @@ fn host_segments_per_tile(lowered: &Lowered) -> Vec<u32> {
     n
 }
 
-/// Support memory per tile, from call counts, exchange entries and host segments (no addresses).
-pub fn support_memory(lowered: &Lowered, entries_per_tile: &[u32]) -> Vec<SupportMemory> {
+/// Support memory per tile, from call counts, encoded exchange-table bytes and host segments.
+pub fn support_memory(lowered: &Lowered, table_bytes: &[u32]) -> Vec<SupportMemory> {
     let mut calls = vec![0u32; lowered.tiles as usize];
     for set in &lowered.compute_sets {
         for (tile, _) in set {
@@ -70,15 +75,15 @@ pub fn support_memory(lowered: &Lowered, entries_per_tile: &[u32]) -> Vec<Suppor
             runtime_bytes: RUNTIME_HEADER_BYTES,
             host_code_bytes: host[tile] * HOST_RECORD_BYTES,
             generated_code_bytes: calls[tile] * VERTEX_RECORD_BYTES,
-            exchange_table_bytes: entries_per_tile.get(tile).copied().unwrap_or(0) * EXCHANGE_RECORD_BYTES,
+            exchange_table_bytes: table_bytes.get(tile).copied().unwrap_or(0),
             profile_bytes: 0,
         })
         .collect()
 }
 
 /// Bytes of code and tables per tile (the sum of its support memory).
-pub fn size_tile_code(lowered: &Lowered, entries_per_tile: &[u32]) -> Vec<u32> {
-    support_memory(lowered, entries_per_tile).iter().map(SupportMemory::total).collect()
+pub fn size_tile_code(lowered: &Lowered, table_bytes: &[u32]) -> Vec<u32> {
+    support_memory(lowered, table_bytes).iter().map(SupportMemory::total).collect()
 }
 
 /// The seed's support-memory line for the tile with the most support memory (lowest such
@@ -183,10 +188,10 @@ pub fn estimate_cycles(target: &Target, lowered: &Lowered, placement: &Placement
 }
 
 /// Assemble the package from the placed program and the final exchange tables.
-pub fn build_package(target: &Target, graph: &Graph, lowered: &Lowered, placement: &Placement, exchanges: Vec<ExchangePhase>) -> Package {
+pub fn build_package(target: &Target, graph: &Graph, lowered: &Lowered, placement: &Placement, exchanges: Vec<PackedPhase>) -> Result<Package, CompileError> {
     let tiles = lowered.tiles as usize;
     let mut images: Vec<TileImage> = (0..tiles as u32)
-        .map(|tile| TileImage { tile, segments: Vec::new(), zero_fill: Vec::new(), allocations: Vec::new(), compute_sets: Vec::new() })
+        .map(|tile| TileImage { tile, segments: Vec::new(), shared: Vec::new(), zero_fill: Vec::new(), allocations: Vec::new(), compute_sets: Vec::new() })
         .collect();
     let mut set_cycles: Vec<Vec<u64>> = vec![vec![0; tiles]; lowered.compute_sets.len()];
     for (index, set) in lowered.compute_sets.iter().enumerate() {
@@ -204,22 +209,13 @@ pub fn build_package(target: &Target, graph: &Graph, lowered: &Lowered, placemen
         let start = placement.addresses[i];
         images[b.tile as usize].allocations.push(Allocation { start, end: start + b.bytes, kind: b.kind, label: b.label, first_step: b.first_step, last_step: b.last_step });
     }
-    let mut entries: Vec<Vec<u8>> = vec![Vec::new(); tiles];
-    for phase in &exchanges {
-        for t in &phase.tiles {
-            let bytes = &mut entries[t.tile as usize];
-            for s in &t.sends {
-                for w in [s.cycle, s.address, s.words | (s.paired as u32) << 31] {
-                    bytes.extend_from_slice(&w.to_le_bytes());
-                }
-            }
-            for r in &t.receives {
-                for w in [r.cycle, r.address, r.words | r.source << 20 | (r.paired as u32) << 31] {
-                    bytes.extend_from_slice(&w.to_le_bytes());
-                }
-            }
-        }
-    }
+    // The seed cleared the padding of finite GEMM operands and then dropped the clears that
+    // load-time SRAM initialisation made redundant. ipuq's matrix-product splits are exact
+    // (no padded rows or columns), so it emits no padding clear to remove.
+    tracing::info!(removed = 0u32, "eliminated finite GEMM padding clears using load-time SRAM initialization");
+    let mut table_bytes = tile_tables(tiles, &exchanges);
+    let mut pool: std::collections::HashMap<Vec<u8>, u32> = std::collections::HashMap::new();
+    let mut shared_segments: Vec<Vec<u8>> = Vec::new();
     // Host-exchange records: (role and tensor, address, first element, count, rows, strides, step).
     let mut host_records: Vec<Vec<u8>> = vec![Vec::new(); tiles];
     let host_tensors = lowered.inputs.iter().map(|t| (0u32, t)).chain(lowered.outputs.iter().map(|t| (1, t))).chain(lowered.checkpoints.iter().map(|c| (2, &c.tensor)));
@@ -244,16 +240,47 @@ pub fn build_package(target: &Target, graph: &Graph, lowered: &Lowered, placemen
         }
         code.resize(RUNTIME_HEADER_BYTES as usize, 0);
         code.extend_from_slice(&host_records[tile]);
+        let mut vertex_state = Vec::new();
         for set in &image.compute_sets {
             for call in &set.calls {
-                encode_call(call, &mut code);
+                encode_call(call, &mut vertex_state);
             }
         }
-        code.extend_from_slice(&entries[tile]);
-        code.resize((end - start) as usize, 0);
+        let tables = std::mem::take(&mut table_bytes[tile]);
+        let total = code.len() + vertex_state.len() + tables.len();
+        if total > (end - start) as usize {
+            return Err(CompileError(format!(
+                "tile {tile}: code and exchange tables need {total} bytes, but size_tile_code reserved {} (the final addresses made the exchange tables less compact than sized)",
+                end - start
+            )));
+        }
         image.allocations.push(Allocation { start, end, kind: AllocationKind::Code, label: 0, first_step: 0, last_step: u32::MAX });
         image.allocations.sort_by_key(|a| (a.start, a.end));
+        // The reserve past the written bytes is a load-time fill, not bytes in the package.
+        let written = start + total as u32;
+        if written < end {
+            image.zero_fill.push(AddressRange { start: written, end });
+        }
+        // Vertex state and tables that another tile holds too are stored once.
+        let mut at = start + code.len() as u32;
+        for part in [vertex_state, tables] {
+            if part.is_empty() {
+                continue;
+            }
+            let len = part.len() as u32;
+            let next = shared_segments.len() as u32;
+            let index = *pool.entry(part).or_insert(next);
+            if index == next {
+                shared_segments.push(Vec::new());
+            }
+            image.shared.push(SharedSegment { address: at, index });
+            at += len;
+        }
         image.segments.push(Segment { address: start, bytes: code });
+    }
+    // The pool's contents, in order of first use.
+    for (bytes, index) in pool {
+        shared_segments[index as usize] = bytes;
     }
     let steps: Vec<Step> = lowered.steps.iter().map(|s| match s {
         LStep::Compute(i) => Step::Compute { index: *i },
@@ -281,13 +308,14 @@ pub fn build_package(target: &Target, graph: &Graph, lowered: &Lowered, placemen
             .map(|c| Checkpoint { operation: c.operation, after_step: c.after_step, tensor: host_tensor(placement, lowered, &c.tensor) })
             .collect(),
     };
-    Package {
+    Ok(Package {
         compiler: crate::fingerprint::compiler_id(),
         target_toml: target.canonical_toml(),
         target_digest: target.digest(),
         workload_name: graph.name.clone(),
         workload_toml: graph.canonical_toml(),
         tiles: images,
+        shared_segments,
         steps,
         exchanges,
         host,
@@ -300,5 +328,18 @@ pub fn build_package(target: &Target, graph: &Graph, lowered: &Lowered, placemen
             estimated_exchange_cycles: estimated_exchange,
             logical_shards: lowered.logical_shards,
         },
+    })
+}
+
+/// Each tile's encoded exchange tables over all phases (bindings and shared segments).
+pub fn tile_tables(tiles: usize, exchanges: &[PackedPhase]) -> Vec<Vec<u8>> {
+    let mut per_tile: Vec<Vec<(u32, &PackedTile)>> = vec![Vec::new(); tiles];
+    for phase in exchanges {
+        for t in &phase.tiles {
+            if let Some(v) = per_tile.get_mut(t.tile as usize) {
+                v.push((phase.index, t));
+            }
+        }
     }
+    per_tile.iter().map(|v| if v.is_empty() { Vec::new() } else { tables::encode_tile(v) }).collect()
 }

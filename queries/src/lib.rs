@@ -15,6 +15,8 @@ pub mod lower;
 pub mod package;
 pub mod provenance;
 pub mod storage;
+pub mod sizing;
+pub mod tables;
 pub mod target;
 pub mod db;
 pub mod pipeline;

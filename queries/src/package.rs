@@ -13,10 +13,11 @@
 
 use crate::hash::Digest;
 use crate::ir::DType;
+use crate::tables::PackedPhase;
 
 pub const PACKAGE_MAGIC: [u8; 8] = *b"IPUQPKG\0";
 /// Bump when the layout of anything below changes.
-pub const PACKAGE_FORMAT_VERSION: u32 = 5;
+pub const PACKAGE_FORMAT_VERSION: u32 = 6;
 /// rkyv's format flags this build writes (little endian, aligned, 32-bit offsets).
 pub const RKYV_FLAGS: u32 = 0x0000_0001;
 pub const HEADER_BYTES: usize = 96;
@@ -30,9 +31,12 @@ pub struct Package {
     pub workload_name: String,
     pub workload_toml: String,
     pub tiles: Vec<TileImage>,
+    /// Segment contents that tiles share (`TileImage::shared`): stored once in the package.
+    pub shared_segments: Vec<Vec<u8>>,
     /// The BSP sequence the device executes.
     pub steps: Vec<Step>,
-    pub exchanges: Vec<ExchangePhase>,
+    /// Exchange tables as compact run descriptors (`tables.rs`); the device expands them.
+    pub exchanges: Vec<PackedPhase>,
     pub host: HostTables,
     /// Interned labels for allocations (value names, "code", ...), for error messages.
     pub labels: Vec<String>,
@@ -67,6 +71,8 @@ pub struct TileImage {
     pub tile: u32,
     /// Bytes written at load time (code, vertex state, exchange tables, constants).
     pub segments: Vec<Segment>,
+    /// Bytes written at load time from `Package::shared_segments` (after `segments`).
+    pub shared: Vec<SharedSegment>,
     /// Ranges cleared to zero at load time.
     pub zero_fill: Vec<AddressRange>,
     /// Every allocated range; a vertex or exchange access outside them is an error.
@@ -79,6 +85,13 @@ pub struct TileImage {
 pub struct Segment {
     pub address: u32,
     pub bytes: Vec<u8>,
+}
+
+/// `Package::shared_segments[index]`, written at `address`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct SharedSegment {
+    pub address: u32,
+    pub index: u32,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]

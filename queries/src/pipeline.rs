@@ -21,7 +21,7 @@ use std::sync::Arc;
 use rayon::prelude::*;
 
 use crate::db::{exchange_target, graph, lowering_target, memory_target, target, CompileError, Database, Db, Sources, StageResult, Staged};
-use crate::emit::{build_package, log_support_memory, support_memory, SupportMemory};
+use crate::emit::{build_package, log_support_memory, SupportMemory};
 use crate::exchange::{self, Destination, PhaseRequest, Schedule};
 use crate::exchange_placement::optimize_exchange_placement;
 use crate::hash::{Digest, KeyHasher};
@@ -29,20 +29,21 @@ use crate::lower::search;
 use crate::lower::select::{select_finalist, Selection};
 use crate::lower::Lowered;
 use crate::phases::{combined, per_phase};
-use crate::package::{ExchangePhase, Package};
+use crate::package::Package;
+use crate::tables::PackedPhase;
 use crate::storage::{place_storage, Placement};
 
 /// The phases in order, as the driver runs and logs them.
 pub const PHASES: &[&str] = &["lower_mid", "select_finalist", "lower_exchanges_provisional", "size_tile_code", "place_storage", "optimize_exchange_placement", "lower_exchanges", "build_tile_images"];
 
-const LOWER_VERSION: u32 = 9;
-const SELECT_VERSION: u32 = 2;
+const LOWER_VERSION: u32 = 10;
+const SELECT_VERSION: u32 = 4;
 const SCHEDULE_VERSION: u32 = 4;
-const CODE_VERSION: u32 = 2;
+const CODE_VERSION: u32 = 3;
 const PLACE_VERSION: u32 = 2;
 const OPTIMIZE_PLACEMENT_VERSION: u32 = 1;
-const TABLES_VERSION: u32 = 4;
-const PACKAGE_VERSION: u32 = 6;
+const TABLES_VERSION: u32 = 5;
+const PACKAGE_VERSION: u32 = 8;
 
 /// Run one phase by name (the driver's entry point); returns the digest of its output.
 pub fn run_phase(db: &dyn Db, sources: Sources, phase: &str) -> Result<Digest, CompileError> {
@@ -183,24 +184,17 @@ fn request_digest(request: &PhaseRequest) -> Digest {
     h.finish()
 }
 
+/// `size_tile_code`: support memory per tile with each tile's compact exchange tables encoded
+/// as its image will hold them (`sizing.rs`), within the per-tile table budget.
 #[salsa::tracked(returns(clone))]
 pub fn code_sizes(db: &dyn Db, sources: Sources) -> StageResult<Vec<u32>> {
     let t = memory_target(db, sources)?;
+    let x = exchange_target(db, sources)?;
     let l = lowered(db, sources)?;
     let s = schedules(db, sources)?;
-    let key = db.ipuq().key("size_tile_code", CODE_VERSION, &[t.digest, l.digest, s.digest]);
+    let key = db.ipuq().key("size_tile_code", CODE_VERSION, &[t.digest, x.digest, l.digest, s.digest]);
     db.ipuq().cached("size_tile_code", CODE_VERSION, key, || {
-        let mut entries = vec![0u32; l.value.tiles as usize];
-        for (phase, schedule) in l.value.phases.iter().zip(s.value.phases.iter()) {
-            for piece in &schedule.pieces {
-                let t = &phase[piece.transfer as usize];
-                entries[l.value.buffers[t.source.0 as usize].tile as usize] += 1;
-                for d in &t.destinations {
-                    entries[l.value.buffers[d.0 as usize].tile as usize] += 1;
-                }
-            }
-        }
-        let support = support_memory(&l.value, &entries);
+        let support = crate::sizing::support_with_tables(&x.value, &l.value, &s.value.phases, crate::sizing::EXCHANGE_TABLE_BUDGET_BYTES).map_err(CompileError)?;
         log_support_memory(&t.value, &support);
         Ok(support.iter().map(SupportMemory::total).collect())
     })
@@ -235,7 +229,7 @@ pub fn placed(db: &dyn Db, sources: Sources) -> StageResult<Placement> {
 /// phase's key holds its schedule's digest and its request with addresses, so only phases
 /// whose addresses (or schedule) moved are re-validated.
 #[salsa::tracked(returns(clone))]
-pub fn tables(db: &dyn Db, sources: Sources) -> StageResult<Vec<ExchangePhase>> {
+pub fn tables(db: &dyn Db, sources: Sources) -> StageResult<Vec<PackedPhase>> {
     let t = exchange_target(db, sources)?;
     let l = lowered(db, sources)?;
     let s = schedules(db, sources)?;
@@ -246,8 +240,10 @@ pub fn tables(db: &dyn Db, sources: Sources) -> StageResult<Vec<ExchangePhase>> 
     let digests: Vec<Digest> = requests.par_iter().map(request_digest).collect();
     let keys: Vec<Digest> = digests.iter().zip(&s.value.digests).map(|(r, sd)| db.key("lower_exchanges", TABLES_VERSION, &[t.digest, *sd, *r])).collect();
     let (target, schedules) = (&t.value, &s.value.phases);
-    let entries = per_phase(db, "lower_exchanges", TABLES_VERSION, &keys, &db.tables_memo, |i| exchange::reuse(target, &requests[i], &schedules[i]).map_err(CompileError::from))?;
-    Ok(Staged { digest: combined("ipuq exchange tables v2", &entries), value: Arc::new(entries.iter().map(|e| (*e.value).clone()).collect()) })
+    let entries = per_phase(db, "lower_exchanges", TABLES_VERSION, &keys, &db.tables_memo, |i| {
+        exchange::reuse(target, &requests[i], &schedules[i]).map(|p| crate::tables::pack_phase(&p)).map_err(CompileError::from)
+    })?;
+    Ok(Staged { digest: combined("ipuq exchange tables v3", &entries), value: Arc::new(entries.iter().map(|e| (*e.value).clone()).collect()) })
 }
 
 #[salsa::tracked(returns(clone))]
@@ -262,7 +258,7 @@ pub fn package(db: &dyn Db, sources: Sources) -> StageResult<Package> {
     let _ = sources.workload_text(db);
     // Not stored in the disk cache: its one copy on disk is the output file, which the
     // driver's build record (below) finds unchanged without running any stage.
-    db.ipuq().unstored("build_tile_images", build_package(&t.value, &g.value, &l.value, &p.value, (*x.value).clone()))
+    db.ipuq().unstored("build_tile_images", build_package(&t.value, &g.value, &l.value, &p.value, (*x.value).clone())?)
 }
 
 /// Each phase's version constant, in phase order (the golden test records them).

@@ -13,7 +13,7 @@ use tracing::{debug, info};
 use super::search::estimated_cycles;
 use super::{LStep, Lowered};
 use crate::cost;
-use crate::emit::{size_tile_code, vertex};
+use crate::emit::vertex;
 use crate::exchange::{self, Schedule};
 use crate::pipeline::{provisional_bases, requests};
 use crate::storage::place_storage;
@@ -109,17 +109,8 @@ pub fn select_finalist(target: &Target, finalists: &[Lowered], schedule: impl Fn
 
 /// Cycles of a finalist's placed program, computed as the package summary computes them.
 fn cost_placed(target: &Target, finalist: u32, l: &Lowered, schedules: &[Schedule]) -> Result<Costed, String> {
-    let mut entries = vec![0u32; l.tiles as usize];
-    for (phase, schedule) in l.phases.iter().zip(schedules) {
-        for piece in &schedule.pieces {
-            let t = &phase[piece.transfer as usize];
-            entries[l.buffers[t.source.0 as usize].tile as usize] += 1;
-            for d in &t.destinations {
-                entries[l.buffers[d.0 as usize].tile as usize] += 1;
-            }
-        }
-    }
-    let code = size_tile_code(l, &entries);
+    let support = crate::sizing::support_with_tables(target, l, schedules, crate::sizing::EXCHANGE_TABLE_BUDGET_BYTES)?;
+    let code: Vec<u32> = support.iter().map(|s| s.total()).collect();
     let placement = place_storage(target, l, &code).map_err(|e| e.to_string())?;
     let addresses = &placement.addresses;
     let placed = requests(l, |buffer, offset| addresses[buffer as usize] + offset);

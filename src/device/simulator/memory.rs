@@ -52,7 +52,7 @@ pub struct TileMemory {
 
 impl TileMemory {
     /// Build a tile's memory from its image, checking the allocation rules of the target.
-    pub fn load(target: &Target, image: &TileImage, labels: &[String]) -> Result<TileMemory, DeviceError> {
+    pub fn load(target: &Target, image: &TileImage, shared: &[Vec<u8>], labels: &[String]) -> Result<TileMemory, DeviceError> {
         let m = &target.memory;
         let tile = image.tile;
         let fail = |message: String| DeviceError::Load { tile, message };
@@ -91,12 +91,17 @@ impl TileMemory {
             }
             memory.range_mut(z.start, (z.end - z.start) as usize).fill(0);
         }
-        for s in &image.segments {
-            let end = s.address as u64 + s.bytes.len() as u64;
-            if s.address < m.base || end > m.loader_limit as u64 {
-                return Err(fail(format!("segment [{:#x}, {end:#x}) lies outside the loadable memory [{:#x}, {:#x})", s.address, m.base, m.loader_limit)));
+        let mut segments: Vec<(u32, &[u8])> = image.segments.iter().map(|s| (s.address, s.bytes.as_slice())).collect();
+        for s in &image.shared {
+            let bytes = shared.get(s.index as usize).ok_or_else(|| fail(format!("shared segment {} named at {:#x}, but the package has {}", s.index, s.address, shared.len())))?;
+            segments.push((s.address, bytes.as_slice()));
+        }
+        for (address, bytes) in segments {
+            let end = address as u64 + bytes.len() as u64;
+            if address < m.base || end > m.loader_limit as u64 {
+                return Err(fail(format!("segment [{address:#x}, {end:#x}) lies outside the loadable memory [{:#x}, {:#x})", m.base, m.loader_limit)));
             }
-            memory.range_mut(s.address, s.bytes.len()).copy_from_slice(&s.bytes);
+            memory.range_mut(address, bytes.len()).copy_from_slice(bytes);
         }
         Ok(memory)
     }

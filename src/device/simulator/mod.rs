@@ -24,6 +24,7 @@ use std::collections::BTreeMap;
 use ipuq_queries::cost;
 use ipuq_queries::package::{HostTensor, Package, Step};
 use ipuq_queries::provenance::Provenance;
+use ipuq_queries::tables;
 use ipuq_queries::target::Target;
 use rayon::prelude::*;
 
@@ -173,7 +174,7 @@ impl Device for Simulator {
         let (set_steps, phase_steps) = step_lists(&package.steps);
         let no_steps = Vec::new();
         let memories: Vec<TileMemory> =
-            package.tiles.par_iter().map(|image| TileMemory::load(target, image, labels)).collect::<Result<_, _>>()?;
+            package.tiles.par_iter().map(|image| TileMemory::load(target, image, &package.shared_segments, labels)).collect::<Result<_, _>>()?;
         let programs: Vec<BTreeMap<u32, CheckedSet>> = package
             .tiles
             .par_iter()
@@ -194,7 +195,10 @@ impl Device for Simulator {
         let checked: Vec<(u32, PhasePlan)> = package
             .exchanges
             .par_iter()
-            .map(|phase| {
+            .map(|packed| {
+                // The device executes the run descriptors: it expands them itself.
+                let phase = &tables::unpack_phase(packed, tables::MAX_PHASE_ENTRIES)
+                    .map_err(|(tile, message)| DeviceError::Exchange { phase: packed.index, tile, cycle: 0, message: format!("exchange table: {message}") })?;
                 let steps = phase_steps.get(&phase.index).unwrap_or(&no_steps);
                 let plan = exchange::check_phase(target, phase, &slots, &memories, labels, steps)?;
                 elements::check(target, phase)?;

@@ -1,0 +1,77 @@
+//! Tile images (#12): identical vertex state and exchange tables are stored once in the
+//! package, the code reserve past the written bytes is a load-time zero fill, host-streamed
+//! data never sits in an image, and repeated blocks share exchange-table segments on a tile.
+
+mod common;
+
+use common::ipuq;
+use ipuq_queries::package::*;
+use ipuq_queries::tables::BINDING_BYTES;
+
+fn built(dir: &std::path::Path) -> Package {
+    let w = dir.join("mlp3.toml");
+    let out = ipuq(&["workload", "siglip-mlp", "--tokens", "37", "--dim", "64", "--hidden", "96", "--blocks", "3", "-o", w.to_str().unwrap()], dir);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let out = ipuq(&["build", w.to_str().unwrap(), "--target", "small16", "-o", "out"], dir);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(out.stderr.contains("eliminated finite GEMM padding clears using load-time SRAM initialization removed="), "{}", common::tail(&out.stderr));
+    Package::from_bytes(&std::fs::read(dir.join("out/model.ipuexe")).unwrap(), "out").unwrap()
+}
+
+fn u32_at(bytes: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap())
+}
+
+#[test]
+fn identical_tiles_share_image_segments_and_zero_fill_replaces_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = built(dir.path());
+    let mut uses = vec![0u32; p.shared_segments.len()];
+    for t in &p.tiles {
+        for s in &t.shared {
+            uses[s.index as usize] += 1;
+        }
+    }
+    assert!(uses.iter().all(|&u| u >= 1), "every shared segment is used: {uses:?}");
+    assert!(uses.iter().any(|&u| u >= 2), "identical tiles share a segment: {uses:?}");
+    let loaded: usize = p.tiles.iter().map(|t| t.segments.iter().map(|s| s.bytes.len()).sum::<usize>() + t.shared.iter().map(|s| p.shared_segments[s.index as usize].len()).sum::<usize>()).sum();
+    let stored: usize = p.tiles.iter().flat_map(|t| t.segments.iter()).map(|s| s.bytes.len()).sum::<usize>() + p.shared_segments.iter().map(Vec::len).sum::<usize>();
+    assert!(stored < loaded, "shared segments are stored once: {stored} stored, {loaded} loaded");
+
+    let mut filled = 0u64;
+    for t in &p.tiles {
+        let code = t.allocations.iter().find(|a| a.kind == AllocationKind::Code).expect("a code allocation");
+        let mut ranges: Vec<(u32, u32)> = t.segments.iter().map(|s| (s.address, s.address + s.bytes.len() as u32)).collect();
+        ranges.extend(t.shared.iter().map(|s| (s.address, s.address + p.shared_segments[s.index as usize].len() as u32)));
+        // Host-streamed inputs and weights are never image bytes: every written byte is code.
+        for &(a, b) in &ranges {
+            assert!(code.start <= a && b <= code.end, "tile {}: image bytes [{a:#x}, {b:#x}) outside its code", t.tile);
+        }
+        let written: u32 = ranges.iter().map(|r| r.1 - r.0).sum();
+        let fill: u32 = t.zero_fill.iter().map(|z| z.end - z.start).sum();
+        assert!(t.zero_fill.iter().all(|z| code.start <= z.start && z.end <= code.end));
+        assert_eq!(written + fill, code.end - code.start, "tile {}: written bytes and zero fill cover the code reserve exactly", t.tile);
+        filled += fill as u64;
+    }
+    assert!(filled > 0, "the reserve past the written bytes is zero fill, not bytes");
+
+    // Three identical blocks: on some tile two phases bind the same table segment (at the same
+    // offset), patched only by their base addresses.
+    let mut shared_tables = 0;
+    for t in &p.tiles {
+        let phases = p.exchanges.iter().filter(|x| x.tiles.iter().any(|e| e.tile == t.tile)).count();
+        let Some(last) = t.shared.last() else { continue };
+        if phases < 2 {
+            continue;
+        }
+        let bytes = &p.shared_segments[last.index as usize];
+        let offsets: Vec<u32> = (0..phases).map(|i| u32_at(bytes, i * BINDING_BYTES as usize + 4)).collect();
+        let mut distinct = offsets.clone();
+        distinct.sort();
+        distinct.dedup();
+        if distinct.len() < offsets.len() {
+            shared_tables += 1;
+        }
+    }
+    assert!(shared_tables > 0, "repeated blocks reuse table segments on some tile");
+}
