@@ -39,9 +39,9 @@ pub const PHASES: &[&str] = &["lower_mid", "select_finalist", "lower_exchanges_p
 const LOWER_VERSION: u32 = 10;
 const SELECT_VERSION: u32 = 4;
 const SCHEDULE_VERSION: u32 = 4;
-const CODE_VERSION: u32 = 3;
-const PLACE_VERSION: u32 = 2;
-const OPTIMIZE_PLACEMENT_VERSION: u32 = 1;
+const CODE_VERSION: u32 = 4;
+const PLACE_VERSION: u32 = 3;
+const OPTIMIZE_PLACEMENT_VERSION: u32 = 2;
 const TABLES_VERSION: u32 = 5;
 const PACKAGE_VERSION: u32 = 8;
 
