@@ -146,7 +146,7 @@ pub fn run_and_verify(package: &Package, package_path: &Path, request: &RunReque
     }
     let all_pass = passed && checkpoint_pass;
     println!(
-        "workload={}{} activeTiles={} executionTiles={} inputBytes={} weightBytes={} cycles={} minimumTileCycles={} deviceMicroseconds={:.3} effectiveGemmTflops={:.3} peakTflops={:.3} efficiencyPercent={:.2} hostBytes={host_bytes} hostLinkMicroseconds={:.3} unmeasuredCyclePercent={unmeasured:.2} deviceTarget={} targetDigest={} maximumAbsoluteError={:.6} numericalTest={}",
+        "workload={}{} activeTiles={} executionTiles={} inputBytes={} weightBytes={} cycles={} minimumTileCycles={} deviceMicroseconds={:.3} effectiveGemmTflops={:.3} peakTflops={:.3} efficiencyPercent={:.2} hostBytes={host_bytes} hostLinkMicroseconds={:.3} initializeCycles={} unmeasuredCyclePercent={unmeasured:.2} deviceTarget={} targetDigest={} maximumAbsoluteError={:.6} numericalTest={}",
         graph.name,
         family_fields(&graph),
         result.active_tiles,
@@ -160,6 +160,7 @@ pub fn run_and_verify(package: &Package, package_path: &Path, request: &RunReque
         peak,
         100.0 * effective / peak,
         host_seconds * 1e6,
+        result.initialize_cycles,
         result.target_name,
         result.target_digest,
         max_error,

@@ -96,6 +96,9 @@ pub struct RunResult {
     pub cycles: u64,
     /// See [`crate::device::Timeline::minimum_tile_cycles`].
     pub minimum_tile_cycles: u64,
+    /// Cycles of the initialize call's exchange phases (weights replicated on the device at
+    /// load time), not part of `cycles`.
+    pub initialize_cycles: u64,
     /// Bytes streamed to the device for `Input` host tensors, replicas counted.
     pub input_bytes: u64,
     /// Bytes streamed to the device for `Weight` host tensors, replicas counted.
@@ -190,7 +193,7 @@ pub fn execute(package: &Package, inputs: &BTreeMap<String, Vec<u8>>, options: &
     tracing::info!(pages, "attaching host exchange pages");
     tracing::info!("host exchange session started");
 
-    let phases = package.host.inputs.len();
+    let phases = package.host.inputs.len() + package.host.initialize.len();
     tracing::info!(call = "initialize", command = 0, phases, "invoking streaming host exchange call");
     let (mut input_bytes, mut weight_bytes) = (0u64, 0u64);
     for tensor in &package.host.inputs {
@@ -200,6 +203,7 @@ pub fn execute(package: &Package, inputs: &BTreeMap<String, Vec<u8>>, options: &
             HostRole::Input | HostRole::Output | HostRole::Intermediate => input_bytes += bytes,
         }
     }
+    let initialize_cycles = device.run_initialize()?;
 
     let checkpoints: Vec<_> = if options.checkpoints { package.host.checkpoints.iter().collect() } else { Vec::new() };
     let mut indices = Vec::with_capacity(checkpoints.len());
@@ -240,6 +244,7 @@ pub fn execute(package: &Package, inputs: &BTreeMap<String, Vec<u8>>, options: &
         checkpoints,
         cycles: timeline.cycles(),
         minimum_tile_cycles: timeline.minimum_tile_cycles(),
+        initialize_cycles,
         input_bytes,
         weight_bytes,
         output_bytes,

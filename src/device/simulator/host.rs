@@ -51,36 +51,54 @@ pub fn check_segments(
             return Err(host_error(tensor, format!("{what} reaches past the tensor's {elements} elements or the address space")));
         }
     }
-    let runs = tensor.runs();
-    let mut found = Vec::with_capacity(runs.len());
-    for s in &runs {
-        let what = format!("segment of elements [{}, {}) on tile {} at {:#x}", s.element, s.element as u64 + s.count as u64, s.tile, s.address);
-        if s.element as u64 + s.count as u64 > elements {
-            return Err(host_error(tensor, format!("{what} reaches past the tensor's {elements} elements")));
+    // One slot per segment. A segment whose whole span lies in one live allocation has every
+    // run there; otherwise each run is checked, so the error names the run that fails.
+    let mut found = Vec::with_capacity(tensor.segments.len());
+    for s in &tensor.segments {
+        let slot = slots.get(s.tile as usize).copied().flatten();
+        let count = s.count as u64 * element_bytes;
+        let last = s.rows.max(1) as u64 - 1;
+        let span = (s.address as u64, s.address as u64 + last * s.address_stride as u64 + count);
+        let fits_tensor = s.element as u64 + last * s.element_stride as u64 + s.count as u64 <= elements;
+        if let Some(slot) = slot.filter(|_| fits_tensor) {
+            if memories[slot].check(span.0, span.1, Need::Tensor, &[step], labels).is_ok() {
+                found.push(slot);
+                continue;
+            }
         }
-        let slot = slots
-            .get(s.tile as usize)
-            .copied()
-            .flatten()
-            .ok_or_else(|| host_error(tensor, format!("{what}: the tile is not in the package")))?;
-        let start = s.address as u64;
-        let end = start + s.count as u64 * element_bytes;
-        memories[slot]
-            .check(start, end, Need::Tensor, &[step], labels)
-            .map_err(|problem| host_error(tensor, format!("{what}: range [{start:#x}, {end:#x}) {problem}")))?;
-        found.push(slot);
+        for r in 0..s.rows {
+            let element = s.element as u64 + r as u64 * s.element_stride as u64;
+            let start = s.address as u64 + r as u64 * s.address_stride as u64;
+            let end = start + count;
+            let what = || format!("segment of elements [{element}, {}) on tile {} at {start:#x}", element + s.count as u64, s.tile);
+            if element + s.count as u64 > elements {
+                return Err(host_error(tensor, format!("{} reaches past the tensor's {elements} elements", what())));
+            }
+            let slot = slot.ok_or_else(|| host_error(tensor, format!("{}: the tile is not in the package", what())))?;
+            memories[slot]
+                .check(start, end, Need::Tensor, &[step], labels)
+                .map_err(|problem| host_error(tensor, format!("{}: range [{start:#x}, {end:#x}) {problem}", what())))?;
+        }
+        // Every run passed although the span did not: runs in different allocations.
+        found.push(slot.unwrap_or_default());
     }
     Ok(found)
+}
+
+/// Each run of each segment with its memory slot: (slot, tile address, first element, count).
+fn runs<'a>(tensor: &'a HostTensor, slots: &'a [usize]) -> impl Iterator<Item = (usize, u32, usize, usize)> + 'a {
+    tensor.segments.iter().zip(slots).flat_map(|(s, &slot)| {
+        (0..s.rows).map(move |r| (slot, s.address + r * s.address_stride, (s.element + r * s.element_stride) as usize, s.count as usize))
+    })
 }
 
 /// Write the tensor's row-major bytes into every segment; returns the bytes streamed.
 pub fn write(tensor: &HostTensor, slots: &[usize], memories: &mut [TileMemory], bytes: &[u8]) -> u64 {
     let element_bytes = tensor.dtype.bytes() as usize;
     let mut streamed = 0u64;
-    for (s, &slot) in tensor.runs().iter().zip(slots) {
-        let from = s.element as usize * element_bytes;
-        let len = s.count as usize * element_bytes;
-        memories[slot].range_mut(s.address, len).copy_from_slice(&bytes[from..from + len]);
+    for (slot, address, element, count) in runs(tensor, slots) {
+        let (from, len) = (element * element_bytes, count * element_bytes);
+        memories[slot].range_mut(address, len).copy_from_slice(&bytes[from..from + len]);
         streamed += len as u64;
     }
     streamed
@@ -90,8 +108,7 @@ pub fn write(tensor: &HostTensor, slots: &[usize], memories: &mut [TileMemory], 
 pub fn read(tensor: &HostTensor, slots: &[usize], memories: &[TileMemory]) -> Result<Vec<u8>, DeviceError> {
     let (elements, total) = tensor_size(tensor)?;
     let element_bytes = tensor.dtype.bytes() as usize;
-    let runs = tensor.runs();
-    let mut covered: Vec<(u64, u64)> = runs.iter().map(|s| (s.element as u64, s.element as u64 + s.count as u64)).collect();
+    let mut covered: Vec<(u64, u64)> = runs(tensor, slots).map(|(_, _, e, c)| (e as u64, (e + c) as u64)).collect();
     covered.sort_unstable();
     let mut reached = 0u64;
     for (start, end) in covered {
@@ -104,10 +121,9 @@ pub fn read(tensor: &HostTensor, slots: &[usize], memories: &[TileMemory]) -> Re
         return Err(host_error(tensor, format!("element {reached} is stored on no tile, so the tensor cannot be read")));
     }
     let mut out = vec![0u8; total as usize];
-    for (s, &slot) in runs.iter().zip(slots) {
-        let from = s.element as usize * element_bytes;
-        let len = s.count as usize * element_bytes;
-        out[from..from + len].copy_from_slice(memories[slot].range(s.address, len));
+    for (slot, address, element, count) in runs(tensor, slots) {
+        let (from, len) = (element * element_bytes, count * element_bytes);
+        out[from..from + len].copy_from_slice(memories[slot].range(address, len));
     }
     Ok(out)
 }
@@ -115,7 +131,8 @@ pub fn read(tensor: &HostTensor, slots: &[usize], memories: &[TileMemory]) -> Re
 /// Read single elements (flat indices) as f32.
 pub fn sample(tensor: &HostTensor, slots: &[usize], memories: &[TileMemory], indices: &[u64]) -> Result<Vec<f32>, DeviceError> {
     let runs = tensor.runs();
-    let mut order: Vec<(&HostSegment, usize)> = runs.iter().zip(slots.iter().copied()).collect();
+    let slots: Vec<usize> = tensor.segments.iter().zip(slots).flat_map(|(s, &slot)| std::iter::repeat_n(slot, s.rows as usize)).collect();
+    let mut order: Vec<(&HostSegment, usize)> = runs.iter().zip(slots).collect();
     order.sort_by_key(|(s, _)| s.element);
     let element_bytes = tensor.dtype.bytes();
     indices
