@@ -63,7 +63,7 @@ pub fn run_and_verify(package: &Package, package_path: &Path, request: &RunReque
     };
     let target = device_target.target.clone();
     let graph = Graph::parse(&package.workload_toml, &format!("{} (embedded workload)", package_path.display())).map_err(|e| e.to_string())?;
-    let data = tensor_data(&graph, &request.workload_folder).map_err(|e| e.to_string())?;
+    let data = tracing::info_span!("ipuq.run.tensor_data").in_scope(|| tensor_data(&graph, &request.workload_folder)).map_err(|e| e.to_string())?;
     let inputs: BTreeMap<String, Vec<u8>> = data.iter().map(|(name, d)| (name.clone(), d.bytes.clone())).collect();
     let folder = package_path.parent().map(Path::to_path_buf).unwrap_or_default();
     let options = RunOptions {
@@ -83,7 +83,7 @@ pub fn run_and_verify(package: &Package, package_path: &Path, request: &RunReque
         wanted.extend(result.checkpoints.iter().map(|c| c.name.clone()));
     }
     let wanted_refs: Vec<&str> = wanted.iter().map(String::as_str).collect();
-    let reference = crate::reference_cache::evaluate_cached(&folder, &graph, &data, &wanted_refs).map_err(|e| e.to_string())?;
+    let reference = tracing::info_span!("ipuq.run.reference").in_scope(|| crate::reference_cache::evaluate_cached(&folder, &graph, &data, &wanted_refs)).map_err(|e| e.to_string())?;
     let mut passed = true;
     let mut max_error = 0f64;
     for name in &wanted[..declared] {

@@ -196,6 +196,7 @@ pub fn execute(package: &Package, inputs: &BTreeMap<String, Vec<u8>>, options: &
     let phases = package.host.inputs.len() + package.host.initialize.len();
     tracing::info!(call = "initialize", command = 0, phases, "invoking streaming host exchange call");
     let (mut input_bytes, mut weight_bytes) = (0u64, 0u64);
+    let writes = tracing::info_span!("ipuq.runtime.write_tensors").entered();
     for tensor in &package.host.inputs {
         let bytes = device.write_tensor(tensor, &inputs[&tensor.name])?;
         match tensor.role {
@@ -203,7 +204,8 @@ pub fn execute(package: &Package, inputs: &BTreeMap<String, Vec<u8>>, options: &
             HostRole::Input | HostRole::Output | HostRole::Intermediate => input_bytes += bytes,
         }
     }
-    let initialize_cycles = device.run_initialize()?;
+    drop(writes);
+    let initialize_cycles = tracing::info_span!("ipuq.device.initialize_phases").in_scope(|| device.run_initialize())?;
 
     let checkpoints: Vec<_> = if options.checkpoints { package.host.checkpoints.iter().collect() } else { Vec::new() };
     let mut indices = Vec::with_capacity(checkpoints.len());
