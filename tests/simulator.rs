@@ -97,7 +97,7 @@ fn tensor(name: &str, shape: Vec<u32>, role: HostRole, segments: Vec<HostSegment
     HostTensor { name: name.into(), shape, dtype: DType::F16, role, segments }
 }
 fn segment(tile: u32, address: u32, element: u32, count: u32) -> HostSegment {
-    HostSegment { tile, address, element, count, rows: 1, element_stride: 0, address_stride: 0 }
+    HostSegment { tile, address, element, count, rows: 1, element_stride: 0, address_stride: 0, element_step: 1 }
 }
 
 /// Deterministic f16 values in [-1, 1).
@@ -141,7 +141,7 @@ fn pipeline() -> (Package, BTreeMap<String, Vec<u8>>) {
     }
     b.alloc(2, "a_row_replica", STD, K * 2, AllocationKind::Data);
     let matmul = |b_address, b_stride, b_transposed| VertexCall::MatMul {
-        m: M, k: H, n: N, a: op(STD, H), a_panel: 0, b: op(b_address, b_stride), b_transposed, c: op(IL + 0x1000, N), partials: true,
+        m: M, k: H, n: N, a: op(STD, H), a_panel: 0, b: op(b_address, b_stride), b_transposed, c: op(IL + 0x1000, N), c_panel: 0, partials: true,
     };
     b.call(0, 0, matmul(IL, N, false));
     b.call(1, 0, matmul(IL, H, true));

@@ -122,8 +122,8 @@ fn encode_call(call: &VertexCall, out: &mut Vec<u8>) {
         }
     };
     match call {
-        VertexCall::MatMul { m, k, n, a, a_panel, b, b_transposed, c, partials } => {
-            ops(1, &[*m, *k, *n, *a_panel, *b_transposed as u32 | (*partials as u32) << 1], &[a, b, c])
+        VertexCall::MatMul { m, k, n, a, a_panel, b, b_transposed, c, c_panel, partials } => {
+            ops(1, &[*m, *k, *n, *a_panel, *b_transposed as u32 | (*partials as u32) << 1 | *c_panel << 8], &[a, b, c])
         }
         VertexCall::Reduce { rows, cols, parts, out: o } => {
             let mut refs: Vec<&Operand> = parts.iter().take(4).collect();
@@ -151,6 +151,7 @@ fn host_tensor(placement: &Placement, lowered: &Lowered, t: &LHostTensor) -> Hos
         rows: s.rows,
         element_stride: s.element_stride,
         address_stride: s.offset_stride,
+        element_step: s.element_step,
     })
 }
 
@@ -216,7 +217,7 @@ pub fn build_package(target: &Target, graph: &Graph, lowered: &Lowered, placemen
             }
         }
     }
-    // Host-exchange records: (role and tensor, address, first element, count, rows, strides).
+    // Host-exchange records: (role and tensor, address, first element, count, rows, strides, step).
     let mut host_records: Vec<Vec<u8>> = vec![Vec::new(); tiles];
     let host_tensors = lowered.inputs.iter().map(|t| (0u32, t)).chain(lowered.outputs.iter().map(|t| (1, t))).chain(lowered.checkpoints.iter().map(|c| (2, &c.tensor)));
     let mut counters = [0u32; 3];
@@ -227,7 +228,7 @@ pub fn build_package(target: &Target, graph: &Graph, lowered: &Lowered, placemen
             let b = seg.buffer as usize;
             let address = placement.addresses[b] + seg.offset;
             let bytes = &mut host_records[lowered.buffers[b].tile as usize];
-            for w in [role << 30 | index, address, seg.element, seg.count, seg.rows, seg.element_stride, seg.offset_stride, 0] {
+            for w in [role << 30 | index, address, seg.element, seg.count, seg.rows, seg.element_stride, seg.offset_stride, seg.element_step] {
                 bytes.extend_from_slice(&w.to_le_bytes());
             }
         }

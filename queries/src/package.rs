@@ -16,7 +16,7 @@ use crate::ir::DType;
 
 pub const PACKAGE_MAGIC: [u8; 8] = *b"IPUQPKG\0";
 /// Bump when the layout of anything below changes.
-pub const PACKAGE_FORMAT_VERSION: u32 = 5;
+pub const PACKAGE_FORMAT_VERSION: u32 = 6;
 /// rkyv's format flags this build writes (little endian, aligned, 32-bit offsets).
 pub const RKYV_FLAGS: u32 = 0x0000_0001;
 pub const HEADER_BYTES: usize = 96;
@@ -143,8 +143,10 @@ pub enum VertexCall<O = Operand> {
     /// `a_panel` = 0: A is row-major with `a.row_stride`. `a_panel` = w > 0: A is stored as
     /// ceil(k / w) contiguous panels of m rows x w columns (row stride `a.row_stride` >= w),
     /// panel p at `a.address + p * m * a.row_stride * 2`: the AMP's input-channel grouping, which
-    /// lets a gathered block arrive in long contiguous runs.
-    MatMul { m: u32, k: u32, n: u32, a: O, a_panel: u32, b: O, b_transposed: bool, c: O, partials: bool },
+    /// lets a gathered block arrive in long contiguous runs. `c_panel` = w > 0: C is stored the
+    /// same way, ceil(n / w) panels of m rows x w columns (the AMP's output-channel groups),
+    /// panel p at `c.address + p * m * c.row_stride * element bytes`.
+    MatMul { m: u32, k: u32, n: u32, a: O, a_panel: u32, b: O, b_transposed: bool, c: O, c_panel: u32, partials: bool },
     /// out (f16) = sum of fp32 partial blocks, rows x cols each.
     Reduce { rows: u32, cols: u32, parts: Vec<O>, out: O },
     /// GELU (tanh approximation), f16.
@@ -164,8 +166,8 @@ impl<O> VertexCall<O> {
     /// The same call over other operands (placement turns `Loc`s into `Operand`s).
     pub fn map<P>(&self, mut f: impl FnMut(&O) -> P) -> VertexCall<P> {
         match self {
-            VertexCall::MatMul { m, k, n, a, a_panel, b, b_transposed, c, partials } => {
-                VertexCall::MatMul { m: *m, k: *k, n: *n, a: f(a), a_panel: *a_panel, b: f(b), b_transposed: *b_transposed, c: f(c), partials: *partials }
+            VertexCall::MatMul { m, k, n, a, a_panel, b, b_transposed, c, c_panel, partials } => {
+                VertexCall::MatMul { m: *m, k: *k, n: *n, a: f(a), a_panel: *a_panel, b: f(b), b_transposed: *b_transposed, c: f(c), c_panel: *c_panel, partials: *partials }
             }
             VertexCall::Reduce { rows, cols, parts, out } => VertexCall::Reduce { rows: *rows, cols: *cols, parts: parts.iter().map(&mut f).collect(), out: f(out) },
             VertexCall::Gelu { rows, cols, input, output } => VertexCall::Gelu { rows: *rows, cols: *cols, input: f(input), output: f(output) },
@@ -269,9 +271,12 @@ impl<S> HostTensor<S> {
     }
 }
 
-/// `rows` runs of `count` consecutive logical elements: run r starts at flat index
-/// `element + r * element_stride` and is stored contiguously at `address + r * address_stride`
-/// on `tile` (a column block of a row-major tensor is one segment, not one per row).
+/// `rows` runs of `count` logical elements: run r starts at flat index
+/// `element + r * element_stride`, its elements lie `element_step` apart in the host's
+/// row-major tensor (1: consecutive), and the run is stored contiguously at
+/// `address + r * address_stride` on `tile`. A column block of a row-major tensor is one
+/// segment, not one per row; a block of a transposed view is one too (step = the base
+/// tensor's columns): the host transposes it as it streams, so tile memory gets whole rows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct HostSegment {
     pub tile: u32,
@@ -281,6 +286,24 @@ pub struct HostSegment {
     pub rows: u32,
     pub element_stride: u32,
     pub address_stride: u32,
+    pub element_step: u32,
+}
+
+impl HostSegment {
+    /// Flat index of the `i`-th element of run `r`.
+    pub fn element_at(&self, r: u32, i: u32) -> u64 {
+        self.element as u64 + r as u64 * self.element_stride as u64 + i as u64 * self.element_step as u64
+    }
+
+    /// Whether this one-row segment holds flat index `index`, and at which position.
+    pub fn position_of(&self, index: u64) -> Option<u32> {
+        let start = self.element as u64;
+        let step = self.element_step.max(1) as u64;
+        if index < start || (index - start) % step != 0 || (index - start) / step >= self.count as u64 {
+            return None;
+        }
+        Some(((index - start) / step) as u32)
+    }
 }
 
 impl HostTensor {
@@ -297,6 +320,7 @@ impl HostTensor {
                     rows: 1,
                     element_stride: 0,
                     address_stride: 0,
+                    element_step: s.element_step,
                 });
             }
         }

@@ -11,7 +11,8 @@ use tracing::debug;
 
 use super::grid::{block_elements_stored, offset_in_block, row_stride, split, Grid, ViewChain};
 use super::orient::Oriented;
-use super::plan::{plan_matmul, MatMulPlan, MatMulProblem};
+use super::candidates;
+use super::plan::{column_reduction, MatMulPlan, MatMulProblem};
 use super::{BufferDecl, Call, LCheckpoint, LHostTensor, LSegment, LStep, Loc, Lowered, OperationPlan, Transfer};
 use crate::cost;
 use crate::ir::{split3, DType, Graph, OpKind, Producer, Role, ValueId};
@@ -281,12 +282,14 @@ impl<'a> Builder<'a> {
                 role: if role == Role::Weight { HostRole::Weight } else { HostRole::Input },
                 segments: Vec::new(),
             });
+            // One segment: row r of the block is base column r, read `base_cols` apart and
+            // written contiguously (the host transposes as it streams).
             let (r0, r1) = block[0];
             let (c0, c1) = block[1];
-            for r in r0..r1 {
-                let offset = held.loc(&[r, c0]).offset * dtype.bytes();
-                entry.segments.push(LSegment { buffer, offset, element: c0 * base_cols + r, count: 1, rows: c1 - c0, element_stride: base_cols, offset_stride: dtype.bytes() });
-            }
+            let offset = held.loc(&[r0, c0]).offset * dtype.bytes();
+            let offset_stride = if r1 - r0 > 1 { (held.loc(&[r0 + 1, c0]).offset - held.loc(&[r0, c0]).offset) * dtype.bytes() } else { 0 };
+            let element_stride = if r1 - r0 > 1 { 1 } else { 0 };
+            entry.segments.push(LSegment { buffer, offset, element: c0 * base_cols + r0, count: c1 - c0, rows: r1 - r0, element_stride, offset_stride, element_step: base_cols });
             return Ok(held);
         }
         let rank = block.len();
@@ -317,7 +320,7 @@ impl<'a> Builder<'a> {
                             role: if role == Role::Weight { HostRole::Weight } else { HostRole::Input },
                             segments: Vec::new(),
                         });
-                        push_segment(&mut entry.segments, LSegment { buffer, offset: dst_offset, element: element as u32, count: run, rows: 1, element_stride: 0, offset_stride: 0 }, dtype.bytes());
+                        push_segment(&mut entry.segments, LSegment { buffer, offset: dst_offset, element: element as u32, count: run, rows: 1, element_stride: 0, offset_stride: 0, element_step: 1 }, dtype.bytes());
                         c += run;
                     }
                     _ => {
@@ -430,17 +433,18 @@ impl<'a> Builder<'a> {
         let v = self.graph.value(value);
         let stored = &self.stored[&chain.base];
         if chain.is_matrix_transpose() {
-            // Each stored row of each cell holds one column of the view: a strided segment.
+            // Each stored row of each cell holds part of one column of the view: one segment
+            // per cell, its runs `cols` apart element by element and contiguous in memory.
             let cols = v.shape[1];
             let mut segments = Vec::new();
             for cell in 0..stored.grid.tiles.len() {
                 let block = stored.grid.cell_block(cell);
                 let held = Held::plain(stored.grid.buffers[cell], block.clone(), stored.dtype);
-                for base_row in block[0].0..block[0].1 {
-                    let (t0, t1) = block[1];
-                    let offset = held.loc(&[base_row, t0]).offset * stored.dtype.bytes();
-                    segments.push(LSegment { buffer: held.buffer, offset, element: t0 * cols + base_row, count: 1, rows: t1 - t0, element_stride: cols, offset_stride: stored.dtype.bytes() });
-                }
+                let ((b0, b1), (t0, t1)) = (block[0], block[1]);
+                let offset = held.loc(&[b0, t0]).offset * stored.dtype.bytes();
+                let offset_stride = if b1 - b0 > 1 { (held.loc(&[b0 + 1, t0]).offset - held.loc(&[b0, t0]).offset) * stored.dtype.bytes() } else { 0 };
+                let element_stride = if b1 - b0 > 1 { 1 } else { 0 };
+                segments.push(LSegment { buffer: held.buffer, offset, element: t0 * cols + b0, count: t1 - t0, rows: b1 - b0, element_stride, offset_stride, element_step: cols });
             }
             segments.sort_by_key(|s| (s.buffer, s.offset));
             return LHostTensor { name: v.name.clone(), shape: v.shape.clone(), dtype: v.dtype, role, segments };
@@ -466,7 +470,7 @@ impl<'a> Builder<'a> {
                 let piece = run.min(cell_block[last].1 - base_index[last]);
                 let held = Held::plain(stored.grid.buffers[cell], cell_block, stored.dtype);
                 let offset = held.loc(&base_index).offset * stored.dtype.bytes();
-                push_segment(&mut segments, LSegment { buffer: held.buffer, offset, element: (row * cols as u64 + c as u64) as u32, count: piece, rows: 1, element_stride: 0, offset_stride: 0 }, stored.dtype.bytes());
+                push_segment(&mut segments, LSegment { buffer: held.buffer, offset, element: (row * cols as u64 + c as u64) as u32, count: piece, rows: 1, element_stride: 0, offset_stride: 0, element_step: 1 }, stored.dtype.bytes());
                 c += piece;
             }
         }
@@ -560,7 +564,13 @@ impl<'a> Builder<'a> {
         let original_name = graph.value(self.checkpoint_value.get(&output).copied().unwrap_or(output)).name.clone();
         let constraint = graph.file.constraints.iter().find(|c| c.operation == original_name);
         let problem = MatMulProblem { batches, m, k, n, b_transposed, whole_rows, remote_a_words: &remote_a, remote_b_words: &remote_b, gather_bound: &gather_bound, memory_budget: self.budget(), interleaved_budget: self.interleaved_budget(), standard_budget: self.standard_budget(), constraint };
-        let planned = plan_matmul(self.target, &problem).map_err(|reason| match constraint {
+        let layout = |chain: &ViewChain| match self.stored.get(&chain.base) {
+            Some(s) => format!("{} stored {:?} {:?}", chain.signature(), s.grid.cuts, s.grid.tiles),
+            None => format!("{} host", chain.signature()),
+        };
+        let parts = format!("{b_batches} {a_rank3} {b_rank3} {home_b} {:?} {:?}|A {}|B {}", av.dtype, bv.dtype, layout(&a_chain), layout(&b_chain));
+        let key = candidates::signature(self.target, &problem, &parts);
+        let planned = candidates::planned(self.target, &problem, key).map_err(|reason| match constraint {
             Some(_) => LowerError::Constraint { operation: original_name.clone(), reason },
             None => LowerError::NoPlan { operation: self.operation_name.clone(), kind: "matmul".into(), budget: self.budget(), tiles: self.target.chip.tiles },
         })?;
@@ -582,6 +592,9 @@ impl<'a> Builder<'a> {
         let narrow_cells = chain.is_identity()
             && self.stored.get(&chain.base).and_then(|s| s.grid.cuts.last()).is_some_and(|c| c.windows(2).all(|w| w[1] - w[0] <= gemm_block));
         let panel = if narrow_cells { gemm_block } else { 0 };
+        // Partials reduced by column panels are written as panels of `gemm_block` columns.
+        let by_columns = column_reduction(&plan.n_cuts, nk as u32, gemm_block);
+        let c_panel = if by_columns { gemm_block } else { 0 };
         // Gather operands and allocate outputs (or partials) per work item.
         let mut work = Vec::new();
         for ib in 0..nb {
@@ -592,11 +605,12 @@ impl<'a> Builder<'a> {
                         let ha = self.gather(a, tile, &a_block(&plan, ib, im, ik), false, panel)?;
                         let hb = self.gather(b, tile, &b_block(&plan, ib, i_n, ik), !plan.weights_standard || constraint.is_none_or(|c| c.weight_memory.is_none()), 0)?;
                         let (br, mr, nr) = ((plan.b_cuts[ib], plan.b_cuts[ib + 1]), (plan.m_cuts[im], plan.m_cuts[im + 1]), (plan.n_cuts[i_n], plan.n_cuts[i_n + 1]));
-                        let out_block = if a_rank3 { vec![br, mr, nr] } else { vec![mr, nr] };
                         let (dtype, kind) = if nk > 1 { (DType::F32, AllocationKind::Partials) } else { (DType::F16, AllocationKind::Data) };
                         let label = if nk > 1 { format!("{out_name}.partials") } else { out_name.clone() };
-                        let buffer = self.buffer(tile, block_elements_stored(&out_block, dtype) * dtype.bytes() as u64, kind, kind == AllocationKind::Partials, &label);
-                        work.push((tile, ib, im, i_n, ik, ha, hb, Held::plain(buffer, out_block, dtype)));
+                        let out_block = if a_rank3 { vec![br, mr, nr] } else { vec![mr, nr] };
+                        let hc = Held { buffer: u32::MAX, block: out_block, dtype, panel: c_panel };
+                        let buffer = self.buffer(tile, hc.stored_elements() * dtype.bytes() as u64, kind, kind == AllocationKind::Partials, &label);
+                        work.push((tile, ib, im, i_n, ik, ha, hb, Held { buffer, ..hc }));
                     }
                 }
             }
@@ -610,7 +624,7 @@ impl<'a> Builder<'a> {
                 let b_first = if b_transposed { vec![nr.0, kr.0] } else { vec![kr.0, nr.0] };
                 let b_loc = hb.loc(&with_batch(b_rank3, b_first, batch / group));
                 let c_loc = hc.loc(&with_batch(a_rank3, vec![mr.0, nr.0], batch));
-                let call = Call::MatMul { m: mr.1 - mr.0, k: kr.1 - kr.0, n: nr.1 - nr.0, a: a_loc, a_panel: ha.panel, b: b_loc, b_transposed, c: c_loc, partials: nk > 1 };
+                let call = Call::MatMul { m: mr.1 - mr.0, k: kr.1 - kr.0, n: nr.1 - nr.0, a: a_loc, a_panel: ha.panel, b: b_loc, b_transposed, c: c_loc, c_panel: hc.panel, partials: nk > 1 };
                 self.emit(step, *tile, call);
             }
         }
@@ -623,7 +637,12 @@ impl<'a> Builder<'a> {
                 grid.buffers.push(hc.buffer);
             }
         } else {
-            final_step = self.reduce(&plan, &work.iter().map(|w| (w.0, w.7.buffer)).collect::<Vec<_>>(), a_rank3, &out_name, &mut grid)?;
+            let partials: Vec<(u32, u32)> = work.iter().map(|w| (w.0, w.7.buffer)).collect();
+            final_step = if by_columns {
+                self.reduce_by_columns(&plan, &partials, a_rank3, &out_name, &mut grid)?
+            } else {
+                self.reduce(&plan, &partials, a_rank3, &out_name, &mut grid)?
+            };
         }
         let swapped = self.checkpoint_value.contains_key(&output);
         let op_plan = OperationPlan {
@@ -671,6 +690,7 @@ impl<'a> Builder<'a> {
                     rows: 1,
                     element_stride: 0,
                     offset_stride: 0,
+                    element_step: 1,
                 });
             }
             grid.tiles.push(tile);
@@ -679,6 +699,62 @@ impl<'a> Builder<'a> {
         self.home_rotation += 1;
         self.host.insert(weight, LHostTensor { name: value.name.clone(), shape: value.shape.clone(), dtype: value.dtype, role: HostRole::Weight, segments });
         self.stored.insert(weight, Stored { grid, dtype: value.dtype });
+    }
+
+    /// Reduce the inner partials of each (batch, row, column) block by column panels: member j
+    /// of a group owns panel j (all rows), receives the others' panel j (one contiguous run
+    /// each) and sums them into f16. The value is stored in cells one panel wide.
+    fn reduce_by_columns(&mut self, plan: &MatMulPlan, partials: &[(u32, u32)], rank3: bool, name: &str, grid: &mut Grid) -> Result<u32, LowerError> {
+        let (nb, nm, nn, nk) = (plan.b_cuts.len() - 1, plan.m_cuts.len() - 1, plan.n_cuts.len() - 1, plan.k_cuts.len() - 1);
+        let w = self.target.costs.gemm_block as u32;
+        let mut col_cuts = vec![0u32];
+        for i_n in 0..nn {
+            let (c0, c1) = (plan.n_cuts[i_n], plan.n_cuts[i_n + 1]);
+            col_cuts.extend((1..=nk as u32).map(|j| (c0 + j * w).min(c1)));
+        }
+        let mut reductions = Vec::new();
+        for ib in 0..nb {
+            // The planner splits the inner axis only when batch pieces are one element.
+            let batches = plan.b_cuts[ib + 1] - plan.b_cuts[ib];
+            for im in 0..nm {
+                let rows = (plan.m_cuts[im + 1] - plan.m_cuts[im]) * batches;
+                for i_n in 0..nn {
+                    let (c0, c1) = (plan.n_cuts[i_n], plan.n_cuts[i_n + 1]);
+                    let group = &partials[((ib * nm + im) * nn + i_n) * nk..][..nk];
+                    for (j, &(owner, _)) in group.iter().enumerate() {
+                        let col = c0 + j as u32 * w;
+                        let cols = w.min(c1 - col);
+                        let offset = j as u32 * rows * w;
+                        let mut parts = Vec::new();
+                        for (i, &(_, buffer)) in group.iter().enumerate() {
+                            if i == j {
+                                parts.push(Loc { buffer, offset, row_stride: w, dtype_bytes: 4 });
+                            } else {
+                                let words = rows * w;
+                                let received = self.buffer(owner, words as u64 * 4, AllocationKind::Partials, true, &format!("{name}.partials"));
+                                self.pending.push(((buffer, offset * 4), words, (received, 0)));
+                                parts.push(Loc { buffer: received, offset: 0, row_stride: w, dtype_bytes: 4 });
+                            }
+                        }
+                        let out = self.buffer(owner, rows as u64 * row_stride(cols, DType::F16) as u64 * 2, AllocationKind::Data, false, name);
+                        reductions.push((ib, im, col, owner, rows, cols, parts, out));
+                    }
+                }
+            }
+        }
+        let step = self.open_compute();
+        let mut cells: BTreeMap<(usize, usize, u32), (u32, u32)> = BTreeMap::new();
+        for (ib, im, col, owner, rows, cols, parts, out) in reductions {
+            let out_loc = Loc { buffer: out, offset: 0, row_stride: row_stride(cols, DType::F16), dtype_bytes: 2 };
+            self.emit(step, owner, Call::Reduce { rows, cols, parts, out: out_loc });
+            cells.insert((ib, im, col), (owner, out));
+        }
+        grid.cuts = if rank3 { vec![plan.b_cuts.clone(), plan.m_cuts.clone(), col_cuts] } else { vec![plan.m_cuts.clone(), col_cuts] };
+        for (_, (tile, buffer)) in cells {
+            grid.tiles.push(tile);
+            grid.buffers.push(buffer);
+        }
+        Ok(step)
     }
 
     /// Reduce the inner partials of each (batch, row, column) block: member j of a group owns
@@ -910,7 +986,7 @@ fn flatten(index: &[u32], shape: &[u32]) -> u64 {
 fn push_segment(segments: &mut Vec<LSegment>, s: LSegment, bytes: u32) {
     if s.count == 1 {
         if let Some(last) = segments.last_mut() {
-            if last.buffer == s.buffer && last.count == 1 && s.element > last.element && s.offset > last.offset {
+            if last.buffer == s.buffer && last.count == 1 && s.count == 1 && s.element > last.element && s.offset > last.offset {
                 let (de, doff) = (s.element - last.element, s.offset - last.offset);
                 if last.rows == 1 && !(de == 1 && doff == bytes) {
                     last.element_stride = de;
@@ -933,7 +1009,8 @@ fn merge_segments(mut segments: Vec<LSegment>, dtype: DType) -> Vec<LSegment> {
     let mut runs: Vec<LSegment> = Vec::with_capacity(segments.len());
     for s in segments {
         if let Some(last) = runs.last_mut() {
-            if last.rows == 1 && s.rows == 1 && last.buffer == s.buffer && last.element + last.count == s.element && last.offset + last.count * dtype.bytes() == s.offset {
+            let consecutive = last.element_step == 1 && s.element_step == 1;
+            if consecutive && last.rows == 1 && s.rows == 1 && last.buffer == s.buffer && last.element + last.count == s.element && last.offset + last.count * dtype.bytes() == s.offset {
                 last.count += s.count;
                 continue;
             }
@@ -944,7 +1021,7 @@ fn merge_segments(mut segments: Vec<LSegment>, dtype: DType) -> Vec<LSegment> {
     let mut out: Vec<LSegment> = Vec::with_capacity(runs.len());
     for s in runs {
         if let Some(last) = out.last_mut() {
-            if s.rows == 1 && last.buffer == s.buffer && last.count == s.count && s.element > last.element && s.offset > last.offset {
+            if s.rows == 1 && last.buffer == s.buffer && last.count == s.count && last.element_step == s.element_step && s.element > last.element && s.offset > last.offset {
                 if last.rows == 1 {
                     last.element_stride = s.element - last.element;
                     last.offset_stride = s.offset - last.offset;

@@ -96,6 +96,11 @@ pub struct ViewChain {
 }
 
 impl ViewChain {
+    /// The chain without the base's identity: equal for the same views over equal shapes.
+    pub fn signature(&self) -> String {
+        format!("{:?} {:?} {:?}", self.steps, self.view_shape, self.base_shape)
+    }
+
     pub fn resolve(graph: &Graph, value: ValueId) -> ViewChain {
         let view_shape = graph.value(value).shape.clone();
         let mut steps = Vec::new();

@@ -106,8 +106,8 @@ fn shift_steps(l: &mut Lowered) {
 /// first byte (`base`). Two buffers with equal shapes hold the same bytes in the same layout.
 #[derive(Clone, PartialEq, Eq, PartialOrd, Ord)]
 struct Shape {
-    /// (element, count, rows, element stride, offset - base, offset stride) per segment.
-    segments: Vec<(u32, u32, u32, u32, u32, u32)>,
+    /// (element, count, rows, element stride, offset - base, offset stride, element step) per segment.
+    segments: Vec<(u32, u32, u32, u32, u32, u32, u32)>,
     /// Maximal contiguous byte runs [start, end), relative to base, each padded to whole words.
     runs: Vec<(u32, u32)>,
 }
@@ -148,7 +148,7 @@ fn shape_of(segments: &[LSegment], dtype_bytes: u32, buffer_bytes: u32) -> Optio
         }
         runs[i].1 = runs[i].1.div_ceil(4) * 4;
     }
-    let mut list: Vec<_> = segments.iter().map(|s| (s.element, s.count, s.rows, if s.rows > 1 { s.element_stride } else { 0 }, s.offset - base, if s.rows > 1 { s.offset_stride } else { 0 })).collect();
+    let mut list: Vec<_> = segments.iter().map(|s| (s.element, s.count, s.rows, if s.rows > 1 { s.element_stride } else { 0 }, s.offset - base, if s.rows > 1 { s.offset_stride } else { 0 }, s.element_step)).collect();
     list.sort_unstable();
     Some((base, Shape { segments: list, runs }))
 }

@@ -7,6 +7,7 @@
 //! included, as the seed's runtime does). Addresses are assigned later by `storage`.
 
 pub mod build;
+pub mod candidates;
 pub mod grid;
 pub mod host;
 pub mod plan;
@@ -65,7 +66,8 @@ pub enum LStep {
 }
 
 /// `rows` runs of `count` logical elements: run r from flat index `element + r * element_stride`
-/// at (buffer, byte offset `offset + r * offset_stride`).
+/// (its elements `element_step` apart, 1 = consecutive) at (buffer, byte offset
+/// `offset + r * offset_stride`), contiguous in memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct LSegment {
     pub buffer: u32,
@@ -75,6 +77,7 @@ pub struct LSegment {
     pub rows: u32,
     pub element_stride: u32,
     pub offset_stride: u32,
+    pub element_step: u32,
 }
 
 /// A host table over address-free segments.

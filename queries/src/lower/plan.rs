@@ -68,9 +68,21 @@ pub struct MatMulProblem<'a> {
 }
 
 /// The plan chosen, and how many feasible candidates matched the user's constraint.
+#[derive(Clone, Debug)]
 pub struct Planned {
     pub plan: MatMulPlan,
     pub matching_plans: u32,
+}
+
+/// Whether the inner partials of a plan reduce by column panels instead of row chunks: every
+/// column block holds exactly one AMP block (`block` columns) per member of its reduction
+/// group. The product then writes its partials as panels (`c_panel`, the AMP's output-channel
+/// groups: the same call and cycles), member j owns panel j, receives the others' panel j as
+/// one contiguous run each, and the reduced value is stored in cells one panel wide, which a
+/// consumer taking AMP-aligned column blocks gathers in runs of whole rows instead of one
+/// transfer per row.
+pub fn column_reduction(n_cuts: &[u32], pk: u32, block: u32) -> bool {
+    pk > 1 && n_cuts.windows(2).all(|w| (w[1] - w[0]).div_ceil(block.max(1)) == pk)
 }
 
 fn distinct_partitions(blocks: u32, limit: u32) -> Vec<u32> {
@@ -222,9 +234,13 @@ fn cost_plan(t: &Target, p: &MatMulProblem, b_cuts: Vec<u32>, m_cuts: Vec<u32>, 
     // Partials (and the partial rows a reduction receives) must sit in interleaved memory.
     let standard = p.standard_budget;
     let interleaved = p.interleaved_budget;
-    let chunk = ms.div_ceil(pk);
-    let receive_words = (pk - 1) as u64 * chunk as u64 * ns_f32 as u64;
-    let partials_bytes = if pk > 1 { bs as u64 * ms as u64 * ns_f32 as u64 * 4 + receive_words * 4 } else { 0 };
+    let block = t.costs.gemm_block as u32;
+    let by_columns = column_reduction(&plan.n_cuts, pk, block);
+    // Per member: the rows and columns it reduces (a panel of `block` columns, or a row chunk).
+    let (chunk_rows, chunk_cols, chunk_cols_f32) = if by_columns { (ms, block.min(ns), block) } else { (ms.div_ceil(pk), ns, ns_f32) };
+    let receive_words = (pk - 1) as u64 * chunk_rows as u64 * chunk_cols_f32 as u64;
+    let stored_f32: u64 = if by_columns { pk as u64 * block as u64 } else { ns_f32 as u64 };
+    let partials_bytes = if pk > 1 { bs as u64 * ms as u64 * stored_f32 * 4 + receive_words * 4 } else { 0 };
     if partials_bytes > interleaved {
         return None;
     }
@@ -240,8 +256,8 @@ fn cost_plan(t: &Target, p: &MatMulProblem, b_cuts: Vec<u32>, m_cuts: Vec<u32>, 
     let mut exchange = 0u64;
     let mut bytes = a_bytes + b_bytes;
     if pk > 1 {
-        bytes += partials_bytes + chunk as u64 * ns_f16 as u64 * 2;
-        compute += cost::reduce(t, pk, chunk as u64 * ns as u64);
+        bytes += partials_bytes + chunk_rows as u64 * chunk_cols.div_ceil(4) as u64 * 4 * 2;
+        compute += cost::reduce(t, pk, chunk_rows as u64 * chunk_cols as u64);
         exchange += sync + max_delay as u64 + receive_words;
     } else {
         bytes += bs as u64 * ms as u64 * ns_f16 as u64 * 2;

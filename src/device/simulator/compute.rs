@@ -68,14 +68,15 @@ fn vertex_name(call: &VertexCall) -> &'static str {
 fn accesses(call: &VertexCall) -> Vec<Access> {
     let half = |name, op, rows, cols| Access { name, op, rows, cols, element_bytes: 2, need: Need::Data };
     match call {
-        VertexCall::MatMul { m, k, n, a, a_panel, b, b_transposed, c, partials } => {
+        VertexCall::MatMul { m, k, n, a, a_panel, b, b_transposed, c, c_panel, partials } => {
             let (b_rows, b_cols) = if *b_transposed { (*n, *k) } else { (*k, *n) };
-            // Panelled A: ceil(k / w) panels of m rows, read as one (panels * m) x w block.
+            // Panelled A (C): ceil(k / w) (ceil(n / w)) panels of m rows, one (panels * m) x w block.
             let (a_rows, a_cols) = if *a_panel > 0 { (k.div_ceil(*a_panel).saturating_mul(*m), *a_panel) } else { (*m, *k) };
+            let (c_rows, c_cols) = if *c_panel > 0 { (n.div_ceil(*c_panel).saturating_mul(*m), *c_panel) } else { (*m, *n) };
             let out = if *partials {
-                Access { name: "c", op: *c, rows: *m, cols: *n, element_bytes: 4, need: Need::Partials }
+                Access { name: "c", op: *c, rows: c_rows, cols: c_cols, element_bytes: 4, need: Need::Partials }
             } else {
-                half("c", *c, *m, *n)
+                half("c", *c, c_rows, c_cols)
             };
             vec![half("a", *a, a_rows, a_cols), half("b", *b, b_rows, b_cols), out]
         }
@@ -170,7 +171,7 @@ pub fn check_set(
 /// Run one checked call on a tile's memory.
 pub fn execute(memory: &mut TileMemory, call: &VertexCall, s: &mut Scratch) {
     match call {
-        VertexCall::MatMul { m, k, n, a, a_panel, b, b_transposed, c, partials } => {
+        VertexCall::MatMul { m, k, n, a, a_panel, b, b_transposed, c, c_panel, partials } => {
             if *a_panel == 0 {
                 memory.read_f16(*a, *m, *k, &mut s.bits, &mut s.a);
             } else {
@@ -185,10 +186,29 @@ pub fn execute(memory: &mut TileMemory, call: &VertexCall, s: &mut Scratch) {
             s.c.clear();
             s.c.resize(*m as usize * *n as usize, 0.0);
             kernels::matmul(&s.a, &s.b, &mut s.c, *m as usize, *k as usize, *n as usize);
-            if *partials {
-                memory.write_f32(*c, *m, *n, &s.c);
-            } else {
-                memory.write_f16(*c, *m, *n, &s.c, &mut s.halves);
+            if *c_panel == 0 {
+                if *partials {
+                    memory.write_f32(*c, *m, *n, &s.c);
+                } else {
+                    memory.write_f16(*c, *m, *n, &s.c, &mut s.halves);
+                }
+                return;
+            }
+            let bytes = if *partials { 4 } else { 2 };
+            let w = *c_panel;
+            for p in 0..n.div_ceil(w) {
+                let width = w.min(n - p * w);
+                let panel = Operand { address: c.address + p * m * c.row_stride * bytes, row_stride: c.row_stride };
+                s.t.clear();
+                for r in 0..*m as usize {
+                    let from = r * *n as usize + (p * w) as usize;
+                    s.t.extend_from_slice(&s.c[from..from + width as usize]);
+                }
+                if *partials {
+                    memory.write_f32(panel, *m, width, &s.t);
+                } else {
+                    memory.write_f16(panel, *m, width, &s.t, &mut s.halves);
+                }
             }
         }
         VertexCall::Reduce { rows, cols, parts, out } => {

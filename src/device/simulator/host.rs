@@ -39,91 +39,138 @@ pub fn check_segments(
     // A segment's runs must not overlap in memory nor reach past the tensor, computed in 64
     // bits before they are listed: a hostile row count cannot make the list huge or wrap.
     for s in &tensor.segments {
-        if s.rows <= 1 {
+        let what = format!("segment of {} runs on tile {} at {:#x}", s.rows, s.tile, s.address);
+        if s.element_step == 0 && s.count > 1 {
+            return Err(host_error(tensor, format!("{what}: its element step is 0")));
+        }
+        if s.rows == 0 || s.count == 0 {
             continue;
         }
         let last = s.rows as u64 - 1;
-        let what = format!("segment of {} runs on tile {} at {:#x}", s.rows, s.tile, s.address);
-        if (s.address_stride as u64) < s.count as u64 * element_bytes || (s.element_stride as u64) < s.count as u64 {
-            return Err(host_error(tensor, format!("{what}: its runs overlap (address stride {}, element stride {})", s.address_stride, s.element_stride)));
+        let step = s.element_step as u64;
+        let span = (s.count as u64 - 1) * step;
+        if s.rows > 1 {
+            // Runs must not overlap in memory, nor share elements: either each run ends before
+            // the next starts, or the runs interleave inside one step.
+            let apart = s.element_stride as u64 > span;
+            let interleaved = step > 1 && s.element_stride >= 1 && last * s.element_stride as u64 + 1 <= step;
+            if (s.address_stride as u64) < s.count as u64 * element_bytes || !(apart || interleaved) {
+                return Err(host_error(tensor, format!("{what}: its runs overlap (address stride {}, element stride {}, step {})", s.address_stride, s.element_stride, s.element_step)));
+            }
         }
-        if s.element as u64 + last * s.element_stride as u64 + s.count as u64 > elements || s.address as u64 + last * s.address_stride as u64 > u32::MAX as u64 {
+        if s.element as u64 + last * s.element_stride as u64 + span >= elements || s.address as u64 + last * s.address_stride as u64 > u32::MAX as u64 {
             return Err(host_error(tensor, format!("{what} reaches past the tensor's {elements} elements or the address space")));
         }
     }
-    // One slot per segment. A segment whose whole span lies in one live allocation has every
-    // run there; otherwise each run is checked, so the error names the run that fails.
-    let mut found = Vec::with_capacity(tensor.segments.len());
-    for s in &tensor.segments {
-        let slot = slots.get(s.tile as usize).copied().flatten();
-        let count = s.count as u64 * element_bytes;
-        let last = s.rows.max(1) as u64 - 1;
-        let span = (s.address as u64, s.address as u64 + last * s.address_stride as u64 + count);
-        let fits_tensor = s.element as u64 + last * s.element_stride as u64 + s.count as u64 <= elements;
-        if let Some(slot) = slot.filter(|_| fits_tensor) {
-            if memories[slot].check(span.0, span.1, Need::Tensor, &[step], labels).is_ok() {
-                found.push(slot);
-                continue;
-            }
+    let runs = tensor.runs();
+    let mut found = Vec::with_capacity(runs.len());
+    for s in &runs {
+        let end = s.element_at(0, s.count.saturating_sub(1)) + 1;
+        let what = format!("segment of elements [{}, {end}) step {} on tile {} at {:#x}", s.element, s.element_step, s.tile, s.address);
+        if end > elements {
+            return Err(host_error(tensor, format!("{what} reaches past the tensor's {elements} elements")));
         }
-        for r in 0..s.rows {
-            let element = s.element as u64 + r as u64 * s.element_stride as u64;
-            let start = s.address as u64 + r as u64 * s.address_stride as u64;
-            let end = start + count;
-            let what = || format!("segment of elements [{element}, {}) on tile {} at {start:#x}", element + s.count as u64, s.tile);
-            if element + s.count as u64 > elements {
-                return Err(host_error(tensor, format!("{} reaches past the tensor's {elements} elements", what())));
-            }
-            let slot = slot.ok_or_else(|| host_error(tensor, format!("{}: the tile is not in the package", what())))?;
-            memories[slot]
-                .check(start, end, Need::Tensor, &[step], labels)
-                .map_err(|problem| host_error(tensor, format!("{}: range [{start:#x}, {end:#x}) {problem}", what())))?;
-        }
-        // Every run passed although the span did not: runs in different allocations.
-        found.push(slot.unwrap_or_default());
+        let slot = slots
+            .get(s.tile as usize)
+            .copied()
+            .flatten()
+            .ok_or_else(|| host_error(tensor, format!("{what}: the tile is not in the package")))?;
+        let start = s.address as u64;
+        let end = start + s.count as u64 * element_bytes;
+        memories[slot]
+            .check(start, end, Need::Tensor, &[step], labels)
+            .map_err(|problem| host_error(tensor, format!("{what}: range [{start:#x}, {end:#x}) {problem}")))?;
+        found.push(slot);
     }
     Ok(found)
 }
 
-/// Each run of each segment with its memory slot: (slot, tile address, first element, count).
-fn runs<'a>(tensor: &'a HostTensor, slots: &'a [usize]) -> impl Iterator<Item = (usize, u32, usize, usize)> + 'a {
-    tensor.segments.iter().zip(slots).flat_map(|(s, &slot)| {
-        (0..s.rows).map(move |r| (slot, s.address + r * s.address_stride, (s.element + r * s.element_stride) as usize, s.count as usize))
-    })
-}
-
-/// Write the tensor's row-major bytes into every segment; returns the bytes streamed.
+/// Write the tensor's row-major bytes into every segment; returns the bytes streamed. A run
+/// whose elements lie `element_step` apart is gathered (transposed) on the host first, so it
+/// streams as contiguous bytes like any other.
 pub fn write(tensor: &HostTensor, slots: &[usize], memories: &mut [TileMemory], bytes: &[u8]) -> u64 {
     let element_bytes = tensor.dtype.bytes() as usize;
     let mut streamed = 0u64;
-    for (slot, address, element, count) in runs(tensor, slots) {
-        let (from, len) = (element * element_bytes, count * element_bytes);
-        memories[slot].range_mut(address, len).copy_from_slice(&bytes[from..from + len]);
+    let mut staged: Vec<u8> = Vec::new();
+    // Runs a whole row apart element by element are columns: the host transposes the tensor
+    // (as [elements / cols, cols]) once, and each such run is then one contiguous copy.
+    let cols = tensor.shape.last().copied().unwrap_or(1).max(1) as usize;
+    let rows = bytes.len() / element_bytes / cols;
+    let mut transposed: Option<Vec<u8>> = None;
+    for (s, &slot) in tensor.runs().iter().zip(slots) {
+        let from = s.element as usize * element_bytes;
+        let len = s.count as usize * element_bytes;
+        if s.element_step <= 1 || s.count == 1 {
+            memories[slot].range_mut(s.address, len).copy_from_slice(&bytes[from..from + len]);
+        } else if s.element_step as usize == cols {
+            let t = transposed.get_or_insert_with(|| transpose(bytes, rows, cols, element_bytes));
+            let (row, col) = (s.element as usize / cols, s.element as usize % cols);
+            let at = (col * rows + row) * element_bytes;
+            memories[slot].range_mut(s.address, len).copy_from_slice(&t[at..at + len]);
+        } else {
+            let step = s.element_step as usize * element_bytes;
+            staged.clear();
+            for i in 0..s.count as usize {
+                staged.extend_from_slice(&bytes[from + i * step..from + i * step + element_bytes]);
+            }
+            memories[slot].range_mut(s.address, len).copy_from_slice(&staged);
+        }
         streamed += len as u64;
     }
     streamed
+}
+
+/// The bytes of a row-major [rows, cols] tensor in column-major order.
+fn transpose(bytes: &[u8], rows: usize, cols: usize, element_bytes: usize) -> Vec<u8> {
+    let mut out = vec![0u8; rows * cols * element_bytes];
+    for r in 0..rows {
+        for c in 0..cols {
+            let from = (r * cols + c) * element_bytes;
+            let to = (c * rows + r) * element_bytes;
+            out[to..to + element_bytes].copy_from_slice(&bytes[from..from + element_bytes]);
+        }
+    }
+    out
 }
 
 /// Gather the tensor's row-major bytes; every element must be covered by some segment.
 pub fn read(tensor: &HostTensor, slots: &[usize], memories: &[TileMemory]) -> Result<Vec<u8>, DeviceError> {
     let (elements, total) = tensor_size(tensor)?;
     let element_bytes = tensor.dtype.bytes() as usize;
-    let mut covered: Vec<(u64, u64)> = runs(tensor, slots).map(|(_, _, e, c)| (e as u64, (e + c) as u64)).collect();
-    covered.sort_unstable();
-    let mut reached = 0u64;
-    for (start, end) in covered {
-        if start > reached {
-            break;
+    let runs = tensor.runs();
+    // Coverage, one bit per element (runs may be strided, so intervals do not describe them).
+    let mut covered = vec![0u64; elements.div_ceil(64) as usize];
+    for s in &runs {
+        if s.element_step <= 1 {
+            for e in s.element as u64..s.element as u64 + s.count as u64 {
+                covered[(e / 64) as usize] |= 1 << (e % 64);
+            }
+        } else {
+            for i in 0..s.count {
+                let e = s.element_at(0, i);
+                covered[(e / 64) as usize] |= 1 << (e % 64);
+            }
         }
-        reached = reached.max(end);
     }
-    if reached < elements {
-        return Err(host_error(tensor, format!("element {reached} is stored on no tile, so the tensor cannot be read")));
+    let full = |w: usize| if (w as u64 + 1) * 64 <= elements { u64::MAX } else { (1u64 << (elements % 64)) - 1 };
+    let gap = covered.iter().enumerate().find(|&(w, &bits)| bits != full(w));
+    if let Some(missing) = gap.map(|(w, &bits)| w as u64 * 64 + (!bits).trailing_zeros() as u64) {
+        return Err(host_error(tensor, format!("element {missing} is stored on no tile, so the tensor cannot be read")));
     }
     let mut out = vec![0u8; total as usize];
-    for (slot, address, element, count) in runs(tensor, slots) {
-        let (from, len) = (element * element_bytes, count * element_bytes);
-        out[from..from + len].copy_from_slice(memories[slot].range(address, len));
+    for (s, &slot) in runs.iter().zip(slots) {
+        let from = s.element as usize * element_bytes;
+        let len = s.count as usize * element_bytes;
+        let source = memories[slot].range(s.address, len);
+        if s.element_step <= 1 || s.count == 1 {
+            out[from..from + len].copy_from_slice(source);
+        } else {
+            let step = s.element_step as usize * element_bytes;
+            for (i, element) in source.chunks_exact(element_bytes).enumerate() {
+                let at = from + i * step;
+                out[at..at + element_bytes].copy_from_slice(element);
+            }
+        }
     }
     Ok(out)
 }
@@ -131,17 +178,16 @@ pub fn read(tensor: &HostTensor, slots: &[usize], memories: &[TileMemory]) -> Re
 /// Read single elements (flat indices) as f32.
 pub fn sample(tensor: &HostTensor, slots: &[usize], memories: &[TileMemory], indices: &[u64]) -> Result<Vec<f32>, DeviceError> {
     let runs = tensor.runs();
-    let slots: Vec<usize> = tensor.segments.iter().zip(slots).flat_map(|(s, &slot)| std::iter::repeat_n(slot, s.rows as usize)).collect();
-    let mut order: Vec<(&HostSegment, usize)> = runs.iter().zip(slots).collect();
+    let mut order: Vec<(&HostSegment, usize)> = runs.iter().zip(slots.iter().copied()).collect();
     order.sort_by_key(|(s, _)| s.element);
     let element_bytes = tensor.dtype.bytes();
     indices
         .iter()
         .map(|&index| {
             let at = order.partition_point(|(s, _)| s.element as u64 <= index);
-            let hit = order[..at].iter().rev().find(|(s, _)| index < s.element as u64 + s.count as u64);
-            let (segment, slot) = hit.ok_or_else(|| host_error(tensor, format!("sampled element {index} is stored on no tile")))?;
-            let address = segment.address + (index - segment.element as u64) as u32 * element_bytes;
+            let hit = order[..at].iter().rev().find_map(|(s, slot)| s.position_of(index).map(|p| (s, slot, p)));
+            let (segment, slot, position) = hit.ok_or_else(|| host_error(tensor, format!("sampled element {index} is stored on no tile")))?;
+            let address = segment.address + position * element_bytes;
             let bytes = memories[*slot].range(address, element_bytes as usize);
             Ok(match tensor.dtype {
                 DType::F16 => f16::from_le_bytes([bytes[0], bytes[1]]).to_f32(),
