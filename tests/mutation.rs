@@ -291,9 +291,18 @@ fn every_mutation_is_caught() {
     let attention_dir = d.join("attention");
     std::fs::create_dir_all(&attention_dir).unwrap();
     let mut p = build(&attention_dir, ATTENTION);
-    let call = p.tiles.iter_mut().flat_map(|i| i.compute_sets.iter_mut()).flat_map(|s| s.calls.iter_mut()).find(|c| matches!(c, VertexCall::Scale { .. })).unwrap();
-    if let VertexCall::Scale { factor, .. } = call {
-        *factor *= 2.0;
+    // The planner folds the scale into the softmax that consumes it; a separate pass when not.
+    let call = p
+        .tiles
+        .iter_mut()
+        .flat_map(|i| i.compute_sets.iter_mut())
+        .flat_map(|s| s.calls.iter_mut())
+        .find(|c| matches!(c, VertexCall::Scale { .. }) || matches!(c, VertexCall::Softmax { scale, .. } if *scale != 1.0))
+        .expect("a scale pass or a softmax with the scale folded in");
+    match call {
+        VertexCall::Scale { factor, .. } => *factor *= 2.0,
+        VertexCall::Softmax { scale, .. } => *scale *= 2.0,
+        _ => unreachable!(),
     }
     assert_fail(&run(&attention_dir, "wrong-scale", &p, &[]), "wrong scale");
     kinds += 1;
