@@ -36,11 +36,11 @@ pub fn describe(p: &Package) -> String {
     let mut code = 0u64;
     let mut calls = 0usize;
     for tile in &p.tiles {
-        let bytes: u64 = tile.allocations.iter().map(|a| (a.end - a.start) as u64).sum();
+        let bytes: u64 = tile.allocations.iter().map(|a| a.end.saturating_sub(a.start) as u64).sum();
         if bytes > peak.0 {
             peak = (bytes, tile.tile);
         }
-        code = code.max(tile.allocations.iter().filter(|a| a.kind == AllocationKind::Code).map(|a| (a.end - a.start) as u64).sum());
+        code = code.max(tile.allocations.iter().filter(|a| a.kind == AllocationKind::Code).map(|a| a.end.saturating_sub(a.start) as u64).sum());
         calls += tile.compute_sets.iter().map(|s| s.calls.len()).sum::<usize>();
     }
     line(format!("memory largestAllocatedBytes={} onTile={} largestCodeBytes={} vertexCalls={calls}", peak.0, peak.1, code));

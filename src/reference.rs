@@ -211,33 +211,54 @@ fn matmul(a: &[f32], a_shape: &[u32], b: &[f32], b_shape: &[u32], transpose_b: b
     out.par_chunks_mut(m * n).enumerate().for_each(|(batch, out_batch)| {
         let a_matrix = &a[batch * m * k..(batch + 1) * m * k];
         let b_matrix = &b_matrices[batch / group];
-        out_batch.par_chunks_mut(ROW_BLOCK * n).enumerate().for_each(|(block, out_rows)| {
-            let first_row = block * ROW_BLOCK;
-            let rows = out_rows.len() / n;
-            let mut accumulators = vec![0.0f64; ROW_BLOCK * COLUMN_BLOCK];
-            for first_column in (0..n).step_by(COLUMN_BLOCK) {
-                let width = COLUMN_BLOCK.min(n - first_column);
-                accumulators.iter_mut().for_each(|x| *x = 0.0);
-                for inner in 0..k {
-                    let b_segment = &b_matrix[inner * n + first_column..inner * n + first_column + width];
-                    for row in 0..rows {
-                        let a_value = a_matrix[(first_row + row) * k + inner] as f64;
-                        let accumulator = &mut accumulators[row * COLUMN_BLOCK..row * COLUMN_BLOCK + width];
-                        for (sum, &b_value) in accumulator.iter_mut().zip(b_segment) {
-                            *sum += a_value * b_value as f64;
-                        }
-                    }
-                }
-                for row in 0..rows {
-                    let target = &mut out_rows[row * n + first_column..row * n + first_column + width];
-                    for (o, &sum) in target.iter_mut().zip(&accumulators[row * COLUMN_BLOCK..]) {
-                        *o = round_to(dtype, sum);
-                    }
-                }
-            }
-        });
+        out_batch.par_chunks_mut(ROW_BLOCK * n).enumerate().for_each(|(block, out_rows)| row_block(a_matrix, b_matrix, out_rows, block * ROW_BLOCK, k, n, dtype));
     });
     Ok(out)
+}
+
+/// One block of output rows: f64 sums of exact f16 products, each rounded once to `dtype`.
+/// On x86-64 CPUs with AVX2 the same loops run on 256-bit vectors (selected at run time;
+/// no FMA, so every sum is rounded as in the portable code and the results are identical).
+fn row_block(a_matrix: &[f32], b_matrix: &[f32], out_rows: &mut [f32], first_row: usize, k: usize, n: usize, dtype: DType) {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU supports AVX2, checked just above.
+        unsafe { row_block_avx2(a_matrix, b_matrix, out_rows, first_row, k, n, dtype) };
+        return;
+    }
+    row_block_portable(a_matrix, b_matrix, out_rows, first_row, k, n, dtype)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn row_block_avx2(a_matrix: &[f32], b_matrix: &[f32], out_rows: &mut [f32], first_row: usize, k: usize, n: usize, dtype: DType) {
+    row_block_portable(a_matrix, b_matrix, out_rows, first_row, k, n, dtype)
+}
+
+#[inline(always)]
+fn row_block_portable(a_matrix: &[f32], b_matrix: &[f32], out_rows: &mut [f32], first_row: usize, k: usize, n: usize, dtype: DType) {
+    let rows = out_rows.len() / n;
+    let mut accumulators = vec![0.0f64; ROW_BLOCK * COLUMN_BLOCK];
+    for first_column in (0..n).step_by(COLUMN_BLOCK) {
+        let width = COLUMN_BLOCK.min(n - first_column);
+        accumulators.iter_mut().for_each(|x| *x = 0.0);
+        for inner in 0..k {
+            let b_segment = &b_matrix[inner * n + first_column..inner * n + first_column + width];
+            for row in 0..rows {
+                let a_value = a_matrix[(first_row + row) * k + inner] as f64;
+                let accumulator = &mut accumulators[row * COLUMN_BLOCK..row * COLUMN_BLOCK + width];
+                for (sum, &b_value) in accumulator.iter_mut().zip(b_segment) {
+                    *sum += a_value * b_value as f64;
+                }
+            }
+        }
+        for row in 0..rows {
+            let target = &mut out_rows[row * n + first_column..row * n + first_column + width];
+            for (o, &sum) in target.iter_mut().zip(&accumulators[row * COLUMN_BLOCK..]) {
+                *o = round_to(dtype, sum);
+            }
+        }
+    }
 }
 
 /// A row-major [rows, columns] matrix transposed to [columns, rows].

@@ -66,7 +66,7 @@ pub fn run_and_verify(package: &Package, package_path: &Path, request: &RunReque
     let target = device_target.target.clone();
     let graph = Graph::parse(&package.workload_toml, &format!("{} (embedded workload)", package_path.display())).map_err(|e| e.to_string())?;
     let given = crate::workload::given::given_inputs(&graph, &request.inputs)?;
-    let data = tensor_data_with(&graph, &request.workload_folder, given).map_err(|e| e.to_string())?;
+    let data = tracing::info_span!("ipuq.run.tensor_data").in_scope(|| tensor_data_with(&graph, &request.workload_folder, given)).map_err(|e| e.to_string())?;
     let inputs: BTreeMap<String, Vec<u8>> = data.iter().map(|(name, d)| (name.clone(), d.bytes.clone())).collect();
     let folder = package_path.parent().map(Path::to_path_buf).unwrap_or_default();
     let options = RunOptions {
@@ -86,7 +86,7 @@ pub fn run_and_verify(package: &Package, package_path: &Path, request: &RunReque
         wanted.extend(result.checkpoints.iter().map(|c| c.name.clone()));
     }
     let wanted_refs: Vec<&str> = wanted.iter().map(String::as_str).collect();
-    let reference = crate::reference_cache::evaluate_cached(&folder, &graph, &data, &wanted_refs).map_err(|e| e.to_string())?;
+    let reference = tracing::info_span!("ipuq.run.reference").in_scope(|| crate::reference_cache::evaluate_cached(&folder, &graph, &data, &wanted_refs)).map_err(|e| e.to_string())?;
     let mut passed = true;
     let mut max_error = 0f64;
     for name in &wanted[..declared] {
@@ -149,7 +149,7 @@ pub fn run_and_verify(package: &Package, package_path: &Path, request: &RunReque
     }
     let all_pass = passed && checkpoint_pass;
     println!(
-        "workload={}{} activeTiles={} executionTiles={} inputBytes={} weightBytes={} cycles={} minimumTileCycles={} deviceMicroseconds={:.3} effectiveGemmTflops={:.3} peakTflops={:.3} efficiencyPercent={:.2} hostBytes={host_bytes} hostLinkMicroseconds={:.3} unmeasuredCyclePercent={unmeasured:.2} deviceTarget={} targetDigest={} maximumAbsoluteError={:.6} numericalTest={}",
+        "workload={}{} activeTiles={} executionTiles={} inputBytes={} weightBytes={} cycles={} minimumTileCycles={} deviceMicroseconds={:.3} effectiveGemmTflops={:.3} peakTflops={:.3} efficiencyPercent={:.2} hostBytes={host_bytes} hostLinkMicroseconds={:.3} initializeCycles={} unmeasuredCyclePercent={unmeasured:.2} deviceTarget={} targetDigest={} maximumAbsoluteError={:.6} numericalTest={}",
         graph.name,
         family_fields(&graph),
         result.active_tiles,
@@ -163,6 +163,7 @@ pub fn run_and_verify(package: &Package, package_path: &Path, request: &RunReque
         peak,
         100.0 * effective / peak,
         host_seconds * 1e6,
+        result.initialize_cycles,
         result.target_name,
         result.target_digest,
         max_error,

@@ -96,6 +96,9 @@ pub struct RunResult {
     pub cycles: u64,
     /// See [`crate::device::Timeline::minimum_tile_cycles`].
     pub minimum_tile_cycles: u64,
+    /// Cycles of the initialize call's exchange phases (weights replicated on the device at
+    /// load time), not part of `cycles`.
+    pub initialize_cycles: u64,
     /// Bytes streamed to the device for `Input` host tensors, replicas counted.
     pub input_bytes: u64,
     /// Bytes streamed to the device for `Weight` host tensors, replicas counted.
@@ -190,9 +193,10 @@ pub fn execute(package: &Package, inputs: &BTreeMap<String, Vec<u8>>, options: &
     tracing::info!(pages, "attaching host exchange pages");
     tracing::info!("host exchange session started");
 
-    let phases = package.host.inputs.len();
+    let phases = package.host.inputs.len() + package.host.initialize.len();
     tracing::info!(call = "initialize", command = 0, phases, "invoking streaming host exchange call");
     let (mut input_bytes, mut weight_bytes) = (0u64, 0u64);
+    let writes = tracing::info_span!("ipuq.runtime.write_tensors").entered();
     for tensor in &package.host.inputs {
         let bytes = device.write_tensor(tensor, &inputs[&tensor.name])?;
         match tensor.role {
@@ -200,6 +204,8 @@ pub fn execute(package: &Package, inputs: &BTreeMap<String, Vec<u8>>, options: &
             HostRole::Input | HostRole::Output | HostRole::Intermediate => input_bytes += bytes,
         }
     }
+    drop(writes);
+    let initialize_cycles = tracing::info_span!("ipuq.device.initialize_phases").in_scope(|| device.run_initialize())?;
 
     let checkpoints: Vec<_> = if options.checkpoints { package.host.checkpoints.iter().collect() } else { Vec::new() };
     let mut indices = Vec::with_capacity(checkpoints.len());
@@ -240,6 +246,7 @@ pub fn execute(package: &Package, inputs: &BTreeMap<String, Vec<u8>>, options: &
         checkpoints,
         cycles: timeline.cycles(),
         minimum_tile_cycles: timeline.minimum_tile_cycles(),
+        initialize_cycles,
         input_bytes,
         weight_bytes,
         output_bytes,

@@ -58,7 +58,7 @@ fn swap(send_at: u32, receive_at: u32, overlap: bool) -> Package {
         shared_segments: vec![],
         steps: vec![Step::Exchange { phase: 0 }],
         exchanges: ipuq_queries::tables::pack(&[ExchangePhase { index: 0, tiles: tables, horizon: 0, endpoint_lower_bound: 0 }]),
-        host: HostTables { inputs: vec![], outputs: vec![], checkpoints: vec![] },
+        host: HostTables { inputs: vec![], initialize: vec![], outputs: vec![], checkpoints: vec![] },
         labels,
         summary: Summary { operations: 0, active_tiles: 0, gemm_flops: 0, estimated_cycles: 0, estimated_exchange_cycles: 0, logical_shards: 0 },
     }

@@ -43,7 +43,7 @@ struct Build {
 
 impl Build {
     fn new() -> Build {
-        let host = HostTables { inputs: vec![], outputs: vec![], checkpoints: vec![] };
+        let host = HostTables { inputs: vec![], initialize: vec![], outputs: vec![], checkpoints: vec![] };
         Build { target: target(), labels: vec![], tiles: BTreeMap::new(), steps: vec![], exchanges: vec![], host }
     }
     fn tile(&mut self, tile: u32) -> &mut TileImage {

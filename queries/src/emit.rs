@@ -301,6 +301,7 @@ pub fn build_package(target: &Target, graph: &Graph, lowered: &Lowered, placemen
     let active_tiles = images.iter().filter(|i| !i.compute_sets.is_empty()).count() as u32;
     let host = HostTables {
         inputs: lowered.inputs.iter().map(|t| host_tensor(placement, lowered, t)).collect(),
+        initialize: lowered.initialize.clone(),
         outputs: lowered.outputs.iter().map(|t| host_tensor(placement, lowered, t)).collect(),
         checkpoints: lowered
             .checkpoints

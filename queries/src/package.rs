@@ -17,7 +17,7 @@ use crate::tables::PackedPhase;
 
 pub const PACKAGE_MAGIC: [u8; 8] = *b"IPUQPKG\0";
 /// Bump when the layout of anything below changes.
-pub const PACKAGE_FORMAT_VERSION: u32 = 6;
+pub const PACKAGE_FORMAT_VERSION: u32 = 7;
 /// rkyv's format flags this build writes (little endian, aligned, 32-bit offsets).
 pub const RKYV_FLAGS: u32 = 0x0000_0001;
 pub const HEADER_BYTES: usize = 96;
@@ -263,6 +263,9 @@ pub struct ReceiveEntry {
 pub struct HostTables {
     /// Written by the "initialize" call, in this order.
     pub inputs: Vec<HostTensor>,
+    /// Exchange phases (indices into `Package::exchanges`) the "initialize" call runs after
+    /// the host writes: weights cross the host link once and are replicated on the device.
+    pub initialize: Vec<u32>,
     /// Read after the "run" call.
     pub outputs: Vec<HostTensor>,
     /// Intermediate values that can be read right after the step that completes them.

@@ -36,14 +36,14 @@ use crate::storage::{place_storage, Placement};
 /// The phases in order, as the driver runs and logs them.
 pub const PHASES: &[&str] = &["lower_mid", "select_finalist", "lower_exchanges_provisional", "size_tile_code", "place_storage", "optimize_exchange_placement", "lower_exchanges", "build_tile_images"];
 
-const LOWER_VERSION: u32 = 10;
-const SELECT_VERSION: u32 = 4;
-const SCHEDULE_VERSION: u32 = 4;
-const CODE_VERSION: u32 = 4;
-const PLACE_VERSION: u32 = 3;
-const OPTIMIZE_PLACEMENT_VERSION: u32 = 2;
-const TABLES_VERSION: u32 = 5;
-const PACKAGE_VERSION: u32 = 8;
+const LOWER_VERSION: u32 = 11;
+const SELECT_VERSION: u32 = 5;
+const SCHEDULE_VERSION: u32 = 6;
+const CODE_VERSION: u32 = 5;
+const PLACE_VERSION: u32 = 4;
+const OPTIMIZE_PLACEMENT_VERSION: u32 = 3;
+const TABLES_VERSION: u32 = 6;
+const PACKAGE_VERSION: u32 = 9;
 
 /// Run one phase by name (the driver's entry point); returns the digest of its output.
 pub fn run_phase(db: &dyn Db, sources: Sources, phase: &str) -> Result<Digest, CompileError> {
@@ -88,12 +88,15 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
     })
 }
 
-/// The chosen finalist's program: what every later stage works on.
+/// The chosen finalist's program, host replicas moved to exchange (`lower/host.rs`, which
+/// weighs the host link, so it reads the whole target): what every later stage works on.
 #[salsa::tracked(returns(clone))]
 pub fn lowered(db: &dyn Db, sources: Sources) -> StageResult<Lowered> {
     let s = selection(db, sources)?;
-    let bytes = rkyv::to_bytes::<rkyv::rancor::Error>(&s.value.lowered).map_err(CompileError::from)?;
-    Ok(Staged { digest: Digest::of_bytes(&bytes), value: Arc::new(s.value.lowered.clone()) })
+    let t = target(db, sources)?;
+    let value = crate::lower::host::replicate(s.value.lowered.clone(), &t.value);
+    let bytes = rkyv::to_bytes::<rkyv::rancor::Error>(&value).map_err(CompileError::from)?;
+    Ok(Staged { digest: Digest::of_bytes(&bytes), value: Arc::new(value) })
 }
 
 /// The exchange requests of every phase, with addresses from `address(buffer, offset)`.

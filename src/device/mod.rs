@@ -158,6 +158,9 @@ pub trait Device: Send {
     /// Scatter a tensor's row-major little-endian bytes into every segment (replicas included);
     /// returns the bytes streamed to the device.
     fn write_tensor(&mut self, tensor: &HostTensor, bytes: &[u8]) -> Result<u64, DeviceError>;
+    /// Run the initialize call's exchange phases (replicating what the host wrote once);
+    /// returns their cycles, which are not part of the run's.
+    fn run_initialize(&mut self) -> Result<u64, DeviceError>;
     /// Execute the package's steps once, sampling the probes after their steps.
     fn run(&mut self, probes: &[Probe<'_>]) -> Result<RunReport, DeviceError>;
     /// Gather a tensor's row-major little-endian bytes.

@@ -929,6 +929,7 @@ impl<'a> Builder<'a> {
             steps: self.steps,
             compute_sets: self.compute_sets,
             phases: self.phases,
+            initialize: Vec::new(),
             inputs,
             outputs,
             checkpoints: self.checkpoints,

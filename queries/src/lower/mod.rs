@@ -10,6 +10,7 @@ pub mod build;
 pub mod candidates;
 pub mod elementwise;
 pub mod grid;
+pub mod host;
 pub mod plan;
 pub mod orient;
 pub mod search;
@@ -117,6 +118,9 @@ pub struct Lowered {
     /// Per compute set: (tile, call) in execution order per tile.
     pub compute_sets: Vec<Vec<(u32, Call)>>,
     pub phases: Vec<Vec<Transfer>>,
+    /// Exchange phases the `initialize` call runs after the host writes, before `run`
+    /// (weight replication, `host.rs`); not steps of the run.
+    pub initialize: Vec<u32>,
     pub inputs: Vec<LHostTensor>,
     pub outputs: Vec<LHostTensor>,
     pub checkpoints: Vec<LCheckpoint>,

@@ -57,6 +57,8 @@ struct Loaded {
     programs: Vec<BTreeMap<u32, CheckedSet>>,
     phases: BTreeMap<u32, PhasePlan>,
     steps: Vec<Step>,
+    /// Exchange phases of the initialize call.
+    initialize: Vec<u32>,
 }
 
 impl Loaded {
@@ -171,7 +173,16 @@ impl Device for Simulator {
         let provenance = &self.provenance;
         let labels = &package.labels;
         let slots = self.slot_table(package)?;
-        let (set_steps, phase_steps) = step_lists(&package.steps);
+        let (set_steps, mut phase_steps) = step_lists(&package.steps);
+        // The initialize call's phases run after the host writes, before step 0: storage
+        // live at step 0 is what they may touch.
+        for (i, &phase) in package.host.initialize.iter().enumerate() {
+            if package.host.initialize[..i].contains(&phase) || phase_steps.contains_key(&phase) || !package.exchanges.iter().any(|p| p.index == phase) {
+                let message = format!("initialize phase {phase} is repeated, also a step of the run, or not in the package");
+                return Err(DeviceError::Program { step: 0, message });
+            }
+            phase_steps.insert(phase, vec![0]);
+        }
         let no_steps = Vec::new();
         let memories: Vec<TileMemory> =
             package.tiles.par_iter().map(|image| TileMemory::load(target, image, &package.shared_segments, labels)).collect::<Result<_, _>>()?;
@@ -219,7 +230,8 @@ impl Device for Simulator {
             }
         }
         let tiles = package.tiles.iter().map(|t| t.tile).collect();
-        self.loaded = Some(Loaded { tiles, slots, labels: labels.clone(), memories, programs, phases, steps: package.steps.clone() });
+        let initialize = package.host.initialize.clone();
+        self.loaded = Some(Loaded { tiles, slots, labels: labels.clone(), memories, programs, phases, steps: package.steps.clone(), initialize });
         self.mark = final_mark;
         tracing::info!(tile_count, "application loaded and initial synchronization completed");
         Ok(LoadReport { tile_count, final_mark })
@@ -239,6 +251,18 @@ impl Device for Simulator {
     fn read_tensor(&self, tensor: &HostTensor) -> Result<Vec<u8>, DeviceError> {
         let loaded = self.loaded("reading a tensor")?;
         host::read(tensor, &host_slots(loaded, tensor, loaded.host_step(true))?, &loaded.memories)
+    }
+
+    fn run_initialize(&mut self) -> Result<u64, DeviceError> {
+        let loaded = self.loaded.as_mut().ok_or(DeviceError::NotLoaded { action: "running the initialize phases" })?;
+        let mut cycles = 0u64;
+        for phase in &loaded.initialize {
+            let plan = &loaded.phases[phase];
+            exchange::execute(plan, &mut loaded.memories);
+            cycles += cost::exchange_phase(&self.target, plan.horizon);
+            self.mark += 1;
+        }
+        Ok(cycles)
     }
 
     fn run(&mut self, probes: &[Probe<'_>]) -> Result<RunReport, DeviceError> {

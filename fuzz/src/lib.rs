@@ -1,0 +1,75 @@
+//! Shared pieces of the fuzz targets: a valid small package (small16, the small MLP fixture)
+//! built once per process, its run inputs, and structured mutation of its payload so that the
+//! fuzzer starts from bytes that pass the checksum and rkyv's validation.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::OnceLock;
+
+use ipuq_queries::package::*;
+
+/// The base package's rkyv payload, its target digest and the input bytes a run needs.
+pub struct Base {
+    pub payload: Vec<u8>,
+    pub digest: [u8; 32],
+    pub inputs: BTreeMap<String, Vec<u8>>,
+}
+
+/// Build the small MLP fixture for small16 once (a few hundred milliseconds).
+pub fn base() -> &'static Base {
+    static BASE: OnceLock<Base> = OnceLock::new();
+    BASE.get_or_init(|| {
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let workload = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml");
+        let options = ipuq::build::BuildOptions {
+            target: Some("small16".into()),
+            out_dir: dir.path().to_path_buf(),
+            incremental: false,
+            cache_dir: None,
+            cache_read_only: false,
+            cache_max_bytes: None,
+            plan_finalists: ipuq_queries::lower::search::DEFAULT_FINALISTS,
+            remote: None,
+        };
+        let built = ipuq::build::build(&workload, &options).expect("the fixture builds");
+        let package = ipuq::build::read_package(&built.path).expect("the fixture's package reads");
+        let graph = ipuq_queries::ir::Graph::parse(&package.workload_toml, "embedded").expect("embedded workload");
+        let data = ipuq::workload::tensor_data(&graph, dir.path()).expect("input data");
+        let bytes = package.to_bytes();
+        Base { payload: bytes[HEADER_BYTES..].to_vec(), digest: package.target_digest.0, inputs: data.into_iter().map(|(n, d)| (n, d.bytes)).collect() }
+    })
+}
+
+/// The header `Package::to_bytes` writes, over `payload`.
+pub fn with_header(payload: &[u8], digest: &[u8; 32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(HEADER_BYTES + payload.len());
+    out.extend_from_slice(&PACKAGE_MAGIC);
+    out.extend_from_slice(&PACKAGE_FORMAT_VERSION.to_le_bytes());
+    out.extend_from_slice(&RKYV_FLAGS.to_le_bytes());
+    out.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+    out.extend_from_slice(blake3::hash(payload).as_bytes());
+    out.extend_from_slice(digest);
+    out.resize(HEADER_BYTES, 0);
+    out.extend_from_slice(payload);
+    out
+}
+
+/// The base payload with `edits` applied: each 5 bytes are (little-endian u32 offset, byte),
+/// the byte XORed in at the offset modulo the payload length; a trailing 1-4 bytes truncate
+/// the payload to that many bytes fewer times 7.
+pub fn mutated_payload(base: &[u8], edits: &[u8]) -> Vec<u8> {
+    let mut out = base.to_vec();
+    let chunks = edits.chunks_exact(5);
+    let rest = chunks.remainder();
+    for c in chunks {
+        let at = u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as usize % out.len().max(1);
+        if let Some(b) = out.get_mut(at) {
+            *b ^= c[4];
+        }
+    }
+    if !rest.is_empty() {
+        let cut = rest.iter().map(|&b| b as usize).sum::<usize>() * 7;
+        out.truncate(out.len().saturating_sub(cut));
+    }
+    out
+}

@@ -1,0 +1,197 @@
+//! Host traffic: each weight byte and, where the exchange is cheaper than the host link, each
+//! input byte crosses the host link once and is replicated on the device by exchange.
+//!
+//! The lowering writes host tensors straight into the layout their consumers want, replicas
+//! included (a weight block that 23 tiles use is streamed 23 times). This post-pass on the
+//! lowered program finds host segments that carry the same elements to several tiles, keeps one
+//! host write per group (the home segment) and moves the other copies as exchange transfers
+//! from the home buffer:
+//! - **weights**: one exchange phase per weight tensor, run by the `initialize` call after the
+//!   host writes (load time, like the seed's 14 initialize phases); `Lowered::initialize` lists
+//!   them. They are not steps of `run`, so the run's cycles do not change.
+//! - **inputs** stream on every inference, so their replication is one exchange phase at the
+//!   start of `run` (step 0; every later step index moves by one), taken only when the phase's
+//!   endpoint bound (plus sync) is fewer cycles than the saved bytes take on the host link at
+//!   the target's `host.link_bytes_per_second` and clock.
+//!
+//! Buffers are grouped by the shape of their share of the tensor (the same segments at the same
+//! offsets from the first byte): such buffers hold the same bytes in the same layout, and each
+//! maximal contiguous byte run moves as one multicast transfer. A group qualifies when its runs
+//! start on word boundaries and padding a run to whole words stays inside the buffer and short
+//! of the next run; a second buffer on one tile stays a host write. Homes are spread over tiles
+//! (least words sent so far, then the lowest tile), so no tile's send port carries a whole
+//! tensor. Deterministic: groups in shape order.
+
+use std::collections::BTreeMap;
+
+use super::{LHostTensor, LSegment, LStep, Lowered, Transfer};
+use crate::cost;
+use crate::package::HostRole;
+use crate::target::Target;
+
+/// What replicating one tensor would do: the segments left to the host, the transfers, and
+/// per-tile words sent and received.
+struct Plan {
+    host_segments: Vec<LSegment>,
+    transfers: Vec<Transfer>,
+    saved_bytes: u64,
+    bound_words: u64,
+}
+
+/// Apply the pass (see the module header). Returns the program unchanged when nothing repeats.
+pub fn replicate(mut l: Lowered, target: &Target) -> Lowered {
+    let mut input_phase: Vec<Transfer> = Vec::new();
+    let mut sends = vec![0u64; l.tiles as usize];
+    for i in 0..l.inputs.len() {
+        let plan = plan_tensor(&l, &l.inputs[i], &mut sends.clone());
+        if plan.transfers.is_empty() {
+            continue;
+        }
+        let take = match l.inputs[i].role {
+            HostRole::Weight => true,
+            _ => host_cycles(target, plan.saved_bytes) > exchange_cycles(target, plan.bound_words),
+        };
+        if !take {
+            continue;
+        }
+        // Commit the home choices' send load for the next tensors.
+        let committed = plan_tensor(&l, &l.inputs[i], &mut sends);
+        let tensor = &mut l.inputs[i];
+        tensor.segments = committed.host_segments;
+        if tensor.role == HostRole::Weight {
+            l.initialize.push(l.phases.len() as u32);
+            l.phases.push(committed.transfers);
+        } else {
+            input_phase.extend(committed.transfers);
+        }
+    }
+    if !input_phase.is_empty() {
+        let phase = l.phases.len() as u32;
+        l.phases.push(input_phase);
+        shift_steps(&mut l);
+        l.steps.insert(0, LStep::Exchange(phase));
+    }
+    l
+}
+
+/// Cycles the host link needs for `bytes` at the target's rate.
+fn host_cycles(target: &Target, bytes: u64) -> u64 {
+    let rate = target.host.link_bytes_per_second.max(1) as u128;
+    (bytes as u128 * target.chip.clock_hz as u128 / rate).min(u64::MAX as u128) as u64
+}
+
+/// Cycles of an exchange phase whose busiest port moves `words` words.
+fn exchange_cycles(target: &Target, words: u64) -> u64 {
+    let per_cycle = target.exchange.send_words_per_cycle.max(1) as u64;
+    cost::exchange_phase(target, words.div_ceil(per_cycle).min(u32::MAX as u64) as u32)
+}
+
+/// Every step index moves one later (a phase is inserted at step 0); storage written by the
+/// host (first step 0) stays live from step 0.
+fn shift_steps(l: &mut Lowered) {
+    for b in &mut l.buffers {
+        if b.first_step != 0 {
+            b.first_step = b.first_step.saturating_add(1);
+        }
+        if b.last_step != u32::MAX {
+            b.last_step = b.last_step.saturating_add(1);
+        }
+    }
+    for c in &mut l.checkpoints {
+        c.after_step += 1;
+    }
+}
+
+/// A buffer's share of a tensor: its segments and the byte runs they cover, relative to the
+/// first byte (`base`). Two buffers with equal shapes hold the same bytes in the same layout.
+#[derive(Clone, PartialEq, Eq, PartialOrd, Ord)]
+struct Shape {
+    /// (element, count, rows, element stride, offset - base, offset stride, element step) per segment.
+    segments: Vec<(u32, u32, u32, u32, u32, u32, u32)>,
+    /// Maximal contiguous byte runs [start, end), relative to base, each padded to whole words.
+    runs: Vec<(u32, u32)>,
+}
+
+/// The shape of one buffer's segments, or `None` when they cannot move as whole words
+/// (unaligned base, runs that would need bytes past the next run or the buffer's end).
+fn shape_of(segments: &[LSegment], dtype_bytes: u32, buffer_bytes: u32) -> Option<(u32, Shape)> {
+    let base = segments.iter().map(|s| s.offset).min()?;
+    if base % 4 != 0 {
+        return None;
+    }
+    let mut bytes: Vec<(u32, u32)> = Vec::new();
+    for s in segments {
+        let run = s.count.checked_mul(dtype_bytes)?;
+        let rows = s.rows.max(1);
+        if rows == 1 || s.offset_stride == run {
+            bytes.push((s.offset - base, s.offset - base + run.checked_mul(rows)?));
+        } else {
+            for r in 0..rows {
+                let at = s.offset - base + r.checked_mul(s.offset_stride)?;
+                bytes.push((at, at.checked_add(run)?));
+            }
+        }
+    }
+    bytes.sort_unstable();
+    let mut runs: Vec<(u32, u32)> = Vec::new();
+    for (a, b) in bytes {
+        match runs.last_mut() {
+            Some(last) if a < last.1 => return None,
+            Some(last) if a == last.1 => last.1 = b,
+            _ => runs.push((a, b)),
+        }
+    }
+    for i in 0..runs.len() {
+        let limit = runs.get(i + 1).map_or(buffer_bytes.saturating_sub(base), |next| next.0);
+        if runs[i].0 % 4 != 0 || runs[i].1.div_ceil(4) * 4 > limit {
+            return None;
+        }
+        runs[i].1 = runs[i].1.div_ceil(4) * 4;
+    }
+    let mut list: Vec<_> = segments.iter().map(|s| (s.element, s.count, s.rows, if s.rows > 1 { s.element_stride } else { 0 }, s.offset - base, if s.rows > 1 { s.offset_stride } else { 0 }, s.element_step)).collect();
+    list.sort_unstable();
+    Some((base, Shape { segments: list, runs }))
+}
+
+/// Group a tensor's buffers by the bytes they hold and choose homes.
+fn plan_tensor(l: &Lowered, tensor: &LHostTensor, sends: &mut [u64]) -> Plan {
+    let bytes = tensor.dtype.bytes();
+    let mut by_buffer: BTreeMap<u32, Vec<LSegment>> = BTreeMap::new();
+    for s in &tensor.segments {
+        by_buffer.entry(s.buffer).or_default().push(*s);
+    }
+    // Shape -> (tile -> (buffer, base)), first buffer per tile; others stay host writes.
+    let mut groups: BTreeMap<Shape, BTreeMap<u32, (u32, u32)>> = BTreeMap::new();
+    for (&buffer, segments) in &by_buffer {
+        let b = &l.buffers[buffer as usize];
+        if let Some((base, shape)) = shape_of(segments, bytes, b.bytes) {
+            groups.entry(shape).or_default().entry(b.tile).or_insert((buffer, base));
+        }
+    }
+    let mut replaced = vec![false; l.buffers.len()];
+    let mut receives = vec![0u64; l.tiles as usize];
+    let mut group_sends = vec![0u64; l.tiles as usize];
+    let (mut transfers, mut saved_bytes) = (Vec::new(), 0u64);
+    for (shape, members) in &groups {
+        if members.len() < 2 {
+            continue;
+        }
+        let words: u64 = shape.runs.iter().map(|r| ((r.1 - r.0) / 4) as u64).sum();
+        let (&home_tile, &(home, home_base)) = members.iter().min_by_key(|(&tile, _)| (sends[tile as usize], tile)).expect("two or more members");
+        sends[home_tile as usize] += words;
+        group_sends[home_tile as usize] += words;
+        let copies: Vec<(u32, u32, u32)> = members.iter().filter(|(&t, _)| t != home_tile).map(|(&t, &(b, base))| (t, b, base)).collect();
+        for &(tile, buffer, _) in &copies {
+            replaced[buffer as usize] = true;
+            receives[tile as usize] += words;
+            saved_bytes += shape.segments.iter().map(|s| s.1 as u64 * s.2.max(1) as u64 * bytes as u64).sum::<u64>();
+        }
+        for &(a, b) in &shape.runs {
+            let destinations = copies.iter().map(|&(_, buffer, base)| (buffer, base + a)).collect();
+            transfers.push(Transfer { source: (home, home_base + a), words: (b - a) / 4, destinations });
+        }
+    }
+    let bound_words = receives.iter().chain(&group_sends).copied().max().unwrap_or(0);
+    let host_segments = tensor.segments.iter().filter(|s| !replaced[s.buffer as usize]).copied().collect();
+    Plan { host_segments, transfers, saved_bytes, bound_words }
+}
