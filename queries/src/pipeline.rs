@@ -37,7 +37,7 @@ use crate::storage::{place_storage, Placement};
 pub const PHASES: &[&str] = &["lower_mid", "select_finalist", "lower_exchanges_provisional", "size_tile_code", "place_storage", "optimize_exchange_placement", "lower_exchanges", "build_tile_images"];
 
 const LOWER_VERSION: u32 = 11;
-const SELECT_VERSION: u32 = 5;
+const SELECT_VERSION: u32 = 6;
 const SCHEDULE_VERSION: u32 = 6;
 const CODE_VERSION: u32 = 5;
 const PLACE_VERSION: u32 = 4;
@@ -76,7 +76,11 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
     let t = lowering_target(db, sources)?;
     let x = exchange_target(db, sources)?;
     let f = finalists(db, sources)?;
-    let key = db.ipuq().key("select_finalist", SELECT_VERSION, &[t.digest, x.digest, f.digest]);
+    // The host pass weighs the host link against exchange: the link rate and the clock join
+    // the key (not the whole target, so other runtime constants still reach only the package).
+    let full = target(db, sources)?;
+    let link = KeyHasher::new("host link").add(&full.value.host.link_bytes_per_second).add(&full.value.chip.clock_hz).finish();
+    let key = db.ipuq().key("select_finalist", SELECT_VERSION, &[t.digest, x.digest, f.digest, link]);
     let db = db.ipuq();
     db.cached("select_finalist", SELECT_VERSION, key, || {
         let schedule = |requests: &[PhaseRequest]| -> Result<Vec<Schedule>, String> {
@@ -84,17 +88,16 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
             let entries = per_phase(db, "exchange_schedule", SCHEDULE_VERSION, &keys, &db.schedule_memo, |i| exchange::schedule_phase(&x.value, &requests[i]).map_err(CompileError::from)).map_err(|e| e.0)?;
             Ok(entries.iter().map(|e| (*e.value).clone()).collect())
         };
-        select_finalist(&t.value, &f.value, schedule).map_err(CompileError)
+        select_finalist(&t.value, &f.value, |l| crate::lower::host::replicate(l, &full.value), schedule).map_err(CompileError)
     })
 }
 
-/// The chosen finalist's program, host replicas moved to exchange (`lower/host.rs`, which
-/// weighs the host link, so it reads the whole target): what every later stage works on.
+/// The chosen finalist's program, as select_finalist prepared and costed it (host replicas
+/// moved to exchange phases by `lower/host.rs`): what every later stage works on.
 #[salsa::tracked(returns(clone))]
 pub fn lowered(db: &dyn Db, sources: Sources) -> StageResult<Lowered> {
     let s = selection(db, sources)?;
-    let t = target(db, sources)?;
-    let value = crate::lower::host::replicate(s.value.lowered.clone(), &t.value);
+    let value = s.value.lowered.clone();
     let bytes = rkyv::to_bytes::<rkyv::rancor::Error>(&value).map_err(CompileError::from)?;
     Ok(Staged { digest: Digest::of_bytes(&bytes), value: Arc::new(value) })
 }
@@ -157,11 +160,13 @@ pub fn schedules(db: &dyn Db, sources: Sources) -> StageResult<Schedules> {
     // memo keeps them for the next build's selection.
     let s = selection(db, sources)?;
     let f = finalists(db, sources)?;
+    let full = target(db, sources)?;
     for (i, other) in f.value.iter().enumerate() {
         let skipped = s.value.failures.iter().any(|x| x.0 == i as u32 && x.1.starts_with("not costed"));
         if i as u32 != s.value.chosen && !skipped {
-            let bases = provisional_bases(other);
-            requests.extend(crate::pipeline::requests(other, |buffer, offset| bases[buffer as usize] + offset));
+            let other = crate::lower::host::replicate(other.clone(), &full.value);
+            let bases = provisional_bases(&other);
+            requests.extend(crate::pipeline::requests(&other, |buffer, offset| bases[buffer as usize] + offset));
         }
     }
     let db = db.ipuq();

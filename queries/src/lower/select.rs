@@ -46,7 +46,12 @@ pub const EXACT_COST_MARGIN_PERCENT: u64 = 5;
 
 /// Schedule, size, place and cost each finalist; keep the cheapest. `schedule` schedules a
 /// list of exchange phases (every finalist's, concatenated) and returns them in order.
-pub fn select_finalist(target: &Target, finalists: &[Lowered], schedule: impl FnOnce(&[exchange::PhaseRequest]) -> Result<Vec<Schedule>, String>) -> Result<Selection, String> {
+///
+/// `prepare` turns each finalist into the program that will run (`lower/host.rs` moves host
+/// replicas to exchange phases), so the exact cost counts every phase the simulator will.
+pub fn select_finalist(target: &Target, finalists: &[Lowered], prepare: impl Fn(Lowered) -> Lowered + Sync, schedule: impl FnOnce(&[exchange::PhaseRequest]) -> Result<Vec<Schedule>, String>) -> Result<Selection, String> {
+    let prepared: Vec<Lowered> = finalists.par_iter().map(|l| prepare(l.clone())).collect();
+    let finalists = &prepared[..];
     let estimates: Vec<u64> = finalists.iter().map(estimated_cycles).collect();
     let best_estimate = estimates.iter().copied().min().unwrap_or(0);
     let in_margin = |f: usize| estimates[f] * 100 <= best_estimate * (100 + EXACT_COST_MARGIN_PERCENT);
