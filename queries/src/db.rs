@@ -299,6 +299,12 @@ pub fn lowering_target(db: &dyn Db, sources: Sources) -> StageResult<Target> {
     view(db, sources, "lowering", Target::lowering_view)
 }
 
+/// What finalist selection reads: the lowering view and the host link rate.
+#[salsa::tracked(returns(clone))]
+pub fn selection_target(db: &dyn Db, sources: Sources) -> StageResult<Target> {
+    view(db, sources, "selection", Target::selection_view)
+}
+
 /// What exchange scheduling and table lowering read: grid, delays, pairing, port widths.
 #[salsa::tracked(returns(clone))]
 pub fn exchange_target(db: &dyn Db, sources: Sources) -> StageResult<Target> {

@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use crate::db::{exchange_target, graph, lowering_target, memory_target, target, CompileError, Database, Db, Sources, StageResult, Staged};
+use crate::db::{exchange_target, graph, lowering_target, memory_target, selection_target, target, CompileError, Database, Db, Sources, StageResult, Staged};
 use crate::emit::{build_package, log_support_memory, SupportMemory};
 use crate::exchange::{self, Destination, PhaseRequest, Schedule};
 use crate::exchange_placement::optimize_exchange_placement;
@@ -73,14 +73,12 @@ pub fn finalists(db: &dyn Db, sources: Sources) -> StageResult<Vec<Lowered>> {
 /// program's schedules stage finds them there.
 #[salsa::tracked(returns(clone))]
 pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
-    let t = lowering_target(db, sources)?;
+    // The selection view: the lowering view and the host link rate, which the host pass
+    // weighs against exchange copies (other runtime constants still reach only the package).
+    let t = selection_target(db, sources)?;
     let x = exchange_target(db, sources)?;
     let f = finalists(db, sources)?;
-    // The host pass weighs the host link against exchange: the link rate and the clock join
-    // the key (not the whole target, so other runtime constants still reach only the package).
-    let full = target(db, sources)?;
-    let link = KeyHasher::new("host link").add(&full.value.host.link_bytes_per_second).add(&full.value.chip.clock_hz).finish();
-    let key = db.ipuq().key("select_finalist", SELECT_VERSION, &[t.digest, x.digest, f.digest, link]);
+    let key = db.ipuq().key("select_finalist", SELECT_VERSION, &[t.digest, x.digest, f.digest]);
     let db = db.ipuq();
     db.cached("select_finalist", SELECT_VERSION, key, || {
         let schedule = |requests: &[PhaseRequest]| -> Result<Vec<Schedule>, String> {
@@ -88,7 +86,7 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
             let entries = per_phase(db, "exchange_schedule", SCHEDULE_VERSION, &keys, &db.schedule_memo, |i| exchange::schedule_phase(&x.value, &requests[i]).map_err(CompileError::from)).map_err(|e| e.0)?;
             Ok(entries.iter().map(|e| (*e.value).clone()).collect())
         };
-        select_finalist(&t.value, &f.value, |l| crate::lower::host::replicate(l, &full.value), schedule).map_err(CompileError)
+        select_finalist(&t.value, &f.value, |l| crate::lower::host::replicate(l, &t.value), schedule).map_err(CompileError)
     })
 }
 
@@ -160,7 +158,7 @@ pub fn schedules(db: &dyn Db, sources: Sources) -> StageResult<Schedules> {
     // memo keeps them for the next build's selection.
     let s = selection(db, sources)?;
     let f = finalists(db, sources)?;
-    let full = target(db, sources)?;
+    let full = selection_target(db, sources)?;
     for (i, other) in f.value.iter().enumerate() {
         let skipped = s.value.failures.iter().any(|x| x.0 == i as u32 && x.1.starts_with("not costed"));
         if i as u32 != s.value.chosen && !skipped {

@@ -186,6 +186,12 @@ impl Target {
         Target { name: String::new(), host: Host::default(), ..self.clone() }
     }
 
+    /// What finalist selection reads: the lowering view plus the host link rate, which the
+    /// host pass (`lower/host.rs`) weighs against exchange copies.
+    pub fn selection_view(&self) -> Target {
+        Target { name: String::new(), host: Host { link_bytes_per_second: self.host.link_bytes_per_second, page_bytes: 0 }, ..self.clone() }
+    }
+
     /// What exchange scheduling, table lowering and validation read: the grid (tile count,
     /// pairing), the route delays and the port widths; not the sync cost, not memory, costs
     /// or host.

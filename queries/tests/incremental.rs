@@ -81,7 +81,12 @@ fn a_target_change_recomputes_only_the_stages_that_read_it() {
         assert!(runs.contains(&stage), "{stage} did not re-run: {runs:?}");
     }
     // A runtime-only constant reaches only the package.
-    assert_eq!(computed_after_target_edit("link_bytes_per_second = ", "link_bytes_per_second = 1"), vec!["build_tile_images"]);
+    assert_eq!(computed_after_target_edit("page_bytes = ", "page_bytes = 1"), vec!["build_tile_images"]);
+    // The host link rate is a planning input of the host pass (`lower/host.rs` weighs input
+    // copies by exchange against the link), which select_finalist applies: it re-selects, but
+    // re-plans nothing.
+    let runs = computed_after_target_edit("link_bytes_per_second = ", "link_bytes_per_second = 1");
+    assert!(runs.contains(&"select_finalist") && !runs.contains(&"lower_mid"), "{runs:?}");
     // A cost constant re-plans but reschedules no exchange pattern.
     let runs = computed_after_target_edit("gelu_base = ", "gelu_base = 1");
     assert!(runs.contains(&"lower_mid"), "{runs:?}");
@@ -127,7 +132,7 @@ fn a_runtime_constant_edit_hits_every_compile_stage_on_disk() {
     let cold = Database::new(Some(store.clone()));
     let sources = Sources::new(&cold, WORKLOAD.to_string(), "mlp.toml".into(), fixtures::SMALL16.to_string(), "small16".into());
     build_all(&cold, sources);
-    let edited = fixtures::SMALL16.replacen("link_bytes_per_second = ", "link_bytes_per_second = 1", 1);
+    let edited = fixtures::SMALL16.replacen("page_bytes = ", "page_bytes = 1", 1);
     let warm = Database::new(Some(store.clone()));
     let sources = Sources::new(&warm, WORKLOAD.to_string(), "mlp.toml".into(), edited, "small16".into());
     assert_eq!(stages(&build_all(&warm, sources), Origin::Computed), vec!["build_tile_images"]);
@@ -180,7 +185,10 @@ fn identical_patterns_are_scheduled_once_and_threads_change_no_byte() {
                 .map(|(_, l)| l.clone())
                 .collect();
             let mut patterns: std::collections::BTreeSet<Digest> = std::collections::BTreeSet::new();
+            let target = ipuq_queries::target::Target::from_toml(fixtures::SMALL16, "small16").unwrap();
             for f in &costed {
+                // As select_finalist costs it: after the host pass.
+                let f = &ipuq_queries::lower::host::replicate(f.clone(), &target);
                 let bases = provisional_bases(f);
                 patterns.extend(requests(f, |b, o| bases[b as usize] + o).iter().map(pattern_digest));
             }
