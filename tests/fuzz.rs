@@ -166,20 +166,6 @@ fn cache_entries_never_panic() {
     }
 }
 
-/// The header `Package::to_bytes` writes, for a mutated payload.
-fn with_header(payload: &[u8], digest: &[u8; 32]) -> Vec<u8> {
-    let mut out = Vec::new();
-    out.extend_from_slice(&PACKAGE_MAGIC);
-    out.extend_from_slice(&PACKAGE_FORMAT_VERSION.to_le_bytes());
-    out.extend_from_slice(&RKYV_FLAGS.to_le_bytes());
-    out.extend_from_slice(&(payload.len() as u64).to_le_bytes());
-    out.extend_from_slice(blake3::hash(payload).as_bytes());
-    out.extend_from_slice(digest);
-    out.resize(HEADER_BYTES, 0);
-    out.extend_from_slice(payload);
-    out
-}
-
 fn small_package() -> (Package, std::collections::BTreeMap<String, Vec<u8>>) {
     let dir = tempfile::tempdir().unwrap();
     let workload = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml");
@@ -204,7 +190,7 @@ fn packages_never_panic_the_reader_or_the_device() {
     let digest = package.target_digest.0;
     let options = ipuq::runtime::RunOptions::default();
     campaign("package payload", &payload, &[&[0xFF; 4], &[0; 4]], 300, Duration::from_secs(300), |p| {
-        if let Ok(decoded) = Package::from_bytes(&with_header(p, &digest), "fuzz.ipuexe") {
+        if let Ok(decoded) = Package::from_bytes(&Package::frame(p, &digest), "fuzz.ipuexe") {
             let _ = ipuq::runtime::execute(&decoded, &inputs, &options);
         }
     });

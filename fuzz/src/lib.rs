@@ -42,16 +42,7 @@ pub fn base() -> &'static Base {
 
 /// The header `Package::to_bytes` writes, over `payload`.
 pub fn with_header(payload: &[u8], digest: &[u8; 32]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(HEADER_BYTES + payload.len());
-    out.extend_from_slice(&PACKAGE_MAGIC);
-    out.extend_from_slice(&PACKAGE_FORMAT_VERSION.to_le_bytes());
-    out.extend_from_slice(&RKYV_FLAGS.to_le_bytes());
-    out.extend_from_slice(&(payload.len() as u64).to_le_bytes());
-    out.extend_from_slice(blake3::hash(payload).as_bytes());
-    out.extend_from_slice(digest);
-    out.resize(HEADER_BYTES, 0);
-    out.extend_from_slice(payload);
-    out
+    ipuq_queries::package::Package::frame(payload, digest)
 }
 
 /// The base payload with `edits` applied: each 5 bytes are (little-endian u32 offset, byte),

@@ -392,15 +392,22 @@ impl Package {
     /// Serialise with header; deterministic for equal packages.
     pub fn to_bytes(&self) -> Vec<u8> {
         let payload = rkyv::to_bytes::<rkyv::rancor::Error>(self).expect("rkyv serialisation of a package cannot fail");
+        Package::frame(&payload, &self.target_digest.0)
+    }
+
+    /// The package file around an archived payload: magic, format version, archive flags,
+    /// payload length and checksum, target digest, padding to the header size, payload. Fuzz
+    /// harnesses frame mutated payloads with it so they reach the decoder.
+    pub fn frame(payload: &[u8], target_digest: &[u8; 32]) -> Vec<u8> {
         let mut out = Vec::with_capacity(HEADER_BYTES + payload.len());
         out.extend_from_slice(&PACKAGE_MAGIC);
         out.extend_from_slice(&PACKAGE_FORMAT_VERSION.to_le_bytes());
         out.extend_from_slice(&RKYV_FLAGS.to_le_bytes());
         out.extend_from_slice(&(payload.len() as u64).to_le_bytes());
-        out.extend_from_slice(blake3::hash(&payload).as_bytes());
-        out.extend_from_slice(&self.target_digest.0);
+        out.extend_from_slice(blake3::hash(payload).as_bytes());
+        out.extend_from_slice(target_digest);
         out.resize(HEADER_BYTES, 0);
-        out.extend_from_slice(&payload);
+        out.extend_from_slice(payload);
         out
     }
 

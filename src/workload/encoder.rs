@@ -229,17 +229,7 @@ struct Builder {
 
 impl Builder {
     fn op(&mut self, name: &str, op: &str, inputs: &[&str]) -> String {
-        self.operations.push(OperationDecl {
-            name: name.into(),
-            op: op.into(),
-            inputs: inputs.iter().map(|s| s.to_string()).collect(),
-            transpose_b: false,
-            factor: None,
-            shape: None,
-            perm: None,
-            eps: None,
-            approximate: None,
-        });
+        self.operations.push(super::generate::operation(name, op, inputs));
         name.to_string()
     }
 

@@ -292,7 +292,7 @@ fn gaussian_tensor(name: &str, shape: Vec<u32>, role: Role, seed: u64, std: f64)
     TensorDecl { name: name.into(), shape, dtype: DType::F16, role, init: Init::Gaussian { seed, std } }
 }
 
-fn operation(name: &str, op: &str, inputs: &[&str]) -> OperationDecl {
+pub(crate) fn operation(name: &str, op: &str, inputs: &[&str]) -> OperationDecl {
     OperationDecl {
         name: name.into(),
         op: op.into(),
