@@ -724,18 +724,7 @@ impl<'a> Builder<'a> {
                     for (j, &(owner, _)) in group.iter().enumerate() {
                         let col = c0 + j as u32 * w;
                         let cols = w.min(c1 - col);
-                        let offset = j as u32 * rows * w;
-                        let mut parts = Vec::new();
-                        for (i, &(_, buffer)) in group.iter().enumerate() {
-                            if i == j {
-                                parts.push(Loc { buffer, offset, row_stride: w, dtype_bytes: 4 });
-                            } else {
-                                let words = rows * w;
-                                let received = self.buffer(owner, words as u64 * 4, AllocationKind::Partials, true, &format!("{name}.partials"));
-                                self.pending.push(((buffer, offset * 4), words, (received, 0)));
-                                parts.push(Loc { buffer: received, offset: 0, row_stride: w, dtype_bytes: 4 });
-                            }
-                        }
+                        let parts = self.gather_partials(group, j, j as u32 * rows * w, rows, w, name);
                         let out = self.buffer(owner, rows as u64 * row_stride(cols, DType::F16) as u64 * 2, AllocationKind::Data, false, name);
                         reductions.push((ib, im, col, owner, rows, cols, parts, out));
                     }
@@ -755,6 +744,25 @@ impl<'a> Builder<'a> {
             grid.buffers.push(buffer);
         }
         Ok(step)
+    }
+
+    /// The fp32 partials member `j` of a reduction group sums: its own at `offset` (words) in
+    /// place, every other member's same `rows` × `stride` words received into a new buffer on
+    /// member j's tile (a pending transfer).
+    fn gather_partials(&mut self, group: &[(u32, u32)], j: usize, offset: u32, rows: u32, stride: u32, name: &str) -> Vec<Loc> {
+        let owner = group[j].0;
+        let mut parts = Vec::with_capacity(group.len());
+        for (i, &(_, buffer)) in group.iter().enumerate() {
+            if i == j {
+                parts.push(Loc { buffer, offset, row_stride: stride, dtype_bytes: 4 });
+            } else {
+                let words = rows * stride;
+                let received = self.buffer(owner, words as u64 * 4, AllocationKind::Partials, true, &format!("{name}.partials"));
+                self.pending.push(((buffer, offset * 4), words, (received, 0)));
+                parts.push(Loc { buffer: received, offset: 0, row_stride: stride, dtype_bytes: 4 });
+            }
+        }
+        parts
     }
 
     /// Reduce the inner partials of each (batch, row, column) block: member j of a group owns
@@ -778,18 +786,7 @@ impl<'a> Builder<'a> {
                     for j in 0..chunks.len() - 1 {
                         let (owner, _) = group[j];
                         let rows = chunks[j + 1] - chunks[j];
-                        let mut parts = Vec::new();
-                        for (i, &(_, buffer)) in group.iter().enumerate() {
-                            let offset = chunks[j] * stride32;
-                            if i == j {
-                                parts.push(Loc { buffer, offset, row_stride: stride32, dtype_bytes: 4 });
-                            } else {
-                                let words = rows * stride32;
-                                let received = self.buffer(owner, words as u64 * 4, AllocationKind::Partials, true, &format!("{name}.partials"));
-                                self.pending.push(((buffer, offset * 4), words, (received, 0)));
-                                parts.push(Loc { buffer: received, offset: 0, row_stride: stride32, dtype_bytes: 4 });
-                            }
-                        }
+                        let parts = self.gather_partials(&group, j, chunks[j] * stride32, rows, stride32, name);
                         let out = self.buffer(owner, rows as u64 * row_stride(cols, DType::F16) as u64 * 2, AllocationKind::Data, false, name);
                         reductions.push((ib, plan.m_cuts[im] + chunks[j], i_n, owner, rows, cols, parts, out));
                     }
