@@ -432,7 +432,7 @@ fn add_softmax_and_copy_match_the_reference() {
         b.alloc(4, name, IL + offset, 64, AllocationKind::Data);
     }
     b.call(4, 0, VertexCall::Add { rows: 2, cols: 8, a: op(IL, 8), b: op(IL + 0x100, 8), output: op(IL + 0x200, 8) });
-    b.call(4, 0, VertexCall::Softmax { rows: 2, cols: 8, scale: 1.0, input: op(IL + 0x200, 8), output: op(IL + 0x300, 8) });
+    b.call(4, 0, VertexCall::Softmax { rows: 2, cols: 8, scale: 1.0, input: op(IL + 0x200, 8), input_panel: 0, output: op(IL + 0x300, 8) });
     b.call(4, 0, VertexCall::Copy { rows: 2, cols: 8, dtype: DType::F16, input: op(IL + 0x300, 8), output: op(IL + 0x400, 10) });
     b.steps = vec![Step::Compute { index: 0 }];
     let t = |name: &str, address, stride: u32| {

@@ -838,6 +838,19 @@ impl<'a> Builder<'a> {
             }
             (cuts, (0..cells).collect())
         };
+        // A row consumer (softmax) of cells no wider than an AMP panel reads its input in
+        // panels of that width: each source cell's rows then arrive as one contiguous run
+        // instead of one transfer per row.
+        let gemm_block = self.target.costs.gemm_block as u32;
+        let panel = if !reuse
+            && super::elementwise::reads_panels(&kind)
+            && chain.is_identity()
+            && self.stored.get(&chain.base).and_then(|s| s.grid.cuts.last()).is_some_and(|c| c.len() > 2 && c.windows(2).all(|w| w[1] - w[0] <= gemm_block))
+        {
+            gemm_block
+        } else {
+            0
+        };
         let mut grid = Grid { cuts, tiles, buffers: Vec::new() };
         let mut work = Vec::new();
         for cell in 0..grid.tiles.len() {
@@ -848,7 +861,7 @@ impl<'a> Builder<'a> {
             let held: Vec<Held> = inputs
                 .iter()
                 .enumerate()
-                .map(|(i, &v)| self.gather(v, tile, if super::elementwise::is_row_parameter(&kind, i) { &param_block } else { &block }, false, 0))
+                .map(|(i, &v)| self.gather(v, tile, if super::elementwise::is_row_parameter(&kind, i) { &param_block } else { &block }, false, if i == 0 { panel } else { 0 }))
                 .collect::<Result<_, _>>()?;
             let buffer = self.buffer(tile, block_elements_stored(&block, out.dtype) * out.dtype.bytes() as u64, AllocationKind::Data, false, &out.name);
             grid.buffers.push(buffer);
@@ -868,7 +881,7 @@ impl<'a> Builder<'a> {
                 first.extend(block[prefix.len()..].iter().map(|r| r.0));
                 let ins: Vec<Loc> = held.iter().map(|h| if h.block.len() < first.len() { h.loc(&first[first.len() - 1..]) } else { h.loc(&first) }).collect();
                 let o = out_held.loc(&first);
-                let Some(call) = super::elementwise::call(&kind, rows, cols, &ins, o, scale) else {
+                let Some(call) = super::elementwise::call(&kind, rows, cols, &ins, o, scale, held[0].panel) else {
                     return Err(LowerError::Unsupported { operation: out.name.clone(), message: format!("{} is not an elementwise operation", kind.name()) });
                 };
                 compute += cost::vertex_with(self.target, &call, |_| false);

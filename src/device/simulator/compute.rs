@@ -91,10 +91,13 @@ fn accesses(call: &VertexCall) -> Vec<Access> {
             list.push(half("out", *out, *rows, *cols));
             list
         }
-        VertexCall::Gelu { rows, cols, input, output }
-        | VertexCall::Scale { rows, cols, input, output, .. }
-        | VertexCall::Softmax { rows, cols, input, output, .. } => {
+        VertexCall::Gelu { rows, cols, input, output } | VertexCall::Scale { rows, cols, input, output, .. } => {
             vec![half("input", *input, *rows, *cols), half("output", *output, *rows, *cols)]
+        }
+        VertexCall::Softmax { rows, cols, input, input_panel, output, .. } => {
+            // A panelled input: ceil(cols / w) panels of `rows` rows, one (panels * rows) x w block.
+            let (in_rows, in_cols) = if *input_panel > 0 { (cols.div_ceil(*input_panel).saturating_mul(*rows), *input_panel) } else { (*rows, *cols) };
+            vec![half("input", *input, in_rows, in_cols), half("output", *output, *rows, *cols)]
         }
         VertexCall::Add { rows, cols, a, b, output } => {
             vec![half("a", *a, *rows, *cols), half("b", *b, *rows, *cols), half("output", *output, *rows, *cols)]
@@ -255,8 +258,12 @@ pub fn execute(memory: &mut TileMemory, call: &VertexCall, s: &mut Scratch) {
             kernels::accumulate(&mut s.a, &s.b);
             memory.write_f16(*output, *rows, *cols, &s.a, &mut s.halves);
         }
-        VertexCall::Softmax { rows, cols, scale, input, output } => {
-            memory.read_f16(*input, *rows, *cols, &mut s.bits, &mut s.a);
+        VertexCall::Softmax { rows, cols, scale, input, input_panel, output } => {
+            if *input_panel > 0 {
+                read_panels(memory, *input, *input_panel, *rows, *cols, s);
+            } else {
+                memory.read_f16(*input, *rows, *cols, &mut s.bits, &mut s.a);
+            }
             if *scale != 1.0 {
                 kernels::scale(&mut s.a, *scale);
                 kernels::round_to_f16(&mut s.a);
@@ -288,7 +295,8 @@ pub fn execute(memory: &mut TileMemory, call: &VertexCall, s: &mut Scratch) {
     }
 }
 
-/// Read a panelled A (see `VertexCall::MatMul`) into a row-major m x k buffer in `s.a`.
+/// Read a panelled operand (A of `VertexCall::MatMul`, a softmax input) of m rows and k
+/// columns into a row-major m x k buffer in `s.a`.
 fn read_panels(memory: &TileMemory, a: Operand, w: u32, m: u32, k: u32, s: &mut Scratch) {
     s.a.clear();
     s.a.resize(m as usize * k as usize, 0.0);
