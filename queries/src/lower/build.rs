@@ -524,7 +524,22 @@ impl<'a> Builder<'a> {
         // Operands are resolved once: the planner asks for every tile of every candidate.
         let a_chain = ViewChain::resolve(self.graph, a);
         let a_stored = self.stored.contains_key(&a_chain.base);
+        // A host input block that several tiles hold is written by the host once and copied to
+        // the others by the input phase at step 0 (`host.rs`): each copy is received over the
+        // exchange like a gathered operand, so the planner counts its words (pairing, which
+        // can halve a phase, is not modelled, as for every gather).
+        let is_input = |v: ValueId| matches!(self.graph.value(v).producer, Producer::Tensor { role: Role::Input, .. });
+        let words_of = |blk: &[(u32, u32)], bytes: u32| blk.iter().map(|r| (r.1 - r.0) as u64).product::<u64>() * bytes as u64 / 4;
+        let total_words = |shape: &[u32], bytes: u32| shape.iter().map(|&d| d as u64).product::<u64>() * bytes as u64 / 4;
+        let a_input = !self.stored.contains_key(&a_chain.base) && is_input(a_chain.base);
+        let a_total = total_words(&av.shape, av.dtype.bytes());
+        // Replicated: the tiles hold more words of the operand than it has.
+        let a_replicated = |p: &MatMulPlan| a_input && p.tiles() as u64 * words_of(&a_block(p, 0, 0, 0), av.dtype.bytes()) > a_total;
         let remote_a = |p: &MatMulPlan, tile: u32| {
+            if a_replicated(p) {
+                let (ib, im, _, ik) = coords(p, tile);
+                return words_of(&a_block(p, ib, im, ik), av.dtype.bytes());
+            }
             if !a_stored {
                 return 0;
             }
@@ -537,6 +552,9 @@ impl<'a> Builder<'a> {
             && !b_rank3
             && b_chain.is_identity()
             && matches!(bv.producer, Producer::Tensor { role: Role::Weight, .. });
+        let b_input = !b_stored && !home_b && is_input(b_chain.base);
+        let b_total = total_words(&bv.shape, bv.dtype.bytes());
+        let b_replicated = |p: &MatMulPlan| b_input && p.tiles() as u64 * words_of(&b_block(p, 0, 0, 0), bv.dtype.bytes()) > b_total;
         let remote_b = |p: &MatMulPlan, tile: u32| {
             let (ib, im, i_n, ik) = coords(p, tile);
             let block = b_block(p, ib, i_n, ik);
@@ -544,6 +562,9 @@ impl<'a> Builder<'a> {
                 // Every row partition but the home one receives the block by multicast.
                 let words = block.iter().map(|r| (r.1 - r.0) as u64).product::<u64>() * bv.dtype.bytes() as u64 / 4;
                 return if p.pm > 1 && im != 0 { words } else { 0 };
+            }
+            if b_replicated(p) {
+                return words_of(&block, bv.dtype.bytes());
             }
             if !b_stored {
                 return 0;
@@ -555,8 +576,8 @@ impl<'a> Builder<'a> {
         let gather_bound = |p: &MatMulPlan| {
             let words = |blk: Vec<(u32, u32)>, bytes: u32| blk.iter().map(|r| (r.1 - r.0) as u64).product::<u64>() * bytes as u64 / 4;
             let nb = p.b_cuts.len() - 1;
-            let a_words = if a_stored { (0..nb).map(|ib| words(a_block(p, ib, 0, 0), av.dtype.bytes())).max().unwrap_or(0) } else { 0 };
-            let b_remote = b_stored || (home_b && p.pm > 1);
+            let a_words = if a_stored || a_replicated(p) { (0..nb).map(|ib| words(a_block(p, ib, 0, 0), av.dtype.bytes())).max().unwrap_or(0) } else { 0 };
+            let b_remote = b_stored || (home_b && p.pm > 1) || b_replicated(p);
             let b_words = if b_remote { (0..nb).map(|ib| words(b_block(p, ib, 0, 0), bv.dtype.bytes())).max().unwrap_or(0) } else { 0 };
             a_words + b_words
         };
@@ -568,7 +589,7 @@ impl<'a> Builder<'a> {
             Some(s) => format!("{} stored {:?} {:?}", chain.signature(), s.grid.cuts, s.grid.tiles),
             None => format!("{} host", chain.signature()),
         };
-        let parts = format!("{b_batches} {a_rank3} {b_rank3} {home_b} {:?} {:?}|A {}|B {}", av.dtype, bv.dtype, layout(&a_chain), layout(&b_chain));
+        let parts = format!("{b_batches} {a_rank3} {b_rank3} {home_b} {a_input} {b_input} {:?} {:?}|A {}|B {}", av.dtype, bv.dtype, layout(&a_chain), layout(&b_chain));
         let key = candidates::signature(self.target, &problem, &parts);
         let planned = candidates::planned(self.target, &problem, key).map_err(|reason| match constraint {
             Some(_) => LowerError::Constraint { operation: original_name.clone(), reason },
@@ -838,18 +859,13 @@ impl<'a> Builder<'a> {
             }
             (cuts, (0..cells).collect())
         };
-        // A row consumer (softmax) of cells no wider than an AMP panel reads its input in
-        // panels of that width: each source cell's rows then arrive as one contiguous run
+        // A row consumer (softmax) of cells split along the rows' axis reads its input in
+        // panels one cell wide: each source cell's rows then arrive as one contiguous run
         // instead of one transfer per row.
         let gemm_block = self.target.costs.gemm_block as u32;
-        let panel = if !reuse
-            && super::elementwise::reads_panels(&kind)
-            && chain.is_identity()
-            && self.stored.get(&chain.base).and_then(|s| s.grid.cuts.last()).is_some_and(|c| c.len() > 2 && c.windows(2).all(|w| w[1] - w[0] <= gemm_block))
-        {
-            gemm_block
-        } else {
-            0
+        let panel = match self.stored.get(&chain.base).and_then(|s| s.grid.cuts.last()) {
+            Some(c) if !reuse && super::elementwise::reads_panels(&kind) && chain.is_identity() && c.len() > 2 => panel_width(c, gemm_block),
+            _ => 0,
         };
         let mut grid = Grid { cuts, tiles, buffers: Vec::new() };
         let mut work = Vec::new();
@@ -970,6 +986,24 @@ fn folded_scales(graph: &Graph) -> BTreeMap<usize, (usize, f64)> {
         }
     }
     out
+}
+
+/// The panel width in which a consumer holds rows gathered from cells cut at `cuts` along the
+/// last axis, so that each cell's rows arrive as one run: the cells' width when every cell but
+/// the last has it (the last no wider) and it is a whole number of 8-byte f16 rows (the
+/// stored row stride equals the width); else the AMP panel when every cell is at most that
+/// wide (the 16-column cells of a column-panel reduction); else 0 (row-major).
+fn panel_width(cuts: &[u32], gemm_block: u32) -> u32 {
+    let widths: Vec<u32> = cuts.windows(2).map(|w| w[1] - w[0]).collect();
+    let first = widths[0];
+    let (body, last) = widths.split_at(widths.len() - 1);
+    if first % 4 == 0 && body.iter().all(|&w| w == first) && last[0] <= first {
+        first
+    } else if widths.iter().all(|&w| w <= gemm_block) {
+        gemm_block
+    } else {
+        0
+    }
 }
 
 /// Whether some consumer of `value`, directly or through elementwise operations that keep its
