@@ -173,8 +173,10 @@ pub enum VertexCall<O = Operand> {
     /// `input_panel` = 0: the input is row-major with `input.row_stride`. `input_panel` = w > 0:
     /// the input is stored as ceil(cols / w) contiguous panels of rows x w elements (row stride
     /// `input.row_stride` >= w), panel p at `input.address + p * rows * input.row_stride * 2`,
-    /// as a panelled matrix-product operand is: rows gathered from cells w columns wide then
-    /// arrive as one contiguous run per cell. The output is row-major.
+    /// as a panelled matrix-product operand is, except that a last panel narrower than w has
+    /// its width rounded up to 4 elements as its row stride: rows gathered from cells w
+    /// columns wide (and a narrower last cell) then arrive as one contiguous run per cell. The
+    /// output is row-major.
     Softmax { rows: u32, cols: u32, scale: f32, input: O, input_panel: u32, output: O },
     /// GELU, exact (erf), f16.
     GeluErf { rows: u32, cols: u32, input: O, output: O },

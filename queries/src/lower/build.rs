@@ -47,16 +47,31 @@ struct Stored {
 /// An operand block held on one tile: a buffer and the block of the viewed value it stores.
 /// `panel` = 0: row-major (last axis padded); `panel` = w: each leading index holds
 /// ceil(cols / w) contiguous panels of rows x w (see `VertexCall::MatMul`).
+/// `tight_last`: a last panel narrower than w is stored with its own row stride (its width
+/// rounded up to whole 8-byte rows) instead of w, as a softmax input is (see
+/// `VertexCall::Softmax`), so that the rows of a narrower source cell arrive as one run too.
 struct Held {
     buffer: u32,
     block: Vec<(u32, u32)>,
     dtype: DType,
     panel: u32,
+    tight_last: bool,
 }
 
 impl Held {
     fn plain(buffer: u32, block: Vec<(u32, u32)>, dtype: DType) -> Held {
-        Held { buffer, block, dtype, panel: 0 }
+        Held { buffer, block, dtype, panel: 0, tight_last: false }
+    }
+
+    /// Row stride (elements) of the last panel of a panelled block.
+    fn last_panel_stride(&self) -> u32 {
+        let cols = self.block[self.block.len() - 1];
+        let rest = (cols.1 - cols.0) % self.panel.max(1);
+        if self.tight_last && rest > 0 {
+            row_stride(rest, self.dtype)
+        } else {
+            self.panel
+        }
     }
 
     fn loc(&self, index: &[u32]) -> Loc {
@@ -70,8 +85,11 @@ impl Held {
         let c = index[rank - 1] - cols.0;
         let r = index[rank - 2] - self.block[rank - 2].0;
         let batch = if rank == 3 { index[0] - self.block[0].0 } else { 0 };
-        let per_batch = (cols.1 - cols.0).div_ceil(w) * rows * w;
-        let offset = batch * per_batch + (c / w) * rows * w + r * w + c % w;
+        let full = (cols.1 - cols.0) / w;
+        let last = if (cols.1 - cols.0) % w > 0 { self.last_panel_stride() } else { 0 };
+        let per_batch = full * rows * w + rows * last;
+        let stride = if c / w == full { last } else { w };
+        let offset = batch * per_batch + (c / w) * rows * w + r * stride + c % w;
         Loc { buffer: self.buffer, offset, row_stride: w, dtype_bytes: self.dtype.bytes() }
     }
 
@@ -81,7 +99,9 @@ impl Held {
         }
         let rank = self.block.len();
         let lead: u64 = self.block[..rank - 1].iter().map(|r| (r.1 - r.0) as u64).product();
-        lead * ((self.block[rank - 1].1 - self.block[rank - 1].0).div_ceil(self.panel) * self.panel) as u64
+        let cols = self.block[rank - 1].1 - self.block[rank - 1].0;
+        let last = if cols % self.panel > 0 { self.last_panel_stride() } else { 0 };
+        lead * (cols / self.panel * self.panel + last) as u64
     }
 
     /// Whether column `c` (absolute) ends a stored row: the block's end or a panel's end.
@@ -249,7 +269,7 @@ impl<'a> Builder<'a> {
     }
 
     /// Gather `block` of `value` (in the value's own index space) onto `tile`.
-    fn gather(&mut self, value: ValueId, tile: u32, block: &[(u32, u32)], prefer_interleaved: bool, panel: u32) -> Result<Held, LowerError> {
+    fn gather(&mut self, value: ValueId, tile: u32, block: &[(u32, u32)], prefer_interleaved: bool, panel: u32, tight_last: bool) -> Result<Held, LowerError> {
         let chain = ViewChain::resolve(self.graph, value);
         let dtype = self.graph.value(value).dtype;
         let base = self.graph.value(chain.base).clone();
@@ -267,7 +287,7 @@ impl<'a> Builder<'a> {
         // Panels only pay where the block arrives by exchange; the host writes any layout.
         let panel = if is_stored { panel } else { 0 };
         let name = self.graph.value(value).name.clone();
-        let mut held = Held { buffer: u32::MAX, block: block.to_vec(), dtype, panel };
+        let mut held = Held { buffer: u32::MAX, block: block.to_vec(), dtype, panel, tight_last: tight_last && panel > 0 };
         let buffer = self.buffer(tile, held.stored_elements() * dtype.bytes() as u64, AllocationKind::Data, prefer_interleaved, &name);
         held.buffer = buffer;
         if !is_stored && chain.is_matrix_transpose() {
@@ -341,7 +361,16 @@ impl<'a> Builder<'a> {
                             if !src_offset.is_multiple_of(4) || !dst_offset.is_multiple_of(4) || (!bytes.is_multiple_of(4) && !ends_rows) {
                                 return Err(LowerError::SubWord { operation: self.operation_name.clone(), value: name, offset: base_index[last], dtype: dtype.name() });
                             }
-                            self.pending.push(((src.buffer, src_offset), bytes.div_ceil(4), (buffer, dst_offset)));
+                            // A whole source row into a whole tight last panel row of the same
+                            // stride moves with its padding, so consecutive rows form one run.
+                            let whole_rows = held.tight_last
+                                && ends_rows
+                                && base_index[last] == cell_block[last].0
+                                && (c - c0) % held.panel == 0
+                                && src.row_stride == held.last_panel_stride()
+                                && (c - c0) / held.panel == (c1 - c0) / held.panel;
+                            let words = if whole_rows { (src.row_stride * dtype.bytes()).div_ceil(4) } else { bytes.div_ceil(4) };
+                            self.pending.push(((src.buffer, src_offset), words, (buffer, dst_offset)));
                         }
                         c += piece;
                     }
@@ -623,13 +652,13 @@ impl<'a> Builder<'a> {
                 for i_n in 0..nn {
                     for ik in 0..nk {
                         let tile = plan.tile_of(ib, im, i_n, ik);
-                        let ha = self.gather(a, tile, &a_block(&plan, ib, im, ik), false, panel)?;
-                        let hb = self.gather(b, tile, &b_block(&plan, ib, i_n, ik), !plan.weights_standard || constraint.is_none_or(|c| c.weight_memory.is_none()), 0)?;
+                        let ha = self.gather(a, tile, &a_block(&plan, ib, im, ik), false, panel, false)?;
+                        let hb = self.gather(b, tile, &b_block(&plan, ib, i_n, ik), !plan.weights_standard || constraint.is_none_or(|c| c.weight_memory.is_none()), 0, false)?;
                         let (br, mr, nr) = ((plan.b_cuts[ib], plan.b_cuts[ib + 1]), (plan.m_cuts[im], plan.m_cuts[im + 1]), (plan.n_cuts[i_n], plan.n_cuts[i_n + 1]));
                         let (dtype, kind) = if nk > 1 { (DType::F32, AllocationKind::Partials) } else { (DType::F16, AllocationKind::Data) };
                         let label = if nk > 1 { format!("{out_name}.partials") } else { out_name.clone() };
                         let out_block = if a_rank3 { vec![br, mr, nr] } else { vec![mr, nr] };
-                        let hc = Held { buffer: u32::MAX, block: out_block, dtype, panel: c_panel };
+                        let hc = Held { buffer: u32::MAX, block: out_block, dtype, panel: c_panel, tight_last: false };
                         let buffer = self.buffer(tile, hc.stored_elements() * dtype.bytes() as u64, kind, kind == AllocationKind::Partials, &label);
                         work.push((tile, ib, im, i_n, ik, ha, hb, Held { buffer, ..hc }));
                     }
@@ -877,7 +906,7 @@ impl<'a> Builder<'a> {
             let held: Vec<Held> = inputs
                 .iter()
                 .enumerate()
-                .map(|(i, &v)| self.gather(v, tile, if super::elementwise::is_row_parameter(&kind, i) { &param_block } else { &block }, false, if i == 0 { panel } else { 0 }))
+                .map(|(i, &v)| self.gather(v, tile, if super::elementwise::is_row_parameter(&kind, i) { &param_block } else { &block }, false, if i == 0 { panel } else { 0 }, i == 0))
                 .collect::<Result<_, _>>()?;
             let buffer = self.buffer(tile, block_elements_stored(&block, out.dtype) * out.dtype.bytes() as u64, AllocationKind::Data, false, &out.name);
             grid.buffers.push(buffer);
