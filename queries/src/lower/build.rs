@@ -1132,3 +1132,25 @@ fn merge_rows(transfers: impl Iterator<Item = Transfer>) -> Vec<Transfer> {
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::panel_width;
+
+    #[test]
+    fn a_row_consumer_reads_panels_one_cell_wide() {
+        // The attention seed's scores: 22 cells of 32 columns and a last one of 25.
+        let mut cuts: Vec<u32> = (0..23).map(|i| i * 32).collect();
+        cuts.push(729);
+        assert_eq!(panel_width(&cuts, 16), 32);
+        // 16-column cells with a narrower last one: the AMP panel.
+        assert_eq!(panel_width(&[0, 16, 32, 41], 16), 16);
+        // Uneven cells no wider than the AMP panel still read in AMP panels.
+        assert_eq!(panel_width(&[0, 12, 16, 30], 16), 16);
+        // Uneven wide cells, or a width that is not whole 8-byte rows: row-major.
+        assert_eq!(panel_width(&[0, 40, 72, 100], 16), 0);
+        assert_eq!(panel_width(&[0, 18, 36, 50], 16), 0);
+        // A last cell wider than the others is not a panel either.
+        assert_eq!(panel_width(&[0, 32, 64, 100], 16), 0);
+    }
+}
