@@ -138,7 +138,7 @@ fn encode_call(call: &VertexCall, out: &mut Vec<u8>) {
         VertexCall::Gelu { rows, cols, input, output } => ops(3, &[*rows, *cols], &[input, output]),
         VertexCall::Scale { rows, cols, factor, input, output } => ops(4, &[*rows, *cols, factor.to_bits()], &[input, output]),
         VertexCall::Add { rows, cols, a, b, output } => ops(5, &[*rows, *cols], &[a, b, output]),
-        VertexCall::Softmax { rows, cols, scale, input, output } => ops(6, &[*rows, *cols, scale.to_bits()], &[input, output]),
+        VertexCall::Softmax { rows, cols, scale, input, input_panel, output } => ops(6, &[*rows, *cols, scale.to_bits(), *input_panel], &[input, output]),
         VertexCall::GeluErf { rows, cols, input, output } => ops(8, &[*rows, *cols], &[input, output]),
         VertexCall::BiasAdd { rows, cols, input, bias, output } => ops(9, &[*rows, *cols], &[input, bias, output]),
         VertexCall::LayerNorm { rows, cols, eps, input, gamma, beta, output } => ops(10, &[*rows, *cols, eps.to_bits()], &[input, gamma, beta, output]),
