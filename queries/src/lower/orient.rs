@@ -32,15 +32,21 @@ pub struct Oriented {
 pub const SWAPPED: &str = ".swapped";
 
 /// The rank-2 matrix products of `graph` (operation indices) that may be swapped. A product
-/// feeding a bias add is not: the bias add would read the transposed view, whose f16 columns
-/// cannot be gathered in whole words (so every such candidate would fail to lower).
+/// feeding a bias add only when the bias folds into its epilogue (`elementwise::folded_add`):
+/// swapped, the bias is one element per row of Cᵀ, which the product adds as it writes; a
+/// separate bias add would read the transposed view, whose f16 columns cannot be gathered in
+/// whole words (so every such candidate would fail to lower).
 pub fn swappable(graph: &Graph) -> Vec<usize> {
     let biased = |o: &crate::ir::Operation| graph.operations.iter().any(|c| matches!(c.kind, OpKind::BiasAdd) && c.inputs.first() == Some(&o.output));
     graph
         .operations
         .iter()
         .enumerate()
-        .filter(|(_, o)| matches!(o.kind, OpKind::MatMul { .. }) && o.inputs.iter().all(|&v| graph.value(v).shape.len() == 2) && !biased(o))
+        .filter(|(i, o)| {
+            matches!(o.kind, OpKind::MatMul { .. })
+                && o.inputs.iter().all(|&v| graph.value(v).shape.len() == 2)
+                && (!biased(o) || super::elementwise::folded_add(graph, *i).is_some_and(|f| f.bias))
+        })
         .map(|(i, _)| i)
         .collect()
 }
@@ -106,11 +112,15 @@ pub fn orient(graph: &Graph, swapped: &BTreeSet<usize>) -> Result<Oriented, Stri
             && rank2
             && operation.inputs.iter().any(|i| transposed.contains_key(i))
             && operation.inputs.iter().all(|&i| transposed.contains_key(&i) || is_host(i));
-        if follows {
+        // A bias add over a swapped product adds its 1-D bias per row of the stored transpose
+        // (the lowering folds it into the product's epilogue, the only way it lowers).
+        let bias_follows = matches!(operation.kind, OpKind::BiasAdd) && transposed.contains_key(&operation.inputs[0]) && is_host(operation.inputs[1]);
+        if follows || bias_follows {
             let mut inputs = Vec::new();
-            for &i in &operation.inputs {
+            for (position, &i) in operation.inputs.iter().enumerate() {
                 match transposed.get(&i) {
                     Some(&t) => inputs.push(t),
+                    None if bias_follows && position == 1 => inputs.push(map[&i]),
                     None => {
                         let iv = graph.value(i);
                         inputs.push(push(&mut values, &mut operations, &mut origin, OpKind::Transpose { perm: vec![1, 0] }, vec![map[&i]], format!("{}.transposed_for_{}", iv.name, out.name), t2(&iv.shape), iv.dtype, index));
