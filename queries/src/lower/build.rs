@@ -143,7 +143,15 @@ struct Builder<'a> {
     /// Per operation index: the first and last step it uses.
     spans: BTreeMap<u32, (u32, u32)>,
     interleaved_weights: std::collections::BTreeSet<u32>,
+    /// Blocks of computed values already gathered by exchange onto a tile: a later consumer
+    /// of the same block there (Q, K and V of one LayerNorm output) reads that buffer instead
+    /// of receiving the words again. Values are never overwritten, so the buffer stays valid;
+    /// its lifetime grows to the last reader.
+    gathered: BTreeMap<GatherKey, (u32, DType, u32)>,
 }
+
+/// (value, tile, block, panel width, prefers interleaved memory) of a gathered block.
+type GatherKey = (ValueId, u32, Vec<(u32, u32)>, u32, bool);
 
 /// Bytes per tile that other operations keep live while an operation runs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
@@ -190,6 +198,7 @@ pub fn lower_with(oriented: &Oriented, target: &Target, home_weights: bool, rese
         owners: Vec::new(),
         spans: BTreeMap::new(),
         interleaved_weights: Default::default(),
+        gathered: BTreeMap::new(),
     };
     let folded = folded_scales(graph);
     let adds = super::elementwise::folded_adds(graph);
@@ -287,6 +296,12 @@ impl<'a> Builder<'a> {
         }
         // Panels only pay where the block arrives by exchange; the host writes any layout.
         let panel = if is_stored { panel } else { 0 };
+        let key: GatherKey = (value, tile, block.to_vec(), panel, prefer_interleaved);
+        if is_stored {
+            if let Some(&(buffer, dtype, panel)) = self.gathered.get(&key) {
+                return Ok(Held { buffer, block: block.to_vec(), dtype, panel });
+            }
+        }
         let name = self.graph.value(value).name.clone();
         let mut held = Held { buffer: u32::MAX, block: block.to_vec(), dtype, panel };
         let buffer = self.buffer(tile, held.stored_elements() * dtype.bytes() as u64, AllocationKind::Data, prefer_interleaved, &name);
@@ -369,7 +384,24 @@ impl<'a> Builder<'a> {
                 }
             }
         }
+        if is_stored {
+            self.gathered.insert(key, (held.buffer, held.dtype, held.panel));
+        }
         Ok(held)
+    }
+
+    /// Whether `block` of `value` is already gathered onto `tile` (see `gathered`).
+    fn already_gathered(&self, value: ValueId, tile: u32, block: &[(u32, u32)], panel: u32, prefer_interleaved: bool) -> bool {
+        self.gathered.contains_key(&(value, tile, block.to_vec(), panel, prefer_interleaved))
+    }
+
+    /// The gathered blocks of `value`, for the plan memo's key (they change what a plan costs).
+    fn gathered_signature(&self, value: ValueId) -> String {
+        let blocks: Vec<_> = self.gathered.keys().filter(|k| k.0 == value).map(|k| (k.1, &k.2, k.3, k.4)).collect();
+        if blocks.is_empty() {
+            return String::new();
+        }
+        format!("{}", crate::hash::KeyHasher::new("gathered blocks").bytes(format!("{blocks:?}").as_bytes()).finish())
     }
 
     fn local_copy(&mut self, cols: u32, src: Loc, dst: Loc) {
@@ -559,12 +591,23 @@ impl<'a> Builder<'a> {
         // Operands are resolved once: the planner asks for every tile of every candidate.
         let a_chain = ViewChain::resolve(self.graph, a);
         let a_stored = self.stored.contains_key(&a_chain.base);
+        // When A's producer stores cells no wider than an AMP panel (gemm_block columns), a row-major
+        // A block would gather in runs of one cell row each; in panels, the rows of a cell arrive
+        // as one contiguous run.
+        let gemm_block = self.target.costs.gemm_block as u32;
+        let narrow_cells = a_chain.is_identity()
+            && self.stored.get(&a_chain.base).and_then(|s| s.grid.cuts.last()).is_some_and(|c| c.windows(2).all(|w| w[1] - w[0] <= gemm_block));
+        let panel = if narrow_cells { gemm_block } else { 0 };
         let remote_a = |p: &MatMulPlan, tile: u32| {
             if !a_stored {
                 return 0;
             }
             let (ib, im, _, ik) = coords(p, tile);
-            self.remote_words(&a_chain, av.dtype, tile, &a_block(p, ib, im, ik))
+            let block = a_block(p, ib, im, ik);
+            if self.already_gathered(a, tile, &block, panel, false) {
+                return 0;
+            }
+            self.remote_words(&a_chain, av.dtype, tile, &block)
         };
         let b_chain = ViewChain::resolve(self.graph, b);
         let b_stored = self.stored.contains_key(&b_chain.base);
@@ -604,7 +647,7 @@ impl<'a> Builder<'a> {
             Some(s) => format!("{} stored {:?} {:?}", chain.signature(), s.grid.cuts, s.grid.tiles),
             None => format!("{} host", chain.signature()),
         };
-        let parts = format!("{b_batches} {a_rank3} {b_rank3} {home_b} {:?} {:?}|A {}|B {}", av.dtype, bv.dtype, layout(&a_chain), layout(&b_chain));
+        let parts = format!("{b_batches} {a_rank3} {b_rank3} {home_b} {:?} {:?}|A {} {}|B {}", av.dtype, bv.dtype, layout(&a_chain), self.gathered_signature(a), layout(&b_chain));
         let key = candidates::signature(self.target, &problem, &parts);
         let planned = candidates::planned(self.target, &problem, key).map_err(|reason| match constraint {
             Some(_) => LowerError::Constraint { operation: original_name.clone(), reason },
@@ -620,14 +663,6 @@ impl<'a> Builder<'a> {
         }
         let (nb, nm, nn, nk) = (plan.b_cuts.len() - 1, plan.m_cuts.len() - 1, plan.n_cuts.len() - 1, plan.k_cuts.len() - 1);
         let out_name = self.graph.value(output).name.clone();
-        // When A's producer stores cells no wider than an AMP panel (gemm_block columns), a row-major
-        // A block would gather in runs of one cell row each; in panels, the rows of a cell arrive
-        // as one contiguous run.
-        let gemm_block = self.target.costs.gemm_block as u32;
-        let chain = ViewChain::resolve(self.graph, a);
-        let narrow_cells = chain.is_identity()
-            && self.stored.get(&chain.base).and_then(|s| s.grid.cuts.last()).is_some_and(|c| c.windows(2).all(|w| w[1] - w[0] <= gemm_block));
-        let panel = if narrow_cells { gemm_block } else { 0 };
         // Partials reduced by column panels are written as panels of `gemm_block` columns.
         let by_columns = column_reduction(&plan.n_cuts, nk as u32, gemm_block);
         let c_panel = if by_columns { gemm_block } else { 0 };
