@@ -193,6 +193,42 @@ op = "matmul"
 inputs = ["g", "w2"]
 "#;
 
+    /// The MLP with 1-D biases after each product; `extra` appends operations.
+    fn biased(extra: &str) -> String {
+        let (tensors, _) = MLP.split_at(MLP.find("[[operation]]").unwrap());
+        let mut text = tensors.replace("outputs = [\"y\"]", "outputs = [\"yb\"]");
+        for (name, n) in [("b1", 12), ("b2", 8)] {
+            text += &format!("[[tensor]]\nname = \"{name}\"\nshape = [{n}]\ndtype = \"f16\"\nrole = \"weight\"\ninit = \"zeros\"\n");
+        }
+        for (name, op, inputs) in [("h", "matmul", "\"x\", \"w1\""), ("hb", "bias_add", "\"h\", \"b1\""), ("g", "gelu", "\"hb\""), ("y", "matmul", "\"g\", \"w2\""), ("yb", "bias_add", "\"y\", \"b2\"")] {
+            text += &format!("[[operation]]\nname = \"{name}\"\nop = \"{op}\"\ninputs = [{inputs}]\n");
+        }
+        text + extra
+    }
+
+    #[test]
+    fn a_product_whose_bias_folds_may_be_swapped_and_its_bias_add_follows() {
+        let g = Graph::parse(&biased(""), "mlp").unwrap();
+        let folds = super::super::elementwise::folded_adds(&g);
+        assert_eq!(folds.len(), 2, "both bias adds fold into their products");
+        assert!(folds.values().all(|f| f.bias));
+        assert_eq!(swappable(&g), vec![0, 3]);
+        let o = orient(&g, &[0, 3].into_iter().collect()).unwrap();
+        // The bias add reads the stored transpose directly, with its 1-D bias as given.
+        let hb = o.graph.find("hb.swapped").expect("the bias add follows its swapped product");
+        let producer = match o.graph.value(hb).producer {
+            Producer::Operation(i) => &o.graph.operations[i],
+            _ => unreachable!(),
+        };
+        let names: Vec<&str> = producer.inputs.iter().map(|&v| o.graph.value(v).name.as_str()).collect();
+        assert_eq!((producer.kind.clone(), names), (OpKind::BiasAdd, vec!["h.swapped", "b1"]));
+        // In the rewritten graph the fold still holds (the view of the stored product is read by no one).
+        assert_eq!(super::super::elementwise::folded_adds(&o.graph).len(), 2);
+        // A product with a second reader besides its bias add does not fold, so it is not swapped.
+        let g = Graph::parse(&biased("[[operation]]\nname = \"h2\"\nop = \"gelu\"\ninputs = [\"h\"]\n"), "mlp").unwrap();
+        assert_eq!(swappable(&g), vec![3]);
+    }
+
     #[test]
     fn swapping_a_chain_keeps_every_value_and_stores_transposes() {
         let g = Graph::parse(MLP, "mlp").unwrap();
