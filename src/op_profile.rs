@@ -11,7 +11,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
-use ipuq_queries::ir::{split3, Graph, OpKind};
+use ipuq_queries::ir::{split3, Graph, OpKind, Producer};
 use ipuq_queries::package::{Package, Step};
 use ipuq_queries::target::Target;
 
@@ -46,8 +46,19 @@ pub fn by_kind(package: &Package, timeline: &Timeline) -> Result<KindProfile, St
     checkpoints.sort_unstable();
     let mut rows: BTreeMap<String, KindRow> = BTreeMap::new();
     let mut first = 0usize;
+    let checkpointed: std::collections::BTreeSet<u32> = checkpoints.iter().map(|c| c.1).collect();
     for (after, operation) in checkpoints {
         let op = graph.operations.get(operation as usize).ok_or_else(|| format!("checkpoint of operation {operation}, which the workload lacks"))?;
+        // An add folded into a product's epilogue: its checkpoint closes the product's steps
+        // (the product has none of its own), so they count as the product's.
+        let folded_product = match op.kind {
+            OpKind::BiasAdd | OpKind::Add => op.inputs.iter().find_map(|&v| match graph.value(v).producer {
+                Producer::Operation(i) if !checkpointed.contains(&(i as u32)) && matches!(graph.operations[i].kind, OpKind::MatMul { .. }) => Some(&graph.operations[i]),
+                _ => None,
+            }),
+            _ => None,
+        };
+        let op = folded_product.unwrap_or(op);
         let kind = match &op.kind {
             OpKind::Softmax => "softmax (scale folded in)".to_string(),
             k => k.name().to_string(),

@@ -117,3 +117,43 @@ fn bad_parameters_of_the_new_operations_are_named() {
         assert!(error.contains(expected) && error.contains("operation 'y'"), "{error}");
     }
 }
+
+/// A two-product MLP with 1-D biases, each product constrained to `orientation` (or free).
+fn biased_mlp(orientation: Option<&str>) -> String {
+    let mut text = String::from("name = \"biased-mlp\"\noutputs = [\"yb\"]\n");
+    for (i, (name, shape, role)) in
+        [("x", vec![13, 40], "input"), ("w1", vec![40, 56], "weight"), ("b1", vec![56], "weight"), ("w2", vec![56, 24], "weight"), ("b2", vec![24], "weight")].iter().enumerate()
+    {
+        text += &format!("\n[[tensor]]\nname = \"{name}\"\nshape = {shape:?}\ndtype = \"f16\"\nrole = \"{role}\"\n[tensor.init.gaussian]\nseed = {}\nstd = 0.5\n", 20 + i);
+    }
+    for (name, op, inputs) in [("h", "matmul", "\"x\", \"w1\""), ("hb", "bias_add", "\"h\", \"b1\""), ("g", "gelu", "\"hb\""), ("y", "matmul", "\"g\", \"w2\""), ("yb", "bias_add", "\"y\", \"b2\"")] {
+        text += &format!("\n[[operation]]\nname = \"{name}\"\nop = \"{op}\"\ninputs = [{inputs}]\n");
+    }
+    if let Some(o) = orientation {
+        for product in ["h", "y"] {
+            text += &format!("\n[[constraint]]\noperation = \"{product}\"\norientation = \"{o}\"\n");
+        }
+    }
+    text
+}
+
+#[test]
+fn biases_fold_into_products_of_either_orientation_and_match_the_host_reference() {
+    let dir = tempfile::tempdir().unwrap();
+    for (i, orientation) in [Some("normal"), Some("swapped"), None].into_iter().enumerate() {
+        let file = format!("mlp{i}.toml");
+        let out = run_file(dir.path(), &file, &biased_mlp(orientation));
+        assert_pass(&out);
+        assert_eq!(field(&out.stdout, "diagnosticCheckpoints=", "numericalTest").as_deref(), Some("PASS"), "{orientation:?}");
+        // The bias adds run no pass of their own: their steps are the products'.
+        let split = ipuq(&["profile", &format!("out-{file}/execution.ipuprofile"), "--package", &format!("out-{file}/model.ipuexe")], dir.path());
+        assert_eq!(split.code, 0, "{}", split.stderr);
+        assert!(split.stdout.contains("| matmul | 2 |") && !split.stdout.contains("bias_add"), "{orientation:?}: {}", split.stdout);
+        if let Some(o) = orientation {
+            let plans = ipuq(&["plans", &file, "--target", "small16"], dir.path());
+            assert_eq!(plans.code, 0, "{}", plans.stderr);
+            let chosen = plans.stdout.lines().find(|l| l.contains('*')).unwrap_or_default().to_string();
+            assert!(chosen.contains(&format!("h:{o}")) && chosen.contains(&format!("y:{o}")), "{chosen}");
+        }
+    }
+}

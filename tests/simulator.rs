@@ -142,11 +142,11 @@ fn pipeline() -> (Package, BTreeMap<String, Vec<u8>>) {
     }
     b.alloc(2, "a_row_replica", STD, K * 2, AllocationKind::Data);
     let matmul = |b_address, b_stride, b_transposed| VertexCall::MatMul {
-        m: M, k: H, n: N, a: op(STD, H), a_panel: 0, b: op(b_address, b_stride), b_transposed, c: op(IL + 0x1000, N), c_panel: 0, partials: true,
+        m: M, k: H, n: N, a: op(STD, H), a_panel: 0, b: op(b_address, b_stride), b_transposed, c: op(IL + 0x1000, N), c_panel: 0, partials: true, add: None,
     };
     b.call(0, 0, matmul(IL, N, false));
     b.call(1, 0, matmul(IL, H, true));
-    b.call(0, 1, VertexCall::Reduce { rows: M, cols: N, parts: vec![op(IL + 0x1000, N), op(IL + 0x2000, N)], out: op(IL + 0x3000, N) });
+    b.call(0, 1, VertexCall::Reduce { rows: M, cols: N, parts: vec![op(IL + 0x1000, N), op(IL + 0x2000, N)], out: op(IL + 0x3000, N), add: None });
     b.call(9, 2, VertexCall::Gelu { rows: M, cols: N, input: op(IL + 0x3000, N), output: op(IL + 0x4000, N) });
     b.call(2, 2, VertexCall::Scale { rows: M, cols: N, factor: 0.5, input: op(IL + 0x3000, N), output: op(IL + 0x4000, N) });
     // Phase 0: tile 1's partials, paired, into tile 0's second partials buffer.
@@ -422,6 +422,57 @@ fn never_written_memory_reads_as_poison_and_zero_fill_as_zero() {
     let read = |address| from_bytes(&device.read_tensor(&tensor("t", vec![8], HostRole::Output, vec![segment(3, address, 0, 8)])).unwrap());
     assert!(read(IL).iter().all(|&v| v == 0.0), "gelu(0) = 0");
     assert!(read(IL + 16).iter().all(|v| v.is_nan()), "the poison pattern reads as NaN");
+}
+
+#[test]
+fn a_product_adds_its_epilogue_addend_by_rows_columns_or_whole_block_before_rounding() {
+    // c = a . b + addend for each broadcast, on tile 5: a [2 x 4], b [4 x 8], c [2 x 8].
+    let (m, k, n) = (2u32, 4u32, 8u32);
+    let mut b = Build::new();
+    for (name, offset, bytes) in [("a", 0, 16), ("b", 0x100, 64), ("row", 0x200, 16), ("column", 0x240, 8), ("full", 0x280, 32), ("c1", 0x300, 32), ("c2", 0x340, 32), ("c3", 0x380, 32)] {
+        b.alloc(5, name, IL + offset, bytes, AllocationKind::Data);
+    }
+    let call = |c: u32, add: Operand, broadcast: Broadcast| VertexCall::MatMul {
+        m, k, n, a: op(IL, k), a_panel: 0, b: op(IL + 0x100, n), b_transposed: false, c: op(IL + c, n), c_panel: 0, partials: false,
+        add: Some(Addend { operand: add, broadcast }),
+    };
+    b.call(5, 0, call(0x300, op(IL + 0x200, n), Broadcast::Row));
+    b.call(5, 0, call(0x340, op(IL + 0x240, m), Broadcast::Column));
+    b.call(5, 0, call(0x380, op(IL + 0x280, n), Broadcast::Full));
+    b.steps = vec![Step::Compute { index: 0 }];
+    let t = |name: &str, address: u32, rows: u32, cols: u32| {
+        tensor(name, vec![rows, cols], HostRole::Input, (0..rows).map(|r| segment(5, address + r * cols * 2, r * cols, cols)).collect())
+    };
+    let package = b.finish();
+    let mut device = load(&package).unwrap();
+    let (av, bv, row, column, full) = (values(8, 5), values(32, 6), values(8, 7), values(2, 8), values(16, 9));
+    for (name, address, rows, cols, v) in [("a", 0, m, k, &av), ("b", 0x100, k, n, &bv), ("row", 0x200, 1, n, &row), ("column", 0x240, 1, m, &column), ("full", 0x280, m, n, &full)] {
+        device.write_tensor(&t(name, IL + address, rows, cols), &to_bytes(v)).unwrap();
+    }
+    let report = device.run(&[]).unwrap();
+    for (name, address, addend) in [("c1", 0x300u32, 0usize), ("c2", 0x340, 1), ("c3", 0x380, 2)] {
+        let got = from_bytes(&device.read_tensor(&t(name, IL + address, m, n)).unwrap());
+        for i in 0..m as usize {
+            for j in 0..n as usize {
+                let product: f32 = (0..k as usize).map(|kk| av[i * k as usize + kk].to_f32() * bv[kk * n as usize + j].to_f32()).sum();
+                let extra = [row[j], column[i], full[i * n as usize + j]][addend].to_f32();
+                // One rounding to f16 of the fp32 sum (f32 sums of four products: exact enough).
+                let want = f16::from_f32(product + extra).to_f32();
+                assert!((got[i * n as usize + j] - want).abs() <= want.abs() / 1024.0 + 1e-3, "{name}[{i}][{j}] = {}, want {want}", got[i * n as usize + j]);
+            }
+        }
+    }
+    let tc = target();
+    let each = cost::gemm(&tc, m, k, n, cost::weight_class(&tc, &op(IL + 0x100, n)), false) + cost::epilogue_add(&tc, (m * n) as u64);
+    assert_eq!(report.timeline.cycles(), 3 * each, "the product's cost plus the add's per-vector body");
+
+    // An addend on a product that writes fp32 partials would be added once per reduction member.
+    let mut package = package;
+    let tile5 = package.tiles.iter_mut().find(|t| t.tile == 5).unwrap();
+    let VertexCall::MatMul { partials, .. } = &mut tile5.compute_sets[0].calls[0] else { panic!("tile 5 multiplies") };
+    *partials = true;
+    let err = load(&package).err().expect("an addend on partials must be rejected");
+    assert!(matches!(err, DeviceError::Access { tile: 5, operand: "add", .. }) && err.to_string().contains("partials"), "{err}");
 }
 
 #[test]

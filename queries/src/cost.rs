@@ -6,7 +6,7 @@
 //! charges them for the vertex calls it executes, so the two can only disagree where the
 //! planner's picture of a call differs from the call the package really makes.
 
-use crate::package::{Operand, VertexCall};
+use crate::package::{Addend, Operand, VertexCall};
 use crate::target::Target;
 
 fn ceil_div(a: u64, b: u64) -> u64 {
@@ -125,6 +125,21 @@ pub fn scaled_softmax(t: &Target, rows: u32, cols: u32) -> u64 {
         + unary_half(t, n, c.cpl_mul_half, false)
 }
 
+/// An addend folded into the epilogue of a product (or of the reduction that finishes it) over
+/// `n` output elements: the separate binary add pass's per-vector body (`cpl_add_half` plus the
+/// binary loop's 2 cycles per vector, over the workers) is paid; its launch, worker base and
+/// tail are the pass it saves. The composition is an assumption (`[INF]`), every term is the
+/// target file's.
+pub fn epilogue_add(t: &Target, n: u64) -> u64 {
+    let w = workers(t);
+    w * ceil_div(ceil_div(n, w), t.compute.vector_f16_lanes as u64) * (t.costs.cpl_add_half + 2)
+}
+
+/// The epilogue cost of an optional addend on a call writing `rows` x `cols` elements.
+fn addend_cost<O>(t: &Target, add: &Option<Addend<O>>, rows: u32, cols: u32) -> u64 {
+    add.as_ref().map_or(0, |_| epilogue_add(t, rows as u64 * cols as u64))
+}
+
 pub fn copy(t: &Target, bytes: u64, both_interleaved: bool) -> u64 {
     let c = &t.costs;
     let rate = if both_interleaved { c.copy_interleaved_bytes_per_cycle } else { c.copy_standard_bytes_per_cycle };
@@ -139,8 +154,8 @@ pub fn exchange_phase(t: &Target, horizon: u32) -> u64 {
 /// Cycles of one vertex call as the package states it: the weight class of a matrix product
 /// and the copy rate follow from the operands' addresses.
 pub fn vertex(t: &Target, call: &VertexCall) -> u64 {
-    if let VertexCall::MatMul { m, k, n, b, b_transposed, .. } = call {
-        return gemm(t, *m, *k, *n, weight_class(t, b), *b_transposed);
+    if let VertexCall::MatMul { m, k, n, b, b_transposed, add, .. } = call {
+        return gemm(t, *m, *k, *n, weight_class(t, b), *b_transposed) + addend_cost(t, add, *m, *n);
     }
     vertex_with(t, call, |o| o.address >= t.memory.interleaved_start)
 }
@@ -164,8 +179,11 @@ pub fn weight_class(t: &Target, b: &Operand) -> WeightClass {
 pub fn vertex_constants(t: &Target, call: &VertexCall) -> Vec<&'static str> {
     let mut keys = vec!["costs.kernel_launch"];
     match call {
-        VertexCall::MatMul { b, b_transposed, .. } => {
+        VertexCall::MatMul { b, b_transposed, add, .. } => {
             keys.extend(["costs.gemm_base", "costs.gemm_block", "costs.gemm_per_row", "costs.gemm_per_block"]);
+            if add.is_some() {
+                keys.extend(EPILOGUE_CONSTANTS);
+            }
             if weight_class(t, b) == WeightClass::Standard {
                 keys.push("costs.gemm_standard_weight_extra_per_block");
             }
@@ -173,7 +191,12 @@ pub fn vertex_constants(t: &Target, call: &VertexCall) -> Vec<&'static str> {
                 keys.push("costs.gemm_transposed_weight_extra_per_block");
             }
         }
-        VertexCall::Reduce { .. } => keys.extend(["costs.reduce_base", "costs.reduce_chunk", "costs.reduce_chunk_base", "costs.reduce_per_partial"]),
+        VertexCall::Reduce { add, .. } => {
+            keys.extend(["costs.reduce_base", "costs.reduce_chunk", "costs.reduce_chunk_base", "costs.reduce_per_partial"]);
+            if add.is_some() {
+                keys.extend(EPILOGUE_CONSTANTS);
+            }
+        }
         VertexCall::Gelu { .. } => keys.extend(["costs.gelu_base", "costs.gelu_chunk", "costs.gelu_per_chunk"]),
         VertexCall::Scale { .. } => keys.extend(["costs.unary_base", "costs.unary_tail", "costs.cpl_mul_half", "compute.vector_f16_lanes", "chip.workers"]),
         VertexCall::Add { .. } => keys.extend(["costs.binary_base", "costs.binary_tail", "costs.cpl_add_half", "compute.vector_f16_lanes", "chip.workers"]),
@@ -210,6 +233,9 @@ pub fn vertex_constants(t: &Target, call: &VertexCall) -> Vec<&'static str> {
     keys
 }
 
+/// The target constants [`epilogue_add`] reads.
+const EPILOGUE_CONSTANTS: [&str; 3] = ["costs.cpl_add_half", "compute.vector_f16_lanes", "chip.workers"];
+
 /// The target constants an exchange phase's cycles read: the sync and the route delays that
 /// set the horizon.
 pub const EXCHANGE_CONSTANTS: &[&str] =
@@ -219,11 +245,11 @@ pub const EXCHANGE_CONSTANTS: &[&str] =
 /// planner, before placement, assumes what it will ask placement for).
 pub fn vertex_with<O>(t: &Target, call: &VertexCall<O>, interleaved: impl Fn(&O) -> bool) -> u64 {
     match call {
-        VertexCall::MatMul { m, k, n, b, b_transposed, .. } => {
+        VertexCall::MatMul { m, k, n, b, b_transposed, add, .. } => {
             let class = if interleaved(b) { WeightClass::Interleaved } else { WeightClass::Standard };
-            gemm(t, *m, *k, *n, class, *b_transposed)
+            gemm(t, *m, *k, *n, class, *b_transposed) + addend_cost(t, add, *m, *n)
         }
-        VertexCall::Reduce { rows, cols, parts, .. } => reduce(t, parts.len() as u32, *rows as u64 * *cols as u64),
+        VertexCall::Reduce { rows, cols, parts, add, .. } => reduce(t, parts.len() as u32, *rows as u64 * *cols as u64) + addend_cost(t, add, *rows, *cols),
         VertexCall::Gelu { rows, cols, .. } => gelu(t, *rows as u64 * *cols as u64),
         VertexCall::Scale { rows, cols, .. } => unary_half(t, *rows as u64 * *cols as u64, t.costs.cpl_mul_half, false),
         VertexCall::Add { rows, cols, .. } => binary_half(t, *rows as u64 * *cols as u64, t.costs.cpl_add_half),
@@ -261,6 +287,19 @@ mod tests {
         let multiply = t.chip.workers as u64 * n.div_ceil(t.chip.workers as u64).div_ceil(t.compute.vector_f16_lanes as u64) * t.costs.cpl_mul_half;
         assert_eq!(folded, softmax(&t, rows, cols) + multiply);
         assert!(folded < separate);
+    }
+
+    #[test]
+    fn a_folded_bias_costs_the_add_pass_per_vector_body_and_saves_the_rest() {
+        let t = Target::from_toml(fixtures::IPU21, "ipu21").unwrap();
+        let (m, k, n) = (46u32, 1152u32, 32u32);
+        let elements = m as u64 * n as u64;
+        let separate = gemm(&t, m, k, n, WeightClass::Interleaved, true) + binary_half(&t, elements, t.costs.cpl_add_half);
+        let folded = gemm(&t, m, k, n, WeightClass::Interleaved, true) + epilogue_add(&t, elements);
+        // The pass saved: its launch, six worker bases and its tail; nothing else changes.
+        assert_eq!(separate - folded, t.costs.kernel_launch + t.chip.workers as u64 * t.costs.binary_base + t.costs.binary_tail);
+        let vectors = elements.div_ceil(t.chip.workers as u64).div_ceil(t.compute.vector_f16_lanes as u64);
+        assert_eq!(epilogue_add(&t, elements), t.chip.workers as u64 * vectors * (t.costs.cpl_add_half + 2));
     }
 
     #[test]

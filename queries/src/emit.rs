@@ -127,13 +127,17 @@ fn encode_call(call: &VertexCall, out: &mut Vec<u8>) {
         }
     };
     match call {
-        VertexCall::MatMul { m, k, n, a, a_panel, b, b_transposed, c, c_panel, partials } => {
-            ops(1, &[*m, *k, *n, *a_panel, *b_transposed as u32 | (*partials as u32) << 1 | *c_panel << 8], &[a, b, c])
+        VertexCall::MatMul { m, k, n, a, a_panel, b, b_transposed, c, c_panel, partials, add } => {
+            let flags = *b_transposed as u32 | (*partials as u32) << 1 | addend_mode(add) << 2 | *c_panel << 8;
+            let mut refs = vec![a, b, c];
+            refs.extend(add.as_ref().map(|x| &x.operand));
+            ops(1, &[*m, *k, *n, *a_panel, flags], &refs)
         }
-        VertexCall::Reduce { rows, cols, parts, out: o } => {
+        VertexCall::Reduce { rows, cols, parts, out: o, add } => {
             let mut refs: Vec<&Operand> = parts.iter().take(4).collect();
             refs.push(o);
-            ops(2, &[*rows, *cols, parts.len() as u32], &refs)
+            refs.extend(add.as_ref().map(|x| &x.operand));
+            ops(2, &[*rows, *cols, parts.len() as u32 | addend_mode(add) << 16], &refs)
         }
         VertexCall::Gelu { rows, cols, input, output } => ops(3, &[*rows, *cols], &[input, output]),
         VertexCall::Scale { rows, cols, factor, input, output } => ops(4, &[*rows, *cols, factor.to_bits()], &[input, output]),
@@ -147,6 +151,17 @@ fn encode_call(call: &VertexCall, out: &mut Vec<u8>) {
     words.resize((VERTEX_RECORD_BYTES / 4) as usize, 0);
     for w in words {
         out.extend_from_slice(&w.to_le_bytes());
+    }
+}
+
+/// The epilogue addend's broadcast in a vertex record: 0 none, 1 row, 2 column, 3 full.
+fn addend_mode(add: &Option<crate::package::Addend<Operand>>) -> u32 {
+    use crate::package::Broadcast;
+    match add.as_ref().map(|x| x.broadcast) {
+        None => 0,
+        Some(Broadcast::Row) => 1,
+        Some(Broadcast::Column) => 2,
+        Some(Broadcast::Full) => 3,
     }
 }
 

@@ -17,7 +17,7 @@ use crate::tables::PackedPhase;
 
 pub const PACKAGE_MAGIC: [u8; 8] = *b"IPUQPKG\0";
 /// Bump when the layout of anything below changes.
-pub const PACKAGE_FORMAT_VERSION: u32 = 8;
+pub const PACKAGE_FORMAT_VERSION: u32 = 9;
 /// rkyv's format flags this build writes (little endian, aligned, 32-bit offsets).
 pub const RKYV_FLAGS: u32 = 0x0000_0001;
 pub const HEADER_BYTES: usize = 96;
@@ -146,6 +146,36 @@ pub struct Operand {
     pub row_stride: u32,
 }
 
+/// How an epilogue addend lines up with the rows x cols block a call writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub enum Broadcast {
+    /// One row of `cols` elements added to every row: a bias of a product in normal orientation.
+    Row,
+    /// One element per row, added across its row: a bias of a swapped product (Cᵀ = Bᵀ·Aᵀ).
+    Column,
+    /// A whole rows x cols block with its own row stride (an added host tensor).
+    Full,
+}
+
+/// An epilogue addend (f16): what a product or the reduction finishing it adds to its fp32
+/// result before rounding it to f16, so no separate add pass runs.
+#[derive(Clone, Copy, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct Addend<O> {
+    pub operand: O,
+    pub broadcast: Broadcast,
+}
+
+impl Broadcast {
+    /// The addend's extent (rows, cols) for a call writing `rows` x `cols`.
+    pub fn extent(self, rows: u32, cols: u32) -> (u32, u32) {
+        match self {
+            Broadcast::Row => (1, cols),
+            Broadcast::Column => (1, rows),
+            Broadcast::Full => (rows, cols),
+        }
+    }
+}
+
 /// One vertex (codelet) call. Every kernel works on `rows` x `cols` 2-D strided operands.
 /// The compiler builds the same calls over address-free operands (`lower::Loc`) and maps them
 /// to `Operand`s once storage is placed.
@@ -159,9 +189,11 @@ pub enum VertexCall<O = Operand> {
     /// lets a gathered block arrive in long contiguous runs. `c_panel` = w > 0: C is stored the
     /// same way, ceil(n / w) panels of m rows x w columns (the AMP's output-channel groups),
     /// panel p at `c.address + p * m * c.row_stride * element bytes`.
-    MatMul { m: u32, k: u32, n: u32, a: O, a_panel: u32, b: O, b_transposed: bool, c: O, c_panel: u32, partials: bool },
-    /// out (f16) = sum of fp32 partial blocks, rows x cols each.
-    Reduce { rows: u32, cols: u32, parts: Vec<O>, out: O },
+    /// `add`: an epilogue addend (a bias) added to the fp32 result before it is rounded to f16;
+    /// never with `partials` (the reduction that finishes such a product adds it instead).
+    MatMul { m: u32, k: u32, n: u32, a: O, a_panel: u32, b: O, b_transposed: bool, c: O, c_panel: u32, partials: bool, add: Option<Addend<O>> },
+    /// out (f16) = sum of fp32 partial blocks, rows x cols each, plus the epilogue addend `add`.
+    Reduce { rows: u32, cols: u32, parts: Vec<O>, out: O, add: Option<Addend<O>> },
     /// GELU (tanh approximation), f16.
     Gelu { rows: u32, cols: u32, input: O, output: O },
     /// output = input * factor, f16.
@@ -193,10 +225,17 @@ impl<O> VertexCall<O> {
     /// The same call over other operands (placement turns `Loc`s into `Operand`s).
     pub fn map<P>(&self, mut f: impl FnMut(&O) -> P) -> VertexCall<P> {
         match self {
-            VertexCall::MatMul { m, k, n, a, a_panel, b, b_transposed, c, c_panel, partials } => {
-                VertexCall::MatMul { m: *m, k: *k, n: *n, a: f(a), a_panel: *a_panel, b: f(b), b_transposed: *b_transposed, c: f(c), c_panel: *c_panel, partials: *partials }
+            VertexCall::MatMul { m, k, n, a, a_panel, b, b_transposed, c, c_panel, partials, add } => {
+                let (a, b, c) = (f(a), f(b), f(c));
+                let add = add.as_ref().map(|x| Addend { operand: f(&x.operand), broadcast: x.broadcast });
+                VertexCall::MatMul { m: *m, k: *k, n: *n, a, a_panel: *a_panel, b, b_transposed: *b_transposed, c, c_panel: *c_panel, partials: *partials, add }
             }
-            VertexCall::Reduce { rows, cols, parts, out } => VertexCall::Reduce { rows: *rows, cols: *cols, parts: parts.iter().map(&mut f).collect(), out: f(out) },
+            VertexCall::Reduce { rows, cols, parts, out, add } => {
+                let parts = parts.iter().map(&mut f).collect();
+                let out = f(out);
+                let add = add.as_ref().map(|x| Addend { operand: f(&x.operand), broadcast: x.broadcast });
+                VertexCall::Reduce { rows: *rows, cols: *cols, parts, out, add }
+            }
             VertexCall::Gelu { rows, cols, input, output } => VertexCall::Gelu { rows: *rows, cols: *cols, input: f(input), output: f(output) },
             VertexCall::Scale { rows, cols, factor, input, output } => VertexCall::Scale { rows: *rows, cols: *cols, factor: *factor, input: f(input), output: f(output) },
             VertexCall::Add { rows, cols, a, b, output } => VertexCall::Add { rows: *rows, cols: *cols, a: f(a), b: f(b), output: f(output) },
@@ -215,8 +254,8 @@ impl<O> VertexCall<O> {
     /// Every operand the call reads or writes.
     pub fn operands(&self) -> Vec<&O> {
         match self {
-            VertexCall::MatMul { a, b, c, .. } => vec![a, b, c],
-            VertexCall::Reduce { parts, out, .. } => parts.iter().chain([out]).collect(),
+            VertexCall::MatMul { a, b, c, add, .. } => [a, b, c].into_iter().chain(add.as_ref().map(|x| &x.operand)).collect(),
+            VertexCall::Reduce { parts, out, add, .. } => parts.iter().chain([out]).chain(add.as_ref().map(|x| &x.operand)).collect(),
             VertexCall::Gelu { input, output, .. } | VertexCall::Scale { input, output, .. } | VertexCall::Softmax { input, output, .. } | VertexCall::Copy { input, output, .. } => vec![input, output],
             VertexCall::Add { a, b, output, .. } => vec![a, b, output],
             VertexCall::GeluErf { input, output, .. } => vec![input, output],

@@ -16,7 +16,7 @@ use super::plan::{column_reduction, MatMulPlan, MatMulProblem};
 use super::{BufferDecl, Call, LCheckpoint, LHostTensor, LSegment, LStep, Loc, Lowered, OperationPlan, Transfer};
 use crate::cost;
 use crate::ir::{split3, DType, Graph, OpKind, Producer, Role, ValueId};
-use crate::package::{AllocationKind, HostRole};
+use crate::package::{Addend, AllocationKind, Broadcast, HostRole};
 use crate::target::Target;
 
 /// Bytes per tile the planner leaves for code, vertex state and exchange tables.
@@ -34,6 +34,15 @@ pub enum LowerError {
     Unsupported { operation: String, message: String },
     #[error("operation '{operation}': plan constraint cannot be honoured: {reason}")]
     Constraint { operation: String, reason: String },
+}
+
+/// An add folded into a product's epilogue (see `elementwise::folded_add`): the add's
+/// operation index, the host tensor added, and how it lines up with the product's output.
+#[derive(Clone, Copy)]
+struct Epilogue {
+    add: usize,
+    addend: ValueId,
+    broadcast: Broadcast,
 }
 
 /// A place in tile memory before addresses exist: (buffer, byte offset).
@@ -154,7 +163,15 @@ struct Builder<'a> {
     /// Per operation index: the first and last step it uses.
     spans: BTreeMap<u32, (u32, u32)>,
     interleaved_weights: std::collections::BTreeSet<u32>,
+    /// Blocks of computed values already gathered by exchange onto a tile: a later consumer
+    /// of the same block there (Q, K and V of one LayerNorm output) reads that buffer instead
+    /// of receiving the words again. Values are never overwritten, so the buffer stays valid;
+    /// its lifetime grows to the last reader.
+    gathered: BTreeMap<GatherKey, (u32, DType, u32)>,
 }
+
+/// (value, tile, block, panel width, prefers interleaved memory) of a gathered block.
+type GatherKey = (ValueId, u32, Vec<(u32, u32)>, u32, bool, bool);
 
 /// Bytes per tile that other operations keep live while an operation runs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
@@ -201,17 +218,30 @@ pub fn lower_with(oriented: &Oriented, target: &Target, home_weights: bool, rese
         owners: Vec::new(),
         spans: BTreeMap::new(),
         interleaved_weights: Default::default(),
+        gathered: BTreeMap::new(),
     };
     let folded = folded_scales(graph);
+    let adds = super::elementwise::folded_adds(graph);
     for (index, operation) in graph.operations.iter().enumerate() {
-        if operation.kind.is_view() || folded.values().any(|f| f.0 == index) {
+        if operation.kind.is_view() || folded.values().any(|f| f.0 == index) || adds.values().any(|f| f.add == index) {
             continue;
         }
         b.operation_name = graph.value(operation.output).name.clone();
         b.operation_index = index;
         let first_step = b.steps.len() as u32;
         match &operation.kind {
-            OpKind::MatMul { transpose_b } => b.matmul(index, operation.inputs[0], operation.inputs[1], *transpose_b, operation.output)?,
+            OpKind::MatMul { transpose_b } => {
+                let fold = adds.get(&index).map(|f| {
+                    // A bias of a swapped product (stored transposed) is one element per row.
+                    let broadcast = match (f.bias, oriented.checkpoint_value.contains_key(&operation.output)) {
+                        (false, _) => Broadcast::Full,
+                        (true, false) => Broadcast::Row,
+                        (true, true) => Broadcast::Column,
+                    };
+                    Epilogue { add: f.add, addend: f.addend, broadcast }
+                });
+                b.matmul(index, operation.inputs[0], operation.inputs[1], *transpose_b, operation.output, fold)?
+            }
             OpKind::Softmax if folded.contains_key(&index) => {
                 let (scale_op, factor) = folded[&index];
                 let input = graph.operations[scale_op].inputs[0];
@@ -286,8 +316,15 @@ impl<'a> Builder<'a> {
         }
         // Panels only pay where the block arrives by exchange; the host writes any layout.
         let panel = if is_stored { panel } else { 0 };
+        let tight_last = tight_last && panel > 0;
+        let key: GatherKey = (value, tile, block.to_vec(), panel, prefer_interleaved, tight_last);
+        if is_stored {
+            if let Some(&(buffer, dtype, panel)) = self.gathered.get(&key) {
+                return Ok(Held { buffer, block: block.to_vec(), dtype, panel, tight_last });
+            }
+        }
         let name = self.graph.value(value).name.clone();
-        let mut held = Held { buffer: u32::MAX, block: block.to_vec(), dtype, panel, tight_last: tight_last && panel > 0 };
+        let mut held = Held { buffer: u32::MAX, block: block.to_vec(), dtype, panel, tight_last };
         let buffer = self.buffer(tile, held.stored_elements() * dtype.bytes() as u64, AllocationKind::Data, prefer_interleaved, &name);
         held.buffer = buffer;
         if !is_stored && chain.is_matrix_transpose() {
@@ -377,7 +414,24 @@ impl<'a> Builder<'a> {
                 }
             }
         }
+        if is_stored {
+            self.gathered.insert(key, (held.buffer, held.dtype, held.panel));
+        }
         Ok(held)
+    }
+
+    /// Whether `block` of `value` is already gathered onto `tile` (see `gathered`).
+    fn already_gathered(&self, value: ValueId, tile: u32, block: &[(u32, u32)], panel: u32, prefer_interleaved: bool) -> bool {
+        self.gathered.contains_key(&(value, tile, block.to_vec(), panel, prefer_interleaved, false))
+    }
+
+    /// The gathered blocks of `value`, for the plan memo's key (they change what a plan costs).
+    fn gathered_signature(&self, value: ValueId) -> String {
+        let blocks: Vec<_> = self.gathered.keys().filter(|k| k.0 == value).map(|k| (k.1, &k.2, k.3, k.4, k.5)).collect();
+        if blocks.is_empty() {
+            return String::new();
+        }
+        format!("{}", crate::hash::KeyHasher::new("gathered blocks").bytes(format!("{blocks:?}").as_bytes()).finish())
     }
 
     fn local_copy(&mut self, cols: u32, src: Loc, dst: Loc) {
@@ -521,7 +575,21 @@ impl<'a> Builder<'a> {
         total
     }
 
-    fn matmul(&mut self, index: usize, a: ValueId, b: ValueId, b_transposed: bool, output: ValueId) -> Result<(), LowerError> {
+    /// Gather the epilogue addend for the output block rows `rows` x columns `cols` onto `tile`.
+    fn gather_addend(&mut self, fold: Option<Epilogue>, tile: u32, rows: (u32, u32), cols: (u32, u32)) -> Result<Option<Addend<Loc>>, LowerError> {
+        let Some(e) = fold else { return Ok(None) };
+        let (block, first) = match e.broadcast {
+            Broadcast::Row => (vec![cols], vec![cols.0]),
+            Broadcast::Column => (vec![rows], vec![rows.0]),
+            Broadcast::Full => (vec![rows, cols], vec![rows.0, cols.0]),
+        };
+        let held = self.gather(e.addend, tile, &block, false, 0, false)?;
+        Ok(Some(Addend { operand: held.loc(&first), broadcast: e.broadcast }))
+    }
+
+    /// A matrix product; `output` is the product's value, or with `fold` the folded add's.
+    fn matmul(&mut self, index: usize, a: ValueId, b: ValueId, b_transposed: bool, product: ValueId, fold: Option<Epilogue>) -> Result<(), LowerError> {
+        let output = fold.map_or(product, |f| self.graph.operations[f.add].output);
         let (av, bv) = (self.graph.value(a).clone(), self.graph.value(b).clone());
         let (batches, m, k) = split3(&av.shape);
         let (b_batches, b0, b1) = split3(&bv.shape);
@@ -564,6 +632,13 @@ impl<'a> Builder<'a> {
         let a_total = total_words(&av.shape, av.dtype.bytes());
         // Replicated: the tiles hold more words of the operand than it has.
         let a_replicated = |p: &MatMulPlan| a_input && p.tiles() as u64 * words_of(&a_block(p, 0, 0, 0), av.dtype.bytes()) > a_total;
+        // When A's producer stores cells no wider than an AMP panel (gemm_block columns), a row-major
+        // A block would gather in runs of one cell row each; in panels, the rows of a cell arrive
+        // as one contiguous run.
+        let gemm_block = self.target.costs.gemm_block as u32;
+        let narrow_cells = a_chain.is_identity()
+            && self.stored.get(&a_chain.base).and_then(|s| s.grid.cuts.last()).is_some_and(|c| c.windows(2).all(|w| w[1] - w[0] <= gemm_block));
+        let panel = if narrow_cells { gemm_block } else { 0 };
         let remote_a = |p: &MatMulPlan, tile: u32| {
             if a_replicated(p) {
                 let (ib, im, _, ik) = coords(p, tile);
@@ -573,7 +648,11 @@ impl<'a> Builder<'a> {
                 return 0;
             }
             let (ib, im, _, ik) = coords(p, tile);
-            self.remote_words(&a_chain, av.dtype, tile, &a_block(p, ib, im, ik))
+            let block = a_block(p, ib, im, ik);
+            if self.already_gathered(a, tile, &block, panel, false) {
+                return 0;
+            }
+            self.remote_words(&a_chain, av.dtype, tile, &block)
         };
         let b_chain = ViewChain::resolve(self.graph, b);
         let b_stored = self.stored.contains_key(&b_chain.base);
@@ -611,14 +690,15 @@ impl<'a> Builder<'a> {
             a_words + b_words
         };
         let graph = self.graph;
-        let original_name = graph.value(self.checkpoint_value.get(&output).copied().unwrap_or(output)).name.clone();
+        let original_name = graph.value(self.checkpoint_value.get(&product).copied().unwrap_or(product)).name.clone();
         let constraint = graph.file.constraints.iter().find(|c| c.operation == original_name);
-        let problem = MatMulProblem { batches, m, k, n, b_transposed, whole_rows, remote_a_words: &remote_a, remote_b_words: &remote_b, gather_bound: &gather_bound, memory_budget: self.budget(), interleaved_budget: self.interleaved_budget(), standard_budget: self.standard_budget(), constraint };
+        let epilogue = fold.map(|f| f.broadcast);
+        let problem = MatMulProblem { batches, m, k, n, b_transposed, whole_rows, epilogue, remote_a_words: &remote_a, remote_b_words: &remote_b, gather_bound: &gather_bound, memory_budget: self.budget(), interleaved_budget: self.interleaved_budget(), standard_budget: self.standard_budget(), constraint };
         let layout = |chain: &ViewChain| match self.stored.get(&chain.base) {
             Some(s) => format!("{} stored {:?} {:?}", chain.signature(), s.grid.cuts, s.grid.tiles),
             None => format!("{} host", chain.signature()),
         };
-        let parts = format!("{b_batches} {a_rank3} {b_rank3} {home_b} {a_input} {b_input} {:?} {:?}|A {}|B {}", av.dtype, bv.dtype, layout(&a_chain), layout(&b_chain));
+        let parts = format!("{b_batches} {a_rank3} {b_rank3} {home_b} {a_input} {b_input} {:?} {:?}|A {} {}|B {}", av.dtype, bv.dtype, layout(&a_chain), self.gathered_signature(a), layout(&b_chain));
         let key = candidates::signature(self.target, &problem, &parts);
         let planned = candidates::planned(self.target, &problem, key).map_err(|reason| match constraint {
             Some(_) => LowerError::Constraint { operation: original_name.clone(), reason },
@@ -634,14 +714,6 @@ impl<'a> Builder<'a> {
         }
         let (nb, nm, nn, nk) = (plan.b_cuts.len() - 1, plan.m_cuts.len() - 1, plan.n_cuts.len() - 1, plan.k_cuts.len() - 1);
         let out_name = self.graph.value(output).name.clone();
-        // When A's producer stores cells no wider than an AMP panel (gemm_block columns), a row-major
-        // A block would gather in runs of one cell row each; in panels, the rows of a cell arrive
-        // as one contiguous run.
-        let gemm_block = self.target.costs.gemm_block as u32;
-        let chain = ViewChain::resolve(self.graph, a);
-        let narrow_cells = chain.is_identity()
-            && self.stored.get(&chain.base).and_then(|s| s.grid.cuts.last()).is_some_and(|c| c.windows(2).all(|w| w[1] - w[0] <= gemm_block));
-        let panel = if narrow_cells { gemm_block } else { 0 };
         // Partials reduced by column panels are written as panels of `gemm_block` columns.
         let by_columns = column_reduction(&plan.n_cuts, nk as u32, gemm_block);
         let c_panel = if by_columns { gemm_block } else { 0 };
@@ -658,15 +730,17 @@ impl<'a> Builder<'a> {
                         let (dtype, kind) = if nk > 1 { (DType::F32, AllocationKind::Partials) } else { (DType::F16, AllocationKind::Data) };
                         let label = if nk > 1 { format!("{out_name}.partials") } else { out_name.clone() };
                         let out_block = if a_rank3 { vec![br, mr, nr] } else { vec![mr, nr] };
+                        // Without partials the product's own call adds the addend.
+                        let add = if nk == 1 { self.gather_addend(fold, tile, mr, nr)? } else { None };
                         let hc = Held { buffer: u32::MAX, block: out_block, dtype, panel: c_panel, tight_last: false };
                         let buffer = self.buffer(tile, hc.stored_elements() * dtype.bytes() as u64, kind, kind == AllocationKind::Partials, &label);
-                        work.push((tile, ib, im, i_n, ik, ha, hb, Held { buffer, ..hc }));
+                        work.push((tile, ib, im, i_n, ik, ha, hb, Held { buffer, ..hc }, add));
                     }
                 }
             }
         }
         let step = self.open_compute();
-        for (tile, ib, im, i_n, ik, ha, hb, hc) in &work {
+        for (tile, ib, im, i_n, ik, ha, hb, hc, add) in &work {
             let (kr, nr, mr) = ((plan.k_cuts[*ik], plan.k_cuts[*ik + 1]), (plan.n_cuts[*i_n], plan.n_cuts[*i_n + 1]), (plan.m_cuts[*im], plan.m_cuts[*im + 1]));
             for batch in plan.b_cuts[*ib]..plan.b_cuts[*ib + 1] {
                 let with_batch = |rank3: bool, v: Vec<u32>, bi: u32| if rank3 { [vec![bi], v].concat() } else { v };
@@ -674,7 +748,7 @@ impl<'a> Builder<'a> {
                 let b_first = if b_transposed { vec![nr.0, kr.0] } else { vec![kr.0, nr.0] };
                 let b_loc = hb.loc(&with_batch(b_rank3, b_first, batch / group));
                 let c_loc = hc.loc(&with_batch(a_rank3, vec![mr.0, nr.0], batch));
-                let call = Call::MatMul { m: mr.1 - mr.0, k: kr.1 - kr.0, n: nr.1 - nr.0, a: a_loc, a_panel: ha.panel, b: b_loc, b_transposed, c: c_loc, c_panel: hc.panel, partials: nk > 1 };
+                let call = Call::MatMul { m: mr.1 - mr.0, k: kr.1 - kr.0, n: nr.1 - nr.0, a: a_loc, a_panel: ha.panel, b: b_loc, b_transposed, c: c_loc, c_panel: hc.panel, partials: nk > 1, add: *add };
                 self.emit(step, *tile, call);
             }
         }
@@ -682,22 +756,22 @@ impl<'a> Builder<'a> {
         let mut final_step = step;
         if nk == 1 {
             grid.cuts = if a_rank3 { vec![plan.b_cuts.clone(), plan.m_cuts.clone(), plan.n_cuts.clone()] } else { vec![plan.m_cuts.clone(), plan.n_cuts.clone()] };
-            for (tile, .., hc) in &work {
+            for (tile, .., hc, _) in &work {
                 grid.tiles.push(*tile);
                 grid.buffers.push(hc.buffer);
             }
         } else {
             let partials: Vec<(u32, u32)> = work.iter().map(|w| (w.0, w.7.buffer)).collect();
             final_step = if by_columns {
-                self.reduce_by_columns(&plan, &partials, a_rank3, &out_name, &mut grid)?
+                self.reduce_by_columns(&plan, &partials, a_rank3, &out_name, &mut grid, fold)?
             } else {
-                self.reduce(&plan, &partials, a_rank3, &out_name, &mut grid)?
+                self.reduce(&plan, &partials, a_rank3, &out_name, &mut grid, fold)?
             };
         }
-        let swapped = self.checkpoint_value.contains_key(&output);
+        let swapped = self.checkpoint_value.contains_key(&product);
         let op_plan = OperationPlan {
             operation: index as u32,
-            value: self.graph.value(self.checkpoint_value.get(&output).copied().unwrap_or(output)).name.clone(),
+            value: original_name.clone(),
             kind: "matmul".into(),
             orientation: if swapped { "swapped" } else { "normal" }.into(),
             weight_memory: if plan.weights_standard { "standard" } else { "interleaved" }.into(),
@@ -709,7 +783,12 @@ impl<'a> Builder<'a> {
             estimated_exchange_cycles: plan.exchange_cycles,
             peak_bytes: plan.peak_bytes,
         };
-        self.record(index, output, grid, DType::F16, final_step, op_plan);
+        // A folded add's value is what the product stores: the checkpoint is the add's, the
+        // plan the product's.
+        self.record(fold.map_or(index, |f| f.add), output, grid, DType::F16, final_step, op_plan);
+        if let Some(p) = self.plans.last_mut() {
+            p.operation = self.origin.get(index).copied().unwrap_or(index as u32);
+        }
         Ok(())
     }
 
@@ -754,7 +833,7 @@ impl<'a> Builder<'a> {
     /// Reduce the inner partials of each (batch, row, column) block by column panels: member j
     /// of a group owns panel j (all rows), receives the others' panel j (one contiguous run
     /// each) and sums them into f16. The value is stored in cells one panel wide.
-    fn reduce_by_columns(&mut self, plan: &MatMulPlan, partials: &[(u32, u32)], rank3: bool, name: &str, grid: &mut Grid) -> Result<u32, LowerError> {
+    fn reduce_by_columns(&mut self, plan: &MatMulPlan, partials: &[(u32, u32)], rank3: bool, name: &str, grid: &mut Grid, fold: Option<Epilogue>) -> Result<u32, LowerError> {
         let (nb, nm, nn, nk) = (plan.b_cuts.len() - 1, plan.m_cuts.len() - 1, plan.n_cuts.len() - 1, plan.k_cuts.len() - 1);
         let w = self.target.costs.gemm_block as u32;
         let mut col_cuts = vec![0u32];
@@ -776,16 +855,18 @@ impl<'a> Builder<'a> {
                         let cols = w.min(c1 - col);
                         let parts = self.gather_partials(group, j, j as u32 * rows * w, rows, w, name);
                         let out = self.buffer(owner, rows as u64 * row_stride(cols, DType::F16) as u64 * 2, AllocationKind::Data, false, name);
-                        reductions.push((ib, im, col, owner, rows, cols, parts, out));
+                        // Folds are rank-2 only, so a batch piece is one element here.
+                        let add = self.gather_addend(fold, owner, (plan.m_cuts[im], plan.m_cuts[im + 1]), (col, col + cols))?;
+                        reductions.push((ib, im, col, owner, rows, cols, parts, out, add));
                     }
                 }
             }
         }
         let step = self.open_compute();
         let mut cells: BTreeMap<(usize, usize, u32), (u32, u32)> = BTreeMap::new();
-        for (ib, im, col, owner, rows, cols, parts, out) in reductions {
+        for (ib, im, col, owner, rows, cols, parts, out, add) in reductions {
             let out_loc = Loc { buffer: out, offset: 0, row_stride: row_stride(cols, DType::F16), dtype_bytes: 2 };
-            self.emit(step, owner, Call::Reduce { rows, cols, parts, out: out_loc });
+            self.emit(step, owner, Call::Reduce { rows, cols, parts, out: out_loc, add });
             cells.insert((ib, im, col), (owner, out));
         }
         grid.cuts = if rank3 { vec![plan.b_cuts.clone(), plan.m_cuts.clone(), col_cuts] } else { vec![plan.m_cuts.clone(), col_cuts] };
@@ -817,7 +898,7 @@ impl<'a> Builder<'a> {
 
     /// Reduce the inner partials of each (batch, row, column) block: member j of a group owns
     /// row chunk j, receives the others' partials for it, and sums them into f16.
-    fn reduce(&mut self, plan: &MatMulPlan, partials: &[(u32, u32)], rank3: bool, name: &str, grid: &mut Grid) -> Result<u32, LowerError> {
+    fn reduce(&mut self, plan: &MatMulPlan, partials: &[(u32, u32)], rank3: bool, name: &str, grid: &mut Grid, fold: Option<Epilogue>) -> Result<u32, LowerError> {
         let (nb, nm, nn, nk) = (plan.b_cuts.len() - 1, plan.m_cuts.len() - 1, plan.n_cuts.len() - 1, plan.k_cuts.len() - 1);
         let mut row_cuts = vec![0u32];
         for im in 0..nm {
@@ -838,16 +919,18 @@ impl<'a> Builder<'a> {
                         let rows = chunks[j + 1] - chunks[j];
                         let parts = self.gather_partials(&group, j, chunks[j] * stride32, rows, stride32, name);
                         let out = self.buffer(owner, rows as u64 * row_stride(cols, DType::F16) as u64 * 2, AllocationKind::Data, false, name);
-                        reductions.push((ib, plan.m_cuts[im] + chunks[j], i_n, owner, rows, cols, parts, out));
+                        let row0 = plan.m_cuts[im] + chunks[j];
+                        let add = self.gather_addend(fold, owner, (row0, row0 + rows), (plan.n_cuts[i_n], plan.n_cuts[i_n + 1]))?;
+                        reductions.push((ib, row0, i_n, owner, rows, cols, parts, out, add));
                     }
                 }
             }
         }
         let step = self.open_compute();
         let mut cells: BTreeMap<(usize, u32, usize), (u32, u32)> = BTreeMap::new();
-        for (ib, row, i_n, owner, rows, cols, parts, out) in reductions {
+        for (ib, row, i_n, owner, rows, cols, parts, out, add) in reductions {
             let out_loc = Loc { buffer: out, offset: 0, row_stride: row_stride(cols, DType::F16), dtype_bytes: 2 };
-            self.emit(step, owner, Call::Reduce { rows, cols, parts, out: out_loc });
+            self.emit(step, owner, Call::Reduce { rows, cols, parts, out: out_loc, add });
             cells.insert((ib, row, i_n), (owner, out));
         }
         grid.cuts = if rank3 { vec![plan.b_cuts.clone(), row_cuts, plan.n_cuts.clone()] } else { vec![row_cuts, plan.n_cuts.clone()] };
@@ -867,6 +950,10 @@ impl<'a> Builder<'a> {
     fn elementwise_scaled(&mut self, index: usize, kind: OpKind, inputs: &[ValueId], output: ValueId, scale: f32) -> Result<(), LowerError> {
         let out = self.graph.value(output).clone();
         let chain = ViewChain::resolve(self.graph, inputs[0]);
+        if matches!(kind, OpKind::BiasAdd) && self.checkpoint_value.contains_key(&chain.base) {
+            // Its bias is one element per stored row: only the product's epilogue adds it so.
+            return Err(LowerError::Unsupported { operation: out.name.clone(), message: "a bias add over a swapped product lowers only folded into the product's epilogue".into() });
+        }
         let reuse = chain.is_identity()
             && self.stored.get(&chain.base).is_some_and(|s| !super::elementwise::needs_whole_rows(&kind) || s.grid.cuts.last().is_some_and(|c| c.len() == 2));
         let (cuts, tiles): (Vec<Vec<u32>>, Vec<u32>) = if reuse {

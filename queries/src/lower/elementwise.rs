@@ -3,8 +3,9 @@
 //! inputs are 1-D parameters broadcast over the rows (a bias, LayerNorm's gamma and beta), and
 //! which kinds keep their first input's layout (so a row consumer further on still matters).
 
+use super::grid::ViewChain;
 use super::{Call, Loc};
-use crate::ir::OpKind;
+use crate::ir::{Graph, OpKind, Producer, ValueId};
 
 /// Whether the operation needs each row of its input whole on one tile.
 pub fn needs_whole_rows(kind: &OpKind) -> bool {
@@ -42,4 +43,53 @@ pub fn call(kind: &OpKind, rows: u32, cols: u32, ins: &[Loc], output: Loc, scale
         OpKind::LayerNorm { eps } => Call::LayerNorm { rows, cols, eps: *eps as f32, input: ins[0], gamma: ins[1], beta: ins[2], output },
         _ => return None,
     })
+}
+
+/// An add folded into the epilogue of the matrix product that feeds it: the product (or the
+/// reduction that finishes it) writes `product output + addend` and the add runs no pass.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fold {
+    /// The add's operation index.
+    pub add: usize,
+    /// The host tensor (or a view of one) that is added.
+    pub addend: ValueId,
+    /// A bias (`bias_add`, one row broadcast); otherwise an `add` of a whole block.
+    pub bias: bool,
+}
+
+/// The add folded into product `product`'s epilogue, if any: a `bias_add` of a host bias, or an
+/// `add` of a host tensor (through views), that is the only computing reader of the rank-2
+/// product's output, which is no graph output. Views that nobody computes from do not count.
+pub fn folded_add(graph: &Graph, product: usize) -> Option<Fold> {
+    let op = &graph.operations[product];
+    if !matches!(op.kind, OpKind::MatMul { .. }) || graph.value(op.output).shape.len() != 2 || op.inputs.iter().any(|&v| graph.value(v).shape.len() != 2) {
+        return None;
+    }
+    if graph.outputs.iter().any(|&o| ViewChain::resolve(graph, o).base == op.output) {
+        return None;
+    }
+    let readers: Vec<usize> = graph
+        .operations
+        .iter()
+        .enumerate()
+        .filter(|(_, o)| !o.kind.is_view() && o.inputs.iter().any(|&v| ViewChain::resolve(graph, v).base == op.output))
+        .map(|(i, _)| i)
+        .collect();
+    let [add] = readers[..] else { return None };
+    let reader = &graph.operations[add];
+    let host = |v: ValueId| matches!(graph.value(ViewChain::resolve(graph, v).base).producer, Producer::Tensor { .. });
+    match reader.kind {
+        OpKind::BiasAdd if reader.inputs[0] == op.output && host(reader.inputs[1]) => Some(Fold { add, addend: reader.inputs[1], bias: true }),
+        OpKind::Add => {
+            let (a, b) = (reader.inputs[0], reader.inputs[1]);
+            let addend = if a == op.output && b != op.output { b } else if b == op.output && a != op.output { a } else { return None };
+            host(addend).then_some(Fold { add, addend, bias: false })
+        }
+        _ => None,
+    }
+}
+
+/// Every fold of `graph`: product operation index -> its fold.
+pub fn folded_adds(graph: &Graph) -> std::collections::BTreeMap<usize, Fold> {
+    (0..graph.operations.len()).filter_map(|i| folded_add(graph, i).map(|f| (i, f))).collect()
 }

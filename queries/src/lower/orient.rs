@@ -32,15 +32,21 @@ pub struct Oriented {
 pub const SWAPPED: &str = ".swapped";
 
 /// The rank-2 matrix products of `graph` (operation indices) that may be swapped. A product
-/// feeding a bias add is not: the bias add would read the transposed view, whose f16 columns
-/// cannot be gathered in whole words (so every such candidate would fail to lower).
+/// feeding a bias add only when the bias folds into its epilogue (`elementwise::folded_add`):
+/// swapped, the bias is one element per row of Cᵀ, which the product adds as it writes; a
+/// separate bias add would read the transposed view, whose f16 columns cannot be gathered in
+/// whole words (so every such candidate would fail to lower).
 pub fn swappable(graph: &Graph) -> Vec<usize> {
     let biased = |o: &crate::ir::Operation| graph.operations.iter().any(|c| matches!(c.kind, OpKind::BiasAdd) && c.inputs.first() == Some(&o.output));
     graph
         .operations
         .iter()
         .enumerate()
-        .filter(|(_, o)| matches!(o.kind, OpKind::MatMul { .. }) && o.inputs.iter().all(|&v| graph.value(v).shape.len() == 2) && !biased(o))
+        .filter(|(i, o)| {
+            matches!(o.kind, OpKind::MatMul { .. })
+                && o.inputs.iter().all(|&v| graph.value(v).shape.len() == 2)
+                && (!biased(o) || super::elementwise::folded_add(graph, *i).is_some_and(|f| f.bias))
+        })
         .map(|(i, _)| i)
         .collect()
 }
@@ -106,11 +112,15 @@ pub fn orient(graph: &Graph, swapped: &BTreeSet<usize>) -> Result<Oriented, Stri
             && rank2
             && operation.inputs.iter().any(|i| transposed.contains_key(i))
             && operation.inputs.iter().all(|&i| transposed.contains_key(&i) || is_host(i));
-        if follows {
+        // A bias add over a swapped product adds its 1-D bias per row of the stored transpose
+        // (the lowering folds it into the product's epilogue, the only way it lowers).
+        let bias_follows = matches!(operation.kind, OpKind::BiasAdd) && transposed.contains_key(&operation.inputs[0]) && is_host(operation.inputs[1]);
+        if follows || bias_follows {
             let mut inputs = Vec::new();
-            for &i in &operation.inputs {
+            for (position, &i) in operation.inputs.iter().enumerate() {
                 match transposed.get(&i) {
                     Some(&t) => inputs.push(t),
+                    None if bias_follows && position == 1 => inputs.push(map[&i]),
                     None => {
                         let iv = graph.value(i);
                         inputs.push(push(&mut values, &mut operations, &mut origin, OpKind::Transpose { perm: vec![1, 0] }, vec![map[&i]], format!("{}.transposed_for_{}", iv.name, out.name), t2(&iv.shape), iv.dtype, index));
@@ -182,6 +192,42 @@ name = "y"
 op = "matmul"
 inputs = ["g", "w2"]
 "#;
+
+    /// The MLP with 1-D biases after each product; `extra` appends operations.
+    fn biased(extra: &str) -> String {
+        let (tensors, _) = MLP.split_at(MLP.find("[[operation]]").unwrap());
+        let mut text = tensors.replace("outputs = [\"y\"]", "outputs = [\"yb\"]");
+        for (name, n) in [("b1", 12), ("b2", 8)] {
+            text += &format!("[[tensor]]\nname = \"{name}\"\nshape = [{n}]\ndtype = \"f16\"\nrole = \"weight\"\ninit = \"zeros\"\n");
+        }
+        for (name, op, inputs) in [("h", "matmul", "\"x\", \"w1\""), ("hb", "bias_add", "\"h\", \"b1\""), ("g", "gelu", "\"hb\""), ("y", "matmul", "\"g\", \"w2\""), ("yb", "bias_add", "\"y\", \"b2\"")] {
+            text += &format!("[[operation]]\nname = \"{name}\"\nop = \"{op}\"\ninputs = [{inputs}]\n");
+        }
+        text + extra
+    }
+
+    #[test]
+    fn a_product_whose_bias_folds_may_be_swapped_and_its_bias_add_follows() {
+        let g = Graph::parse(&biased(""), "mlp").unwrap();
+        let folds = super::super::elementwise::folded_adds(&g);
+        assert_eq!(folds.len(), 2, "both bias adds fold into their products");
+        assert!(folds.values().all(|f| f.bias));
+        assert_eq!(swappable(&g), vec![0, 3]);
+        let o = orient(&g, &[0, 3].into_iter().collect()).unwrap();
+        // The bias add reads the stored transpose directly, with its 1-D bias as given.
+        let hb = o.graph.find("hb.swapped").expect("the bias add follows its swapped product");
+        let producer = match o.graph.value(hb).producer {
+            Producer::Operation(i) => &o.graph.operations[i],
+            _ => unreachable!(),
+        };
+        let names: Vec<&str> = producer.inputs.iter().map(|&v| o.graph.value(v).name.as_str()).collect();
+        assert_eq!((producer.kind.clone(), names), (OpKind::BiasAdd, vec!["h.swapped", "b1"]));
+        // In the rewritten graph the fold still holds (the view of the stored product is read by no one).
+        assert_eq!(super::super::elementwise::folded_adds(&o.graph).len(), 2);
+        // A product with a second reader besides its bias add does not fold, so it is not swapped.
+        let g = Graph::parse(&biased("[[operation]]\nname = \"h2\"\nop = \"gelu\"\ninputs = [\"h\"]\n"), "mlp").unwrap();
+        assert_eq!(swappable(&g), vec![3]);
+    }
 
     #[test]
     fn swapping_a_chain_keeps_every_value_and_stores_transposes() {

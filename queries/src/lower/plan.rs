@@ -8,6 +8,7 @@
 use crate::cost::{self, WeightClass};
 use crate::ir::PlanConstraint;
 use crate::lower::grid::split;
+use crate::package::Broadcast;
 use crate::target::Target;
 
 /// A matrix product's partition and its cuts.
@@ -51,6 +52,10 @@ pub struct MatMulProblem<'a> {
     /// A consumer needs whole rows (softmax): column partitions then cost a re-gather of the
     /// output by rows before that consumer.
     pub whole_rows: bool,
+    /// An add folded into the epilogue (a bias broadcast by rows or columns, or a whole
+    /// block): the product's call, or the reduction finishing it, pays its per-vector add and
+    /// holds the addend's block.
+    pub epilogue: Option<Broadcast>,
     /// Words a tile must receive to hold A's block [b, m, k]: gathered from a producer, or a
     /// host-input block that other tiles hold too (the input phase copies it); 0 when the host
     /// writes it (a weight, or an input block no other tile holds).
@@ -257,12 +262,28 @@ fn cost_plan(t: &Target, p: &MatMulProblem, b_cuts: Vec<u32>, m_cuts: Vec<u32>, 
     let mut compute = bs as u64 * cost::gemm(t, ms, ks, ns, class, p.b_transposed);
     let mut exchange = 0u64;
     let mut bytes = a_bytes + b_bytes;
+    // The epilogue addend's f16 block for an output block of `rows` x `cols` (rows padded to words).
+    let addend_bytes = |rows: u32, cols: u32| match p.epilogue {
+        None => 0,
+        Some(b) => {
+            let (r, c) = b.extent(rows, cols);
+            r as u64 * c.div_ceil(4) as u64 * 4 * 2
+        }
+    };
     if pk > 1 {
         bytes += partials_bytes + chunk_rows as u64 * chunk_cols.div_ceil(4) as u64 * 4 * 2;
         compute += cost::reduce(t, pk, chunk_rows as u64 * chunk_cols as u64);
+        if p.epilogue.is_some() {
+            compute += cost::epilogue_add(t, chunk_rows as u64 * chunk_cols as u64);
+            bytes += addend_bytes(chunk_rows, chunk_cols);
+        }
         exchange += sync + max_delay as u64 + receive_words;
     } else {
         bytes += bs as u64 * ms as u64 * ns_f16 as u64 * 2;
+        if p.epilogue.is_some() {
+            compute += bs as u64 * cost::epilogue_add(t, ms as u64 * ns as u64);
+            bytes += addend_bytes(ms, ns);
+        }
     }
     if bytes > p.memory_budget {
         return None;

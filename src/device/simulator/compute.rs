@@ -13,7 +13,7 @@
 
 use half::f16;
 use ipuq_queries::cost;
-use ipuq_queries::package::{ComputeSet, Operand, VertexCall};
+use ipuq_queries::package::{Addend, Broadcast, ComputeSet, Operand, VertexCall};
 use ipuq_queries::provenance::Provenance;
 use ipuq_queries::target::Target;
 
@@ -71,7 +71,7 @@ fn vertex_name(call: &VertexCall) -> &'static str {
 fn accesses(call: &VertexCall) -> Vec<Access> {
     let half = |name, op, rows, cols| Access { name, op, rows, cols, element_bytes: 2, need: Need::Data };
     match call {
-        VertexCall::MatMul { m, k, n, a, a_panel, b, b_transposed, c, c_panel, partials } => {
+        VertexCall::MatMul { m, k, n, a, a_panel, b, b_transposed, c, c_panel, partials, add } => {
             let (b_rows, b_cols) = if *b_transposed { (*n, *k) } else { (*k, *n) };
             // Panelled A (C): ceil(k / w) (ceil(n / w)) panels of m rows, one (panels * m) x w block.
             let (a_rows, a_cols) = if *a_panel > 0 { (k.div_ceil(*a_panel).saturating_mul(*m), *a_panel) } else { (*m, *k) };
@@ -81,14 +81,17 @@ fn accesses(call: &VertexCall) -> Vec<Access> {
             } else {
                 half("c", *c, c_rows, c_cols)
             };
-            vec![half("a", *a, a_rows, a_cols), half("b", *b, b_rows, b_cols), out]
+            let mut list = vec![half("a", *a, a_rows, a_cols), half("b", *b, b_rows, b_cols), out];
+            list.extend(addend_access(add, *m, *n));
+            list
         }
-        VertexCall::Reduce { rows, cols, parts, out } => {
+        VertexCall::Reduce { rows, cols, parts, out, add } => {
             let mut list: Vec<Access> = parts
                 .iter()
                 .map(|p| Access { name: "parts", op: *p, rows: *rows, cols: *cols, element_bytes: 4, need: Need::Partials })
                 .collect();
             list.push(half("out", *out, *rows, *cols));
+            list.extend(addend_access(add, *rows, *cols));
             list
         }
         VertexCall::Gelu { rows, cols, input, output } | VertexCall::Scale { rows, cols, input, output, .. } => {
@@ -129,6 +132,14 @@ fn accesses(call: &VertexCall) -> Vec<Access> {
     }
 }
 
+/// The epilogue addend of a call writing `rows` x `cols` (f16 data): one row, one element per
+/// row, or the whole block.
+fn addend_access(add: &Option<Addend<Operand>>, rows: u32, cols: u32) -> Option<Access> {
+    let x = add.as_ref()?;
+    let (r, c) = x.broadcast.extent(rows, cols);
+    Some(Access { name: "add", op: x.operand, rows: r, cols: c, element_bytes: 2, need: Need::Data })
+}
+
 /// Check every call of a tile's compute set, which runs at program steps `steps`, and add up
 /// its cycles: in all, and those priced by formulas that are not hardware-measured.
 pub fn check_set(
@@ -142,6 +153,20 @@ pub fn check_set(
     let m = &target.memory;
     let (mut cycles, mut unmeasured, mut flops) = (0, 0, 0u64);
     for (index, call) in set.calls.iter().enumerate() {
+        if let VertexCall::MatMul { partials: true, add: Some(x), .. } = call {
+            // The addend belongs to the reduction that finishes the product: added to every
+            // partial it would be counted once per member.
+            return Err(DeviceError::Access {
+                tile: memory.tile,
+                compute_set: set.index,
+                call: index,
+                vertex: vertex_name(call),
+                operand: "add",
+                start: x.operand.address as u64,
+                end: x.operand.address as u64,
+                problem: "is an epilogue addend on a call that writes fp32 partials".into(),
+            });
+        }
         for access in accesses(call) {
             let (start, end) = extent(access.op, access.rows, access.cols, access.element_bytes);
             let fail = |problem: String| DeviceError::Access {
@@ -196,7 +221,7 @@ pub fn check_set(
 /// Run one checked call on a tile's memory.
 pub fn execute(memory: &mut TileMemory, call: &VertexCall, s: &mut Scratch) {
     match call {
-        VertexCall::MatMul { m, k, n, a, a_panel, b, b_transposed, c, c_panel, partials } => {
+        VertexCall::MatMul { m, k, n, a, a_panel, b, b_transposed, c, c_panel, partials, add } => {
             if *a_panel == 0 {
                 memory.read_f16(*a, *m, *k, &mut s.bits, &mut s.a);
             } else {
@@ -211,6 +236,7 @@ pub fn execute(memory: &mut TileMemory, call: &VertexCall, s: &mut Scratch) {
             s.c.clear();
             s.c.resize(*m as usize * *n as usize, 0.0);
             kernels::matmul(&s.a, &s.b, &mut s.c, *m as usize, *k as usize, *n as usize);
+            add_epilogue(memory, add, *m, *n, s);
             if *c_panel == 0 {
                 if *partials {
                     memory.write_f32(*c, *m, *n, &s.c);
@@ -236,7 +262,7 @@ pub fn execute(memory: &mut TileMemory, call: &VertexCall, s: &mut Scratch) {
                 }
             }
         }
-        VertexCall::Reduce { rows, cols, parts, out } => {
+        VertexCall::Reduce { rows, cols, parts, out, add } => {
             s.c.clear();
             s.c.resize(*rows as usize * *cols as usize, 0.0);
             for (i, part) in parts.iter().enumerate() {
@@ -247,6 +273,7 @@ pub fn execute(memory: &mut TileMemory, call: &VertexCall, s: &mut Scratch) {
                     kernels::accumulate(&mut s.c, &s.a);
                 }
             }
+            add_epilogue(memory, add, *rows, *cols, s);
             memory.write_f16(*out, *rows, *cols, &s.c, &mut s.halves);
         }
         VertexCall::Gelu { rows, cols, input, output } => {
@@ -299,6 +326,19 @@ pub fn execute(memory: &mut TileMemory, call: &VertexCall, s: &mut Scratch) {
         VertexCall::Copy { rows, cols, dtype, input, output } => {
             memory.copy(*input, *output, *rows, *cols, dtype.bytes(), &mut s.bytes);
         }
+    }
+}
+
+/// Add a call's epilogue addend to its fp32 result `s.c` (`rows` x `cols`, row-major) before
+/// the result is rounded and written.
+fn add_epilogue(memory: &TileMemory, add: &Option<Addend<Operand>>, rows: u32, cols: u32, s: &mut Scratch) {
+    let Some(x) = add else { return };
+    let (r, c) = x.broadcast.extent(rows, cols);
+    memory.read_f16(x.operand, r, c, &mut s.bits, &mut s.t);
+    match x.broadcast {
+        Broadcast::Row => kernels::add_row(&mut s.c, &s.t),
+        Broadcast::Column => kernels::add_column(&mut s.c, &s.t),
+        Broadcast::Full => kernels::accumulate(&mut s.c, &s.t),
     }
 }
 

@@ -119,6 +119,19 @@ pub fn add_row(values: &mut [f32], row: &[f32]) {
     }
 }
 
+/// `values[r][c] += column[r]` for every row r (`column.len()` rows).
+pub fn add_column(values: &mut [f32], column: &[f32]) {
+    if column.is_empty() {
+        return;
+    }
+    let cols = values.len() / column.len();
+    for (row, &b) in values.chunks_exact_mut(cols.max(1)).zip(column) {
+        for v in row.iter_mut() {
+            *v += b;
+        }
+    }
+}
+
 /// LayerNorm of each row (`gamma.len()` elements) in f32: the mean is the sum in increasing
 /// column order over the length; the variance the same sum of squared deviations (two passes);
 /// `(x - mean) * (1 / sqrt(var + eps)) * gamma + beta`.
