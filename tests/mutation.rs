@@ -73,11 +73,34 @@ fn entries(p: &Package) -> Vec<ExchangePhase> {
     Programs::of(p).unwrap().exchanges.iter().map(|x| tables::unpack_phase(x, tables::MAX_PHASE_ENTRIES).unwrap()).collect()
 }
 
-/// Mutate the programs decoded from the images, then write them back into the images.
+/// Mutate the programs decoded from the images, then write them back into the images. A
+/// program that outgrows its code allocation (the compiler reserves what it wrote) moves to
+/// free standard memory just below the instruction fetch limit, header and all.
 fn programs(p: &mut Package, f: impl FnOnce(&mut Programs)) {
     let mut programs = Programs::of(p).unwrap();
     f(&mut programs);
-    programs.write(p).unwrap();
+    let limit = Target::from_toml(&p.target_toml, "package").unwrap().memory.instruction_fetch_limit;
+    for (i, image) in p.tiles.iter_mut().enumerate() {
+        let tables = programs.exchanges.iter().flat_map(|x| x.tiles.iter().filter(|t| t.tile == image.tile).map(|t| (x.index, t.clone()))).collect();
+        let program = image::TileProgram { compute_sets: programs.compute_sets[i].clone(), tables };
+        let (start, end) = image::code_range(image).unwrap();
+        let (_, old) = image::code_bytes(&p.shared_segments, image).unwrap();
+        let host = Header::decode(&old, start).unwrap().host_records * ipuq_queries::emit::HOST_RECORD_BYTES;
+        let needed = image::program_bytes(&program) + host;
+        if needed > end - start {
+            let at = (limit - needed) / 16 * 16;
+            assert!(image.allocations.iter().all(|a| a.kind == AllocationKind::Code || a.end <= at || a.start >= limit), "tile {}: no room to move its code", image.tile);
+            // The old bytes go along (host records), then the program is rewritten there.
+            image.segments.retain(|s| s.address != start);
+            image.shared.clear();
+            image.zero_fill.clear();
+            image.segments.push(Segment { address: at, bytes: old });
+            let code = image.allocations.iter_mut().find(|a| a.kind == AllocationKind::Code).unwrap();
+            (code.start, code.end) = (at, limit);
+            image.allocations.sort_by_key(|a| (a.start, a.end));
+        }
+        image::write_program(&p.shared_segments, image, p.steps.len() as u32, &program).unwrap();
+    }
 }
 
 /// Mutate the tables entry by entry, then write them back into the images as runs.
@@ -92,22 +115,30 @@ fn calls(programs: &mut Programs) -> impl Iterator<Item = &mut VertexCall> {
     programs.compute_sets.iter_mut().flatten().flat_map(|s| s.calls.iter_mut())
 }
 
-/// Patch the loaded bytes of a tile's code allocation (the first tile that `pick` accepts by
-/// its header): the whole code range is written back as one segment.
-fn patch_code(p: &mut Package, pick: impl Fn(&Header) -> bool, f: impl FnOnce(&Header, &mut Vec<u8>)) -> u32 {
-    let i = p.tiles.iter().position(|t| image::header_of(&p.shared_segments, t).is_some_and(|h| pick(&h))).expect("a tile for this patch");
-    let (start, mut code) = image::code_bytes(&p.shared_segments, &p.tiles[i]).unwrap();
-    let header = Header::decode(&code, start).unwrap();
-    f(&header, &mut code);
-    let t = &mut p.tiles[i];
-    t.shared.clear();
-    t.zero_fill.clear();
-    t.segments.retain(|s| s.address != start);
-    t.segments.push(Segment { address: start, bytes: code });
-    t.tile
+/// Patch the loaded bytes of a tile's code allocation: `f` is tried on each tile's code in
+/// turn until it returns true; that tile's whole code range is written back as one segment.
+fn patch_code(p: &mut Package, f: impl Fn(&Header, &mut Vec<u8>) -> bool) -> u32 {
+    for i in 0..p.tiles.len() {
+        let (start, mut code) = image::code_bytes(&p.shared_segments, &p.tiles[i]).unwrap();
+        let header = Header::decode(&code, start).unwrap();
+        if !f(&header, &mut code) {
+            continue;
+        }
+        let t = &mut p.tiles[i];
+        t.shared.clear();
+        t.zero_fill.clear();
+        t.segments.retain(|s| s.address != start);
+        t.segments.push(Segment { address: start, bytes: code });
+        return t.tile;
+    }
+    panic!("no tile for this patch")
 }
 
-/// (index into `exchanges`, index into its tiles, index into that tile's receives) of the
+fn word(code: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(code[at..at + 4].try_into().unwrap())
+}
+
+/// (index into `Package::phases`, index into its tiles, index into that tile's receives) of the
 /// first receive that satisfies `keep`.
 fn find_receive(p: &Package, keep: impl Fn(&ExchangePhase, &TileExchange, &ReceiveEntry) -> bool) -> (usize, usize, usize) {
     for (e, phase) in entries(p).iter().enumerate() {
@@ -363,7 +394,7 @@ fn every_mutation_is_caught() {
             None => table.receives[0].count = 0,
         }
     });
-    assert_error(&run(d, "empty-run", &p, &[]), "a run of zero entries");
+    assert_error(&run(d, "empty-run", &p, &[]), "a run descriptor of 0 entries");
     let mut p = base.clone();
     programs(&mut p, |x| {
         let table = &mut x.exchanges[0].tiles[0];
@@ -380,34 +411,48 @@ fn every_mutation_is_caught() {
     // count past the tables, a runtime header's magic. Each is refused at load naming the
     // tile and the address; none is executed.
     let mut p = base.clone();
-    let tile = patch_code(&mut p, |h| h.sets > 0, |h, code| code[h.vertex_offset() as usize + image::SET_RECORD_BYTES as usize] = 0xEE);
+    let tile = patch_code(&mut p, |h, code| {
+        code[h.vertex_offset() as usize + image::SET_RECORD_BYTES as usize] = 0xEE;
+        h.sets > 0
+    });
     let out = run(d, "corrupt-vertex-record", &p, &[]);
     assert_error(&out, "unknown vertex kind 238");
     assert!(out.stderr.contains(&format!("tile {tile}")) && out.stderr.contains("vertex record 0 of compute set"), "{}", out.stderr);
     let mut p = base.clone();
-    patch_code(&mut p, |h| h.sets > 0, |h, code| {
+    patch_code(&mut p, |h, code| {
         // Four bytes moved from the vertex state to the tables: the last record is cut short.
-        code[20..24].copy_from_slice(&(h.vertex_bytes - 4).to_le_bytes());
+        code[20..24].copy_from_slice(&h.vertex_bytes.wrapping_sub(4).to_le_bytes());
         code[28..32].copy_from_slice(&(h.table_bytes + 4).to_le_bytes());
+        h.sets > 0
     });
     assert_error(&run(d, "vertex-state-short", &p, &[]), "runs past the end");
     let mut p = base.clone();
-    let tile = patch_code(&mut p, |h| h.bindings > 0, |h, code| {
+    let tile = patch_code(&mut p, |h, code| {
         let at = h.table_offset() as usize + 4;
-        code[at..at + 4].copy_from_slice(&0u32.to_le_bytes());
+        if h.bindings > 0 {
+            code[at..at + 4].copy_from_slice(&0u32.to_le_bytes());
+        }
+        h.bindings > 0
     });
     let out = run(d, "corrupt-binding", &p, &[]);
     assert_error(&out, "points into the bindings");
     assert!(out.stderr.contains(&format!("tile {tile}")) && out.stderr.contains("exchange-table binding 0"), "{}", out.stderr);
     let mut p = base.clone();
-    patch_code(&mut p, |h| h.bindings > 0, |h, code| {
+    patch_code(&mut p, |h, code| {
+        if h.bindings == 0 {
+            return false;
+        }
         let binding = h.table_offset() as usize;
-        let segment = binding + u32::from_le_bytes(code[binding + 4..binding + 8].try_into().unwrap()) as usize;
+        let segment = binding + word(code, binding + 4) as usize;
         code[segment..segment + 4].copy_from_slice(&0x0100_0000u32.to_le_bytes());
+        true
     });
     assert_error(&run(d, "corrupt-descriptor-count", &p, &[]), "does not fit in the tables");
     let mut p = base.clone();
-    patch_code(&mut p, |_| true, |_, code| code[0] ^= 0x10);
+    patch_code(&mut p, |_, code| {
+        code[0] ^= 0x10;
+        true
+    });
     assert_error(&run(d, "corrupt-header", &p, &[]), "is not `IPUT`");
     kinds += 1;
 

@@ -244,12 +244,12 @@ pub fn entry_count(p: &PackedPhase) -> u64 {
 }
 
 fn record(out: &mut Vec<u8>, cycle: u32, address: u32, words: u32, source: u32, paired: bool, count: u32, cs: u32, as_: u32) {
-    let flag = if count > 1 { RUN_FLAG } else { 0 };
+    let flag = if count != 1 { RUN_FLAG } else { 0 };
     let third = (words & WORDS_MASK) | flag | source << 20 | (paired as u32) << 31;
     for w in [cycle, address, third] {
         out.extend_from_slice(&w.to_le_bytes());
     }
-    if count > 1 {
+    if count != 1 {
         for w in [count, cs, as_] {
             out.extend_from_slice(&w.to_le_bytes());
         }
