@@ -426,6 +426,22 @@ fn an_operand_outside_its_allocation_is_rejected_naming_the_tile() {
 }
 
 #[test]
+fn corrupted_image_records_are_load_errors_naming_tile_and_address() {
+    // The calls are decoded from the image bytes: tile 9's first vertex record gets kind 99.
+    let (mut package, _) = pipeline();
+    let image = package.tiles.iter_mut().find(|t| t.tile == 9).unwrap();
+    image.segments.iter_mut().find(|s| s.address == 0x4C000).unwrap().bytes[64 + 8] = 99;
+    let err = load(&package).err().expect("an unknown vertex kind must be rejected");
+    assert!(matches!(err, DeviceError::Load { tile: 9, .. }), "{err}");
+    assert!(err.to_string().contains("vertex record 0 of compute set 2 at 0x4c048") && err.to_string().contains("unknown vertex kind 99"), "{err}");
+    // A tile without a code allocation has no program to start from.
+    let (mut package, _) = pipeline();
+    package.tiles.iter_mut().find(|t| t.tile == 9).unwrap().allocations.retain(|a| a.kind != AllocationKind::Code);
+    let err = load(&package).err().expect("a tile without code must be rejected");
+    assert!(matches!(err, DeviceError::Load { tile: 9, .. }) && err.to_string().contains("no code allocation"), "{err}");
+}
+
+#[test]
 fn partials_in_standard_memory_are_rejected() {
     let (mut package, _) = pipeline();
     // The matrix product on tile 1 writes its partials into its A buffer (standard memory).

@@ -8,12 +8,14 @@
 //! program (fewest encoded bytes for a sorted entry list cut into arithmetic runs), so equal
 //! tables always give equal runs.
 //!
-//! The device executes runs: it expands each descriptor itself (`unpack_phase`), with a limit
-//! on the entries it will expand and no arithmetic that can panic on hostile values.
+//! The device executes runs: it decodes them from the tile's image (`decode_tile`) and
+//! expands each descriptor itself (`unpack_phase`), with a limit on the entries it will expand
+//! and no arithmetic that can panic on hostile values.
 //!
 //! Encoded in a tile image (`encode_tile`), a single entry is 3 words (cycle, address,
 //! `words | source << 20 | paired << 31`) and a run 6 (the same with bit 19 set, then count,
-//! cycle stride, address stride). Phases whose tables on a tile differ only by one address
+//! cycle stride, address stride; any count but 1 is written as a run, and the decoder refuses
+//! runs of fewer than 2). Phases whose tables on a tile differ only by one address
 //! offset for the sends and one for the receives share one segment there, patched by its
 //! binding (`TileTables`): repeated layers and blocks reuse table segments.
 
