@@ -485,7 +485,7 @@ fn add_softmax_and_copy_match_the_reference() {
         b.alloc(4, name, IL + offset, 64, AllocationKind::Data);
     }
     b.call(4, 0, VertexCall::Add { rows: 2, cols: 8, a: op(IL, 8), b: op(IL + 0x100, 8), output: op(IL + 0x200, 8) });
-    b.call(4, 0, VertexCall::Softmax { rows: 2, cols: 8, scale: 1.0, input: op(IL + 0x200, 8), output: op(IL + 0x300, 8) });
+    b.call(4, 0, VertexCall::Softmax { rows: 2, cols: 8, scale: 1.0, input: op(IL + 0x200, 8), input_panel: 0, output: op(IL + 0x300, 8) });
     b.call(4, 0, VertexCall::Copy { rows: 2, cols: 8, dtype: DType::F16, input: op(IL + 0x300, 8), output: op(IL + 0x400, 10) });
     b.steps = vec![Step::Compute { index: 0 }];
     let t = |name: &str, address, stride: u32| {
@@ -514,6 +514,48 @@ fn add_softmax_and_copy_match_the_reference() {
     let (n, c) = (16u64, &t.costs);
     let expected = cost::binary_half(&t, n, c.cpl_add_half) + cost::softmax(&t, 2, 8) + cost::copy(&t, n * 2, true);
     assert_eq!(report.timeline.cycles(), expected);
+}
+
+#[test]
+fn a_softmax_reads_a_panelled_input_with_a_tight_last_panel_as_its_row_major_twin() {
+    // 3 rows of 10: one panel of 8 columns (stride 8), then the last 2 columns at their own
+    // stride of 4 (72 bytes in all), against the same values row-major (stride 12).
+    let (rows, cols, w) = (3u32, 10u32, 8u32);
+    let mut b = Build::new();
+    b.alloc(5, "xp", IL, 72, AllocationKind::Data);
+    for (name, offset) in [("x", 0x100), ("p", 0x200), ("q", 0x300)] {
+        b.alloc(5, name, IL + offset, 72, AllocationKind::Data);
+    }
+    b.call(5, 0, VertexCall::Softmax { rows, cols, scale: 0.5, input: op(IL, w), input_panel: w, output: op(IL + 0x200, 12) });
+    b.call(5, 0, VertexCall::Softmax { rows, cols, scale: 0.5, input: op(IL + 0x100, 12), input_panel: 0, output: op(IL + 0x300, 12) });
+    b.steps = vec![Step::Compute { index: 0 }];
+    let row_major = |name: &str, address| tensor(name, vec![rows, cols], HostRole::Input, (0..rows).map(|r| segment(5, address + r * 24, r * cols, cols)).collect());
+    let panelled = tensor(
+        "xp",
+        vec![rows, cols],
+        HostRole::Input,
+        (0..rows).flat_map(|r| [segment(5, IL + r * w * 2, r * cols, w), segment(5, IL + rows * w * 2 + r * 8, r * cols + w, cols - w)]).collect(),
+    );
+    let mut device = load(&b.finish()).unwrap();
+    let x = values((rows * cols) as usize, 7);
+    device.write_tensor(&panelled, &to_bytes(&x)).unwrap();
+    device.write_tensor(&row_major("x", IL + 0x100), &to_bytes(&x)).unwrap();
+    let report = device.run(&[]).unwrap();
+    let p = from_bytes(&device.read_tensor(&row_major("p", IL + 0x200)).unwrap());
+    let q = from_bytes(&device.read_tensor(&row_major("q", IL + 0x300)).unwrap());
+    assert!(p.iter().all(|v| v.is_finite()));
+    assert_eq!(p, q, "the layout of the input changes nothing but where it is read");
+    let t = target();
+    assert_eq!(report.timeline.cycles(), 2 * cost::scaled_softmax(&t, rows, cols), "the panel layout costs what the row-major one does");
+
+    // The same call with an allocation one row of the last panel too short is rejected.
+    let mut b = Build::new();
+    b.alloc(5, "xp", IL, 64, AllocationKind::Data);
+    b.alloc(5, "p", IL + 0x200, 72, AllocationKind::Data);
+    b.call(5, 0, VertexCall::Softmax { rows, cols, scale: 0.5, input: op(IL, w), input_panel: w, output: op(IL + 0x200, 12) });
+    b.steps = vec![Step::Compute { index: 0 }];
+    let err = load(&b.finish()).err().expect("a panelled input past its allocation must be rejected");
+    assert!(matches!(err, DeviceError::Access { tile: 5, operand: "input", .. }), "{err}");
 }
 
 #[test]

@@ -92,7 +92,7 @@ fn scalars<O>(call: &VertexCall<O>) -> (u32, Vec<u32>) {
         VertexCall::Gelu { rows, cols, .. } => (3, vec![*rows, *cols]),
         VertexCall::Scale { rows, cols, factor, .. } => (4, vec![*rows, *cols, factor.to_bits()]),
         VertexCall::Add { rows, cols, .. } => (5, vec![*rows, *cols]),
-        VertexCall::Softmax { rows, cols, scale, .. } => (6, vec![*rows, *cols, scale.to_bits()]),
+        VertexCall::Softmax { rows, cols, scale, input_panel, .. } => (6, vec![*rows, *cols, scale.to_bits(), *input_panel]),
         VertexCall::Copy { rows, cols, dtype, .. } => (7, vec![*rows, *cols, dtype.bytes()]),
         VertexCall::GeluErf { rows, cols, .. } => (8, vec![*rows, *cols]),
         VertexCall::BiasAdd { rows, cols, .. } => (9, vec![*rows, *cols]),
@@ -137,8 +137,8 @@ fn decode_call(kind: u32, s: &[u32], o: &[Operand]) -> Result<VertexCall, String
             VertexCall::Add { rows: s[0], cols: s[1], a: o[0], b: o[1], output: o[2] }
         }
         6 => {
-            shape(3, 2)?;
-            VertexCall::Softmax { rows: s[0], cols: s[1], scale: f32::from_bits(s[2]), input: o[0], output: o[1] }
+            shape(4, 2)?;
+            VertexCall::Softmax { rows: s[0], cols: s[1], scale: f32::from_bits(s[2]), input: o[0], input_panel: s[3], output: o[1] }
         }
         7 => {
             shape(3, 2)?;
@@ -452,7 +452,7 @@ mod tests {
             VertexCall::Gelu { rows: 1, cols: 2, input: op(3, 4), output: op(5, 6) },
             VertexCall::Scale { rows: 1, cols: 2, factor: 0.125, input: op(3, 4), output: op(5, 6) },
             VertexCall::Add { rows: 1, cols: 2, a: op(3, 4), b: op(5, 6), output: op(7, 8) },
-            VertexCall::Softmax { rows: 1, cols: 2, scale: -1.5, input: op(3, 4), output: op(5, 6) },
+            VertexCall::Softmax { rows: 1, cols: 2, scale: -1.5, input: op(3, 4), input_panel: 16, output: op(5, 6) },
             VertexCall::Copy { rows: 1, cols: 2, dtype: DType::F32, input: op(3, 4), output: op(5, 6) },
             VertexCall::GeluErf { rows: 1, cols: 2, input: op(3, 4), output: op(5, 6) },
             VertexCall::BiasAdd { rows: 1, cols: 2, input: op(3, 4), bias: op(5, 6), output: op(7, 8) },

@@ -17,7 +17,7 @@ use crate::ir::DType;
 
 pub const PACKAGE_MAGIC: [u8; 8] = *b"IPUQPKG\0";
 /// Bump when the layout of anything below changes.
-pub const PACKAGE_FORMAT_VERSION: u32 = 8;
+pub const PACKAGE_FORMAT_VERSION: u32 = 9;
 /// rkyv's format flags this build writes (little endian, aligned, 32-bit offsets).
 pub const RKYV_FLAGS: u32 = 0x0000_0001;
 pub const HEADER_BYTES: usize = 96;
@@ -181,7 +181,14 @@ pub enum VertexCall<O = Operand> {
     Add { rows: u32, cols: u32, a: O, b: O, output: O },
     /// Softmax over each row of `input * scale`, f16 in and out, fp32 arithmetic; the scaled
     /// input is rounded to f16 first, as a separate f16 scale pass would (`scale` = 1: plain).
-    Softmax { rows: u32, cols: u32, scale: f32, input: O, output: O },
+    /// `input_panel` = 0: the input is row-major with `input.row_stride`. `input_panel` = w > 0:
+    /// the input is stored as ceil(cols / w) contiguous panels of rows x w elements (row stride
+    /// `input.row_stride` >= w), panel p at `input.address + p * rows * input.row_stride * 2`,
+    /// as a panelled matrix-product operand is, except that a last panel narrower than w has
+    /// its width rounded up to 4 elements as its row stride: rows gathered from cells w
+    /// columns wide (and a narrower last cell) then arrive as one contiguous run per cell. The
+    /// output is row-major.
+    Softmax { rows: u32, cols: u32, scale: f32, input: O, input_panel: u32, output: O },
     /// GELU, exact (erf), f16.
     GeluErf { rows: u32, cols: u32, input: O, output: O },
     /// output = input + bias, f16; `bias` is one row of `cols` elements added to every row.
@@ -204,7 +211,9 @@ impl<O> VertexCall<O> {
             VertexCall::Gelu { rows, cols, input, output } => VertexCall::Gelu { rows: *rows, cols: *cols, input: f(input), output: f(output) },
             VertexCall::Scale { rows, cols, factor, input, output } => VertexCall::Scale { rows: *rows, cols: *cols, factor: *factor, input: f(input), output: f(output) },
             VertexCall::Add { rows, cols, a, b, output } => VertexCall::Add { rows: *rows, cols: *cols, a: f(a), b: f(b), output: f(output) },
-            VertexCall::Softmax { rows, cols, scale, input, output } => VertexCall::Softmax { rows: *rows, cols: *cols, scale: *scale, input: f(input), output: f(output) },
+            VertexCall::Softmax { rows, cols, scale, input, input_panel, output } => {
+                VertexCall::Softmax { rows: *rows, cols: *cols, scale: *scale, input: f(input), input_panel: *input_panel, output: f(output) }
+            }
             VertexCall::GeluErf { rows, cols, input, output } => VertexCall::GeluErf { rows: *rows, cols: *cols, input: f(input), output: f(output) },
             VertexCall::BiasAdd { rows, cols, input, bias, output } => VertexCall::BiasAdd { rows: *rows, cols: *cols, input: f(input), bias: f(bias), output: f(output) },
             VertexCall::LayerNorm { rows, cols, eps, input, gamma, beta, output } => {

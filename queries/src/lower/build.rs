@@ -47,16 +47,31 @@ struct Stored {
 /// An operand block held on one tile: a buffer and the block of the viewed value it stores.
 /// `panel` = 0: row-major (last axis padded); `panel` = w: each leading index holds
 /// ceil(cols / w) contiguous panels of rows x w (see `VertexCall::MatMul`).
+/// `tight_last`: a last panel narrower than w is stored with its own row stride (its width
+/// rounded up to whole 8-byte rows) instead of w, as a softmax input is (see
+/// `VertexCall::Softmax`), so that the rows of a narrower source cell arrive as one run too.
 struct Held {
     buffer: u32,
     block: Vec<(u32, u32)>,
     dtype: DType,
     panel: u32,
+    tight_last: bool,
 }
 
 impl Held {
     fn plain(buffer: u32, block: Vec<(u32, u32)>, dtype: DType) -> Held {
-        Held { buffer, block, dtype, panel: 0 }
+        Held { buffer, block, dtype, panel: 0, tight_last: false }
+    }
+
+    /// Row stride (elements) of the last panel of a panelled block.
+    fn last_panel_stride(&self) -> u32 {
+        let cols = self.block[self.block.len() - 1];
+        let rest = (cols.1 - cols.0) % self.panel.max(1);
+        if self.tight_last && rest > 0 {
+            row_stride(rest, self.dtype)
+        } else {
+            self.panel
+        }
     }
 
     fn loc(&self, index: &[u32]) -> Loc {
@@ -70,8 +85,11 @@ impl Held {
         let c = index[rank - 1] - cols.0;
         let r = index[rank - 2] - self.block[rank - 2].0;
         let batch = if rank == 3 { index[0] - self.block[0].0 } else { 0 };
-        let per_batch = (cols.1 - cols.0).div_ceil(w) * rows * w;
-        let offset = batch * per_batch + (c / w) * rows * w + r * w + c % w;
+        let full = (cols.1 - cols.0) / w;
+        let last = if (cols.1 - cols.0) % w > 0 { self.last_panel_stride() } else { 0 };
+        let per_batch = full * rows * w + rows * last;
+        let stride = if c / w == full { last } else { w };
+        let offset = batch * per_batch + (c / w) * rows * w + r * stride + c % w;
         Loc { buffer: self.buffer, offset, row_stride: w, dtype_bytes: self.dtype.bytes() }
     }
 
@@ -81,7 +99,9 @@ impl Held {
         }
         let rank = self.block.len();
         let lead: u64 = self.block[..rank - 1].iter().map(|r| (r.1 - r.0) as u64).product();
-        lead * ((self.block[rank - 1].1 - self.block[rank - 1].0).div_ceil(self.panel) * self.panel) as u64
+        let cols = self.block[rank - 1].1 - self.block[rank - 1].0;
+        let last = if cols % self.panel > 0 { self.last_panel_stride() } else { 0 };
+        lead * (cols / self.panel * self.panel + last) as u64
     }
 
     /// Whether column `c` (absolute) ends a stored row: the block's end or a panel's end.
@@ -249,7 +269,7 @@ impl<'a> Builder<'a> {
     }
 
     /// Gather `block` of `value` (in the value's own index space) onto `tile`.
-    fn gather(&mut self, value: ValueId, tile: u32, block: &[(u32, u32)], prefer_interleaved: bool, panel: u32) -> Result<Held, LowerError> {
+    fn gather(&mut self, value: ValueId, tile: u32, block: &[(u32, u32)], prefer_interleaved: bool, panel: u32, tight_last: bool) -> Result<Held, LowerError> {
         let chain = ViewChain::resolve(self.graph, value);
         let dtype = self.graph.value(value).dtype;
         let base = self.graph.value(chain.base).clone();
@@ -267,7 +287,7 @@ impl<'a> Builder<'a> {
         // Panels only pay where the block arrives by exchange; the host writes any layout.
         let panel = if is_stored { panel } else { 0 };
         let name = self.graph.value(value).name.clone();
-        let mut held = Held { buffer: u32::MAX, block: block.to_vec(), dtype, panel };
+        let mut held = Held { buffer: u32::MAX, block: block.to_vec(), dtype, panel, tight_last: tight_last && panel > 0 };
         let buffer = self.buffer(tile, held.stored_elements() * dtype.bytes() as u64, AllocationKind::Data, prefer_interleaved, &name);
         held.buffer = buffer;
         if !is_stored && chain.is_matrix_transpose() {
@@ -341,7 +361,16 @@ impl<'a> Builder<'a> {
                             if !src_offset.is_multiple_of(4) || !dst_offset.is_multiple_of(4) || (!bytes.is_multiple_of(4) && !ends_rows) {
                                 return Err(LowerError::SubWord { operation: self.operation_name.clone(), value: name, offset: base_index[last], dtype: dtype.name() });
                             }
-                            self.pending.push(((src.buffer, src_offset), bytes.div_ceil(4), (buffer, dst_offset)));
+                            // A whole source row into a whole tight last panel row of the same
+                            // stride moves with its padding, so consecutive rows form one run.
+                            let whole_rows = held.tight_last
+                                && ends_rows
+                                && base_index[last] == cell_block[last].0
+                                && (c - c0) % held.panel == 0
+                                && src.row_stride == held.last_panel_stride()
+                                && (c - c0) / held.panel == (c1 - c0) / held.panel;
+                            let words = if whole_rows { (src.row_stride * dtype.bytes()).div_ceil(4) } else { bytes.div_ceil(4) };
+                            self.pending.push(((src.buffer, src_offset), words, (buffer, dst_offset)));
                         }
                         c += piece;
                     }
@@ -524,7 +553,22 @@ impl<'a> Builder<'a> {
         // Operands are resolved once: the planner asks for every tile of every candidate.
         let a_chain = ViewChain::resolve(self.graph, a);
         let a_stored = self.stored.contains_key(&a_chain.base);
+        // A host input block that several tiles hold is written by the host once and copied to
+        // the others by the input phase at step 0 (`host.rs`): each copy is received over the
+        // exchange like a gathered operand, so the planner counts its words (pairing, which
+        // can halve a phase, is not modelled, as for every gather).
+        let is_input = |v: ValueId| matches!(self.graph.value(v).producer, Producer::Tensor { role: Role::Input, .. });
+        let words_of = |blk: &[(u32, u32)], bytes: u32| blk.iter().map(|r| (r.1 - r.0) as u64).product::<u64>() * bytes as u64 / 4;
+        let total_words = |shape: &[u32], bytes: u32| shape.iter().map(|&d| d as u64).product::<u64>() * bytes as u64 / 4;
+        let a_input = !self.stored.contains_key(&a_chain.base) && is_input(a_chain.base);
+        let a_total = total_words(&av.shape, av.dtype.bytes());
+        // Replicated: the tiles hold more words of the operand than it has.
+        let a_replicated = |p: &MatMulPlan| a_input && p.tiles() as u64 * words_of(&a_block(p, 0, 0, 0), av.dtype.bytes()) > a_total;
         let remote_a = |p: &MatMulPlan, tile: u32| {
+            if a_replicated(p) {
+                let (ib, im, _, ik) = coords(p, tile);
+                return words_of(&a_block(p, ib, im, ik), av.dtype.bytes());
+            }
             if !a_stored {
                 return 0;
             }
@@ -537,6 +581,9 @@ impl<'a> Builder<'a> {
             && !b_rank3
             && b_chain.is_identity()
             && matches!(bv.producer, Producer::Tensor { role: Role::Weight, .. });
+        let b_input = !b_stored && !home_b && is_input(b_chain.base);
+        let b_total = total_words(&bv.shape, bv.dtype.bytes());
+        let b_replicated = |p: &MatMulPlan| b_input && p.tiles() as u64 * words_of(&b_block(p, 0, 0, 0), bv.dtype.bytes()) > b_total;
         let remote_b = |p: &MatMulPlan, tile: u32| {
             let (ib, im, i_n, ik) = coords(p, tile);
             let block = b_block(p, ib, i_n, ik);
@@ -544,6 +591,9 @@ impl<'a> Builder<'a> {
                 // Every row partition but the home one receives the block by multicast.
                 let words = block.iter().map(|r| (r.1 - r.0) as u64).product::<u64>() * bv.dtype.bytes() as u64 / 4;
                 return if p.pm > 1 && im != 0 { words } else { 0 };
+            }
+            if b_replicated(p) {
+                return words_of(&block, bv.dtype.bytes());
             }
             if !b_stored {
                 return 0;
@@ -555,8 +605,8 @@ impl<'a> Builder<'a> {
         let gather_bound = |p: &MatMulPlan| {
             let words = |blk: Vec<(u32, u32)>, bytes: u32| blk.iter().map(|r| (r.1 - r.0) as u64).product::<u64>() * bytes as u64 / 4;
             let nb = p.b_cuts.len() - 1;
-            let a_words = if a_stored { (0..nb).map(|ib| words(a_block(p, ib, 0, 0), av.dtype.bytes())).max().unwrap_or(0) } else { 0 };
-            let b_remote = b_stored || (home_b && p.pm > 1);
+            let a_words = if a_stored || a_replicated(p) { (0..nb).map(|ib| words(a_block(p, ib, 0, 0), av.dtype.bytes())).max().unwrap_or(0) } else { 0 };
+            let b_remote = b_stored || (home_b && p.pm > 1) || b_replicated(p);
             let b_words = if b_remote { (0..nb).map(|ib| words(b_block(p, ib, 0, 0), bv.dtype.bytes())).max().unwrap_or(0) } else { 0 };
             a_words + b_words
         };
@@ -568,7 +618,7 @@ impl<'a> Builder<'a> {
             Some(s) => format!("{} stored {:?} {:?}", chain.signature(), s.grid.cuts, s.grid.tiles),
             None => format!("{} host", chain.signature()),
         };
-        let parts = format!("{b_batches} {a_rank3} {b_rank3} {home_b} {:?} {:?}|A {}|B {}", av.dtype, bv.dtype, layout(&a_chain), layout(&b_chain));
+        let parts = format!("{b_batches} {a_rank3} {b_rank3} {home_b} {a_input} {b_input} {:?} {:?}|A {}|B {}", av.dtype, bv.dtype, layout(&a_chain), layout(&b_chain));
         let key = candidates::signature(self.target, &problem, &parts);
         let planned = candidates::planned(self.target, &problem, key).map_err(|reason| match constraint {
             Some(_) => LowerError::Constraint { operation: original_name.clone(), reason },
@@ -602,13 +652,13 @@ impl<'a> Builder<'a> {
                 for i_n in 0..nn {
                     for ik in 0..nk {
                         let tile = plan.tile_of(ib, im, i_n, ik);
-                        let ha = self.gather(a, tile, &a_block(&plan, ib, im, ik), false, panel)?;
-                        let hb = self.gather(b, tile, &b_block(&plan, ib, i_n, ik), !plan.weights_standard || constraint.is_none_or(|c| c.weight_memory.is_none()), 0)?;
+                        let ha = self.gather(a, tile, &a_block(&plan, ib, im, ik), false, panel, false)?;
+                        let hb = self.gather(b, tile, &b_block(&plan, ib, i_n, ik), !plan.weights_standard || constraint.is_none_or(|c| c.weight_memory.is_none()), 0, false)?;
                         let (br, mr, nr) = ((plan.b_cuts[ib], plan.b_cuts[ib + 1]), (plan.m_cuts[im], plan.m_cuts[im + 1]), (plan.n_cuts[i_n], plan.n_cuts[i_n + 1]));
                         let (dtype, kind) = if nk > 1 { (DType::F32, AllocationKind::Partials) } else { (DType::F16, AllocationKind::Data) };
                         let label = if nk > 1 { format!("{out_name}.partials") } else { out_name.clone() };
                         let out_block = if a_rank3 { vec![br, mr, nr] } else { vec![mr, nr] };
-                        let hc = Held { buffer: u32::MAX, block: out_block, dtype, panel: c_panel };
+                        let hc = Held { buffer: u32::MAX, block: out_block, dtype, panel: c_panel, tight_last: false };
                         let buffer = self.buffer(tile, hc.stored_elements() * dtype.bytes() as u64, kind, kind == AllocationKind::Partials, &label);
                         work.push((tile, ib, im, i_n, ik, ha, hb, Held { buffer, ..hc }));
                     }
@@ -838,6 +888,14 @@ impl<'a> Builder<'a> {
             }
             (cuts, (0..cells).collect())
         };
+        // A row consumer (softmax) of cells split along the rows' axis reads its input in
+        // panels one cell wide: each source cell's rows then arrive as one contiguous run
+        // instead of one transfer per row.
+        let gemm_block = self.target.costs.gemm_block as u32;
+        let panel = match self.stored.get(&chain.base).and_then(|s| s.grid.cuts.last()) {
+            Some(c) if !reuse && super::elementwise::reads_panels(&kind) && chain.is_identity() && c.len() > 2 => panel_width(c, gemm_block),
+            _ => 0,
+        };
         let mut grid = Grid { cuts, tiles, buffers: Vec::new() };
         let mut work = Vec::new();
         for cell in 0..grid.tiles.len() {
@@ -848,7 +906,7 @@ impl<'a> Builder<'a> {
             let held: Vec<Held> = inputs
                 .iter()
                 .enumerate()
-                .map(|(i, &v)| self.gather(v, tile, if super::elementwise::is_row_parameter(&kind, i) { &param_block } else { &block }, false, 0))
+                .map(|(i, &v)| self.gather(v, tile, if super::elementwise::is_row_parameter(&kind, i) { &param_block } else { &block }, false, if i == 0 { panel } else { 0 }, i == 0))
                 .collect::<Result<_, _>>()?;
             let buffer = self.buffer(tile, block_elements_stored(&block, out.dtype) * out.dtype.bytes() as u64, AllocationKind::Data, false, &out.name);
             grid.buffers.push(buffer);
@@ -868,7 +926,7 @@ impl<'a> Builder<'a> {
                 first.extend(block[prefix.len()..].iter().map(|r| r.0));
                 let ins: Vec<Loc> = held.iter().map(|h| if h.block.len() < first.len() { h.loc(&first[first.len() - 1..]) } else { h.loc(&first) }).collect();
                 let o = out_held.loc(&first);
-                let Some(call) = super::elementwise::call(&kind, rows, cols, &ins, o, scale) else {
+                let Some(call) = super::elementwise::call(&kind, rows, cols, &ins, o, scale, held[0].panel) else {
                     return Err(LowerError::Unsupported { operation: out.name.clone(), message: format!("{} is not an elementwise operation", kind.name()) });
                 };
                 compute += cost::vertex_with(self.target, &call, |_| false);
@@ -957,6 +1015,24 @@ fn folded_scales(graph: &Graph) -> BTreeMap<usize, (usize, f64)> {
         }
     }
     out
+}
+
+/// The panel width in which a consumer holds rows gathered from cells cut at `cuts` along the
+/// last axis, so that each cell's rows arrive as one run: the cells' width when every cell but
+/// the last has it (the last no wider) and it is a whole number of 8-byte f16 rows (the
+/// stored row stride equals the width); else the AMP panel when every cell is at most that
+/// wide (the 16-column cells of a column-panel reduction); else 0 (row-major).
+fn panel_width(cuts: &[u32], gemm_block: u32) -> u32 {
+    let widths: Vec<u32> = cuts.windows(2).map(|w| w[1] - w[0]).collect();
+    let first = widths[0];
+    let (body, last) = widths.split_at(widths.len() - 1);
+    if first % 4 == 0 && body.iter().all(|&w| w == first) && last[0] <= first {
+        first
+    } else if widths.iter().all(|&w| w <= gemm_block) {
+        gemm_block
+    } else {
+        0
+    }
 }
 
 /// Whether some consumer of `value`, directly or through elementwise operations that keep its
@@ -1055,4 +1131,26 @@ fn merge_rows(transfers: impl Iterator<Item = Transfer>) -> Vec<Transfer> {
         out.push(t);
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::panel_width;
+
+    #[test]
+    fn a_row_consumer_reads_panels_one_cell_wide() {
+        // The attention seed's scores: 22 cells of 32 columns and a last one of 25.
+        let mut cuts: Vec<u32> = (0..23).map(|i| i * 32).collect();
+        cuts.push(729);
+        assert_eq!(panel_width(&cuts, 16), 32);
+        // 16-column cells with a narrower last one: the AMP panel.
+        assert_eq!(panel_width(&[0, 16, 32, 41], 16), 16);
+        // Uneven cells no wider than the AMP panel still read in AMP panels.
+        assert_eq!(panel_width(&[0, 12, 16, 30], 16), 16);
+        // Uneven wide cells, or a width that is not whole 8-byte rows: row-major.
+        assert_eq!(panel_width(&[0, 40, 72, 100], 16), 0);
+        assert_eq!(panel_width(&[0, 18, 36, 50], 16), 0);
+        // A last cell wider than the others is not a panel either.
+        assert_eq!(panel_width(&[0, 32, 64, 100], 16), 0);
+    }
 }

@@ -21,15 +21,22 @@ pub fn is_row_parameter(kind: &OpKind, position: usize) -> bool {
     position > 0 && matches!(kind, OpKind::BiasAdd | OpKind::LayerNorm { .. })
 }
 
+/// Whether the kind's call can read its first input in panels of columns: a softmax,
+/// whose rows then gather from cells one panel wide in one run per cell instead of one per row.
+pub fn reads_panels(kind: &OpKind) -> bool {
+    matches!(kind, OpKind::Softmax)
+}
+
 /// The call over `rows` x `cols` elements for one elementwise kind, with `scale` the factor a
-/// softmax reads its input with (1 when none was folded in). `None` for kinds that are not
-/// elementwise.
-pub fn call(kind: &OpKind, rows: u32, cols: u32, ins: &[Loc], output: Loc, scale: f32) -> Option<Call> {
+/// softmax reads its input with (1 when none was folded in) and `panel` the panel width its
+/// input is stored in (0: row-major; only for kinds that [`reads_panels`]). `None` for kinds
+/// that are not elementwise.
+pub fn call(kind: &OpKind, rows: u32, cols: u32, ins: &[Loc], output: Loc, scale: f32, panel: u32) -> Option<Call> {
     Some(match kind {
         OpKind::Gelu => Call::Gelu { rows, cols, input: ins[0], output },
         OpKind::GeluErf => Call::GeluErf { rows, cols, input: ins[0], output },
         OpKind::Scale { factor } => Call::Scale { rows, cols, factor: *factor as f32, input: ins[0], output },
-        OpKind::Softmax => Call::Softmax { rows, cols, scale, input: ins[0], output },
+        OpKind::Softmax => Call::Softmax { rows, cols, scale, input: ins[0], input_panel: panel, output },
         OpKind::Add => Call::Add { rows, cols, a: ins[0], b: ins[1], output },
         OpKind::BiasAdd => Call::BiasAdd { rows, cols, input: ins[0], bias: ins[1], output },
         OpKind::LayerNorm { eps } => Call::LayerNorm { rows, cols, eps: *eps as f32, input: ins[0], gamma: ins[1], beta: ins[2], output },

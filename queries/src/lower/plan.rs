@@ -51,7 +51,9 @@ pub struct MatMulProblem<'a> {
     /// A consumer needs whole rows (softmax): column partitions then cost a re-gather of the
     /// output by rows before that consumer.
     pub whole_rows: bool,
-    /// Words a tile must receive to hold A's block [b, m, k] (0 when the host places A).
+    /// Words a tile must receive to hold A's block [b, m, k]: gathered from a producer, or a
+    /// host-input block that other tiles hold too (the input phase copies it); 0 when the host
+    /// writes it (a weight, or an input block no other tile holds).
     pub remote_a_words: &'a dyn Fn(&MatMulPlan, u32) -> u64,
     pub remote_b_words: &'a dyn Fn(&MatMulPlan, u32) -> u64,
     /// No tile receives more words than this (the search stops there).

@@ -91,10 +91,20 @@ fn accesses(call: &VertexCall) -> Vec<Access> {
             list.push(half("out", *out, *rows, *cols));
             list
         }
-        VertexCall::Gelu { rows, cols, input, output }
-        | VertexCall::Scale { rows, cols, input, output, .. }
-        | VertexCall::Softmax { rows, cols, input, output, .. } => {
+        VertexCall::Gelu { rows, cols, input, output } | VertexCall::Scale { rows, cols, input, output, .. } => {
             vec![half("input", *input, *rows, *cols), half("output", *output, *rows, *cols)]
+        }
+        VertexCall::Softmax { rows, cols, input, input_panel, output, .. } => {
+            // A panelled input: cols / w full panels of `rows` rows (row stride input.row_stride),
+            // then a narrower last panel at its own stride, one contiguous span.
+            let input_access = if *input_panel > 0 {
+                let (w, rest) = (*input_panel, cols % *input_panel);
+                let span = (cols / w).saturating_mul(*rows).saturating_mul(input.row_stride).saturating_add(rows.saturating_mul(rest.div_ceil(4) * 4));
+                half("input", Operand { address: input.address, row_stride: span }, 1, span)
+            } else {
+                half("input", *input, *rows, *cols)
+            };
+            vec![input_access, half("output", *output, *rows, *cols)]
         }
         VertexCall::Add { rows, cols, a, b, output } => {
             vec![half("a", *a, *rows, *cols), half("b", *b, *rows, *cols), half("output", *output, *rows, *cols)]
@@ -190,7 +200,7 @@ pub fn execute(memory: &mut TileMemory, call: &VertexCall, s: &mut Scratch) {
             if *a_panel == 0 {
                 memory.read_f16(*a, *m, *k, &mut s.bits, &mut s.a);
             } else {
-                read_panels(memory, *a, *a_panel, *m, *k, s);
+                read_panels(memory, *a, *a_panel, *m, *k, false, s);
             }
             if *b_transposed {
                 memory.read_f16(*b, *n, *k, &mut s.bits, &mut s.t);
@@ -255,8 +265,12 @@ pub fn execute(memory: &mut TileMemory, call: &VertexCall, s: &mut Scratch) {
             kernels::accumulate(&mut s.a, &s.b);
             memory.write_f16(*output, *rows, *cols, &s.a, &mut s.halves);
         }
-        VertexCall::Softmax { rows, cols, scale, input, output } => {
-            memory.read_f16(*input, *rows, *cols, &mut s.bits, &mut s.a);
+        VertexCall::Softmax { rows, cols, scale, input, input_panel, output } => {
+            if *input_panel > 0 {
+                read_panels(memory, *input, *input_panel, *rows, *cols, true, s);
+            } else {
+                memory.read_f16(*input, *rows, *cols, &mut s.bits, &mut s.a);
+            }
             if *scale != 1.0 {
                 kernels::scale(&mut s.a, *scale);
                 kernels::round_to_f16(&mut s.a);
@@ -288,13 +302,16 @@ pub fn execute(memory: &mut TileMemory, call: &VertexCall, s: &mut Scratch) {
     }
 }
 
-/// Read a panelled A (see `VertexCall::MatMul`) into a row-major m x k buffer in `s.a`.
-fn read_panels(memory: &TileMemory, a: Operand, w: u32, m: u32, k: u32, s: &mut Scratch) {
+/// Read a panelled operand (A of `VertexCall::MatMul`, a softmax input) of m rows and k
+/// columns into a row-major m x k buffer in `s.a`. `tight_last`: a last panel narrower than w
+/// has its width rounded up to 4 elements as its row stride (a softmax input).
+fn read_panels(memory: &TileMemory, a: Operand, w: u32, m: u32, k: u32, tight_last: bool, s: &mut Scratch) {
     s.a.clear();
     s.a.resize(m as usize * k as usize, 0.0);
     for p in 0..k.div_ceil(w) {
         let width = w.min(k - p * w);
-        let panel = Operand { address: a.address + p * m * a.row_stride * 2, row_stride: a.row_stride };
+        let stride = if tight_last && width < w { width.div_ceil(4) * 4 } else { a.row_stride };
+        let panel = Operand { address: a.address + p * m * a.row_stride * 2, row_stride: stride };
         memory.read_f16(panel, m, width, &mut s.bits, &mut s.t);
         for r in 0..m as usize {
             let dst = r * k as usize + (p * w) as usize;
