@@ -1,20 +1,28 @@
 //! `ipuq inspect PACKAGE`: what a package holds, read through the same checks as `ipuq run`
-//! (header, checksum, archive validation), without running it.
+//! (header, checksum, archive validation), without running it; calls and exchange tables are
+//! decoded from the tile images, as the device decodes them.
 
 use std::path::Path;
 
+use std::collections::BTreeMap;
+
+use ipuq_queries::image;
 use ipuq_queries::package::{AllocationKind, Package, Step};
+use ipuq_queries::tables::PackedTile;
 
 use crate::build::read_package;
 
 pub fn run(path: &Path) -> Result<(), String> {
     let package = read_package(path).map_err(|e| e.to_string())?;
-    print!("{}", describe(&package));
+    print!("{}", describe(&package)?);
     Ok(())
 }
 
 /// A plain-text description: identity, program shape, memory use, exchange and host tables.
-pub fn describe(p: &Package) -> String {
+/// Calls and tables are decoded from the tile images (an error names a tile whose image does
+/// not decode).
+pub fn describe(p: &Package) -> Result<String, String> {
+    let programs = image::decode_package(p).map_err(|e| format!("{}: {e}", p.workload_name))?;
     let mut out = String::new();
     let mut line = |s: String| {
         out.push_str(&s);
@@ -28,32 +36,39 @@ pub fn describe(p: &Package) -> String {
         p.summary.active_tiles,
         p.steps.len(),
         computes,
-        p.exchanges.len(),
+        p.phases.len(),
         p.summary.estimated_cycles,
         p.summary.estimated_exchange_cycles
     ));
     let mut peak = (0u64, 0u32);
     let mut code = 0u64;
     let mut calls = 0usize;
-    for tile in &p.tiles {
+    for (tile, program) in p.tiles.iter().zip(&programs) {
         let bytes: u64 = tile.allocations.iter().map(|a| a.end.saturating_sub(a.start) as u64).sum();
         if bytes > peak.0 {
             peak = (bytes, tile.tile);
         }
         code = code.max(tile.allocations.iter().filter(|a| a.kind == AllocationKind::Code).map(|a| a.end.saturating_sub(a.start) as u64).sum());
-        calls += tile.compute_sets.iter().map(|s| s.calls.len()).sum::<usize>();
+        calls += program.compute_sets.iter().map(|s| s.calls.len()).sum::<usize>();
     }
     line(format!("memory largestAllocatedBytes={} onTile={} largestCodeBytes={} vertexCalls={calls}", peak.0, peak.1, code));
-    for phase in &p.exchanges {
+    let mut per_phase: BTreeMap<u32, Vec<&PackedTile>> = BTreeMap::new();
+    for program in &programs {
+        for (phase, t) in &program.tables {
+            per_phase.entry(*phase).or_default().push(t);
+        }
+    }
+    for phase in &p.phases {
+        let tiles = per_phase.get(&phase.index).map(Vec::as_slice).unwrap_or_default();
         let count = |runs: &mut dyn Iterator<Item = u32>| runs.fold(0u64, |a, c| a.saturating_add(c as u64));
-        let sends = count(&mut phase.tiles.iter().flat_map(|t| t.sends.iter().map(|r| r.count)));
-        let receives = count(&mut phase.tiles.iter().flat_map(|t| t.receives.iter().map(|r| r.count)));
-        let send_runs: usize = phase.tiles.iter().map(|t| t.sends.len()).sum();
-        let receive_runs: usize = phase.tiles.iter().map(|t| t.receives.len()).sum();
+        let sends = count(&mut tiles.iter().flat_map(|t| t.sends.iter().map(|r| r.count)));
+        let receives = count(&mut tiles.iter().flat_map(|t| t.receives.iter().map(|r| r.count)));
+        let send_runs: usize = tiles.iter().map(|t| t.sends.len()).sum();
+        let receive_runs: usize = tiles.iter().map(|t| t.receives.len()).sum();
         line(format!(
             "exchange phase={} tiles={} sendEntries={sends} receiveEntries={receives} sendRuns={send_runs} receiveRuns={receive_runs} horizon={} endpointLowerBound={}",
             phase.index,
-            phase.tiles.len(),
+            tiles.len(),
             phase.horizon,
             phase.endpoint_lower_bound
         ));
@@ -67,5 +82,5 @@ pub fn describe(p: &Package) -> String {
     for c in &p.host.checkpoints {
         line(format!("checkpoint operation={} value={} afterStep={}", c.operation, c.tensor.name, c.after_step));
     }
-    out
+    Ok(out)
 }

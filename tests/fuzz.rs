@@ -209,10 +209,12 @@ fn structurally_mutated_packages_never_panic_the_device() {
     for case in 0..cases {
         let mut p = package.clone();
         let value = if rng.below(2) == 0 { hostile[rng.below(hostile.len())] } else { rng.next() as u32 % 2048 };
-        match rng.below(8) {
+        match rng.below(9) {
             0 | 1 => {
-                let phase = rng.below(p.exchanges.len());
-                let tables = &mut p.exchanges[phase].tiles;
+                // Tables and calls are decoded from the images, mutated, and written back.
+                let mut programs = ipuq_queries::image::Programs::of(&p).unwrap();
+                let phase = rng.below(programs.exchanges.len());
+                let tables = &mut programs.exchanges[phase].tiles;
                 let t = rng.below(tables.len());
                 let table = &mut tables[t];
                 if rng.below(2) == 0 && !table.sends.is_empty() {
@@ -224,11 +226,12 @@ fn structurally_mutated_packages_never_panic_the_device() {
                     let e = &mut table.receives[r];
                     match rng.below(7) { 0 => e.cycle = value, 1 => e.address = value, 2 => e.words = value, 3 => e.source = value, 4 => e.count = value, 5 => e.address_stride = value, _ => e.paired = !e.paired }
                 }
+                let _ = programs.write(&mut p);
             }
             2 | 3 => {
+                let mut programs = ipuq_queries::image::Programs::of(&p).unwrap();
                 let tile = rng.below(p.tiles.len());
-                let image = &mut p.tiles[tile];
-                if let Some(set) = image.compute_sets.first_mut() {
+                if let Some(set) = programs.compute_sets[tile].first_mut() {
                     let c = rng.below(set.calls.len());
                     let call = &mut set.calls[c];
                     let pick = rng.below(3);
@@ -241,6 +244,17 @@ fn structurally_mutated_packages_never_panic_the_device() {
                         match rng.below(4) { 0 => *m = value, 1 => *k = value, 2 => *n = value, _ => {} }
                     }
                 }
+                let _ = programs.write(&mut p);
+            }
+            8 => {
+                // Raw image bytes: one word of a tile's code (header, vertex records, tables).
+                let i = rng.below(p.shared_segments.len() + p.tiles.len());
+                let bytes = match p.shared_segments.get_mut(i) {
+                    Some(b) => b,
+                    None => &mut p.tiles[i - p.shared_segments.len()].segments[0].bytes,
+                };
+                let at = rng.below(bytes.len() / 4) * 4;
+                bytes[at..at + 4].copy_from_slice(&value.to_le_bytes());
             }
             4 => {
                 let tile = rng.below(p.tiles.len());

@@ -6,6 +6,7 @@ mod common;
 
 use common::ipuq;
 use ipuq_queries::package::*;
+use ipuq_queries::image::{self, Programs};
 use ipuq_queries::tables::BINDING_BYTES;
 
 fn built(dir: &std::path::Path) -> Package {
@@ -59,7 +60,7 @@ fn identical_tiles_share_image_segments_and_zero_fill_replaces_bytes() {
     // offset), patched only by their base addresses.
     let mut shared_tables = 0;
     for t in &p.tiles {
-        let phases = p.exchanges.iter().filter(|x| x.tiles.iter().any(|e| e.tile == t.tile)).count();
+        let phases = image::header_of(&p.shared_segments, t).expect("a runtime header").bindings as usize;
         let Some(last) = t.shared.last() else { continue };
         if phases < 2 {
             continue;
@@ -74,4 +75,16 @@ fn identical_tiles_share_image_segments_and_zero_fill_replaces_bytes() {
         }
     }
     assert!(shared_tables > 0, "repeated blocks reuse table segments on some tile");
+
+    // The images are the program: every tile's calls and tables decode from its bytes, each
+    // phase the package lists is bound by some tile, and writing the decoded programs back
+    // reproduces the images byte for byte (nothing of the program lives outside them).
+    let programs = Programs::of(&p).unwrap();
+    assert!(programs.compute_sets.iter().flatten().map(|s| s.calls.len()).sum::<usize>() > 0);
+    assert!(programs.exchanges.iter().all(|x| !x.tiles.is_empty()), "every phase is bound by a tile");
+    let mut rewritten = p.clone();
+    programs.write(&mut rewritten).unwrap();
+    for (a, b) in p.tiles.iter().zip(&rewritten.tiles) {
+        assert_eq!(image::code_bytes(&p.shared_segments, a).unwrap(), image::code_bytes(&rewritten.shared_segments, b).unwrap(), "tile {}", a.tile);
+    }
 }

@@ -20,7 +20,7 @@ fn swap(send_at: u32, receive_at: u32, overlap: bool) -> Package {
     assert_eq!(d, t.delay(1, 0));
     // Tile 0 sends late enough that its words reach tile 1 while tile 1 is still sending.
     let (s0, s1) = if overlap { (0, d.saturating_sub(4)) } else { (0, d + 16) };
-    let labels = vec!["a".to_string(), "b".to_string()];
+    let labels = vec!["a".to_string(), "b".to_string(), "code".to_string()];
     let tile = |tile: u32| TileImage {
         tile,
         segments: vec![],
@@ -30,11 +30,11 @@ fn swap(send_at: u32, receive_at: u32, overlap: bool) -> Package {
             let mut v = vec![
                 Allocation { start: send_at, end: send_at + 32, kind: AllocationKind::Data, label: 0, first_step: 0, last_step: 1 },
                 Allocation { start: receive_at, end: receive_at + 32, kind: AllocationKind::Data, label: 1, first_step: 0, last_step: 1 },
+                Allocation { start: 0x4C000, end: 0x4C400, kind: AllocationKind::Code, label: 2, first_step: 0, last_step: u32::MAX },
             ];
             v.sort_by_key(|a| a.start);
             v
         },
-        compute_sets: vec![],
     };
     let tables = vec![
         TileExchange {
@@ -48,7 +48,7 @@ fn swap(send_at: u32, receive_at: u32, overlap: bool) -> Package {
             receives: vec![ReceiveEntry { cycle: s0 + d, source: 0, address: receive_at, words: 8, paired: false }],
         },
     ];
-    Package {
+    let mut package = Package {
         compiler: "tests".into(),
         target_toml: t.canonical_toml(),
         target_digest: t.digest(),
@@ -57,11 +57,15 @@ fn swap(send_at: u32, receive_at: u32, overlap: bool) -> Package {
         tiles: vec![tile(0), tile(1)],
         shared_segments: vec![],
         steps: vec![Step::Exchange { phase: 0 }],
-        exchanges: ipuq_queries::tables::pack(&[ExchangePhase { index: 0, tiles: tables, horizon: 0, endpoint_lower_bound: 0 }]),
+        phases: vec![PhaseSummary { index: 0, horizon: 0, endpoint_lower_bound: 0 }],
         host: HostTables { inputs: vec![], initialize: vec![], outputs: vec![], checkpoints: vec![] },
         labels,
         summary: Summary { operations: 0, active_tiles: 0, gemm_flops: 0, estimated_cycles: 0, estimated_exchange_cycles: 0, logical_shards: 0 },
-    }
+    };
+    // The tables live in the tiles' images only.
+    let exchanges = ipuq_queries::tables::pack(&[ExchangePhase { index: 0, tiles: tables, horizon: 0, endpoint_lower_bound: 0 }]);
+    ipuq_queries::image::Programs { compute_sets: vec![vec![], vec![]], exchanges }.write(&mut package).unwrap();
+    package
 }
 
 fn load(package: &Package) -> Result<Simulator, DeviceError> {

@@ -12,6 +12,7 @@ mod common;
 use std::path::Path;
 
 use common::{field, fixture, ipuq, Output};
+use ipuq_queries::image::{self, Header, Programs};
 use ipuq_queries::package::*;
 use ipuq_queries::tables;
 use ipuq_queries::target::{fixtures, Target};
@@ -66,19 +67,78 @@ fn assert_caught(out: &Output, what: &str) {
     }
 }
 
-/// The package's exchange tables as the device expands them: one entry per row.
+/// The package's exchange tables as the device expands them: one entry per row, per phase
+/// of `Package::phases`.
 fn entries(p: &Package) -> Vec<ExchangePhase> {
-    p.exchanges.iter().map(|x| tables::unpack_phase(x, tables::MAX_PHASE_ENTRIES).unwrap()).collect()
+    Programs::of(p).unwrap().exchanges.iter().map(|x| tables::unpack_phase(x, tables::MAX_PHASE_ENTRIES).unwrap()).collect()
 }
 
-/// Mutate the tables entry by entry, then write them back as runs.
+/// Mutate the programs decoded from the images, then write them back into the images. A
+/// program that outgrows its code allocation (the compiler reserves what it wrote) moves to
+/// free standard memory just below the instruction fetch limit, header and all.
+fn programs(p: &mut Package, f: impl FnOnce(&mut Programs)) {
+    let mut programs = Programs::of(p).unwrap();
+    f(&mut programs);
+    let limit = Target::from_toml(&p.target_toml, "package").unwrap().memory.instruction_fetch_limit;
+    for (i, image) in p.tiles.iter_mut().enumerate() {
+        let tables = programs.exchanges.iter().flat_map(|x| x.tiles.iter().filter(|t| t.tile == image.tile).map(|t| (x.index, t.clone()))).collect();
+        let program = image::TileProgram { compute_sets: programs.compute_sets[i].clone(), tables };
+        let (start, end) = image::code_range(image).unwrap();
+        let (_, old) = image::code_bytes(&p.shared_segments, image).unwrap();
+        let host = Header::decode(&old, start).unwrap().host_records * ipuq_queries::emit::HOST_RECORD_BYTES;
+        let needed = image::program_bytes(&program) + host;
+        if needed > end - start {
+            let at = (limit - needed) / 16 * 16;
+            assert!(image.allocations.iter().all(|a| a.kind == AllocationKind::Code || a.end <= at || a.start >= limit), "tile {}: no room to move its code", image.tile);
+            // The old bytes go along (host records), then the program is rewritten there.
+            image.segments.retain(|s| s.address != start);
+            image.shared.clear();
+            image.zero_fill.clear();
+            image.segments.push(Segment { address: at, bytes: old });
+            let code = image.allocations.iter_mut().find(|a| a.kind == AllocationKind::Code).unwrap();
+            (code.start, code.end) = (at, limit);
+            image.allocations.sort_by_key(|a| (a.start, a.end));
+        }
+        image::write_program(&p.shared_segments, image, p.steps.len() as u32, &program).unwrap();
+    }
+}
+
+/// Mutate the tables entry by entry, then write them back into the images as runs.
 fn edit(p: &mut Package, f: impl FnOnce(&mut Vec<ExchangePhase>)) {
     let mut x = entries(p);
     f(&mut x);
-    p.exchanges = tables::pack(&x);
+    programs(p, |programs| programs.exchanges = tables::pack(&x));
 }
 
-/// (index into `exchanges`, index into its tiles, index into that tile's receives) of the
+/// Every call of the package, decoded from its images, mutably.
+fn calls(programs: &mut Programs) -> impl Iterator<Item = &mut VertexCall> {
+    programs.compute_sets.iter_mut().flatten().flat_map(|s| s.calls.iter_mut())
+}
+
+/// Patch the loaded bytes of a tile's code allocation: `f` is tried on each tile's code in
+/// turn until it returns true; that tile's whole code range is written back as one segment.
+fn patch_code(p: &mut Package, f: impl Fn(&Header, &mut Vec<u8>) -> bool) -> u32 {
+    for i in 0..p.tiles.len() {
+        let (start, mut code) = image::code_bytes(&p.shared_segments, &p.tiles[i]).unwrap();
+        let header = Header::decode(&code, start).unwrap();
+        if !f(&header, &mut code) {
+            continue;
+        }
+        let t = &mut p.tiles[i];
+        t.shared.clear();
+        t.zero_fill.clear();
+        t.segments.retain(|s| s.address != start);
+        t.segments.push(Segment { address: start, bytes: code });
+        return t.tile;
+    }
+    panic!("no tile for this patch")
+}
+
+fn word(code: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(code[at..at + 4].try_into().unwrap())
+}
+
+/// (index into `Package::phases`, index into its tiles, index into that tile's receives) of the
 /// first receive that satisfies `keep`.
 fn find_receive(p: &Package, keep: impl Fn(&ExchangePhase, &TileExchange, &ReceiveEntry) -> bool) -> (usize, usize, usize) {
     for (e, phase) in entries(p).iter().enumerate() {
@@ -226,7 +286,7 @@ fn every_mutation_is_caught() {
     let (e, t, r) = find_receive(&p, |_, _, _| true);
     let x = entries(&p);
     let (tile, address) = (x[e].tiles[t].tile, x[e].tiles[t].receives[r].address);
-    let step = step_of_phase(&p, p.exchanges[e].index);
+    let step = step_of_phase(&p, p.phases[e].index);
     allocation_at(&mut p, tile, address, step).first_step = step + 1;
     assert_exchange_error(&run(d, "receive-not-live", &p, &[]), "no live buffer owns");
     kinds += 1;
@@ -234,10 +294,12 @@ fn every_mutation_is_caught() {
     // 12. A read of storage that is not live: a matrix product's A block starts living a step
     // after the product reads it.
     let mut p = base.clone();
+    let decoded = Programs::of(&p).unwrap();
     let (tile, set, a) = p
         .tiles
         .iter()
-        .find_map(|i| i.compute_sets.iter().find_map(|s| s.calls.iter().find_map(|c| match c {
+        .zip(&decoded.compute_sets)
+        .find_map(|(i, sets)| sets.iter().find_map(|s| s.calls.iter().find_map(|c| match c {
             VertexCall::MatMul { a, .. } => Some((i.tile, s.index, a.address)),
             _ => None,
         })))
@@ -253,30 +315,33 @@ fn every_mutation_is_caught() {
 
     // 13. Swapped operand addresses of a matrix product.
     let mut p = base.clone();
-    let call = p.tiles.iter_mut().flat_map(|i| i.compute_sets.iter_mut()).flat_map(|s| s.calls.iter_mut()).find(|c| matches!(c, VertexCall::MatMul { .. })).unwrap();
-    if let VertexCall::MatMul { a, b, .. } = call {
-        std::mem::swap(a, b);
-    }
+    programs(&mut p, |x| {
+        if let Some(VertexCall::MatMul { a, b, .. }) = calls(x).find(|c| matches!(c, VertexCall::MatMul { .. })) {
+            std::mem::swap(a, b);
+        }
+    });
     assert_caught(&run(d, "swapped-operands", &p, &[]), "swapped operand address");
     kinds += 1;
 
     // 14. An operand moved off the target's 8-byte data alignment (still element aligned).
     let mut p = base.clone();
-    let call = p.tiles.iter_mut().flat_map(|i| i.compute_sets.iter_mut()).flat_map(|s| s.calls.iter_mut()).find(|c| matches!(c, VertexCall::Gelu { .. })).unwrap();
-    if let VertexCall::Gelu { input, .. } = call {
-        input.address += 2;
-    }
+    programs(&mut p, |x| {
+        if let Some(VertexCall::Gelu { input, .. }) = calls(x).find(|c| matches!(c, VertexCall::Gelu { .. })) {
+            input.address += 2;
+        }
+    });
     assert_error(&run(d, "misaligned-operand", &p, &[]), "-byte aligned");
     kinds += 1;
 
     // 15. A vertex writing into the tile's code and tables.
     let mut p = base.clone();
-    let image = p.tiles.iter_mut().find(|i| i.compute_sets.iter().any(|s| s.calls.iter().any(|c| matches!(c, VertexCall::Gelu { .. })))).unwrap();
-    let code = image.allocations.iter().find(|a| a.kind == AllocationKind::Code).unwrap().start;
-    let call = image.compute_sets.iter_mut().flat_map(|s| s.calls.iter_mut()).find(|c| matches!(c, VertexCall::Gelu { .. })).unwrap();
-    if let VertexCall::Gelu { output, .. } = call {
-        output.address = code;
-    }
+    programs(&mut p, |x| {
+        let i = x.compute_sets.iter().position(|sets| sets.iter().any(|s| s.calls.iter().any(|c| matches!(c, VertexCall::Gelu { .. })))).unwrap();
+        let code = base.tiles[i].allocations.iter().find(|a| a.kind == AllocationKind::Code).unwrap().start;
+        if let Some(VertexCall::Gelu { output, .. }) = x.compute_sets[i].iter_mut().flat_map(|s| s.calls.iter_mut()).find(|c| matches!(c, VertexCall::Gelu { .. })) {
+            output.address = code;
+        }
+    });
     assert_error(&run(d, "write-into-code", &p, &[]), "allocation `code`");
     kinds += 1;
 
@@ -289,8 +354,10 @@ fn every_mutation_is_caught() {
 
     // 16. A dropped vertex call: its output keeps the NaN it was refilled with.
     let mut p = base.clone();
-    let set = p.tiles.iter_mut().flat_map(|i| i.compute_sets.iter_mut()).find(|s| s.calls.iter().any(|c| matches!(c, VertexCall::Gelu { .. }))).unwrap();
-    set.calls.retain(|c| !matches!(c, VertexCall::Gelu { .. }));
+    programs(&mut p, |x| {
+        let set = x.compute_sets.iter_mut().flatten().find(|s| s.calls.iter().any(|c| matches!(c, VertexCall::Gelu { .. }))).unwrap();
+        set.calls.retain(|c| !matches!(c, VertexCall::Gelu { .. }));
+    });
     assert_fail(&run(d, "dropped-call", &p, &[]), "dropped vertex call");
     kinds += 1;
 
@@ -308,29 +375,85 @@ fn every_mutation_is_caught() {
     // 17b. A corrupted run descriptor: a receive's row count raised to 3 (rows back to back
     // after it), so the device listens for two rows that no send supplies.
     let mut p = base.clone();
-    let run_at = p.exchanges.iter_mut().flat_map(|e| e.tiles.iter_mut()).flat_map(|t| t.receives.iter_mut()).next().expect("a receive");
-    run_at.cycle_stride = if run_at.paired { run_at.words / 2 } else { run_at.words } + 7;
-    run_at.address_stride = run_at.words * 4;
-    run_at.count += 2;
+    programs(&mut p, |x| {
+        let run_at = x.exchanges.iter_mut().flat_map(|e| e.tiles.iter_mut()).flat_map(|t| t.receives.iter_mut()).next().expect("a receive");
+        run_at.cycle_stride = if run_at.paired { run_at.words / 2 } else { run_at.words } + 7;
+        run_at.address_stride = run_at.words * 4;
+        run_at.count += 2;
+    });
     assert_caught(&run(d, "corrupted-run", &p, &[]), "corrupted run descriptor");
     kinds += 1;
 
     // 17c. A run descriptor of zero rows, and one asking for more rows than any phase may
     // expand to: refused at load, naming the tile.
     let mut p = base.clone();
-    let table = &mut p.exchanges[0].tiles[0];
-    match table.sends.first_mut() {
-        Some(s) => s.count = 0,
-        None => table.receives[0].count = 0,
-    }
-    assert_error(&run(d, "empty-run", &p, &[]), "a run of zero entries");
+    programs(&mut p, |x| {
+        let table = &mut x.exchanges[0].tiles[0];
+        match table.sends.first_mut() {
+            Some(s) => s.count = 0,
+            None => table.receives[0].count = 0,
+        }
+    });
+    assert_error(&run(d, "empty-run", &p, &[]), "a run descriptor of 0 entries");
     let mut p = base.clone();
-    let table = &mut p.exchanges[0].tiles[0];
-    match table.receives.first_mut() {
-        Some(r) => r.count = u32::MAX,
-        None => table.sends[0].count = u32::MAX,
-    }
+    programs(&mut p, |x| {
+        let table = &mut x.exchanges[0].tiles[0];
+        match table.receives.first_mut() {
+            Some(r) => r.count = u32::MAX,
+            None => table.sends[0].count = u32::MAX,
+        }
+    });
     assert_error(&run(d, "huge-run", &p, &[]), "exceeds the entries left");
+    kinds += 1;
+
+    // 17d. Corrupted image bytes (under a valid checksum): a vertex record's kind, a vertex
+    // record cut short by the header, a table binding pointing into the bindings, a descriptor
+    // count past the tables, a runtime header's magic. Each is refused at load naming the
+    // tile and the address; none is executed.
+    let mut p = base.clone();
+    let tile = patch_code(&mut p, |h, code| {
+        code[h.vertex_offset() as usize + image::SET_RECORD_BYTES as usize] = 0xEE;
+        h.sets > 0
+    });
+    let out = run(d, "corrupt-vertex-record", &p, &[]);
+    assert_error(&out, "unknown vertex kind 238");
+    assert!(out.stderr.contains(&format!("tile {tile}")) && out.stderr.contains("vertex record 0 of compute set"), "{}", out.stderr);
+    let mut p = base.clone();
+    patch_code(&mut p, |h, code| {
+        // Four bytes moved from the vertex state to the tables: the last record is cut short.
+        code[20..24].copy_from_slice(&h.vertex_bytes.wrapping_sub(4).to_le_bytes());
+        code[28..32].copy_from_slice(&(h.table_bytes + 4).to_le_bytes());
+        h.sets > 0
+    });
+    assert_error(&run(d, "vertex-state-short", &p, &[]), "runs past the end");
+    let mut p = base.clone();
+    let tile = patch_code(&mut p, |h, code| {
+        let at = h.table_offset() as usize + 4;
+        if h.bindings > 0 {
+            code[at..at + 4].copy_from_slice(&0u32.to_le_bytes());
+        }
+        h.bindings > 0
+    });
+    let out = run(d, "corrupt-binding", &p, &[]);
+    assert_error(&out, "points into the bindings");
+    assert!(out.stderr.contains(&format!("tile {tile}")) && out.stderr.contains("exchange-table binding 0"), "{}", out.stderr);
+    let mut p = base.clone();
+    patch_code(&mut p, |h, code| {
+        if h.bindings == 0 {
+            return false;
+        }
+        let binding = h.table_offset() as usize;
+        let segment = binding + word(code, binding + 4) as usize;
+        code[segment..segment + 4].copy_from_slice(&0x0100_0000u32.to_le_bytes());
+        true
+    });
+    assert_error(&run(d, "corrupt-descriptor-count", &p, &[]), "does not fit in the tables");
+    let mut p = base.clone();
+    patch_code(&mut p, |_, code| {
+        code[0] ^= 0x10;
+        true
+    });
+    assert_error(&run(d, "corrupt-header", &p, &[]), "is not `IPUT`");
     kinds += 1;
 
     // 18. Tile images corrupted: the package's checksum no longer matches.
@@ -348,18 +471,16 @@ fn every_mutation_is_caught() {
     std::fs::create_dir_all(&attention_dir).unwrap();
     let mut p = build(&attention_dir, ATTENTION);
     // The planner folds the scale into the softmax that consumes it; a separate pass when not.
-    let call = p
-        .tiles
-        .iter_mut()
-        .flat_map(|i| i.compute_sets.iter_mut())
-        .flat_map(|s| s.calls.iter_mut())
-        .find(|c| matches!(c, VertexCall::Scale { .. }) || matches!(c, VertexCall::Softmax { scale, .. } if *scale != 1.0))
-        .expect("a scale pass or a softmax with the scale folded in");
-    match call {
-        VertexCall::Scale { factor, .. } => *factor *= 2.0,
-        VertexCall::Softmax { scale, .. } => *scale *= 2.0,
-        _ => unreachable!(),
-    }
+    programs(&mut p, |x| {
+        let call = calls(x)
+            .find(|c| matches!(c, VertexCall::Scale { .. }) || matches!(c, VertexCall::Softmax { scale, .. } if *scale != 1.0))
+            .expect("a scale pass or a softmax with the scale folded in");
+        match call {
+            VertexCall::Scale { factor, .. } => *factor *= 2.0,
+            VertexCall::Softmax { scale, .. } => *scale *= 2.0,
+            _ => unreachable!(),
+        }
+    });
     assert_fail(&run(&attention_dir, "wrong-scale", &p, &[]), "wrong scale");
     kinds += 1;
 

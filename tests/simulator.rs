@@ -16,6 +16,7 @@ use ipuq::device::{Device, DeviceError, Simulator};
 use ipuq::profile;
 use ipuq::runtime::{self, RunError, RunOptions};
 use ipuq_queries::cost::{self, WeightClass};
+use ipuq_queries::image::{self, Programs, TileProgram};
 use ipuq_queries::ir::DType;
 use ipuq_queries::package::*;
 use ipuq_queries::target::{fixtures, Target};
@@ -38,16 +39,18 @@ struct Build {
     tiles: BTreeMap<u32, TileImage>,
     steps: Vec<Step>,
     exchanges: Vec<ExchangePhase>,
+    /// Per tile: its compute sets, written into its image by `finish`.
+    sets: BTreeMap<u32, Vec<ComputeSet>>,
     host: HostTables,
 }
 
 impl Build {
     fn new() -> Build {
         let host = HostTables { inputs: vec![], initialize: vec![], outputs: vec![], checkpoints: vec![] };
-        Build { target: target(), labels: vec![], tiles: BTreeMap::new(), steps: vec![], exchanges: vec![], host }
+        Build { target: target(), labels: vec![], tiles: BTreeMap::new(), steps: vec![], exchanges: vec![], sets: BTreeMap::new(), host }
     }
     fn tile(&mut self, tile: u32) -> &mut TileImage {
-        self.tiles.entry(tile).or_insert_with(|| TileImage { tile, segments: vec![], shared: vec![], zero_fill: vec![], allocations: vec![], compute_sets: vec![] })
+        self.tiles.entry(tile).or_insert_with(|| TileImage { tile, segments: vec![], shared: vec![], zero_fill: vec![], allocations: vec![] })
     }
     fn alloc(&mut self, tile: u32, name: &str, start: u32, bytes: u32, kind: AllocationKind) {
         self.labels.push(name.to_string());
@@ -55,16 +58,32 @@ impl Build {
         self.tile(tile).allocations.push(Allocation { start, end: start + bytes, kind, label, first_step: 0, last_step: u32::MAX });
     }
     fn call(&mut self, tile: u32, set: u32, call: VertexCall) {
-        let image = self.tile(tile);
-        match image.compute_sets.iter_mut().find(|s| s.index == set) {
+        self.tile(tile);
+        let sets = self.sets.entry(tile).or_default();
+        match sets.iter_mut().find(|s| s.index == set) {
             Some(s) => s.calls.push(call),
-            None => image.compute_sets.push(ComputeSet { index: set, calls: vec![call] }),
+            None => sets.push(ComputeSet { index: set, calls: vec![call] }),
         }
     }
     fn phase(&mut self, index: u32, tables: Vec<TileExchange>) {
         self.exchanges.push(ExchangePhase { index, tiles: tables, horizon: 0, endpoint_lower_bound: 0 });
     }
-    fn finish(self) -> Package {
+    /// The package, with each tile's program written into its image: into its code
+    /// allocation (grown to at least 1 KiB), or a new one at the bottom of memory.
+    fn finish(mut self) -> Package {
+        let packed = ipuq_queries::tables::pack(&self.exchanges);
+        for tile in self.tiles.keys().copied().collect::<Vec<_>>() {
+            let tables = packed.iter().flat_map(|x| x.tiles.iter().filter(|t| t.tile == tile).map(|t| (x.index, t.clone()))).collect();
+            let program = TileProgram { compute_sets: self.sets.remove(&tile).unwrap_or_default(), tables };
+            let bytes = image::program_bytes(&program).max(1024).div_ceil(16) * 16;
+            if !self.tiles[&tile].allocations.iter().any(|a| a.kind == AllocationKind::Code) {
+                self.alloc(tile, "code", 0x4C000, bytes, AllocationKind::Code);
+            }
+            let image = self.tiles.get_mut(&tile).unwrap();
+            let code = image.allocations.iter_mut().find(|a| a.kind == AllocationKind::Code).unwrap();
+            code.end = code.end.max(code.start + bytes);
+            image::write_program(&[], image, self.steps.len() as u32, &program).unwrap();
+        }
         Package {
             compiler: "tests".into(),
             target_toml: self.target.canonical_toml(),
@@ -74,12 +93,24 @@ impl Build {
             tiles: self.tiles.into_values().collect(),
             shared_segments: vec![],
             steps: self.steps,
-            exchanges: ipuq_queries::tables::pack(&self.exchanges),
+            phases: packed.iter().map(|x| PhaseSummary { index: x.index, horizon: x.horizon, endpoint_lower_bound: x.endpoint_lower_bound }).collect(),
             host: self.host,
             labels: self.labels,
             summary: Summary { operations: 0, active_tiles: 0, gemm_flops: 0, estimated_cycles: 0, estimated_exchange_cycles: 0, logical_shards: 0 },
         }
     }
+}
+
+/// Edit a package's programs (decoded from its images) and write them back.
+fn edit(package: &mut Package, f: impl FnOnce(&mut Programs)) {
+    let mut programs = Programs::of(package).unwrap();
+    f(&mut programs);
+    programs.write(package).unwrap();
+}
+
+/// The compute sets of a tile, in `Programs`.
+fn sets_of<'a>(package: &Package, programs: &'a mut Programs, tile: u32) -> &'a mut Vec<ComputeSet> {
+    &mut programs.compute_sets[package.tiles.iter().position(|t| t.tile == tile).unwrap()]
 }
 
 fn op(address: u32, row_stride: u32) -> Operand {
@@ -301,11 +332,13 @@ fn overlapping_receives_on_one_tile_are_rejected_with_tile_phase_and_cycle() {
     // Tile 1 also sends its partials plainly to tile 9, timed to arrive while tile 9 is
     // already listening to tile 0 in phase 1.
     let arrival = t.delay(0, 9) + 5;
-    let phase = &mut package.exchanges[1];
-    phase.tiles.push(ipuq_queries::tables::pack_tile(&table(1, vec![send(arrival - t.delay(1, 9), IL + 0x1000, 4, false)], vec![])));
-    phase.tiles.sort_by_key(|x| x.tile);
-    let extra = ipuq_queries::tables::pack_tile(&table(9, vec![], vec![receive(arrival, 1, IL + 0x3000, 4, false)]));
-    phase.tiles.iter_mut().find(|x| x.tile == 9).unwrap().receives.push(extra.receives[0]);
+    edit(&mut package, |x| {
+        let phase = &mut x.exchanges[1];
+        phase.tiles.push(ipuq_queries::tables::pack_tile(&table(1, vec![send(arrival - t.delay(1, 9), IL + 0x1000, 4, false)], vec![])));
+        phase.tiles.sort_by_key(|x| x.tile);
+        let extra = ipuq_queries::tables::pack_tile(&table(9, vec![], vec![receive(arrival, 1, IL + 0x3000, 4, false)]));
+        phase.tiles.iter_mut().find(|x| x.tile == 9).unwrap().receives.push(extra.receives[0]);
+    });
     let err = load(&package).err().expect("a double-booked receive port must be rejected");
     assert!(matches!(err, DeviceError::Exchange { phase: 1, tile: 9, cycle, .. } if cycle == arrival as u64), "{err}");
     let text = err.to_string();
@@ -316,7 +349,7 @@ fn overlapping_receives_on_one_tile_are_rejected_with_tile_phase_and_cycle() {
 fn a_receive_without_a_matching_send_is_rejected() {
     let (mut package, _) = pipeline();
     // Tile 9 listens one cycle late: its last word would come from no send.
-    package.exchanges[1].tiles.iter_mut().find(|x| x.tile == 9).unwrap().receives[0].cycle += 1;
+    edit(&mut package, |x| x.exchanges[1].tiles.iter_mut().find(|x| x.tile == 9).unwrap().receives[0].cycle += 1);
     let err = load(&package).err().expect("a late receive must be rejected");
     assert!(matches!(err, DeviceError::Exchange { phase: 1, tile: 9, .. }), "{err}");
     assert!(err.to_string().contains("from tile 0"), "{err}");
@@ -382,21 +415,41 @@ fn an_exchange_moves_the_words_as_they_were_when_the_phase_began() {
 #[test]
 fn an_operand_outside_its_allocation_is_rejected_naming_the_tile() {
     let (mut package, _) = pipeline();
-    let tile2 = package.tiles.iter_mut().find(|t| t.tile == 2).unwrap();
-    let VertexCall::Scale { rows, .. } = &mut tile2.compute_sets[0].calls[0] else { panic!("tile 2 scales") };
-    *rows = M + 1;
+    let copy = package.clone();
+    edit(&mut package, |x| {
+        let VertexCall::Scale { rows, .. } = &mut sets_of(&copy, x, 2)[0].calls[0] else { panic!("tile 2 scales") };
+        *rows = M + 1;
+    });
     let err = load(&package).err().expect("an out-of-bounds read must be rejected");
     assert!(matches!(err, DeviceError::Access { tile: 2, compute_set: 2, call: 0, .. }), "{err}");
     assert!(err.to_string().contains("tile 2") && err.to_string().contains("allocation `c`"), "{err}");
 }
 
 #[test]
+fn corrupted_image_records_are_load_errors_naming_tile_and_address() {
+    // The calls are decoded from the image bytes: tile 9's first vertex record gets kind 99.
+    let (mut package, _) = pipeline();
+    let image = package.tiles.iter_mut().find(|t| t.tile == 9).unwrap();
+    image.segments.iter_mut().find(|s| s.address == 0x4C000).unwrap().bytes[64 + 8] = 99;
+    let err = load(&package).err().expect("an unknown vertex kind must be rejected");
+    assert!(matches!(err, DeviceError::Load { tile: 9, .. }), "{err}");
+    assert!(err.to_string().contains("vertex record 0 of compute set 2 at 0x4c048") && err.to_string().contains("unknown vertex kind 99"), "{err}");
+    // A tile without a code allocation has no program to start from.
+    let (mut package, _) = pipeline();
+    package.tiles.iter_mut().find(|t| t.tile == 9).unwrap().allocations.retain(|a| a.kind != AllocationKind::Code);
+    let err = load(&package).err().expect("a tile without code must be rejected");
+    assert!(matches!(err, DeviceError::Load { tile: 9, .. }) && err.to_string().contains("no code allocation"), "{err}");
+}
+
+#[test]
 fn partials_in_standard_memory_are_rejected() {
     let (mut package, _) = pipeline();
     // The matrix product on tile 1 writes its partials into its A buffer (standard memory).
-    let tile1 = package.tiles.iter_mut().find(|t| t.tile == 1).unwrap();
-    let VertexCall::MatMul { c, .. } = &mut tile1.compute_sets[0].calls[0] else { panic!("tile 1 multiplies") };
-    *c = op(STD, N);
+    let copy = package.clone();
+    edit(&mut package, |x| {
+        let VertexCall::MatMul { c, .. } = &mut sets_of(&copy, x, 1)[0].calls[0] else { panic!("tile 1 multiplies") };
+        *c = op(STD, N);
+    });
     let err = load(&package).err().expect("partials below the interleaved region must be rejected");
     assert!(matches!(err, DeviceError::Access { tile: 1, operand: "c", .. }), "{err}");
     assert!(err.to_string().contains("standard memory"), "{err}");
@@ -468,9 +521,11 @@ fn a_product_adds_its_epilogue_addend_by_rows_columns_or_whole_block_before_roun
 
     // An addend on a product that writes fp32 partials would be added once per reduction member.
     let mut package = package;
-    let tile5 = package.tiles.iter_mut().find(|t| t.tile == 5).unwrap();
-    let VertexCall::MatMul { partials, .. } = &mut tile5.compute_sets[0].calls[0] else { panic!("tile 5 multiplies") };
-    *partials = true;
+    let at = package.tiles.iter().position(|t| t.tile == 5).unwrap();
+    edit(&mut package, |x| {
+        let VertexCall::MatMul { partials, .. } = &mut x.compute_sets[at][0].calls[0] else { panic!("tile 5 multiplies") };
+        *partials = true;
+    });
     let err = load(&package).err().expect("an addend on partials must be rejected");
     assert!(matches!(err, DeviceError::Access { tile: 5, operand: "add", .. }) && err.to_string().contains("partials"), "{err}");
 }

@@ -2,33 +2,31 @@
 //! program into per-tile images and programs, and assemble the package.
 //!
 //! Each tile's code holds its runtime header, its host-exchange records (one per host
-//! segment), its vertex state (one fixed-size record per call) and its exchange tables
-//! (compact run descriptors with per-phase bindings, `tables.rs`), encoded little-endian, so
-//! the bytes a tile needs are accounted for in its memory. Vertex state and tables that
+//! segment), its vertex state (one variable-length record per call, `image.rs`) and its
+//! exchange tables (compact run descriptors with per-phase bindings, `tables.rs`), encoded
+//! little-endian: the image is the program. Vertex state and tables that
 //! several tiles hold are stored once in the package (`Package::shared_segments`); the rest of
 //! the code reserve is a load-time zero fill, not bytes. Host-streamed inputs and weights are
-//! never in an image. The simulator executes the structured calls and the packed tables
-//! that the same package carries beside them.
+//! never in an image. The package carries no structured copy of calls or tables: the
+//! simulator decodes them from the loaded tile memory.
 
 use crate::cost;
 use crate::db::CompileError;
+use crate::image;
 use crate::tables::{self, PackedPhase, PackedTile};
 use crate::ir::Graph;
 use crate::lower::{Call, LHostTensor, LStep, Loc, Lowered};
 use crate::package::{
-    AddressRange, Allocation, AllocationKind, Checkpoint, ComputeSet, ExchangePhase, HostSegment, HostTables, HostTensor, Operand, Package, Segment, SharedSegment, Step,
-    Summary, TileImage, VertexCall,
+    AddressRange, Allocation, AllocationKind, Checkpoint, ComputeSet, ExchangePhase, HostSegment, HostTables, HostTensor, Operand, Package, PhaseSummary, Segment, SharedSegment,
+    Step, Summary, TileImage, VertexCall,
 };
 use crate::storage::Placement;
 use crate::target::Target;
 
-/// Bytes of the per-tile runtime header, one vertex-state record, one exchange-table record,
-/// one host-exchange record (a host segment the tile streams in or out).
+/// Bytes of the per-tile runtime header and of one host-exchange record (a host segment the
+/// tile streams in or out). Vertex records are variable-length (`image.rs`), exchange
+/// descriptors are `tables.rs`'s.
 pub const RUNTIME_HEADER_BYTES: u32 = 64;
-pub const VERTEX_RECORD_BYTES: u32 = 64;
-/// Exchange records are three words: cycle, address, and words (20 bits: no tile holds 2^20
-/// words) | source tile (11 bits; 0 for sends) << 20 | paired << 31.
-pub const EXCHANGE_RECORD_BYTES: u32 = 12;
 pub const HOST_RECORD_BYTES: u32 = 32;
 
 /// A tile's support memory, laid out from the bottom of standard memory in this order: the
@@ -61,12 +59,19 @@ fn host_segments_per_tile(lowered: &Lowered) -> Vec<u32> {
     n
 }
 
-/// Support memory per tile, from call counts, encoded exchange-table bytes and host segments.
+/// Support memory per tile, from the calls' vertex records, encoded exchange-table bytes and
+/// host segments. Vertex records do not depend on addresses, so this is exact before placement.
 pub fn support_memory(lowered: &Lowered, table_bytes: &[u32]) -> Vec<SupportMemory> {
-    let mut calls = vec![0u32; lowered.tiles as usize];
-    for set in &lowered.compute_sets {
-        for (tile, _) in set {
-            calls[*tile as usize] += 1;
+    let mut vertex = vec![0u32; lowered.tiles as usize];
+    let mut last_set = vec![u32::MAX; lowered.tiles as usize];
+    for (index, set) in lowered.compute_sets.iter().enumerate() {
+        for (tile, call) in set {
+            let t = *tile as usize;
+            if last_set[t] != index as u32 {
+                last_set[t] = index as u32;
+                vertex[t] += image::SET_RECORD_BYTES;
+            }
+            vertex[t] += image::record_bytes(call);
         }
     }
     let host = host_segments_per_tile(lowered);
@@ -74,7 +79,7 @@ pub fn support_memory(lowered: &Lowered, table_bytes: &[u32]) -> Vec<SupportMemo
         .map(|tile| SupportMemory {
             runtime_bytes: RUNTIME_HEADER_BYTES,
             host_code_bytes: host[tile] * HOST_RECORD_BYTES,
-            generated_code_bytes: calls[tile] * VERTEX_RECORD_BYTES,
+            generated_code_bytes: vertex[tile],
             exchange_table_bytes: table_bytes.get(tile).copied().unwrap_or(0),
             profile_bytes: 0,
         })
@@ -113,56 +118,6 @@ fn operand(placement: &Placement, loc: &Loc) -> Operand {
 
 pub(crate) fn vertex(placement: &Placement, call: &Call) -> VertexCall {
     call.map(|l| operand(placement, l))
-}
-
-/// Fixed-size little-endian record of a vertex call (tag, dims, operand addresses, strides).
-fn encode_call(call: &VertexCall, out: &mut Vec<u8>) {
-    let mut words: Vec<u32> = Vec::with_capacity(16);
-    let mut ops = |tag: u32, dims: &[u32], operands: &[&Operand]| {
-        words.push(tag);
-        words.extend_from_slice(dims);
-        for op in operands {
-            words.push(op.address);
-            words.push(op.row_stride);
-        }
-    };
-    match call {
-        VertexCall::MatMul { m, k, n, a, a_panel, b, b_transposed, c, c_panel, partials, add } => {
-            let flags = *b_transposed as u32 | (*partials as u32) << 1 | addend_mode(add) << 2 | *c_panel << 8;
-            let mut refs = vec![a, b, c];
-            refs.extend(add.as_ref().map(|x| &x.operand));
-            ops(1, &[*m, *k, *n, *a_panel, flags], &refs)
-        }
-        VertexCall::Reduce { rows, cols, parts, out: o, add } => {
-            let mut refs: Vec<&Operand> = parts.iter().take(4).collect();
-            refs.push(o);
-            refs.extend(add.as_ref().map(|x| &x.operand));
-            ops(2, &[*rows, *cols, parts.len() as u32 | addend_mode(add) << 16], &refs)
-        }
-        VertexCall::Gelu { rows, cols, input, output } => ops(3, &[*rows, *cols], &[input, output]),
-        VertexCall::Scale { rows, cols, factor, input, output } => ops(4, &[*rows, *cols, factor.to_bits()], &[input, output]),
-        VertexCall::Add { rows, cols, a, b, output } => ops(5, &[*rows, *cols], &[a, b, output]),
-        VertexCall::Softmax { rows, cols, scale, input, input_panel, output } => ops(6, &[*rows, *cols, scale.to_bits(), *input_panel], &[input, output]),
-        VertexCall::GeluErf { rows, cols, input, output } => ops(8, &[*rows, *cols], &[input, output]),
-        VertexCall::BiasAdd { rows, cols, input, bias, output } => ops(9, &[*rows, *cols], &[input, bias, output]),
-        VertexCall::LayerNorm { rows, cols, eps, input, gamma, beta, output } => ops(10, &[*rows, *cols, eps.to_bits()], &[input, gamma, beta, output]),
-        VertexCall::Copy { rows, cols, dtype, input, output } => ops(7, &[*rows, *cols, dtype.bytes()], &[input, output]),
-    }
-    words.resize((VERTEX_RECORD_BYTES / 4) as usize, 0);
-    for w in words {
-        out.extend_from_slice(&w.to_le_bytes());
-    }
-}
-
-/// The epilogue addend's broadcast in a vertex record: 0 none, 1 row, 2 column, 3 full.
-fn addend_mode(add: &Option<crate::package::Addend<Operand>>) -> u32 {
-    use crate::package::Broadcast;
-    match add.as_ref().map(|x| x.broadcast) {
-        None => 0,
-        Some(Broadcast::Row) => 1,
-        Some(Broadcast::Column) => 2,
-        Some(Broadcast::Full) => 3,
-    }
 }
 
 fn host_tensor(placement: &Placement, lowered: &Lowered, t: &LHostTensor) -> HostTensor {
@@ -206,18 +161,19 @@ pub fn estimate_cycles(target: &Target, lowered: &Lowered, placement: &Placement
 pub fn build_package(target: &Target, graph: &Graph, lowered: &Lowered, placement: &Placement, exchanges: Vec<PackedPhase>) -> Result<Package, CompileError> {
     let tiles = lowered.tiles as usize;
     let mut images: Vec<TileImage> = (0..tiles as u32)
-        .map(|tile| TileImage { tile, segments: Vec::new(), shared: Vec::new(), zero_fill: Vec::new(), allocations: Vec::new(), compute_sets: Vec::new() })
+        .map(|tile| TileImage { tile, segments: Vec::new(), shared: Vec::new(), zero_fill: Vec::new(), allocations: Vec::new() })
         .collect();
+    let mut programs: Vec<Vec<ComputeSet>> = vec![Vec::new(); tiles];
     let mut set_cycles: Vec<Vec<u64>> = vec![vec![0; tiles]; lowered.compute_sets.len()];
     for (index, set) in lowered.compute_sets.iter().enumerate() {
         for (tile, call) in set {
-            let image = &mut images[*tile as usize];
-            if image.compute_sets.last().is_none_or(|s| s.index != index as u32) {
-                image.compute_sets.push(ComputeSet { index: index as u32, calls: Vec::new() });
+            let sets = &mut programs[*tile as usize];
+            if sets.last().is_none_or(|s| s.index != index as u32) {
+                sets.push(ComputeSet { index: index as u32, calls: Vec::new() });
             }
             let v = vertex(placement, call);
             set_cycles[index][*tile as usize] += cost::vertex(target, &v);
-            image.compute_sets.last_mut().unwrap().calls.push(v);
+            sets.last_mut().unwrap().calls.push(v);
         }
     }
     for (i, b) in lowered.buffers.iter().enumerate() {
@@ -229,6 +185,14 @@ pub fn build_package(target: &Target, graph: &Graph, lowered: &Lowered, placemen
     // (no padded rows or columns), so it emits no padding clear to remove.
     tracing::info!(removed = 0u32, "eliminated finite GEMM padding clears using load-time SRAM initialization");
     let mut table_bytes = tile_tables(tiles, &exchanges);
+    let mut bindings = vec![0u32; tiles];
+    for phase in &exchanges {
+        for t in &phase.tiles {
+            if let Some(b) = bindings.get_mut(t.tile as usize) {
+                *b += 1;
+            }
+        }
+    }
     let mut pool: std::collections::HashMap<Vec<u8>, u32> = std::collections::HashMap::new();
     let mut shared_segments: Vec<Vec<u8>> = Vec::new();
     // Host-exchange records: (role and tensor, address, first element, count, rows, strides, step).
@@ -249,19 +213,8 @@ pub fn build_package(target: &Target, graph: &Graph, lowered: &Lowered, placemen
     }
     for (tile, image) in images.iter_mut().enumerate() {
         let (start, end) = placement.code[tile];
-        let mut code = Vec::with_capacity((end - start) as usize);
-        for w in [tile as u32, image.compute_sets.len() as u32, lowered.steps.len() as u32, 0] {
-            code.extend_from_slice(&w.to_le_bytes());
-        }
-        code.resize(RUNTIME_HEADER_BYTES as usize, 0);
-        code.extend_from_slice(&host_records[tile]);
-        let mut vertex_state = Vec::new();
-        for set in &image.compute_sets {
-            for call in &set.calls {
-                encode_call(call, &mut vertex_state);
-            }
-        }
         let tables = std::mem::take(&mut table_bytes[tile]);
+        let (code, vertex_state, tables) = image::encode_code(tile as u32, lowered.steps.len() as u32, &host_records[tile], &programs[tile], &tables, bindings[tile]);
         let total = code.len() + vertex_state.len() + tables.len();
         if total > (end - start) as usize {
             return Err(CompileError(format!(
@@ -313,7 +266,7 @@ pub fn build_package(target: &Target, graph: &Graph, lowered: &Lowered, placemen
             }
         }
     }
-    let active_tiles = images.iter().filter(|i| !i.compute_sets.is_empty()).count() as u32;
+    let active_tiles = programs.iter().filter(|p| !p.is_empty()).count() as u32;
     let host = HostTables {
         inputs: lowered.inputs.iter().map(|t| host_tensor(placement, lowered, t)).collect(),
         initialize: lowered.initialize.clone(),
@@ -333,7 +286,7 @@ pub fn build_package(target: &Target, graph: &Graph, lowered: &Lowered, placemen
         tiles: images,
         shared_segments,
         steps,
-        exchanges,
+        phases: exchanges.iter().map(|p| PhaseSummary { index: p.index, horizon: p.horizon, endpoint_lower_bound: p.endpoint_lower_bound }).collect(),
         host,
         labels: lowered.labels.clone(),
         summary: Summary {

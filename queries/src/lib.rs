@@ -10,6 +10,7 @@ pub mod exchange_placement;
 pub mod exchange;
 pub mod fingerprint;
 pub mod hash;
+pub mod image;
 pub mod ir;
 pub mod lower;
 pub mod package;

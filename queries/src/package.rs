@@ -2,8 +2,9 @@
 //! nothing of the workload graph that a device may use to compute.
 //!
 //! A package holds, per tile, a memory image (initial segments, load-time zero fill, the
-//! allocation map) and a program (vertex calls per compute step); per exchange phase, each
-//! tile's send and receive tables; and the host tables that say where the host writes inputs
+//! allocation map) whose code allocation is the tile's program: vertex records per compute
+//! set and exchange tables (`image.rs`), which the device decodes from tile memory; the step
+//! list and the phases' compiler figures; and the host tables that say where the host writes inputs
 //! and weights and reads outputs and checkpoints. The workload text travels along so that a
 //! package can be run and verified on its own: the runtime makes the input data from it and
 //! the verifier computes the host reference from it, but the simulator never reads it.
@@ -13,11 +14,10 @@
 
 use crate::hash::Digest;
 use crate::ir::DType;
-use crate::tables::PackedPhase;
 
 pub const PACKAGE_MAGIC: [u8; 8] = *b"IPUQPKG\0";
 /// Bump when the layout of anything below changes.
-pub const PACKAGE_FORMAT_VERSION: u32 = 9;
+pub const PACKAGE_FORMAT_VERSION: u32 = 10;
 /// rkyv's format flags this build writes (little endian, aligned, 32-bit offsets).
 pub const RKYV_FLAGS: u32 = 0x0000_0001;
 pub const HEADER_BYTES: usize = 96;
@@ -35,8 +35,9 @@ pub struct Package {
     pub shared_segments: Vec<Vec<u8>>,
     /// The BSP sequence the device executes.
     pub steps: Vec<Step>,
-    /// Exchange tables as compact run descriptors (`tables.rs`); the device expands them.
-    pub exchanges: Vec<PackedPhase>,
+    /// The exchange phases the program has, with the compiler's figures for reports. Their
+    /// tables are in the tile images only (`image.rs`): the device decodes them from there.
+    pub phases: Vec<PhaseSummary>,
     pub host: HostTables,
     /// Interned labels for allocations (value names, "code", ...), for error messages.
     pub labels: Vec<String>,
@@ -75,10 +76,19 @@ pub struct TileImage {
     pub shared: Vec<SharedSegment>,
     /// Ranges cleared to zero at load time.
     pub zero_fill: Vec<AddressRange>,
-    /// Every allocated range; a vertex or exchange access outside them is an error.
+    /// Every allocated range; a vertex or exchange access outside them is an error. The one
+    /// `Code` allocation holds the tile's program (runtime header, vertex state, exchange
+    /// tables: `image.rs`), which the device decodes from the loaded bytes.
     pub allocations: Vec<Allocation>,
-    /// Vertex calls per compute set; sets without work on this tile are absent.
-    pub compute_sets: Vec<ComputeSet>,
+}
+
+/// An exchange phase of the program: its index, and the compiler's horizon and endpoint bound
+/// (reported; the device recomputes the horizon from the decoded tables).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct PhaseSummary {
+    pub index: u32,
+    pub horizon: u32,
+    pub endpoint_lower_bound: u32,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
@@ -132,6 +142,7 @@ impl Allocation {
     }
 }
 
+/// One tile's calls of one compute set (decoded from, or encoded into, its vertex state).
 #[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct ComputeSet {
     pub index: u32,

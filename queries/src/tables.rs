@@ -8,12 +8,14 @@
 //! program (fewest encoded bytes for a sorted entry list cut into arithmetic runs), so equal
 //! tables always give equal runs.
 //!
-//! The device executes runs: it expands each descriptor itself (`unpack_phase`), with a limit
-//! on the entries it will expand and no arithmetic that can panic on hostile values.
+//! The device executes runs: it decodes them from the tile's image (`decode_tile`) and
+//! expands each descriptor itself (`unpack_phase`), with a limit on the entries it will expand
+//! and no arithmetic that can panic on hostile values.
 //!
 //! Encoded in a tile image (`encode_tile`), a single entry is 3 words (cycle, address,
 //! `words | source << 20 | paired << 31`) and a run 6 (the same with bit 19 set, then count,
-//! cycle stride, address stride). Phases whose tables on a tile differ only by one address
+//! cycle stride, address stride; any count but 1 is written as a run, and the decoder refuses
+//! runs of fewer than 2). Phases whose tables on a tile differ only by one address
 //! offset for the sends and one for the receives share one segment there, patched by its
 //! binding (`TileTables`): repeated layers and blocks reuse table segments.
 
@@ -244,12 +246,12 @@ pub fn entry_count(p: &PackedPhase) -> u64 {
 }
 
 fn record(out: &mut Vec<u8>, cycle: u32, address: u32, words: u32, source: u32, paired: bool, count: u32, cs: u32, as_: u32) {
-    let flag = if count > 1 { RUN_FLAG } else { 0 };
+    let flag = if count != 1 { RUN_FLAG } else { 0 };
     let third = (words & WORDS_MASK) | flag | source << 20 | (paired as u32) << 31;
     for w in [cycle, address, third] {
         out.extend_from_slice(&w.to_le_bytes());
     }
-    if count > 1 {
+    if count != 1 {
         for w in [count, cs, as_] {
             out.extend_from_slice(&w.to_le_bytes());
         }
@@ -311,6 +313,90 @@ pub fn encode_tile(phases: &[(u32, &PackedTile)]) -> Vec<u8> {
     out
 }
 
+/// Decode a tile's encoded tables (`encode_tile`; `bytes` at `address`, `bindings` bindings)
+/// back into (phase, runs) per binding, with absolute addresses. Every error names the
+/// address and the binding or descriptor; segments that several bindings share are decoded
+/// once.
+pub fn decode_tile(bytes: &[u8], address: u32, tile: u32, bindings: u32) -> Result<Vec<(u32, PackedTile)>, String> {
+    let word = |at: u64, what: &str| -> Result<u32, String> {
+        match usize::try_from(at).ok().and_then(|a| bytes.get(a..a.checked_add(4)?)) {
+            Some(b) => Ok(u32::from_le_bytes(b.try_into().unwrap())),
+            None => Err(format!("{what} at {:#x} runs past the end of the {}-byte exchange tables at {address:#x}", address as u64 + at, bytes.len())),
+        }
+    };
+    if bindings as u64 * BINDING_BYTES as u64 > bytes.len() as u64 {
+        return Err(format!("exchange tables at {address:#x}: {bindings} bindings need {} bytes, the tables hold {}", bindings as u64 * BINDING_BYTES as u64, bytes.len()));
+    }
+    type Segment = (Vec<SendRun>, Vec<ReceiveRun>);
+    let mut segments: std::collections::HashMap<u32, std::rc::Rc<Segment>> = std::collections::HashMap::new();
+    let mut spans: Vec<(u64, u64)> = Vec::new();
+    let mut out = Vec::with_capacity(bindings as usize);
+    for b in 0..bindings {
+        let at = b as u64 * BINDING_BYTES as u64;
+        let [phase, offset, send_base, receive_base] = [0, 4, 8, 12].map(|o| word(at + o, "binding").unwrap_or_default());
+        let fail = |m: String| format!("exchange-table binding {b} (phase {phase}) at {:#x}: {m}", address as u64 + at);
+        if (offset as u64) < bindings as u64 * BINDING_BYTES as u64 {
+            return Err(fail(format!("segment offset {offset} points into the bindings")));
+        }
+        let segment = match segments.get(&offset) {
+            Some(s) => s.clone(),
+            None => {
+                let mut at = offset as u64;
+                let sends = word(at, "segment header").map_err(fail)?;
+                let receives = word(at + 4, "segment header").map_err(fail)?;
+                at += SEGMENT_HEADER_BYTES as u64;
+                if (sends as u64 + receives as u64) * ENTRY_BYTES as u64 > bytes.len() as u64 - at.min(bytes.len() as u64) {
+                    return Err(fail(format!("a segment of {sends} send and {receives} receive descriptors does not fit in the tables")));
+                }
+                let mut send_runs = Vec::with_capacity(sends as usize);
+                let mut receive_runs = Vec::with_capacity(receives as usize);
+                for i in 0..sends as u64 + receives as u64 {
+                    let here = address as u64 + at;
+                    let describe = |m: String| fail(format!("descriptor {i} at {here:#x}: {m}"));
+                    let (cycle, addr, third) = (word(at, "descriptor").map_err(fail)?, word(at + 4, "descriptor").map_err(fail)?, word(at + 8, "descriptor").map_err(fail)?);
+                    at += ENTRY_BYTES as u64;
+                    let (count, cycle_stride, address_stride) = if third & RUN_FLAG != 0 {
+                        let run = (word(at, "run").map_err(fail)?, word(at + 4, "run").map_err(fail)?, word(at + 8, "run").map_err(fail)?);
+                        at += (RUN_BYTES - ENTRY_BYTES) as u64;
+                        if run.0 < 2 {
+                            return Err(describe(format!("a run descriptor of {} entries (runs have at least 2)", run.0)));
+                        }
+                        run
+                    } else {
+                        (1, 0, 0)
+                    };
+                    let (words, source, paired) = (third & WORDS_MASK, (third >> 20) & 0x7FF, third >> 31 != 0);
+                    if i < sends as u64 {
+                        if source != 0 {
+                            return Err(describe(format!("a send descriptor names source tile {source}")));
+                        }
+                        send_runs.push(SendRun { cycle, address: addr, words, paired, count, cycle_stride, address_stride });
+                    } else {
+                        receive_runs.push(ReceiveRun { cycle, source, address: addr, words, paired, count, cycle_stride, address_stride });
+                    }
+                }
+                spans.push((offset as u64, at));
+                let s = std::rc::Rc::new((send_runs, receive_runs));
+                segments.insert(offset, s.clone());
+                s
+            }
+        };
+        let sends = segment.0.iter().map(|r| SendRun { address: r.address.wrapping_add(send_base), ..*r }).collect();
+        let receives = segment.1.iter().map(|r| ReceiveRun { address: r.address.wrapping_add(receive_base), ..*r }).collect();
+        out.push((phase, PackedTile { tile, sends, receives }));
+    }
+    // The bindings' segments follow the bindings back to back, each once, to the end.
+    spans.sort_unstable();
+    let mut at = bindings as u64 * BINDING_BYTES as u64;
+    for &(start, end) in spans.iter().chain([(bytes.len() as u64, bytes.len() as u64)].iter()) {
+        if start != at {
+            return Err(format!("exchange tables at {address:#x}: bytes {} to {start} of {} do not hold exactly the bindings' segments", at.min(start), bytes.len()));
+        }
+        at = end;
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -332,8 +418,21 @@ mod tests {
         assert_eq!(packed.tiles[0].receives[0].address_stride, 64);
         assert_eq!(unpack_phase(&packed, MAX_PHASE_ENTRIES).unwrap(), phase);
         assert_eq!(entry_count(&packed), 41);
-        let bytes = encode_tile(&[(7, &packed.tiles[0])]);
-        assert_eq!(bytes.len() as u32, BINDING_BYTES + SEGMENT_HEADER_BYTES + ENTRY_BYTES + 2 * RUN_BYTES);
+        let bytes = encode_tile(&[(7, &packed.tiles[0]), (9, &packed.tiles[0])]);
+        assert_eq!(bytes.len() as u32, 2 * BINDING_BYTES + SEGMENT_HEADER_BYTES + ENTRY_BYTES + 2 * RUN_BYTES);
+        let decoded = decode_tile(&bytes, 0x4C100, 2, 2).unwrap();
+        assert_eq!(decoded, vec![(7, packed.tiles[0].clone()), (9, packed.tiles[0].clone())]);
+        // Corrupted bytes are errors naming where, or tables, never a panic.
+        for i in 0..bytes.len() {
+            for v in [0u8, 0xFF, 0x08] {
+                let mut b = bytes.clone();
+                b[i] = v;
+                let _ = decode_tile(&b, 0x4C100, 2, 2);
+            }
+        }
+        let e = decode_tile(&bytes[..bytes.len() - 4], 0x4C100, 2, 2).unwrap_err();
+        assert!(e.contains("binding 0 (phase 7)") && e.contains("runs past the end"), "{e}");
+        assert!(decode_tile(&bytes, 0x4C100, 2, 1).unwrap_err().contains("exactly the bindings' segments"));
     }
 
     #[test]

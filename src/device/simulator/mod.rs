@@ -1,7 +1,9 @@
 //! The simulated IPU: a faithful BSP execution of a package on the machine of a [`Target`].
 //!
-//! Loading checks the whole package against the machine model (allocation rules, every vertex
-//! operand, every exchange table) and builds the tile memories; running then executes the
+//! Loading builds the tile memories from the images, decodes each tile's program from its
+//! code allocation (vertex records and exchange tables, `ipuq_queries::image`: the package
+//! carries no other copy), and checks it against the machine model (allocation rules, every
+//! vertex operand, every exchange table); running then executes the
 //! steps in order, all tiles of a step in parallel (rayon): a compute step runs each tile's
 //! calls of that compute set (`compute.rs`, arithmetic in `kernels.rs`), an exchange step moves
 //! words as the tables say (`exchange.rs`). Cycles follow BSP: a compute step costs its
@@ -24,7 +26,8 @@ use std::collections::BTreeMap;
 use ipuq_queries::cost;
 use ipuq_queries::package::{HostTensor, Package, Step};
 use ipuq_queries::provenance::Provenance;
-use ipuq_queries::tables;
+use ipuq_queries::image::{self, TileProgram};
+use ipuq_queries::tables::{self, PackedPhase};
 use ipuq_queries::target::Target;
 use rayon::prelude::*;
 
@@ -143,11 +146,12 @@ impl Device for Simulator {
     }
 
     /// The simulator's configuration is the tile map and each tile's exchange table binding
-    /// per phase: one write per tile and one per (phase, tile) table.
+    /// per phase: one write per tile and one per (phase, tile) binding its runtime header counts
+    /// (a header that cannot be read counts none here: loading rejects it).
     fn replay_configuration(&mut self, package: &Package) -> Result<u64, DeviceError> {
         let slots = self.slot_table(package)?;
         let tiles = slots.iter().flatten().count() as u64;
-        let bindings: u64 = package.exchanges.iter().map(|p| p.tiles.len() as u64).sum();
+        let bindings: u64 = package.tiles.iter().filter_map(|t| image::header_of(&package.shared_segments, t)).map(|h| h.bindings as u64).sum();
         let register_writes = tiles + bindings;
         tracing::info!(register_writes, "replaying device configuration");
         Ok(register_writes)
@@ -177,7 +181,7 @@ impl Device for Simulator {
         // The initialize call's phases run after the host writes, before step 0: storage
         // live at step 0 is what they may touch.
         for (i, &phase) in package.host.initialize.iter().enumerate() {
-            if package.host.initialize[..i].contains(&phase) || phase_steps.contains_key(&phase) || !package.exchanges.iter().any(|p| p.index == phase) {
+            if package.host.initialize[..i].contains(&phase) || phase_steps.contains_key(&phase) || !package.phases.iter().any(|p| p.index == phase) {
                 let message = format!("initialize phase {phase} is repeated, also a step of the run, or not in the package");
                 return Err(DeviceError::Program { step: 0, message });
             }
@@ -186,13 +190,28 @@ impl Device for Simulator {
         let no_steps = Vec::new();
         let memories: Vec<TileMemory> =
             package.tiles.par_iter().map(|image| TileMemory::load(target, image, &package.shared_segments, labels)).collect::<Result<_, _>>()?;
-        let programs: Vec<BTreeMap<u32, CheckedSet>> = package
+        // The tile images are the program: each tile's vertex records and exchange tables are
+        // decoded from its loaded code allocation, once per load.
+        let step_count = package.steps.len() as u32;
+        let decoded: Vec<TileProgram> = package
             .tiles
             .par_iter()
             .zip(memories.par_iter())
             .map(|(image, memory)| {
+                let fail = |message: String| DeviceError::Load { tile: image.tile, message };
+                let (start, end) = image::code_range(image).map_err(fail)?;
+                let code = memory.range(start, (end - start) as usize);
+                image::decode_program(code, start, image.tile, step_count).map(|(_, program)| program).map_err(fail)
+            })
+            .collect::<Result<_, _>>()?;
+        let programs: Vec<BTreeMap<u32, CheckedSet>> = package
+            .tiles
+            .par_iter()
+            .zip(memories.par_iter())
+            .zip(decoded.par_iter())
+            .map(|((image, memory), program)| {
                 let mut sets = BTreeMap::new();
-                for set in &image.compute_sets {
+                for set in &program.compute_sets {
                     let steps = set_steps.get(&set.index).unwrap_or(&no_steps);
                     let checked = compute::check_set(target, provenance, memory, set, labels, steps)?;
                     if sets.insert(set.index, checked).is_some() {
@@ -203,12 +222,29 @@ impl Device for Simulator {
                 Ok(sets)
             })
             .collect::<Result<_, _>>()?;
-        let checked: Vec<(u32, PhasePlan)> = package
-            .exchanges
-            .par_iter()
-            .map(|packed| {
+        // Each phase's tables, gathered from the tiles' bindings.
+        let mut packed: BTreeMap<u32, PackedPhase> = BTreeMap::new();
+        for p in &package.phases {
+            let phase = PackedPhase { index: p.index, tiles: Vec::new(), horizon: p.horizon, endpoint_lower_bound: p.endpoint_lower_bound };
+            if packed.insert(p.index, phase).is_some() {
+                return Err(DeviceError::Exchange { phase: p.index, tile: 0, cycle: 0, message: "two exchange phases share this index".into() });
+            }
+        }
+        for (image, program) in package.tiles.iter().zip(decoded) {
+            for (phase, table) in program.tables {
+                let Some(p) = packed.get_mut(&phase) else {
+                    let message = format!("the tile's exchange tables bind phase {phase}, which the package does not have");
+                    return Err(DeviceError::Exchange { phase, tile: image.tile, cycle: 0, message });
+                };
+                p.tiles.push(table);
+            }
+        }
+        let checked: Vec<(u32, PhasePlan)> = packed
+            .into_par_iter()
+            .map(|(_, mut packed)| {
+                packed.tiles.sort_by_key(|t| t.tile);
                 // The device executes the run descriptors: it expands them itself.
-                let phase = &tables::unpack_phase(packed, tables::MAX_PHASE_ENTRIES)
+                let phase = &tables::unpack_phase(&packed, tables::MAX_PHASE_ENTRIES)
                     .map_err(|(tile, message)| DeviceError::Exchange { phase: packed.index, tile, cycle: 0, message: format!("exchange table: {message}") })?;
                 let steps = phase_steps.get(&phase.index).unwrap_or(&no_steps);
                 let plan = exchange::check_phase(target, phase, &slots, &memories, labels, steps)?;
@@ -216,12 +252,7 @@ impl Device for Simulator {
                 Ok((phase.index, plan))
             })
             .collect::<Result<_, DeviceError>>()?;
-        let mut phases = BTreeMap::new();
-        for (index, plan) in checked {
-            if phases.insert(index, plan).is_some() {
-                return Err(DeviceError::Exchange { phase: index, tile: 0, cycle: 0, message: "two exchange phases share this index".into() });
-            }
-        }
+        let phases: BTreeMap<u32, PhasePlan> = checked.into_iter().collect();
         for (step, s) in package.steps.iter().enumerate() {
             if let Step::Exchange { phase } = s {
                 if !phases.contains_key(phase) {

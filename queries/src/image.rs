@@ -1,0 +1,554 @@
+//! Tile images are the program: the runtime header, the vertex-state records, and the codec
+//! that the compiler writes them with and the device reads them back with.
+//!
+//! A tile's code allocation holds, from its start, little-endian 32-bit words:
+//! - the runtime header (`RUNTIME_HEADER_BYTES`): magic `IPUT`, tile, program steps, host
+//!   records, compute sets, vertex-state bytes, table bindings, table bytes, then zeros;
+//! - the host-exchange records (`HOST_RECORD_BYTES` each; the host's own tables drive the
+//!   transfers, the device does not read these);
+//! - the vertex state: per compute set the tile takes part in, `[set index, call count]`, then
+//!   one variable-length record per call: `kind | scalars << 8 | operands << 16`, the scalar
+//!   words (shapes, flags, f32 bits of factors), then `address, row stride` per operand in the
+//!   order of `VertexCall::operands`;
+//! - the exchange tables (`tables::encode_tile`: bindings, then run-descriptor segments).
+//!
+//! The device decodes all of it from tile memory once per load (`decode_program`); any
+//! malformed byte is an error naming the tile, the address and the record, never a panic.
+//! A new vertex kind needs one arm in `scalars` and one in `decode_call`.
+
+use crate::emit::{HOST_RECORD_BYTES, RUNTIME_HEADER_BYTES};
+use crate::ir::DType;
+use crate::package::{Addend, AddressRange, AllocationKind, Broadcast, ComputeSet, Operand, Package, Segment, TileImage, VertexCall};
+use crate::tables::{self, PackedTile};
+
+/// "IPUT", the first word of every runtime header.
+pub const IMAGE_MAGIC: u32 = u32::from_le_bytes(*b"IPUT");
+/// Bytes of a compute-set record (set index, call count) in the vertex state.
+pub const SET_RECORD_BYTES: u32 = 8;
+
+/// The runtime header's fields.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Header {
+    pub tile: u32,
+    pub steps: u32,
+    pub host_records: u32,
+    pub sets: u32,
+    pub vertex_bytes: u32,
+    pub bindings: u32,
+    pub table_bytes: u32,
+}
+
+impl Header {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(RUNTIME_HEADER_BYTES as usize);
+        for w in [IMAGE_MAGIC, self.tile, self.steps, self.host_records, self.sets, self.vertex_bytes, self.bindings, self.table_bytes] {
+            out.extend_from_slice(&w.to_le_bytes());
+        }
+        out.resize(RUNTIME_HEADER_BYTES as usize, 0);
+        out
+    }
+
+    /// The header at the start of `code` (the code allocation's bytes, at `address`).
+    pub fn decode(code: &[u8], address: u32) -> Result<Header, String> {
+        if code.len() < RUNTIME_HEADER_BYTES as usize {
+            return Err(format!("code allocation at {address:#x} holds {} bytes, fewer than the {RUNTIME_HEADER_BYTES}-byte runtime header", code.len()));
+        }
+        let w = |i: usize| u32::from_le_bytes(code[i * 4..i * 4 + 4].try_into().unwrap());
+        if w(0) != IMAGE_MAGIC {
+            return Err(format!("runtime header at {address:#x}: magic {:#010x} is not `IPUT` ({IMAGE_MAGIC:#010x})", w(0)));
+        }
+        Ok(Header { tile: w(1), steps: w(2), host_records: w(3), sets: w(4), vertex_bytes: w(5), bindings: w(6), table_bytes: w(7) })
+    }
+
+    /// Offset of the vertex state from the code start.
+    pub fn vertex_offset(&self) -> u64 {
+        RUNTIME_HEADER_BYTES as u64 + self.host_records as u64 * HOST_RECORD_BYTES as u64
+    }
+
+    /// Offset of the exchange tables from the code start.
+    pub fn table_offset(&self) -> u64 {
+        self.vertex_offset() + self.vertex_bytes as u64
+    }
+
+    /// Bytes the header says the code holds.
+    pub fn end(&self) -> u64 {
+        self.table_offset() + self.table_bytes as u64
+    }
+}
+
+/// A tile's program as its image holds it: its compute sets and its exchange tables, one
+/// (phase, runs) per binding.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TileProgram {
+    pub compute_sets: Vec<ComputeSet>,
+    pub tables: Vec<(u32, PackedTile)>,
+}
+
+/// A call's kind and scalar words (its operands are `VertexCall::operands`).
+fn scalars<O>(call: &VertexCall<O>) -> (u32, Vec<u32>) {
+    match call {
+        VertexCall::MatMul { m, k, n, a_panel, b_transposed, c_panel, partials, add, .. } => {
+            (1, vec![*m, *k, *n, *a_panel, *c_panel, *b_transposed as u32 | (*partials as u32) << 1 | addend_mode(add) << 2])
+        }
+        VertexCall::Reduce { rows, cols, add, .. } => (2, vec![*rows, *cols, addend_mode(add)]),
+        VertexCall::Gelu { rows, cols, .. } => (3, vec![*rows, *cols]),
+        VertexCall::Scale { rows, cols, factor, .. } => (4, vec![*rows, *cols, factor.to_bits()]),
+        VertexCall::Add { rows, cols, .. } => (5, vec![*rows, *cols]),
+        VertexCall::Softmax { rows, cols, scale, input_panel, .. } => (6, vec![*rows, *cols, scale.to_bits(), *input_panel]),
+        VertexCall::Copy { rows, cols, dtype, .. } => (7, vec![*rows, *cols, dtype.bytes()]),
+        VertexCall::GeluErf { rows, cols, .. } => (8, vec![*rows, *cols]),
+        VertexCall::BiasAdd { rows, cols, .. } => (9, vec![*rows, *cols]),
+        VertexCall::LayerNorm { rows, cols, eps, .. } => (10, vec![*rows, *cols, eps.to_bits()]),
+    }
+}
+
+/// The epilogue addend's broadcast in a record (its operand is the call's last): 0 none, 1 row,
+/// 2 column, 3 a whole block.
+fn addend_mode<O>(add: &Option<Addend<O>>) -> u32 {
+    match add.as_ref().map(|x| x.broadcast) {
+        None => 0,
+        Some(Broadcast::Row) => 1,
+        Some(Broadcast::Column) => 2,
+        Some(Broadcast::Full) => 3,
+    }
+}
+
+/// The addend of mode `mode` whose operand is `operand`.
+fn addend(mode: u32, operand: Option<Operand>) -> Result<Option<Addend<Operand>>, String> {
+    let broadcast = match mode {
+        0 => return Ok(None),
+        1 => Broadcast::Row,
+        2 => Broadcast::Column,
+        3 => Broadcast::Full,
+        m => return Err(format!("epilogue addend mode {m} (only 0-3)")),
+    };
+    let operand = operand.ok_or_else(|| "an epilogue addend without its operand".to_string())?;
+    Ok(Some(Addend { operand, broadcast }))
+}
+
+/// The call a record describes, or what is wrong with it.
+fn decode_call(kind: u32, s: &[u32], o: &[Operand]) -> Result<VertexCall, String> {
+    let shape = |ns: usize, no: usize| -> Result<(), String> {
+        if s.len() == ns && o.len() == no {
+            Ok(())
+        } else {
+            Err(format!("a kind-{kind} record carries {} scalar words and {} operands, not {ns} and {no}", s.len(), o.len()))
+        }
+    };
+    let unary = |make: fn(u32, u32, Operand, Operand) -> VertexCall| -> Result<VertexCall, String> {
+        shape(2, 2)?;
+        Ok(make(s[0], s[1], o[0], o[1]))
+    };
+    Ok(match kind {
+        1 => {
+            if s.len() != 6 {
+                return Err(format!("a kind-1 record carries {} scalar words, not 6", s.len()));
+            }
+            if s[5] > 15 {
+                return Err(format!("matrix-product flags {:#x} set bits other than b_transposed (1), partials (2) and the addend mode (4, 8)", s[5]));
+            }
+            let mode = s[5] >> 2;
+            shape(6, 3 + (mode != 0) as usize)?;
+            let add = addend(mode, o.get(3).copied())?;
+            VertexCall::MatMul { m: s[0], k: s[1], n: s[2], a: o[0], a_panel: s[3], b: o[1], b_transposed: s[5] & 1 != 0, c: o[2], c_panel: s[4], partials: s[5] & 2 != 0, add }
+        }
+        2 => {
+            let with_addend = s.get(2).is_some_and(|&m| m != 0) as usize;
+            if s.len() != 3 || o.len() < 2 + with_addend {
+                return Err(format!("a reduce record carries {} scalar words and {} operands, not 3 and at least {}", s.len(), o.len(), 2 + with_addend));
+            }
+            let (rest, add) = if with_addend == 1 { (&o[..o.len() - 1], addend(s[2], o.last().copied())?) } else { (o, None) };
+            VertexCall::Reduce { rows: s[0], cols: s[1], parts: rest[..rest.len() - 1].to_vec(), out: rest[rest.len() - 1], add }
+        }
+        3 => unary(|rows, cols, input, output| VertexCall::Gelu { rows, cols, input, output })?,
+        4 => {
+            shape(3, 2)?;
+            VertexCall::Scale { rows: s[0], cols: s[1], factor: f32::from_bits(s[2]), input: o[0], output: o[1] }
+        }
+        5 => {
+            shape(2, 3)?;
+            VertexCall::Add { rows: s[0], cols: s[1], a: o[0], b: o[1], output: o[2] }
+        }
+        6 => {
+            shape(4, 2)?;
+            VertexCall::Softmax { rows: s[0], cols: s[1], scale: f32::from_bits(s[2]), input: o[0], input_panel: s[3], output: o[1] }
+        }
+        7 => {
+            shape(3, 2)?;
+            let dtype = match s[2] {
+                2 => DType::F16,
+                4 => DType::F32,
+                b => return Err(format!("copy of {b}-byte elements (only 2 and 4)")),
+            };
+            VertexCall::Copy { rows: s[0], cols: s[1], dtype, input: o[0], output: o[1] }
+        }
+        8 => unary(|rows, cols, input, output| VertexCall::GeluErf { rows, cols, input, output })?,
+        9 => {
+            shape(2, 3)?;
+            VertexCall::BiasAdd { rows: s[0], cols: s[1], input: o[0], bias: o[1], output: o[2] }
+        }
+        10 => {
+            shape(3, 4)?;
+            VertexCall::LayerNorm { rows: s[0], cols: s[1], eps: f32::from_bits(s[2]), input: o[0], gamma: o[1], beta: o[2], output: o[3] }
+        }
+        _ => return Err(format!("unknown vertex kind {kind}")),
+    })
+}
+
+/// Encoded bytes of one call's record.
+pub fn record_bytes<O>(call: &VertexCall<O>) -> u32 {
+    4 * (1 + scalars(call).1.len() as u32 + 2 * call.operands().len() as u32)
+}
+
+fn encode_call(call: &VertexCall, out: &mut Vec<u8>) {
+    let (kind, s) = scalars(call);
+    let operands = call.operands();
+    let mut words = Vec::with_capacity(1 + s.len() + 2 * operands.len());
+    words.push(kind | (s.len() as u32) << 8 | (operands.len() as u32) << 16);
+    words.extend_from_slice(&s);
+    for o in operands {
+        words.push(o.address);
+        words.push(o.row_stride);
+    }
+    for w in words {
+        out.extend_from_slice(&w.to_le_bytes());
+    }
+}
+
+/// A tile's vertex state: per compute set its record, then its calls' records.
+pub fn encode_vertex_state(sets: &[ComputeSet]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for set in sets {
+        for w in [set.index, set.calls.len() as u32] {
+            out.extend_from_slice(&w.to_le_bytes());
+        }
+        for call in &set.calls {
+            encode_call(call, &mut out);
+        }
+    }
+    out
+}
+
+/// Little-endian words of a byte range at `address`, read with errors naming the address.
+struct Words<'a> {
+    bytes: &'a [u8],
+    at: usize,
+    address: u32,
+}
+
+impl Words<'_> {
+    fn here(&self) -> u32 {
+        self.address.wrapping_add(self.at as u32)
+    }
+    fn next(&mut self, what: &str) -> Result<u32, String> {
+        let Some(b) = self.bytes.get(self.at..self.at + 4) else {
+            return Err(format!("{what} at {:#x} runs past the end of the region ({} bytes from {:#x})", self.here(), self.bytes.len(), self.address));
+        };
+        self.at += 4;
+        Ok(u32::from_le_bytes(b.try_into().unwrap()))
+    }
+}
+
+/// Decode `sets` compute sets from the vertex state `bytes` at `address`: every byte must
+/// belong to a record.
+pub fn decode_vertex_state(bytes: &[u8], address: u32, sets: u32) -> Result<Vec<ComputeSet>, String> {
+    let mut r = Words { bytes, at: 0, address };
+    let mut out: Vec<ComputeSet> = Vec::new();
+    for i in 0..sets {
+        let at = r.here();
+        let index = r.next("compute-set record")?;
+        let count = r.next("compute-set record")?;
+        if out.iter().any(|s| s.index == index) {
+            return Err(format!("compute-set record {i} at {at:#x}: compute set {index} appears twice"));
+        }
+        let mut calls = Vec::new();
+        for c in 0..count {
+            let at = r.here();
+            let fail = |m: String| format!("vertex record {c} of compute set {index} at {at:#x}: {m}");
+            let head = r.next("vertex record").map_err(fail)?;
+            let (kind, ns, no) = (head & 0xFF, (head >> 8) & 0xFF, head >> 16);
+            let mut s = Vec::with_capacity(ns as usize);
+            for _ in 0..ns {
+                s.push(r.next("scalar word").map_err(fail)?);
+            }
+            let mut o = Vec::new();
+            for _ in 0..no {
+                let address = r.next("operand").map_err(fail)?;
+                let row_stride = r.next("operand").map_err(fail)?;
+                o.push(Operand { address, row_stride });
+            }
+            calls.push(decode_call(kind, &s, &o).map_err(fail)?);
+        }
+        out.push(ComputeSet { index, calls });
+    }
+    if r.at != bytes.len() {
+        return Err(format!("vertex state at {address:#x}: {} bytes after the last of its {sets} compute sets", bytes.len() - r.at));
+    }
+    Ok(out)
+}
+
+/// The header, host records, vertex state and tables of a tile, as its code begins.
+pub fn encode_code(tile: u32, steps: u32, host_records: &[u8], sets: &[ComputeSet], tables: &[u8], bindings: u32) -> (Vec<u8>, Vec<u8>, Vec<u8>) {
+    let vertex = encode_vertex_state(sets);
+    let header = Header {
+        tile,
+        steps,
+        host_records: host_records.len() as u32 / HOST_RECORD_BYTES,
+        sets: sets.len() as u32,
+        vertex_bytes: vertex.len() as u32,
+        bindings,
+        table_bytes: tables.len() as u32,
+    };
+    let mut head = header.encode();
+    head.extend_from_slice(host_records);
+    (head, vertex, tables.to_vec())
+}
+
+/// Decode a tile's program from its code bytes (`code`, the code allocation's contents from
+/// `address`), for a package of `steps` program steps.
+pub fn decode_program(code: &[u8], address: u32, tile: u32, steps: u32) -> Result<(Header, TileProgram), String> {
+    let header = Header::decode(code, address)?;
+    if header.tile != tile {
+        return Err(format!("runtime header at {address:#x} is tile {}'s", header.tile));
+    }
+    if header.steps != steps {
+        return Err(format!("runtime header at {address:#x} says the program has {} steps, the package has {steps}", header.steps));
+    }
+    if header.end() > code.len() as u64 {
+        return Err(format!("runtime header at {address:#x} says its code runs {} bytes, past the end of its {}-byte code allocation", header.end(), code.len()));
+    }
+    let (v, t) = (header.vertex_offset() as usize, header.table_offset() as usize);
+    let vertex_address = address.wrapping_add(v as u32);
+    let compute_sets = decode_vertex_state(&code[v..t], vertex_address, header.sets)?;
+    let tables = tables::decode_tile(&code[t..header.end() as usize], address.wrapping_add(t as u32), tile, header.bindings)?;
+    Ok((header, TileProgram { compute_sets, tables }))
+}
+
+/// The tile's code allocation as a range, if it has exactly one.
+pub fn code_range(image: &TileImage) -> Result<(u32, u32), String> {
+    let mut code = image.allocations.iter().filter(|a| a.kind == AllocationKind::Code);
+    match (code.next(), code.next()) {
+        (Some(a), None) => Ok((a.start, a.end)),
+        (None, _) => Err("no code allocation: the tile has no runtime header to start from".into()),
+        (Some(a), Some(b)) => Err(format!("two code allocations, [{:#x}, {:#x}) and [{:#x}, {:#x})", a.start, a.end, b.start, b.end)),
+    }
+}
+
+/// A tile's code bytes as loading writes them (nothing written: 0xFF; zero fill; segments;
+/// shared segments), without a device: for reports and for tests that edit programs.
+pub fn code_bytes(shared: &[Vec<u8>], image: &TileImage) -> Result<(u32, Vec<u8>), String> {
+    let (start, end) = code_range(image)?;
+    if start > end || end - start > 1 << 24 {
+        return Err(format!("code allocation [{start:#x}, {end:#x}) is not a code range"));
+    }
+    let mut bytes = vec![0xFFu8; (end - start) as usize];
+    let mut put = |address: u32, data: &[u8], fill: Option<u8>| {
+        let (a, b) = (address as u64, address as u64 + data.len() as u64);
+        let (lo, hi) = (a.max(start as u64), b.min(end as u64));
+        if lo < hi {
+            let dst = &mut bytes[(lo - start as u64) as usize..(hi - start as u64) as usize];
+            match fill {
+                Some(f) => dst.fill(f),
+                None => dst.copy_from_slice(&data[(lo - a) as usize..(hi - a) as usize]),
+            }
+        }
+    };
+    for z in &image.zero_fill {
+        let len = z.end.saturating_sub(z.start).min(1 << 24) as usize;
+        put(z.start, &vec![0; len], Some(0));
+    }
+    for s in &image.segments {
+        put(s.address, &s.bytes, None);
+    }
+    for s in &image.shared {
+        let data = shared.get(s.index as usize).ok_or_else(|| format!("shared segment {} is not in the package", s.index))?;
+        put(s.address, data, None);
+    }
+    Ok((start, bytes))
+}
+
+/// The runtime header of a tile's image, read from the segment written at its code start
+/// (without assembling the code): `None` when there is none or it is malformed.
+pub fn header_of(shared: &[Vec<u8>], image: &TileImage) -> Option<Header> {
+    let (start, _) = code_range(image).ok()?;
+    let own = image.segments.iter().filter(|s| s.address == start).map(|s| s.bytes.as_slice());
+    let pooled = image.shared.iter().filter(|s| s.address == start).filter_map(|s| shared.get(s.index as usize)).map(Vec::as_slice);
+    own.chain(pooled).last().and_then(|bytes| Header::decode(bytes, start).ok())
+}
+
+/// Every tile's program, decoded from the package's images (in image order); errors name the
+/// tile.
+pub fn decode_package(p: &Package) -> Result<Vec<TileProgram>, String> {
+    let steps = p.steps.len() as u32;
+    p.tiles
+        .iter()
+        .map(|image| {
+            let (start, code) = code_bytes(&p.shared_segments, image).map_err(|m| format!("tile {}: {m}", image.tile))?;
+            decode_program(&code, start, image.tile, steps).map(|(_, program)| program).map_err(|m| format!("tile {}: {m}", image.tile))
+        })
+        .collect()
+}
+
+/// Bytes a program takes in a code allocation (header, vertex state, tables), without host
+/// records.
+pub fn program_bytes(program: &TileProgram) -> u32 {
+    let refs: Vec<(u32, &PackedTile)> = program.tables.iter().map(|(p, t)| (*p, t)).collect();
+    let tables = if refs.is_empty() { 0 } else { tables::encode_tile(&refs).len() as u32 };
+    RUNTIME_HEADER_BYTES + encode_vertex_state(&program.compute_sets).len() as u32 + tables
+}
+
+/// Write `program` into `image`'s code allocation (for tests and tools that build or edit
+/// programs): the host records of a valid header already there are kept, the rest of the
+/// code range is rewritten (one segment, then zero fill). An error when it does not fit.
+pub fn write_program(shared: &[Vec<u8>], image: &mut TileImage, steps: u32, program: &TileProgram) -> Result<(), String> {
+    let (start, end) = code_range(image)?;
+    let (_, old) = code_bytes(shared, image)?;
+    let host: Vec<u8> = match Header::decode(&old, start) {
+        Ok(h) if h.vertex_offset() <= old.len() as u64 => old[RUNTIME_HEADER_BYTES as usize..h.vertex_offset() as usize].to_vec(),
+        _ => Vec::new(),
+    };
+    let refs: Vec<(u32, &PackedTile)> = program.tables.iter().map(|(p, t)| (*p, t)).collect();
+    let tables = if refs.is_empty() { Vec::new() } else { tables::encode_tile(&refs) };
+    let (mut code, vertex, tables) = encode_code(image.tile, steps, &host, &program.compute_sets, &tables, refs.len() as u32);
+    code.extend_from_slice(&vertex);
+    code.extend_from_slice(&tables);
+    if code.len() as u64 > (end - start) as u64 {
+        return Err(format!("tile {}: the program needs {} bytes, its code allocation [{start:#x}, {end:#x}) holds {}", image.tile, code.len(), end - start));
+    }
+    let inside = |a: u32| start <= a && a < end;
+    image.segments.retain(|s| !inside(s.address));
+    image.shared.retain(|s| !inside(s.address));
+    image.zero_fill.retain(|z| !inside(z.start));
+    let written = start + code.len() as u32;
+    if written < end {
+        image.zero_fill.push(AddressRange { start: written, end });
+    }
+    image.segments.push(Segment { address: start, bytes: code });
+    Ok(())
+}
+
+/// A package's programs in structured form, for reports, tools and tests that edit them:
+/// per image (in image order) its compute sets, and per phase of `Package::phases` (in that
+/// order) the tables of every tile that binds it, sorted by tile.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Programs {
+    pub compute_sets: Vec<Vec<ComputeSet>>,
+    pub exchanges: Vec<tables::PackedPhase>,
+}
+
+impl Programs {
+    /// Decode every image of `p` (errors name the tile or the phase).
+    pub fn of(p: &Package) -> Result<Programs, String> {
+        let decoded = decode_package(p)?;
+        let mut exchanges: Vec<tables::PackedPhase> =
+            p.phases.iter().map(|s| tables::PackedPhase { index: s.index, tiles: Vec::new(), horizon: s.horizon, endpoint_lower_bound: s.endpoint_lower_bound }).collect();
+        let mut compute_sets = Vec::with_capacity(decoded.len());
+        for (image, program) in p.tiles.iter().zip(decoded) {
+            for (phase, t) in program.tables {
+                let x = exchanges.iter_mut().find(|x| x.index == phase).ok_or_else(|| format!("tile {}: tables bind phase {phase}, which the package does not have", image.tile))?;
+                x.tiles.push(t);
+            }
+            compute_sets.push(program.compute_sets);
+        }
+        for x in &mut exchanges {
+            x.tiles.sort_by_key(|t| t.tile);
+        }
+        Ok(Programs { compute_sets, exchanges })
+    }
+
+    /// Write these programs into `p`'s images (`write_program` per tile; the phases' compiler
+    /// figures are left as they are).
+    pub fn write(&self, p: &mut Package) -> Result<(), String> {
+        let steps = p.steps.len() as u32;
+        for (i, image) in p.tiles.iter_mut().enumerate() {
+            let tables = self.exchanges.iter().flat_map(|x| x.tiles.iter().filter(|t| t.tile == image.tile).map(|t| (x.index, t.clone()))).collect();
+            let program = TileProgram { compute_sets: self.compute_sets.get(i).cloned().unwrap_or_default(), tables };
+            write_program(&p.shared_segments, image, steps, &program)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tables::{ReceiveRun, SendRun};
+
+    fn op(address: u32, row_stride: u32) -> Operand {
+        Operand { address, row_stride }
+    }
+
+    fn every_kind() -> Vec<VertexCall> {
+        vec![
+            VertexCall::MatMul { m: 3, k: 64, n: 16, a: op(0x100, 64), a_panel: 16, b: op(0x200, 64), b_transposed: true, c: op(0x80000, 16), c_panel: 16, partials: true, add: None },
+            VertexCall::Reduce { rows: 3, cols: 16, parts: vec![op(1, 2), op(3, 4), op(5, 6), op(7, 8), op(9, 10), op(11, 12)], out: op(13, 14), add: None },
+            VertexCall::MatMul { m: 3, k: 64, n: 16, a: op(0x100, 64), a_panel: 0, b: op(0x200, 64), b_transposed: false, c: op(0x80000, 16), c_panel: 0, partials: false, add: Some(Addend { operand: op(0x300, 16), broadcast: Broadcast::Row }) },
+            VertexCall::MatMul { m: 3, k: 64, n: 16, a: op(0x100, 64), a_panel: 0, b: op(0x200, 64), b_transposed: true, c: op(0x80000, 16), c_panel: 0, partials: false, add: Some(Addend { operand: op(0x300, 3), broadcast: Broadcast::Column }) },
+            VertexCall::Reduce { rows: 3, cols: 16, parts: vec![op(1, 2), op(3, 4)], out: op(13, 14), add: Some(Addend { operand: op(15, 16), broadcast: Broadcast::Full }) },
+            VertexCall::Gelu { rows: 1, cols: 2, input: op(3, 4), output: op(5, 6) },
+            VertexCall::Scale { rows: 1, cols: 2, factor: 0.125, input: op(3, 4), output: op(5, 6) },
+            VertexCall::Add { rows: 1, cols: 2, a: op(3, 4), b: op(5, 6), output: op(7, 8) },
+            VertexCall::Softmax { rows: 1, cols: 2, scale: -1.5, input: op(3, 4), input_panel: 16, output: op(5, 6) },
+            VertexCall::Copy { rows: 1, cols: 2, dtype: DType::F32, input: op(3, 4), output: op(5, 6) },
+            VertexCall::GeluErf { rows: 1, cols: 2, input: op(3, 4), output: op(5, 6) },
+            VertexCall::BiasAdd { rows: 1, cols: 2, input: op(3, 4), bias: op(5, 6), output: op(7, 8) },
+            VertexCall::LayerNorm { rows: 1, cols: 2, eps: 1e-6, input: op(3, 4), gamma: op(5, 6), beta: op(7, 8), output: op(9, 10) },
+        ]
+    }
+
+    #[test]
+    fn every_kind_round_trips_with_its_size() {
+        let sets = vec![ComputeSet { index: 4, calls: every_kind() }, ComputeSet { index: 9, calls: vec![every_kind()[2].clone()] }];
+        let bytes = encode_vertex_state(&sets);
+        let expected: u32 = 2 * SET_RECORD_BYTES + sets.iter().flat_map(|s| s.calls.iter()).map(record_bytes).sum::<u32>();
+        assert_eq!(bytes.len() as u32, expected);
+        assert_eq!(decode_vertex_state(&bytes, 0x4C040, 2).unwrap(), sets);
+    }
+
+    #[test]
+    fn a_program_round_trips_through_its_code_bytes() {
+        let run = PackedTile {
+            tile: 5,
+            sends: vec![SendRun { cycle: 3, address: 0x60000, words: 4, paired: false, count: 3, cycle_stride: 4, address_stride: 16 }],
+            receives: vec![ReceiveRun { cycle: 9, source: 2, address: 0x61000, words: 2, paired: true, count: 1, cycle_stride: 0, address_stride: 0 }],
+        };
+        let program = TileProgram { compute_sets: vec![ComputeSet { index: 1, calls: every_kind() }], tables: vec![(0, run.clone()), (3, run)] };
+        let refs: Vec<(u32, &PackedTile)> = program.tables.iter().map(|(p, t)| (*p, t)).collect();
+        let tables = tables::encode_tile(&refs);
+        let host = vec![7u8; HOST_RECORD_BYTES as usize * 2];
+        let (mut code, vertex, tables) = encode_code(5, 11, &host, &program.compute_sets, &tables, 2);
+        code.extend_from_slice(&vertex);
+        code.extend_from_slice(&tables);
+        assert_eq!(code.len() as u32, program_bytes(&program) + 2 * HOST_RECORD_BYTES);
+        let (header, decoded) = decode_program(&code, 0x4C000, 5, 11).unwrap();
+        assert_eq!((header.host_records, header.bindings), (2, 2));
+        assert_eq!(decoded, program);
+        assert!(decode_program(&code, 0x4C000, 6, 11).unwrap_err().contains("tile 5's"));
+        assert!(decode_program(&code, 0x4C000, 5, 12).unwrap_err().contains("the package has 12"));
+    }
+
+    #[test]
+    fn malformed_records_are_errors_naming_the_record() {
+        let sets = vec![ComputeSet { index: 2, calls: every_kind() }];
+        let good = encode_vertex_state(&sets);
+        let mut bad = good.clone();
+        bad[8] = 77; // first record's kind
+        let e = decode_vertex_state(&bad, 0x1000, 1).unwrap_err();
+        assert!(e.contains("vertex record 0 of compute set 2 at 0x1008") && e.contains("unknown vertex kind 77"), "{e}");
+        let e = decode_vertex_state(&good[..good.len() - 4], 0x1000, 1).unwrap_err();
+        assert!(e.contains("runs past the end"), "{e}");
+        let e = decode_vertex_state(&good, 0x1000, 2).unwrap_err();
+        assert!(e.contains("compute-set record"), "{e}");
+        let mut flags = good.clone();
+        flags[8 + 4 * 6..8 + 4 * 7].copy_from_slice(&16u32.to_le_bytes()); // MatMul flags word
+        assert!(decode_vertex_state(&flags, 0x1000, 1).unwrap_err().contains("flags"));
+        // Any single corrupted byte is an error or a call, never a panic.
+        for i in 0..good.len() {
+            for v in [0u8, 0xFF, 0x80] {
+                let mut b = good.clone();
+                b[i] = v;
+                let _ = decode_vertex_state(&b, 0x1000, 1);
+            }
+        }
+    }
+}
