@@ -230,6 +230,49 @@ impl TileMemory {
     }
 }
 
+/// Raw views of every tile's bytes, for copies between tiles that run in parallel
+/// ([`TileMemory::raw_parts`]).
+pub struct RawTiles<'a> {
+    /// Per slot: the first byte, the address it holds, the length.
+    parts: Vec<(*mut u8, u32, usize)>,
+    _memories: std::marker::PhantomData<&'a mut [TileMemory]>,
+}
+
+// SAFETY: `RawTiles` only hands out copies through `copy`, whose callers guarantee that no
+// byte is written by one thread while another reads or writes it.
+unsafe impl Sync for RawTiles<'_> {}
+
+impl TileMemory {
+    /// Raw views of all tiles' bytes, holding the exclusive borrow of `memories` while in use.
+    pub fn raw_parts(memories: &mut [TileMemory]) -> RawTiles<'_> {
+        let parts = memories.iter_mut().map(|m| (m.bytes.as_mut_ptr(), m.base, m.bytes.len())).collect();
+        RawTiles { parts, _memories: std::marker::PhantomData }
+    }
+}
+
+impl RawTiles<'_> {
+    /// Copy `len` bytes from `source_address` of slot `source` to `address` of slot `target`.
+    /// Both ranges are bounds-checked (a panic, not undefined behaviour, if they are not inside
+    /// their tiles).
+    ///
+    /// # Safety
+    /// The two ranges must not overlap, and while the copy runs no other thread may write
+    /// either range nor read the target range.
+    pub unsafe fn copy(&self, source: usize, source_address: u32, target: usize, address: u32, len: usize) {
+        let at = |(pointer, base, size): (*mut u8, u32, usize), address: u32| {
+            let offset = address.checked_sub(base).map(|o| o as usize).filter(|&o| o.checked_add(len).is_some_and(|end| end <= size));
+            let offset = offset.unwrap_or_else(|| panic!("exchange copy of {len} bytes at {address:#x} lies outside the tile's memory"));
+            // SAFETY: `offset + len` is within the tile's allocation, checked just above.
+            unsafe { pointer.add(offset) }
+        };
+        let from = at(self.parts[source], source_address);
+        let to = at(self.parts[target], address);
+        // SAFETY: both ranges lie inside live allocations (checked above) and the caller
+        // guarantees they do not overlap and that no other thread races with them.
+        unsafe { std::ptr::copy_nonoverlapping(from, to, len) };
+    }
+}
+
 /// Address of row `r` of a strided operand with elements of `element_bytes`.
 pub fn row_address(op: Operand, r: u32, element_bytes: u32) -> u32 {
     op.address + r * op.row_stride * element_bytes
