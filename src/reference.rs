@@ -16,11 +16,6 @@ use rayon::prelude::*;
 
 use crate::workload::data::{round_to, TensorData};
 
-/// Output rows computed together: each slice of B is loaded once per block of rows.
-const ROW_BLOCK: usize = 16;
-/// Output columns computed together: the block's accumulators (16 × 256 f64) stay in L1.
-const COLUMN_BLOCK: usize = 256;
-
 /// Values by name, row-major, each exactly representable in its value's dtype.
 pub type Values = BTreeMap<String, Vec<f32>>;
 
@@ -202,74 +197,108 @@ fn matmul(a: &[f32], a_shape: &[u32], b: &[f32], b_shape: &[u32], transpose_b: b
     }
     let (m, k, n) = (m as usize, k as usize, n as usize);
     let group = (a_batches / b_batches) as usize;
-    // Every B batch as row-major [K, N], so the inner loop runs along contiguous output columns.
-    let b_matrices: Vec<Vec<f32>> = b
-        .chunks(k * n)
-        .map(|matrix| if transpose_b { transpose_matrix(matrix, n, k) } else { matrix.to_vec() })
-        .collect();
     let mut out = vec![0.0f32; a_batches as usize * m * n];
+    if m == 0 || n == 0 || k == 0 {
+        // Empty sums are zero, which every dtype holds exactly.
+        return Ok(out);
+    }
+    // Every B batch in column panels of f64 (see `pack_panels`).
+    let panels: Vec<Vec<f64>> = b.par_chunks(k * n).map(|matrix| pack_panels(matrix, k, n, transpose_b)).collect();
     out.par_chunks_mut(m * n).enumerate().for_each(|(batch, out_batch)| {
         let a_matrix = &a[batch * m * k..(batch + 1) * m * k];
-        let b_matrix = &b_matrices[batch / group];
-        out_batch.par_chunks_mut(ROW_BLOCK * n).enumerate().for_each(|(block, out_rows)| row_block(a_matrix, b_matrix, out_rows, block * ROW_BLOCK, k, n, dtype));
+        let b_panels = &panels[batch / group];
+        out_batch
+            .par_chunks_mut(ROW_CHUNK * n)
+            .enumerate()
+            .for_each(|(chunk, out_rows)| row_chunk(&a_matrix[chunk * ROW_CHUNK * k..], b_panels, out_rows, k, n, dtype));
     });
     Ok(out)
 }
 
-/// One block of output rows: f64 sums of exact f16 products, each rounded once to `dtype`.
-/// On x86-64 CPUs with AVX2 the same loops run on 256-bit vectors (selected at run time;
-/// no FMA, so every sum is rounded as in the portable code and the results are identical).
-fn row_block(a_matrix: &[f32], b_matrix: &[f32], out_rows: &mut [f32], first_row: usize, k: usize, n: usize, dtype: DType) {
+/// B (row-major [k, n], or [n, k] when transposed) as f64 in panels of [`PANEL`] columns:
+/// panel `p` holds, for each `kk` in order, columns `p·PANEL..` of row `kk`, so a pass over `kk`
+/// reads one panel front to back. Columns past `n` are zero (their sums are never stored).
+fn pack_panels(matrix: &[f32], k: usize, n: usize, transposed: bool) -> Vec<f64> {
+    let panels = n.div_ceil(PANEL);
+    let mut packed = vec![0.0f64; panels * k * PANEL];
+    packed.par_chunks_mut(k * PANEL).enumerate().for_each(|(p, panel)| {
+        for (kk, row) in panel.chunks_exact_mut(PANEL).enumerate() {
+            for (c, slot) in row.iter_mut().enumerate().take(n.saturating_sub(p * PANEL)) {
+                let column = p * PANEL + c;
+                *slot = if transposed { matrix[column * k + kk] } else { matrix[kk * n + column] } as f64;
+            }
+        }
+    });
+    packed
+}
+
+/// Output rows in chunks of this many (one parallel task each, A's rows converted once).
+const ROW_CHUNK: usize = 32;
+/// Output rows and columns whose f64 sums stay in registers for a whole pass over K.
+const BLOCK_ROWS: usize = 4;
+const PANEL: usize = 8;
+
+/// Up to [`ROW_CHUNK`] output rows: f64 sums of exact f16 products over `kk` in increasing
+/// order from zero, each rounded once to `dtype`. On x86-64 CPUs with AVX2 the same loops run
+/// on 256-bit vectors (selected at run time; no FMA, so every sum is rounded as in the
+/// portable code and the results are identical).
+fn row_chunk(a_rows: &[f32], panels: &[f64], out_rows: &mut [f32], k: usize, n: usize, dtype: DType) {
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU supports AVX2, checked just above.
-        unsafe { row_block_avx2(a_matrix, b_matrix, out_rows, first_row, k, n, dtype) };
+        unsafe { row_chunk_avx2(a_rows, panels, out_rows, k, n, dtype) };
         return;
     }
-    row_block_portable(a_matrix, b_matrix, out_rows, first_row, k, n, dtype)
+    row_chunk_portable(a_rows, panels, out_rows, k, n, dtype)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn row_block_avx2(a_matrix: &[f32], b_matrix: &[f32], out_rows: &mut [f32], first_row: usize, k: usize, n: usize, dtype: DType) {
-    row_block_portable(a_matrix, b_matrix, out_rows, first_row, k, n, dtype)
+unsafe fn row_chunk_avx2(a_rows: &[f32], panels: &[f64], out_rows: &mut [f32], k: usize, n: usize, dtype: DType) {
+    row_chunk_portable(a_rows, panels, out_rows, k, n, dtype)
 }
 
 #[inline(always)]
-fn row_block_portable(a_matrix: &[f32], b_matrix: &[f32], out_rows: &mut [f32], first_row: usize, k: usize, n: usize, dtype: DType) {
+fn row_chunk_portable(a_rows: &[f32], panels: &[f64], out_rows: &mut [f32], k: usize, n: usize, dtype: DType) {
     let rows = out_rows.len() / n;
-    let mut accumulators = vec![0.0f64; ROW_BLOCK * COLUMN_BLOCK];
-    for first_column in (0..n).step_by(COLUMN_BLOCK) {
-        let width = COLUMN_BLOCK.min(n - first_column);
-        accumulators.iter_mut().for_each(|x| *x = 0.0);
-        for inner in 0..k {
-            let b_segment = &b_matrix[inner * n + first_column..inner * n + first_column + width];
-            for row in 0..rows {
-                let a_value = a_matrix[(first_row + row) * k + inner] as f64;
-                let accumulator = &mut accumulators[row * COLUMN_BLOCK..row * COLUMN_BLOCK + width];
-                for (sum, &b_value) in accumulator.iter_mut().zip(b_segment) {
-                    *sum += a_value * b_value as f64;
+    let a: Vec<f64> = a_rows[..rows * k].iter().map(|&v| v as f64).collect();
+    for (p, panel) in panels.chunks_exact(k * PANEL).enumerate() {
+        let first_column = p * PANEL;
+        let width = PANEL.min(n - first_column);
+        let mut row = 0;
+        while row < rows {
+            let count = if rows - row >= BLOCK_ROWS { BLOCK_ROWS } else { 1 };
+            let mut store = |r: usize, sums: &[f64; PANEL]| {
+                let target = &mut out_rows[(row + r) * n + first_column..(row + r) * n + first_column + width];
+                for (o, &sum) in target.iter_mut().zip(sums) {
+                    *o = round_to(dtype, sum);
                 }
+            };
+            if count == BLOCK_ROWS {
+                block::<BLOCK_ROWS>(&a[row * k..], panel, k).iter().enumerate().for_each(|(r, sums)| store(r, sums));
+            } else {
+                block::<1>(&a[row * k..], panel, k).iter().enumerate().for_each(|(r, sums)| store(r, sums));
             }
-        }
-        for row in 0..rows {
-            let target = &mut out_rows[row * n + first_column..row * n + first_column + width];
-            for (o, &sum) in target.iter_mut().zip(&accumulators[row * COLUMN_BLOCK..]) {
-                *o = round_to(dtype, sum);
-            }
+            row += count;
         }
     }
 }
 
-/// A row-major [rows, columns] matrix transposed to [columns, rows].
-fn transpose_matrix(matrix: &[f32], rows: usize, columns: usize) -> Vec<f32> {
-    let mut out = vec![0.0f32; matrix.len()];
-    for (r, row) in matrix.chunks(columns).enumerate() {
-        for (c, &v) in row.iter().enumerate() {
-            out[c * rows + r] = v;
+/// The sums of R rows of `a` (row-major, `k` per row) times one panel.
+#[inline(always)]
+fn block<const R: usize>(a: &[f64], panel: &[f64], k: usize) -> [[f64; PANEL]; R] {
+    let rows: [&[f64]; R] = std::array::from_fn(|r| &a[r * k..(r + 1) * k]);
+    let mut sums = [[0.0f64; PANEL]; R];
+    for (kk, b) in panel.chunks_exact(PANEL).enumerate() {
+        let b: &[f64; PANEL] = b.try_into().expect("a panel row");
+        for (sum, row) in sums.iter_mut().zip(&rows) {
+            let x = row[kk];
+            for (s, &bv) in sum.iter_mut().zip(b) {
+                *s += x * bv;
+            }
         }
     }
-    out
+    sums
 }
 
 /// Permuted axes: output axis `a` is input axis `perm[a]`.

@@ -167,10 +167,15 @@ impl TileMemory {
 
     /// Read `rows` x `cols` f16 elements into `out` (row-major, contiguous), as f32.
     pub fn read_f16(&self, op: Operand, rows: u32, cols: u32, bits: &mut Vec<u16>, out: &mut Vec<f32>) {
+        let cols = cols as usize;
         bits.clear();
-        for r in 0..rows {
-            let row = self.range(row_address(op, r, 2), cols as usize * 2);
-            bits.extend(row.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])));
+        bits.resize(rows as usize * cols, 0);
+        // Row by row into a sized buffer (a loop the compiler turns into vector moves).
+        for (r, out_row) in bits.chunks_exact_mut(cols.max(1)).enumerate() {
+            let row = self.range(row_address(op, r as u32, 2), cols * 2);
+            for (b, c) in out_row.iter_mut().zip(row.chunks_exact(2)) {
+                *b = u16::from_le_bytes([c[0], c[1]]);
+            }
         }
         out.clear();
         out.resize(bits.len(), 0.0);
@@ -180,10 +185,14 @@ impl TileMemory {
 
     /// Read `rows` x `cols` f32 elements into `out` (row-major, contiguous).
     pub fn read_f32(&self, op: Operand, rows: u32, cols: u32, out: &mut Vec<f32>) {
+        let cols = cols as usize;
         out.clear();
-        for r in 0..rows {
-            let row = self.range(row_address(op, r, 4), cols as usize * 4);
-            out.extend(row.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])));
+        out.resize(rows as usize * cols, 0.0);
+        for (r, out_row) in out.chunks_exact_mut(cols.max(1)).enumerate() {
+            let row = self.range(row_address(op, r as u32, 4), cols * 4);
+            for (v, c) in out_row.iter_mut().zip(row.chunks_exact(4)) {
+                *v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
         }
     }
 
