@@ -70,17 +70,68 @@ pub fn tensor_data(graph: &Graph, workload_dir: &Path) -> Result<BTreeMap<String
 
 /// As [`tensor_data`], with the values of some tensors given (`ipuq run --input`): those are
 /// taken as they are, their initialisers not evaluated.
-pub fn tensor_data_with(graph: &Graph, workload_dir: &Path, mut given: BTreeMap<String, TensorData>) -> Result<BTreeMap<String, TensorData>, DataError> {
+pub fn tensor_data_with(graph: &Graph, workload_dir: &Path, given: BTreeMap<String, TensorData>) -> Result<BTreeMap<String, TensorData>, DataError> {
+    tensor_data_cached(graph, workload_dir, given, &mut TensorCache::default())
+}
+
+/// The values of seeded (and zero) initialisers from earlier calls, so that a long-lived
+/// session (`ipuq watch --run`) does not draw again the tensors an edit left alone.
+/// An entry is keyed by the whole declaration but its name (shape, dtype, role, initialiser):
+/// the values are a pure function of that. Initialisers that read files are never cached (the
+/// file may have changed), nor are values given with `--input`.
+#[derive(Default)]
+pub struct TensorCache {
+    entries: Vec<(TensorDecl, TensorData)>,
+}
+
+impl TensorCache {
+    fn key(declaration: &TensorDecl) -> Option<TensorDecl> {
+        matches!(declaration.init, Init::Gaussian { .. } | Init::Uniform { .. } | Init::Zeros)
+            .then(|| TensorDecl { name: String::new(), ..declaration.clone() })
+    }
+
+    fn find(&self, key: &TensorDecl) -> Option<&TensorData> {
+        self.entries.iter().find(|(k, _)| k == key).map(|(_, data)| data)
+    }
+
+    fn take(&mut self, key: &TensorDecl) -> Option<TensorData> {
+        let at = self.entries.iter().position(|(k, _)| k == key)?;
+        Some(self.entries.swap_remove(at).1)
+    }
+}
+
+/// As [`tensor_data_with`], reusing (and refreshing) `cache`: afterwards it holds exactly the
+/// cacheable tensors of this call.
+pub fn tensor_data_cached(
+    graph: &Graph,
+    workload_dir: &Path,
+    mut given: BTreeMap<String, TensorData>,
+    cache: &mut TensorCache,
+) -> Result<BTreeMap<String, TensorData>, DataError> {
     let mut data = BTreeMap::new();
     let mut headers = Headers::default();
+    let mut kept = TensorCache::default();
     for declaration in &graph.file.tensors {
         let _span = tracing::debug_span!("tensor_data", tensor = %declaration.name).entered();
-        let values = match given.remove(&declaration.name) {
-            Some(values) => values,
-            None => values_with(declaration, workload_dir, &mut headers)?,
+        let values = match (given.remove(&declaration.name), TensorCache::key(declaration)) {
+            (Some(values), _) => values,
+            (None, None) => values_with(declaration, workload_dir, &mut headers)?,
+            (None, Some(key)) => {
+                if let Some(values) = kept.find(&key) {
+                    values.clone()
+                } else {
+                    let values = match cache.take(&key) {
+                        Some(values) => values,
+                        None => values_with(declaration, workload_dir, &mut headers)?,
+                    };
+                    kept.entries.push((key, values.clone()));
+                    values
+                }
+            }
         };
         data.insert(declaration.name.clone(), values);
     }
+    *cache = kept;
     Ok(data)
 }
 
