@@ -404,4 +404,29 @@ mod tests {
             assert_eq!(u16::from_le_bytes([b[0], b[1]]), f16_from_f64_oracle(*v as f64).to_bits(), "{v:e}");
         }
     }
+
+    #[test]
+    fn the_tensor_cache_reuses_only_unchanged_declarations_and_never_given_values() {
+        let text = include_str!("../../fixtures/workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml");
+        let graph = Graph::parse(text, "small").unwrap();
+        let dir = Path::new(".");
+        let fresh = tensor_data(&graph, dir).unwrap();
+        let mut cache = TensorCache::default();
+        assert_eq!(tensor_data_cached(&graph, dir, BTreeMap::new(), &mut cache).unwrap(), fresh);
+        assert_eq!(cache.entries.len(), fresh.len());
+        // Drawn from the cache: the same values.
+        assert_eq!(tensor_data_cached(&graph, dir, BTreeMap::new(), &mut cache).unwrap(), fresh);
+        // A new seed for the input: new input values, the weights as before.
+        let edited = Graph::parse(&text.replacen("seed = 1\n", "seed = 7\n", 1), "small").unwrap();
+        let after = tensor_data_cached(&edited, dir, BTreeMap::new(), &mut cache).unwrap();
+        assert_eq!(after, tensor_data(&edited, dir).unwrap());
+        assert_ne!(after["x"], fresh["x"]);
+        assert!(after.iter().filter(|(name, _)| *name != "x").all(|(name, d)| fresh[name] == *d));
+        assert_eq!(cache.entries.len(), fresh.len(), "the old input's entry is dropped");
+        // A given input is used as given and not cached under the initialiser's key.
+        let given = TensorData::from_values(fresh["x"].dtype, fresh["x"].shape.clone(), vec![0.5; fresh["x"].values.len()]).unwrap();
+        let with_given = tensor_data_cached(&graph, dir, BTreeMap::from([("x".to_string(), given.clone())]), &mut cache).unwrap();
+        assert_eq!(with_given["x"], given);
+        assert_eq!(tensor_data_cached(&graph, dir, BTreeMap::new(), &mut cache).unwrap(), fresh);
+    }
 }
