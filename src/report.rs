@@ -10,7 +10,7 @@ use ipuq_queries::package::Package;
 
 use crate::runtime::{execute, DeviceTarget, RunOptions};
 use crate::verify::{check_samples, compare_bytes, Tolerance};
-use crate::workload::data::{decode, tensor_data_cached, TensorCache};
+use crate::workload::data::{decode, tensor_data_cached, tensor_data_with, TensorCache};
 use crate::workload::npy::write_npy;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -56,12 +56,12 @@ pub fn workload_gemm_flops(graph: &Graph) -> u64 {
 }
 
 pub fn run_and_verify(package: &Package, package_path: &Path, request: &RunRequest) -> Result<Outcome, String> {
-    run_and_verify_cached(package, package_path, request, &mut TensorCache::default())
+    run_and_verify_cached(package, package_path, request, None)
 }
 
 /// As [`run_and_verify`], taking the values of seeded initialisers from `cache` when an
 /// earlier run drew them (`ipuq watch --run` keeps one cache across rebuilds).
-pub fn run_and_verify_cached(package: &Package, package_path: &Path, request: &RunRequest, cache: &mut TensorCache) -> Result<Outcome, String> {
+pub fn run_and_verify_cached(package: &Package, package_path: &Path, request: &RunRequest, cache: Option<&mut TensorCache>) -> Result<Outcome, String> {
     let device_target = match &request.device_target {
         Some(spec) => {
             let (text, origin) = crate::build::load_target(Some(spec)).map_err(|e| e.to_string())?;
@@ -73,7 +73,10 @@ pub fn run_and_verify_cached(package: &Package, package_path: &Path, request: &R
     let graph = Graph::parse(&package.workload_toml, &format!("{} (embedded workload)", package_path.display())).map_err(|e| e.to_string())?;
     let given = crate::workload::given::given_inputs(&graph, &request.inputs)?;
     let data = tracing::info_span!("ipuq.run.tensor_data")
-        .in_scope(|| tensor_data_cached(&graph, &request.workload_folder, given, cache))
+        .in_scope(|| match cache {
+            Some(cache) => tensor_data_cached(&graph, &request.workload_folder, given, cache),
+            None => tensor_data_with(&graph, &request.workload_folder, given),
+        })
         .map_err(|e| e.to_string())?;
     let inputs: BTreeMap<String, Vec<u8>> = data.iter().map(|(name, d)| (name.clone(), d.bytes.clone())).collect();
     let folder = package_path.parent().map(Path::to_path_buf).unwrap_or_default();

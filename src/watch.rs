@@ -93,7 +93,7 @@ fn rebuild(
         workload_folder: workload.parent().map(Path::to_path_buf).unwrap_or_default(),
         inputs: Vec::new(),
     };
-    if let Err(message) = run_and_verify_cached(&package, &built.path, &request, tensors) {
+    if let Err(message) = run_and_verify_cached(&package, &built.path, &request, Some(tensors)) {
         eprintln!("error: {message}");
     }
 }

@@ -71,7 +71,7 @@ pub fn tensor_data(graph: &Graph, workload_dir: &Path) -> Result<BTreeMap<String
 /// As [`tensor_data`], with the values of some tensors given (`ipuq run --input`): those are
 /// taken as they are, their initialisers not evaluated.
 pub fn tensor_data_with(graph: &Graph, workload_dir: &Path, given: BTreeMap<String, TensorData>) -> Result<BTreeMap<String, TensorData>, DataError> {
-    tensor_data_cached(graph, workload_dir, given, &mut TensorCache::default())
+    tensor_data_inner(graph, workload_dir, given, None)
 }
 
 /// The values of seeded (and zero) initialisers from earlier calls, so that a long-lived
@@ -105,22 +105,33 @@ impl TensorCache {
 pub fn tensor_data_cached(
     graph: &Graph,
     workload_dir: &Path,
-    mut given: BTreeMap<String, TensorData>,
+    given: BTreeMap<String, TensorData>,
     cache: &mut TensorCache,
+) -> Result<BTreeMap<String, TensorData>, DataError> {
+    tensor_data_inner(graph, workload_dir, given, Some(cache))
+}
+
+/// Without a cache, nothing is copied into one.
+fn tensor_data_inner(
+    graph: &Graph,
+    workload_dir: &Path,
+    mut given: BTreeMap<String, TensorData>,
+    mut cache: Option<&mut TensorCache>,
 ) -> Result<BTreeMap<String, TensorData>, DataError> {
     let mut data = BTreeMap::new();
     let mut headers = Headers::default();
     let mut kept = TensorCache::default();
     for declaration in &graph.file.tensors {
         let _span = tracing::debug_span!("tensor_data", tensor = %declaration.name).entered();
-        let values = match (given.remove(&declaration.name), TensorCache::key(declaration)) {
+        let key = cache.as_ref().and_then(|_| TensorCache::key(declaration));
+        let values = match (given.remove(&declaration.name), key) {
             (Some(values), _) => values,
             (None, None) => values_with(declaration, workload_dir, &mut headers)?,
             (None, Some(key)) => {
                 if let Some(values) = kept.find(&key) {
                     values.clone()
                 } else {
-                    let values = match cache.take(&key) {
+                    let values = match cache.as_mut().and_then(|c| c.take(&key)) {
                         Some(values) => values,
                         None => values_with(declaration, workload_dir, &mut headers)?,
                     };
@@ -131,7 +142,9 @@ pub fn tensor_data_cached(
         };
         data.insert(declaration.name.clone(), values);
     }
-    *cache = kept;
+    if let Some(cache) = cache {
+        *cache = kept;
+    }
     Ok(data)
 }
 
