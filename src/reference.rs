@@ -10,8 +10,9 @@
 //! reused them would confirm their bugs. Views (reshape, transpose) are materialised as copies.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
-use ipuq_queries::ir::{split3, DType, Graph, OpKind, Producer, ValueId};
+use ipuq_queries::ir::{split3, DType, Graph, OpKind, Operation, Producer, ValueId};
 use rayon::prelude::*;
 
 use crate::workload::data::{round_to, TensorData};
@@ -40,6 +41,28 @@ pub fn evaluate(graph: &Graph, data: &BTreeMap<String, TensorData>) -> Result<Va
 /// Only the named values of `graph`; intermediates are dropped after their last use, so
 /// asking for the outputs alone needs far less memory than `evaluate`.
 pub fn evaluate_values(graph: &Graph, data: &BTreeMap<String, TensorData>, wanted: &[&str]) -> Result<Values, ReferenceError> {
+    evaluate_inner(graph, data, wanted, None)
+}
+
+/// Operation values of the last evaluation, by a digest of everything that determines them
+/// (the operation's kind and parameters, its output's dtype and shape, and the same digest of
+/// each input, down to the bytes of the tensors), so that a long-lived session
+/// (`ipuq watch --run`) recomputes only the operations an edit reached. It keeps every
+/// intermediate of the last evaluation alive.
+#[derive(Default)]
+pub struct ReferenceMemo {
+    entries: BTreeMap<[u8; 32], Arc<Vec<f32>>>,
+    /// Operations of the last evaluation taken from the memo rather than computed.
+    pub reused: usize,
+}
+
+/// As [`evaluate_values`], reusing (and refreshing) `memo`: afterwards it holds exactly the
+/// operation values of this evaluation.
+pub fn evaluate_values_memo(graph: &Graph, data: &BTreeMap<String, TensorData>, wanted: &[&str], memo: &mut ReferenceMemo) -> Result<Values, ReferenceError> {
+    evaluate_inner(graph, data, wanted, Some(memo))
+}
+
+fn evaluate_inner(graph: &Graph, data: &BTreeMap<String, TensorData>, wanted: &[&str], mut memo: Option<&mut ReferenceMemo>) -> Result<Values, ReferenceError> {
     let workload = graph.name.clone();
     let mut keep = BTreeSet::new();
     for name in wanted {
@@ -53,8 +76,10 @@ pub fn evaluate_values(graph: &Graph, data: &BTreeMap<String, TensorData>, wante
             last_use.insert(input, index);
         }
     }
-    let mut slots: Vec<Option<Vec<f32>>> = vec![None; graph.values.len()];
-    for (slot, value) in slots.iter_mut().zip(&graph.values) {
+    let mut slots: Vec<Option<Arc<Vec<f32>>>> = vec![None; graph.values.len()];
+    // With a memo: the digest of every value (see `ReferenceMemo`).
+    let mut digests: Vec<[u8; 32]> = vec![[0; 32]; graph.values.len()];
+    for ((slot, digest), value) in slots.iter_mut().zip(digests.iter_mut()).zip(&graph.values) {
         if !matches!(value.producer, Producer::Tensor { .. }) {
             continue;
         }
@@ -68,8 +93,15 @@ pub fn evaluate_values(graph: &Graph, data: &BTreeMap<String, TensorData>, wante
                 declared: format!("{} {:?}", value.dtype.name(), value.shape),
             });
         }
-        *slot = Some(tensor.values.clone());
+        if memo.is_some() {
+            let mut h = blake3::Hasher::new();
+            h.update(format!("tensor {} {:?}\0", value.dtype.name(), value.shape).as_bytes());
+            h.update(&tensor.bytes);
+            *digest = *h.finalize().as_bytes();
+        }
+        *slot = Some(Arc::new(tensor.values.clone()));
     }
+    let mut fresh = ReferenceMemo::default();
     for (index, operation) in graph.operations.iter().enumerate() {
         let output = graph.value(operation.output);
         let _span = tracing::debug_span!("reference.operation", operation = %output.name, kind = operation.kind.name()).entered();
@@ -77,41 +109,30 @@ pub fn evaluate_values(graph: &Graph, data: &BTreeMap<String, TensorData>, wante
         let mut inputs = Vec::with_capacity(operation.inputs.len());
         for &id in &operation.inputs {
             let values = slots[id.0 as usize].as_deref().ok_or_else(|| fail(format!("input '{}' was not computed", graph.value(id).name)))?;
-            inputs.push((values, graph.value(id).shape.as_slice()));
+            inputs.push((values.as_slice(), graph.value(id).shape.as_slice()));
         }
-        let dtype = output.dtype;
-        let result = match (&operation.kind, inputs.as_slice()) {
-            (OpKind::MatMul { transpose_b }, [(a, a_shape), (b, b_shape)]) => matmul(a, a_shape, b, b_shape, *transpose_b, dtype).map_err(fail)?,
-            (OpKind::Gelu, [(x, _)]) => elementwise(x, |v| round_to(dtype, gelu(v as f64))),
-            (OpKind::Softmax, [(x, shape)]) => softmax(x, shape, dtype),
-            (OpKind::Scale { factor }, [(x, _)]) => elementwise(x, |v| round_to(dtype, v as f64 * factor)),
-            (OpKind::Add, [(a, _), (b, _)]) => {
-                if a.len() != b.len() {
-                    return Err(fail(format!("operands hold {} and {} values", a.len(), b.len())));
-                }
-                a.par_iter().zip(b.par_iter()).map(|(&x, &y)| round_to(dtype, x as f64 + y as f64)).collect()
+        let digest = memo.is_some().then(|| {
+            let mut h = blake3::Hasher::new();
+            h.update(format!("operation {:?} {} {:?}\0", operation.kind, output.dtype.name(), output.shape).as_bytes());
+            for &id in &operation.inputs {
+                h.update(&digests[id.0 as usize]);
             }
-            (OpKind::GeluErf, [(x, _)]) => elementwise(x, |v| round_to(dtype, gelu_erf(v as f64))),
-            (OpKind::BiasAdd, [(x, shape), (bias, _)]) => rows_with(x, shape, |row, out| {
-                for ((o, &v), &b) in out.iter_mut().zip(row).zip(bias.iter()) {
-                    *o = round_to(dtype, v as f64 + b as f64);
-                }
-            }),
-            (OpKind::LayerNorm { eps }, [(x, shape), (gamma, _), (beta, _)]) => rows_with(x, shape, |row, out| {
-                let n = row.len() as f64;
-                let mean = row.iter().map(|&v| v as f64).sum::<f64>() / n;
-                let variance = row.iter().map(|&v| (v as f64 - mean) * (v as f64 - mean)).sum::<f64>() / n;
-                let inverse = 1.0 / (variance + eps).sqrt();
-                for (((o, &v), &g), &b) in out.iter_mut().zip(row).zip(gamma.iter()).zip(beta.iter()) {
-                    *o = round_to(dtype, (v as f64 - mean) * inverse * g as f64 + b as f64);
-                }
-            }),
-            (OpKind::Reshape { .. }, [(x, _)]) => x.to_vec(),
-            (OpKind::Transpose { perm }, [(x, shape)]) => transpose(x, shape, perm).map_err(fail)?,
-            (kind, _) => return Err(fail(format!("{} got {} inputs", kind.name(), inputs.len()))),
+            *h.finalize().as_bytes()
+        });
+        let remembered = digest.and_then(|d| memo.as_ref().and_then(|m| m.entries.get(&d)).cloned());
+        let result = match remembered {
+            Some(values) => {
+                fresh.reused += 1;
+                values
+            }
+            None => Arc::new(compute(operation, output.dtype, &inputs).map_err(fail)?),
         };
         if result.len() as u64 != output.elements() {
             return Err(fail(format!("computed {} values for shape {:?}", result.len(), output.shape)));
+        }
+        if let Some(d) = digest {
+            digests[operation.output.0 as usize] = d;
+            fresh.entries.insert(d, result.clone());
         }
         slots[operation.output.0 as usize] = Some(result);
         // Free what no later operation reads and nobody asked for.
@@ -121,12 +142,49 @@ pub fn evaluate_values(graph: &Graph, data: &BTreeMap<String, TensorData>, wante
             }
         }
     }
+    if let Some(memo) = memo.as_deref_mut() {
+        *memo = fresh;
+    }
     let mut values = Values::new();
     for id in keep {
         let computed = slots[id.0 as usize].take().ok_or_else(|| ReferenceError::UnknownValue { workload: workload.clone(), name: graph.value(id).name.clone() })?;
-        values.insert(graph.value(id).name.clone(), computed);
+        values.insert(graph.value(id).name.clone(), Arc::try_unwrap(computed).unwrap_or_else(|shared| shared.as_ref().clone()));
     }
     Ok(values)
+}
+
+/// One operation's values from its inputs' (values, shape), each rounded to `dtype`.
+fn compute(operation: &Operation, dtype: DType, inputs: &[(&[f32], &[u32])]) -> Result<Vec<f32>, String> {
+    Ok(match (&operation.kind, inputs) {
+        (OpKind::MatMul { transpose_b }, [(a, a_shape), (b, b_shape)]) => matmul(a, a_shape, b, b_shape, *transpose_b, dtype)?,
+        (OpKind::Gelu, [(x, _)]) => elementwise(x, |v| round_to(dtype, gelu(v as f64))),
+        (OpKind::Softmax, [(x, shape)]) => softmax(x, shape, dtype),
+        (OpKind::Scale { factor }, [(x, _)]) => elementwise(x, |v| round_to(dtype, v as f64 * factor)),
+        (OpKind::Add, [(a, _), (b, _)]) => {
+            if a.len() != b.len() {
+                return Err(format!("operands hold {} and {} values", a.len(), b.len()));
+            }
+            a.par_iter().zip(b.par_iter()).map(|(&x, &y)| round_to(dtype, x as f64 + y as f64)).collect()
+        }
+        (OpKind::GeluErf, [(x, _)]) => elementwise(x, |v| round_to(dtype, gelu_erf(v as f64))),
+        (OpKind::BiasAdd, [(x, shape), (bias, _)]) => rows_with(x, shape, |row, out| {
+            for ((o, &v), &b) in out.iter_mut().zip(row).zip(bias.iter()) {
+                *o = round_to(dtype, v as f64 + b as f64);
+            }
+        }),
+        (OpKind::LayerNorm { eps }, [(x, shape), (gamma, _), (beta, _)]) => rows_with(x, shape, |row, out| {
+            let n = row.len() as f64;
+            let mean = row.iter().map(|&v| v as f64).sum::<f64>() / n;
+            let variance = row.iter().map(|&v| (v as f64 - mean) * (v as f64 - mean)).sum::<f64>() / n;
+            let inverse = 1.0 / (variance + eps).sqrt();
+            for (((o, &v), &g), &b) in out.iter_mut().zip(row).zip(gamma.iter()).zip(beta.iter()) {
+                *o = round_to(dtype, (v as f64 - mean) * inverse * g as f64 + b as f64);
+            }
+        }),
+        (OpKind::Reshape { .. }, [(x, _)]) => x.to_vec(),
+        (OpKind::Transpose { perm }, [(x, shape)]) => transpose(x, shape, perm)?,
+        (kind, _) => return Err(format!("{} got {} inputs", kind.name(), inputs.len())),
+    })
 }
 
 fn elementwise(x: &[f32], f: impl Fn(f32) -> f32 + Sync) -> Vec<f32> {

@@ -8,6 +8,7 @@ use std::time::Duration;
 use ipuq_queries::ir::{Graph, OpKind, Producer};
 use ipuq_queries::package::Package;
 
+use crate::reference::ReferenceMemo;
 use crate::runtime::{execute, DeviceTarget, RunOptions};
 use crate::verify::{check_samples, compare_bytes, Tolerance};
 use crate::workload::data::{decode, tensor_data_cached, tensor_data_with, TensorCache};
@@ -59,9 +60,21 @@ pub fn run_and_verify(package: &Package, package_path: &Path, request: &RunReque
     run_and_verify_cached(package, package_path, request, None)
 }
 
-/// As [`run_and_verify`], taking the values of seeded initialisers from `cache` when an
-/// earlier run drew them (`ipuq watch --run` keeps one cache across rebuilds).
-pub fn run_and_verify_cached(package: &Package, package_path: &Path, request: &RunRequest, cache: Option<&mut TensorCache>) -> Result<Outcome, String> {
+/// What a long-lived session (`ipuq watch --run`) keeps from one run to the next: the
+/// tensors drawn from seeded initialisers and the host reference's operation values.
+#[derive(Default)]
+pub struct RunCaches {
+    pub tensors: TensorCache,
+    pub reference: ReferenceMemo,
+}
+
+/// As [`run_and_verify`], reusing what `caches` holds from earlier runs: tensors whose
+/// declarations did not change, reference operations whose inputs did not change.
+pub fn run_and_verify_cached(package: &Package, package_path: &Path, request: &RunRequest, caches: Option<&mut RunCaches>) -> Result<Outcome, String> {
+    let (cache, memo) = match caches {
+        Some(c) => (Some(&mut c.tensors), Some(&mut c.reference)),
+        None => (None, None),
+    };
     let device_target = match &request.device_target {
         Some(spec) => {
             let (text, origin) = crate::build::load_target(Some(spec)).map_err(|e| e.to_string())?;
@@ -101,7 +114,7 @@ pub fn run_and_verify_cached(package: &Package, package_path: &Path, request: &R
     // so that the serial parts of one overlap the other's work.
     let (result, reference) = rayon::join(
         || execute(package, &inputs, &options),
-        || tracing::info_span!("ipuq.run.reference").in_scope(|| crate::reference_cache::evaluate_cached(&folder, &graph, &data, &wanted_refs)),
+        || tracing::info_span!("ipuq.run.reference").in_scope(|| crate::reference_cache::evaluate_cached_memo(&folder, &graph, &data, &wanted_refs, memo)),
     );
     let result = result.map_err(|e| e.to_string())?;
     let reference = reference.map_err(|e| e.to_string())?;
