@@ -1,12 +1,14 @@
 //! Criterion benches of the whole path: a cold build (fresh salsa database, no disk cache), a
-//! no-op rebuild in the same database, and a simulator run of the built package. Small shapes
-//! on the 16-tile target and the seed attention on ipu21; `ipuq exchange-report` and
-//! `queries/benches/exchange.rs` cover the scheduler alone.
+//! no-op rebuild in the same database, a simulator run of the built package (load, initialize,
+//! execute, read back), and the host reference of the seed MLP. Small shapes on the 16-tile
+//! target and the seeds on ipu21; `ipuq exchange-report` and `queries/benches/exchange.rs`
+//! cover the scheduler alone.
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
 use criterion::{criterion_group, criterion_main, Criterion};
+use ipuq::reference::evaluate_values;
 use ipuq::runtime::{execute, RunOptions};
 use ipuq::workload::data::tensor_data;
 use ipuq_queries::db::{Database, Sources};
@@ -15,6 +17,7 @@ use ipuq_queries::pipeline::{package, run_phase, PHASES};
 use ipuq_queries::target::fixtures;
 
 const SMALL_MLP: &str = include_str!("../fixtures/workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml");
+const SEED_MLP: &str = include_str!("../fixtures/workloads/siglip-mlp-f16-b1-t729-d1152-h4304-n1.toml");
 const ATTENTION: &str = include_str!("../fixtures/workloads/attention-grouped-materialized-gaussian-f16-b1-t729-h16-kv4-d72.toml");
 
 fn build(db: &Database, sources: Sources) {
@@ -45,7 +48,8 @@ fn builds(c: &mut Criterion) {
 fn runs(c: &mut Criterion) {
     let mut group = c.benchmark_group("simulator");
     group.sample_size(10);
-    for (name, workload, target) in [("small-mlp/small16", SMALL_MLP, fixtures::SMALL16), ("seed-attention/ipu21", ATTENTION, fixtures::IPU21)] {
+    let workloads = [("small-mlp/small16", SMALL_MLP, fixtures::SMALL16), ("seed-mlp/ipu21", SEED_MLP, fixtures::IPU21), ("seed-attention/ipu21", ATTENTION, fixtures::IPU21)];
+    for (name, workload, target) in workloads {
         let db = Database::default();
         let sources = Sources::new(&db, workload.to_string(), name.into(), target.to_string(), "target".into());
         let pkg = package(&db, sources).expect("the fixture builds").value;
@@ -58,5 +62,15 @@ fn runs(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, builds, runs);
+/// The f64 host reference of the seed MLP's output (two products of 729 x 1152 x 4304).
+fn reference(c: &mut Criterion) {
+    let mut group = c.benchmark_group("reference");
+    group.sample_size(10);
+    let graph = Graph::parse(SEED_MLP, "seed-mlp").unwrap();
+    let data = tensor_data(&graph, Path::new(".")).unwrap();
+    group.bench_function("seed-mlp", |b| b.iter(|| evaluate_values(&graph, &data, &["y_0"]).expect("the reference evaluates")));
+    group.finish();
+}
+
+criterion_group!(benches, builds, runs, reference);
 criterion_main!(benches);

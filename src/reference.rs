@@ -10,16 +10,12 @@
 //! reused them would confirm their bugs. Views (reshape, transpose) are materialised as copies.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
-use ipuq_queries::ir::{split3, DType, Graph, OpKind, Producer, ValueId};
+use ipuq_queries::ir::{split3, DType, Graph, OpKind, Operation, Producer, ValueId};
 use rayon::prelude::*;
 
 use crate::workload::data::{round_to, TensorData};
-
-/// Output rows computed together: each slice of B is loaded once per block of rows.
-const ROW_BLOCK: usize = 16;
-/// Output columns computed together: the block's accumulators (16 × 256 f64) stay in L1.
-const COLUMN_BLOCK: usize = 256;
 
 /// Values by name, row-major, each exactly representable in its value's dtype.
 pub type Values = BTreeMap<String, Vec<f32>>;
@@ -45,6 +41,28 @@ pub fn evaluate(graph: &Graph, data: &BTreeMap<String, TensorData>) -> Result<Va
 /// Only the named values of `graph`; intermediates are dropped after their last use, so
 /// asking for the outputs alone needs far less memory than `evaluate`.
 pub fn evaluate_values(graph: &Graph, data: &BTreeMap<String, TensorData>, wanted: &[&str]) -> Result<Values, ReferenceError> {
+    evaluate_inner(graph, data, wanted, None)
+}
+
+/// Operation values of the last evaluation, by a digest of everything that determines them
+/// (the operation's kind and parameters, its output's dtype and shape, and the same digest of
+/// each input, down to the bytes of the tensors), so that a long-lived session
+/// (`ipuq watch --run`) recomputes only the operations an edit reached. It keeps every
+/// intermediate of the last evaluation alive.
+#[derive(Default)]
+pub struct ReferenceMemo {
+    entries: BTreeMap<[u8; 32], Arc<Vec<f32>>>,
+    /// Operations of the last evaluation taken from the memo rather than computed.
+    pub reused: usize,
+}
+
+/// As [`evaluate_values`], reusing (and refreshing) `memo`: afterwards it holds exactly the
+/// operation values of this evaluation.
+pub fn evaluate_values_memo(graph: &Graph, data: &BTreeMap<String, TensorData>, wanted: &[&str], memo: &mut ReferenceMemo) -> Result<Values, ReferenceError> {
+    evaluate_inner(graph, data, wanted, Some(memo))
+}
+
+fn evaluate_inner(graph: &Graph, data: &BTreeMap<String, TensorData>, wanted: &[&str], mut memo: Option<&mut ReferenceMemo>) -> Result<Values, ReferenceError> {
     let workload = graph.name.clone();
     let mut keep = BTreeSet::new();
     for name in wanted {
@@ -58,8 +76,10 @@ pub fn evaluate_values(graph: &Graph, data: &BTreeMap<String, TensorData>, wante
             last_use.insert(input, index);
         }
     }
-    let mut slots: Vec<Option<Vec<f32>>> = vec![None; graph.values.len()];
-    for (slot, value) in slots.iter_mut().zip(&graph.values) {
+    let mut slots: Vec<Option<Arc<Vec<f32>>>> = vec![None; graph.values.len()];
+    // With a memo: the digest of every value (see `ReferenceMemo`).
+    let mut digests: Vec<[u8; 32]> = vec![[0; 32]; graph.values.len()];
+    for ((slot, digest), value) in slots.iter_mut().zip(digests.iter_mut()).zip(&graph.values) {
         if !matches!(value.producer, Producer::Tensor { .. }) {
             continue;
         }
@@ -73,8 +93,15 @@ pub fn evaluate_values(graph: &Graph, data: &BTreeMap<String, TensorData>, wante
                 declared: format!("{} {:?}", value.dtype.name(), value.shape),
             });
         }
-        *slot = Some(tensor.values.clone());
+        if memo.is_some() {
+            let mut h = blake3::Hasher::new();
+            h.update(format!("tensor {} {:?}\0", value.dtype.name(), value.shape).as_bytes());
+            h.update(&tensor.bytes);
+            *digest = *h.finalize().as_bytes();
+        }
+        *slot = Some(Arc::new(tensor.values.clone()));
     }
+    let mut fresh = ReferenceMemo::default();
     for (index, operation) in graph.operations.iter().enumerate() {
         let output = graph.value(operation.output);
         let _span = tracing::debug_span!("reference.operation", operation = %output.name, kind = operation.kind.name()).entered();
@@ -82,41 +109,30 @@ pub fn evaluate_values(graph: &Graph, data: &BTreeMap<String, TensorData>, wante
         let mut inputs = Vec::with_capacity(operation.inputs.len());
         for &id in &operation.inputs {
             let values = slots[id.0 as usize].as_deref().ok_or_else(|| fail(format!("input '{}' was not computed", graph.value(id).name)))?;
-            inputs.push((values, graph.value(id).shape.as_slice()));
+            inputs.push((values.as_slice(), graph.value(id).shape.as_slice()));
         }
-        let dtype = output.dtype;
-        let result = match (&operation.kind, inputs.as_slice()) {
-            (OpKind::MatMul { transpose_b }, [(a, a_shape), (b, b_shape)]) => matmul(a, a_shape, b, b_shape, *transpose_b, dtype).map_err(fail)?,
-            (OpKind::Gelu, [(x, _)]) => elementwise(x, |v| round_to(dtype, gelu(v as f64))),
-            (OpKind::Softmax, [(x, shape)]) => softmax(x, shape, dtype),
-            (OpKind::Scale { factor }, [(x, _)]) => elementwise(x, |v| round_to(dtype, v as f64 * factor)),
-            (OpKind::Add, [(a, _), (b, _)]) => {
-                if a.len() != b.len() {
-                    return Err(fail(format!("operands hold {} and {} values", a.len(), b.len())));
-                }
-                a.par_iter().zip(b.par_iter()).map(|(&x, &y)| round_to(dtype, x as f64 + y as f64)).collect()
+        let digest = memo.is_some().then(|| {
+            let mut h = blake3::Hasher::new();
+            h.update(format!("operation {:?} {} {:?}\0", operation.kind, output.dtype.name(), output.shape).as_bytes());
+            for &id in &operation.inputs {
+                h.update(&digests[id.0 as usize]);
             }
-            (OpKind::GeluErf, [(x, _)]) => elementwise(x, |v| round_to(dtype, gelu_erf(v as f64))),
-            (OpKind::BiasAdd, [(x, shape), (bias, _)]) => rows_with(x, shape, |row, out| {
-                for ((o, &v), &b) in out.iter_mut().zip(row).zip(bias.iter()) {
-                    *o = round_to(dtype, v as f64 + b as f64);
-                }
-            }),
-            (OpKind::LayerNorm { eps }, [(x, shape), (gamma, _), (beta, _)]) => rows_with(x, shape, |row, out| {
-                let n = row.len() as f64;
-                let mean = row.iter().map(|&v| v as f64).sum::<f64>() / n;
-                let variance = row.iter().map(|&v| (v as f64 - mean) * (v as f64 - mean)).sum::<f64>() / n;
-                let inverse = 1.0 / (variance + eps).sqrt();
-                for (((o, &v), &g), &b) in out.iter_mut().zip(row).zip(gamma.iter()).zip(beta.iter()) {
-                    *o = round_to(dtype, (v as f64 - mean) * inverse * g as f64 + b as f64);
-                }
-            }),
-            (OpKind::Reshape { .. }, [(x, _)]) => x.to_vec(),
-            (OpKind::Transpose { perm }, [(x, shape)]) => transpose(x, shape, perm).map_err(fail)?,
-            (kind, _) => return Err(fail(format!("{} got {} inputs", kind.name(), inputs.len()))),
+            *h.finalize().as_bytes()
+        });
+        let remembered = digest.and_then(|d| memo.as_ref().and_then(|m| m.entries.get(&d)).cloned());
+        let result = match remembered {
+            Some(values) => {
+                fresh.reused += 1;
+                values
+            }
+            None => Arc::new(compute(operation, output.dtype, &inputs).map_err(fail)?),
         };
         if result.len() as u64 != output.elements() {
             return Err(fail(format!("computed {} values for shape {:?}", result.len(), output.shape)));
+        }
+        if let Some(d) = digest {
+            digests[operation.output.0 as usize] = d;
+            fresh.entries.insert(d, result.clone());
         }
         slots[operation.output.0 as usize] = Some(result);
         // Free what no later operation reads and nobody asked for.
@@ -126,12 +142,49 @@ pub fn evaluate_values(graph: &Graph, data: &BTreeMap<String, TensorData>, wante
             }
         }
     }
+    if let Some(memo) = memo.as_deref_mut() {
+        *memo = fresh;
+    }
     let mut values = Values::new();
     for id in keep {
         let computed = slots[id.0 as usize].take().ok_or_else(|| ReferenceError::UnknownValue { workload: workload.clone(), name: graph.value(id).name.clone() })?;
-        values.insert(graph.value(id).name.clone(), computed);
+        values.insert(graph.value(id).name.clone(), Arc::try_unwrap(computed).unwrap_or_else(|shared| shared.as_ref().clone()));
     }
     Ok(values)
+}
+
+/// One operation's values from its inputs' (values, shape), each rounded to `dtype`.
+fn compute(operation: &Operation, dtype: DType, inputs: &[(&[f32], &[u32])]) -> Result<Vec<f32>, String> {
+    Ok(match (&operation.kind, inputs) {
+        (OpKind::MatMul { transpose_b }, [(a, a_shape), (b, b_shape)]) => matmul(a, a_shape, b, b_shape, *transpose_b, dtype)?,
+        (OpKind::Gelu, [(x, _)]) => elementwise(x, |v| round_to(dtype, gelu(v as f64))),
+        (OpKind::Softmax, [(x, shape)]) => softmax(x, shape, dtype),
+        (OpKind::Scale { factor }, [(x, _)]) => elementwise(x, |v| round_to(dtype, v as f64 * factor)),
+        (OpKind::Add, [(a, _), (b, _)]) => {
+            if a.len() != b.len() {
+                return Err(format!("operands hold {} and {} values", a.len(), b.len()));
+            }
+            a.par_iter().zip(b.par_iter()).map(|(&x, &y)| round_to(dtype, x as f64 + y as f64)).collect()
+        }
+        (OpKind::GeluErf, [(x, _)]) => elementwise(x, |v| round_to(dtype, gelu_erf(v as f64))),
+        (OpKind::BiasAdd, [(x, shape), (bias, _)]) => rows_with(x, shape, |row, out| {
+            for ((o, &v), &b) in out.iter_mut().zip(row).zip(bias.iter()) {
+                *o = round_to(dtype, v as f64 + b as f64);
+            }
+        }),
+        (OpKind::LayerNorm { eps }, [(x, shape), (gamma, _), (beta, _)]) => rows_with(x, shape, |row, out| {
+            let n = row.len() as f64;
+            let mean = row.iter().map(|&v| v as f64).sum::<f64>() / n;
+            let variance = row.iter().map(|&v| (v as f64 - mean) * (v as f64 - mean)).sum::<f64>() / n;
+            let inverse = 1.0 / (variance + eps).sqrt();
+            for (((o, &v), &g), &b) in out.iter_mut().zip(row).zip(gamma.iter()).zip(beta.iter()) {
+                *o = round_to(dtype, (v as f64 - mean) * inverse * g as f64 + b as f64);
+            }
+        }),
+        (OpKind::Reshape { .. }, [(x, _)]) => x.to_vec(),
+        (OpKind::Transpose { perm }, [(x, shape)]) => transpose(x, shape, perm)?,
+        (kind, _) => return Err(format!("{} got {} inputs", kind.name(), inputs.len())),
+    })
 }
 
 fn elementwise(x: &[f32], f: impl Fn(f32) -> f32 + Sync) -> Vec<f32> {
@@ -202,74 +255,108 @@ fn matmul(a: &[f32], a_shape: &[u32], b: &[f32], b_shape: &[u32], transpose_b: b
     }
     let (m, k, n) = (m as usize, k as usize, n as usize);
     let group = (a_batches / b_batches) as usize;
-    // Every B batch as row-major [K, N], so the inner loop runs along contiguous output columns.
-    let b_matrices: Vec<Vec<f32>> = b
-        .chunks(k * n)
-        .map(|matrix| if transpose_b { transpose_matrix(matrix, n, k) } else { matrix.to_vec() })
-        .collect();
     let mut out = vec![0.0f32; a_batches as usize * m * n];
+    if m == 0 || n == 0 || k == 0 {
+        // Empty sums are zero, which every dtype holds exactly.
+        return Ok(out);
+    }
+    // Every B batch in column panels of f64 (see `pack_panels`).
+    let panels: Vec<Vec<f64>> = b.par_chunks(k * n).map(|matrix| pack_panels(matrix, k, n, transpose_b)).collect();
     out.par_chunks_mut(m * n).enumerate().for_each(|(batch, out_batch)| {
         let a_matrix = &a[batch * m * k..(batch + 1) * m * k];
-        let b_matrix = &b_matrices[batch / group];
-        out_batch.par_chunks_mut(ROW_BLOCK * n).enumerate().for_each(|(block, out_rows)| row_block(a_matrix, b_matrix, out_rows, block * ROW_BLOCK, k, n, dtype));
+        let b_panels = &panels[batch / group];
+        out_batch
+            .par_chunks_mut(ROW_CHUNK * n)
+            .enumerate()
+            .for_each(|(chunk, out_rows)| row_chunk(&a_matrix[chunk * ROW_CHUNK * k..], b_panels, out_rows, k, n, dtype));
     });
     Ok(out)
 }
 
-/// One block of output rows: f64 sums of exact f16 products, each rounded once to `dtype`.
-/// On x86-64 CPUs with AVX2 the same loops run on 256-bit vectors (selected at run time;
-/// no FMA, so every sum is rounded as in the portable code and the results are identical).
-fn row_block(a_matrix: &[f32], b_matrix: &[f32], out_rows: &mut [f32], first_row: usize, k: usize, n: usize, dtype: DType) {
+/// B (row-major [k, n], or [n, k] when transposed) as f64 in panels of [`PANEL`] columns:
+/// panel `p` holds, for each `kk` in order, columns `p·PANEL..` of row `kk`, so a pass over `kk`
+/// reads one panel front to back. Columns past `n` are zero (their sums are never stored).
+fn pack_panels(matrix: &[f32], k: usize, n: usize, transposed: bool) -> Vec<f64> {
+    let panels = n.div_ceil(PANEL);
+    let mut packed = vec![0.0f64; panels * k * PANEL];
+    packed.par_chunks_mut(k * PANEL).enumerate().for_each(|(p, panel)| {
+        for (kk, row) in panel.chunks_exact_mut(PANEL).enumerate() {
+            for (c, slot) in row.iter_mut().enumerate().take(n.saturating_sub(p * PANEL)) {
+                let column = p * PANEL + c;
+                *slot = if transposed { matrix[column * k + kk] } else { matrix[kk * n + column] } as f64;
+            }
+        }
+    });
+    packed
+}
+
+/// Output rows in chunks of this many (one parallel task each, A's rows converted once).
+const ROW_CHUNK: usize = 32;
+/// Output rows and columns whose f64 sums stay in registers for a whole pass over K.
+const BLOCK_ROWS: usize = 4;
+const PANEL: usize = 8;
+
+/// Up to [`ROW_CHUNK`] output rows: f64 sums of exact f16 products over `kk` in increasing
+/// order from zero, each rounded once to `dtype`. On x86-64 CPUs with AVX2 the same loops run
+/// on 256-bit vectors (selected at run time; no FMA, so every sum is rounded as in the
+/// portable code and the results are identical).
+fn row_chunk(a_rows: &[f32], panels: &[f64], out_rows: &mut [f32], k: usize, n: usize, dtype: DType) {
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU supports AVX2, checked just above.
-        unsafe { row_block_avx2(a_matrix, b_matrix, out_rows, first_row, k, n, dtype) };
+        unsafe { row_chunk_avx2(a_rows, panels, out_rows, k, n, dtype) };
         return;
     }
-    row_block_portable(a_matrix, b_matrix, out_rows, first_row, k, n, dtype)
+    row_chunk_portable(a_rows, panels, out_rows, k, n, dtype)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn row_block_avx2(a_matrix: &[f32], b_matrix: &[f32], out_rows: &mut [f32], first_row: usize, k: usize, n: usize, dtype: DType) {
-    row_block_portable(a_matrix, b_matrix, out_rows, first_row, k, n, dtype)
+unsafe fn row_chunk_avx2(a_rows: &[f32], panels: &[f64], out_rows: &mut [f32], k: usize, n: usize, dtype: DType) {
+    row_chunk_portable(a_rows, panels, out_rows, k, n, dtype)
 }
 
 #[inline(always)]
-fn row_block_portable(a_matrix: &[f32], b_matrix: &[f32], out_rows: &mut [f32], first_row: usize, k: usize, n: usize, dtype: DType) {
+fn row_chunk_portable(a_rows: &[f32], panels: &[f64], out_rows: &mut [f32], k: usize, n: usize, dtype: DType) {
     let rows = out_rows.len() / n;
-    let mut accumulators = vec![0.0f64; ROW_BLOCK * COLUMN_BLOCK];
-    for first_column in (0..n).step_by(COLUMN_BLOCK) {
-        let width = COLUMN_BLOCK.min(n - first_column);
-        accumulators.iter_mut().for_each(|x| *x = 0.0);
-        for inner in 0..k {
-            let b_segment = &b_matrix[inner * n + first_column..inner * n + first_column + width];
-            for row in 0..rows {
-                let a_value = a_matrix[(first_row + row) * k + inner] as f64;
-                let accumulator = &mut accumulators[row * COLUMN_BLOCK..row * COLUMN_BLOCK + width];
-                for (sum, &b_value) in accumulator.iter_mut().zip(b_segment) {
-                    *sum += a_value * b_value as f64;
+    let a: Vec<f64> = a_rows[..rows * k].iter().map(|&v| v as f64).collect();
+    for (p, panel) in panels.chunks_exact(k * PANEL).enumerate() {
+        let first_column = p * PANEL;
+        let width = PANEL.min(n - first_column);
+        let mut row = 0;
+        while row < rows {
+            let count = if rows - row >= BLOCK_ROWS { BLOCK_ROWS } else { 1 };
+            let mut store = |r: usize, sums: &[f64; PANEL]| {
+                let target = &mut out_rows[(row + r) * n + first_column..(row + r) * n + first_column + width];
+                for (o, &sum) in target.iter_mut().zip(sums) {
+                    *o = round_to(dtype, sum);
                 }
+            };
+            if count == BLOCK_ROWS {
+                block::<BLOCK_ROWS>(&a[row * k..], panel, k).iter().enumerate().for_each(|(r, sums)| store(r, sums));
+            } else {
+                block::<1>(&a[row * k..], panel, k).iter().enumerate().for_each(|(r, sums)| store(r, sums));
             }
-        }
-        for row in 0..rows {
-            let target = &mut out_rows[row * n + first_column..row * n + first_column + width];
-            for (o, &sum) in target.iter_mut().zip(&accumulators[row * COLUMN_BLOCK..]) {
-                *o = round_to(dtype, sum);
-            }
+            row += count;
         }
     }
 }
 
-/// A row-major [rows, columns] matrix transposed to [columns, rows].
-fn transpose_matrix(matrix: &[f32], rows: usize, columns: usize) -> Vec<f32> {
-    let mut out = vec![0.0f32; matrix.len()];
-    for (r, row) in matrix.chunks(columns).enumerate() {
-        for (c, &v) in row.iter().enumerate() {
-            out[c * rows + r] = v;
+/// The sums of R rows of `a` (row-major, `k` per row) times one panel.
+#[inline(always)]
+fn block<const R: usize>(a: &[f64], panel: &[f64], k: usize) -> [[f64; PANEL]; R] {
+    let rows: [&[f64]; R] = std::array::from_fn(|r| &a[r * k..(r + 1) * k]);
+    let mut sums = [[0.0f64; PANEL]; R];
+    for (kk, b) in panel.chunks_exact(PANEL).enumerate() {
+        let b: &[f64; PANEL] = b.try_into().expect("a panel row");
+        for (sum, row) in sums.iter_mut().zip(&rows) {
+            let x = row[kk];
+            for (s, &bv) in sum.iter_mut().zip(b) {
+                *s += x * bv;
+            }
         }
     }
-    out
+    sums
 }
 
 /// Permuted axes: output axis `a` is input axis `perm[a]`.

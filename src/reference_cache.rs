@@ -12,7 +12,7 @@ use std::path::Path;
 
 use ipuq_queries::ir::Graph;
 
-use crate::reference::{evaluate_values, ReferenceError, Values};
+use crate::reference::{evaluate_values, evaluate_values_memo, ReferenceError, ReferenceMemo, Values};
 use crate::workload::TensorData;
 
 const MAGIC: &[u8; 8] = b"IPUQREF1";
@@ -88,13 +88,32 @@ pub fn decode(key: &[u8; 32], bytes: &[u8]) -> Option<Values> {
 /// The reference values of `wanted`, from `folder/reference.bin` when it holds them, else
 /// computed and stored there.
 pub fn evaluate_cached(folder: &Path, graph: &Graph, data: &BTreeMap<String, TensorData>, wanted: &[&str]) -> Result<Values, ReferenceError> {
+    evaluate_cached_memo(folder, graph, data, wanted, None)
+}
+
+/// As [`evaluate_cached`]; a computation reuses the operations `memo` holds (see
+/// [`ReferenceMemo`]).
+pub fn evaluate_cached_memo(
+    folder: &Path,
+    graph: &Graph,
+    data: &BTreeMap<String, TensorData>,
+    wanted: &[&str],
+    memo: Option<&mut ReferenceMemo>,
+) -> Result<Values, ReferenceError> {
     let key = key(graph, data, wanted);
     let path = folder.join("reference.bin");
     if let Some(values) = std::fs::read(&path).ok().and_then(|bytes| decode(&key, &bytes)) {
         tracing::info!(path = %path.display(), "reused cached host reference");
         return Ok(values);
     }
-    let values = evaluate_values(graph, data, wanted)?;
+    let values = match memo {
+        Some(memo) => {
+            let values = evaluate_values_memo(graph, data, wanted, memo)?;
+            tracing::info!(reused = memo.reused, operations = graph.operations.len(), "computed host reference, reusing unchanged operations");
+            values
+        }
+        None => evaluate_values(graph, data, wanted)?,
+    };
     let tmp = folder.join(format!(".reference.bin.{}.tmp", std::process::id()));
     if std::fs::write(&tmp, encode(&key, &values)).and_then(|_| std::fs::rename(&tmp, &path)).is_err() {
         let _ = std::fs::remove_file(&tmp);

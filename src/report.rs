@@ -8,9 +8,10 @@ use std::time::Duration;
 use ipuq_queries::ir::{Graph, OpKind, Producer};
 use ipuq_queries::package::Package;
 
+use crate::reference::ReferenceMemo;
 use crate::runtime::{execute, DeviceTarget, RunOptions};
 use crate::verify::{check_samples, compare_bytes, Tolerance};
-use crate::workload::data::{decode, tensor_data_with};
+use crate::workload::data::{decode, tensor_data_cached, tensor_data_with, TensorCache};
 use crate::workload::npy::write_npy;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -56,6 +57,24 @@ pub fn workload_gemm_flops(graph: &Graph) -> u64 {
 }
 
 pub fn run_and_verify(package: &Package, package_path: &Path, request: &RunRequest) -> Result<Outcome, String> {
+    run_and_verify_cached(package, package_path, request, None)
+}
+
+/// What a long-lived session (`ipuq watch --run`) keeps from one run to the next: the
+/// tensors drawn from seeded initialisers and the host reference's operation values.
+#[derive(Default)]
+pub struct RunCaches {
+    pub tensors: TensorCache,
+    pub reference: ReferenceMemo,
+}
+
+/// As [`run_and_verify`], reusing what `caches` holds from earlier runs: tensors whose
+/// declarations did not change, reference operations whose inputs did not change.
+pub fn run_and_verify_cached(package: &Package, package_path: &Path, request: &RunRequest, caches: Option<&mut RunCaches>) -> Result<Outcome, String> {
+    let (cache, memo) = match caches {
+        Some(c) => (Some(&mut c.tensors), Some(&mut c.reference)),
+        None => (None, None),
+    };
     let device_target = match &request.device_target {
         Some(spec) => {
             let (text, origin) = crate::build::load_target(Some(spec)).map_err(|e| e.to_string())?;
@@ -66,7 +85,12 @@ pub fn run_and_verify(package: &Package, package_path: &Path, request: &RunReque
     let target = device_target.target.clone();
     let graph = Graph::parse(&package.workload_toml, &format!("{} (embedded workload)", package_path.display())).map_err(|e| e.to_string())?;
     let given = crate::workload::given::given_inputs(&graph, &request.inputs)?;
-    let data = tracing::info_span!("ipuq.run.tensor_data").in_scope(|| tensor_data_with(&graph, &request.workload_folder, given)).map_err(|e| e.to_string())?;
+    let data = tracing::info_span!("ipuq.run.tensor_data")
+        .in_scope(|| match cache {
+            Some(cache) => tensor_data_cached(&graph, &request.workload_folder, given, cache),
+            None => tensor_data_with(&graph, &request.workload_folder, given),
+        })
+        .map_err(|e| e.to_string())?;
     let inputs: BTreeMap<String, Vec<u8>> = data.iter().map(|(name, d)| (name.clone(), d.bytes.clone())).collect();
     let folder = package_path.parent().map(Path::to_path_buf).unwrap_or_default();
     let options = RunOptions {
@@ -77,16 +101,23 @@ pub fn run_and_verify(package: &Package, package_path: &Path, request: &RunReque
         lock_path: Some(folder.join("device.lock")),
         lock_timeout: request.lock_timeout,
     };
-    let result = execute(package, &inputs, &options).map_err(|e| e.to_string())?;
     // The host reference: every output the workload declares (not the package's list), and
-    // the checkpointed values when asked.
+    // the checkpointed values when asked (the tensors the run samples: the package's
+    // checkpoints, in its order).
     let mut wanted: Vec<String> = graph.outputs.iter().map(|&v| graph.value(v).name.clone()).collect();
     let declared = wanted.len();
     if request.checkpoints {
-        wanted.extend(result.checkpoints.iter().map(|c| c.name.clone()));
+        wanted.extend(package.host.checkpoints.iter().map(|c| c.tensor.name.clone()));
     }
     let wanted_refs: Vec<&str> = wanted.iter().map(String::as_str).collect();
-    let reference = tracing::info_span!("ipuq.run.reference").in_scope(|| crate::reference_cache::evaluate_cached(&folder, &graph, &data, &wanted_refs)).map_err(|e| e.to_string())?;
+    // The device run and the reference share nothing but the inputs: they run side by side,
+    // so that the serial parts of one overlap the other's work.
+    let (result, reference) = rayon::join(
+        || execute(package, &inputs, &options),
+        || tracing::info_span!("ipuq.run.reference").in_scope(|| crate::reference_cache::evaluate_cached_memo(&folder, &graph, &data, &wanted_refs, memo)),
+    );
+    let result = result.map_err(|e| e.to_string())?;
+    let reference = reference.map_err(|e| e.to_string())?;
     let mut passed = true;
     let mut max_error = 0f64;
     for name in &wanted[..declared] {

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use crate::build::{read_package, BuildOptions, Session};
-use crate::report::{run_and_verify, RunRequest};
+use crate::report::{run_and_verify_cached, RunCaches, RunRequest};
 
 pub struct WatchOptions {
     /// Run every successful build on the simulator.
@@ -25,6 +25,9 @@ pub fn watch(workload: &Path, options: BuildOptions, out_dir: impl Fn(&Path) -> 
     let mut options = options;
     let mut last: Option<Result<Vec<u8>, String>> = None;
     let mut rebuilds = 0u32;
+    // Tensors drawn and reference operations computed for earlier runs: what an edit leaves
+    // alone is reused.
+    let mut caches = RunCaches::default();
     eprintln!("watching {} (Ctrl-C to stop)", workload.display());
     loop {
         let now = std::fs::read(workload).map_err(|e| format!("workload {}: cannot read: {e}", workload.display()));
@@ -32,7 +35,7 @@ pub fn watch(workload: &Path, options: BuildOptions, out_dir: impl Fn(&Path) -> 
             match &now {
                 Ok(_) => {
                     let start = Instant::now();
-                    rebuild(&mut session, workload, &mut options, &out_dir, watch);
+                    rebuild(&mut session, workload, &mut options, &out_dir, watch, &mut caches);
                     tracing::info!(elapsed_ms = start.elapsed().as_millis() as u64, "watch rebuild finished");
                     rebuilds += 1;
                 }
@@ -47,7 +50,14 @@ pub fn watch(workload: &Path, options: BuildOptions, out_dir: impl Fn(&Path) -> 
     }
 }
 
-fn rebuild(session: &mut Session, workload: &Path, options: &mut BuildOptions, out_dir: &impl Fn(&Path) -> Result<PathBuf, String>, watch: &WatchOptions) {
+fn rebuild(
+    session: &mut Session,
+    workload: &Path,
+    options: &mut BuildOptions,
+    out_dir: &impl Fn(&Path) -> Result<PathBuf, String>,
+    watch: &WatchOptions,
+    caches: &mut RunCaches,
+) {
     let result = out_dir(workload).and_then(|dir| {
         options.out_dir = dir;
         session.build(workload, options).map_err(|e| e.to_string())
@@ -83,7 +93,7 @@ fn rebuild(session: &mut Session, workload: &Path, options: &mut BuildOptions, o
         workload_folder: workload.parent().map(Path::to_path_buf).unwrap_or_default(),
         inputs: Vec::new(),
     };
-    if let Err(message) = run_and_verify(&package, &built.path, &request) {
+    if let Err(message) = run_and_verify_cached(&package, &built.path, &request, Some(caches)) {
         eprintln!("error: {message}");
     }
 }

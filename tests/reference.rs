@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use ipuq::reference::{evaluate, evaluate_values, gelu, Values};
+use ipuq::reference::{evaluate, evaluate_values, evaluate_values_memo, gelu, ReferenceMemo, Values};
 use ipuq::verify::{check_samples, compare, compare_bytes, Tolerance};
 use ipuq::workload::data::{encode, round_to, tensor_data, TensorData};
 use ipuq::workload::{grouped_attention, siglip_mlp, GroupedAttention, SiglipMlp};
@@ -231,4 +231,30 @@ fn verification_reports_the_worst_element_and_rejects_non_finite_values() {
     assert!(!samples.passed && samples.worst_index == 0 && (samples.max_abs_error - 0.5).abs() < 1e-9);
     assert!(check_samples(&reference, &[4], &[1.0], Tolerance::for_dtype(DType::F16)).unwrap_err().to_string().contains("index 4"));
     assert!(check_samples(&reference, &[0, 1], &[1.0], Tolerance::for_dtype(DType::F16)).is_err());
+}
+
+/// A memo of reference operations (`ipuq watch --run`) recomputes exactly the operations an
+/// edit reaches, and its values are those of a fresh evaluation.
+#[test]
+fn the_reference_memo_recomputes_only_what_an_edit_reaches() {
+    let text = include_str!("../fixtures/workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml");
+    let mut memo = ReferenceMemo::default();
+    let mut check = |text: &str, reused: usize| {
+        let g = Graph::parse(text, "small").unwrap();
+        let data = tensor_data(&g, Path::new(".")).unwrap();
+        let with_memo = evaluate_values_memo(&g, &data, &["y_0"], &mut memo).unwrap();
+        assert_eq!(with_memo, evaluate_values(&g, &data, &["y_0"]).unwrap());
+        assert_eq!(memo.reused, reused, "{text}");
+    };
+    check(text, 0);
+    check(text, 3);
+    // A new seed for the second weight: h_0 and g_0 are reused, y_0 is computed again.
+    assert!(text.contains("seed = 102\n"));
+    check(&text.replacen("seed = 102\n", "seed = 103\n", 1), 2);
+    // Back again: the memo holds the last evaluation only, so y_0 is computed again.
+    check(text, 2);
+    // An edited operation: what comes before it is reused.
+    check(&text.replacen("op = \"gelu\"", "op = \"gelu\"\napproximate = \"none\"", 1), 1);
+    // A new input feeds every operation.
+    check(&text.replacen("seed = 1\n", "seed = 7\n", 1), 0);
 }

@@ -11,6 +11,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use half::f16;
+use half::slice::HalfFloatSliceExt;
 use ipuq_queries::ir::{DType, Graph, Init, TensorDecl};
 use rayon::prelude::*;
 
@@ -69,16 +70,80 @@ pub fn tensor_data(graph: &Graph, workload_dir: &Path) -> Result<BTreeMap<String
 
 /// As [`tensor_data`], with the values of some tensors given (`ipuq run --input`): those are
 /// taken as they are, their initialisers not evaluated.
-pub fn tensor_data_with(graph: &Graph, workload_dir: &Path, mut given: BTreeMap<String, TensorData>) -> Result<BTreeMap<String, TensorData>, DataError> {
+pub fn tensor_data_with(graph: &Graph, workload_dir: &Path, given: BTreeMap<String, TensorData>) -> Result<BTreeMap<String, TensorData>, DataError> {
+    tensor_data_inner(graph, workload_dir, given, None)
+}
+
+/// The values of seeded (and zero) initialisers from earlier calls, so that a long-lived
+/// session (`ipuq watch --run`) does not draw again the tensors an edit left alone.
+/// An entry is keyed by the whole declaration but its name (shape, dtype, role, initialiser):
+/// the values are a pure function of that. Initialisers that read files are never cached (the
+/// file may have changed), nor are values given with `--input`.
+#[derive(Default)]
+pub struct TensorCache {
+    entries: Vec<(TensorDecl, TensorData)>,
+}
+
+impl TensorCache {
+    fn key(declaration: &TensorDecl) -> Option<TensorDecl> {
+        matches!(declaration.init, Init::Gaussian { .. } | Init::Uniform { .. } | Init::Zeros)
+            .then(|| TensorDecl { name: String::new(), ..declaration.clone() })
+    }
+
+    fn find(&self, key: &TensorDecl) -> Option<&TensorData> {
+        self.entries.iter().find(|(k, _)| k == key).map(|(_, data)| data)
+    }
+
+    fn take(&mut self, key: &TensorDecl) -> Option<TensorData> {
+        let at = self.entries.iter().position(|(k, _)| k == key)?;
+        Some(self.entries.swap_remove(at).1)
+    }
+}
+
+/// As [`tensor_data_with`], reusing (and refreshing) `cache`: afterwards it holds exactly the
+/// cacheable tensors of this call.
+pub fn tensor_data_cached(
+    graph: &Graph,
+    workload_dir: &Path,
+    given: BTreeMap<String, TensorData>,
+    cache: &mut TensorCache,
+) -> Result<BTreeMap<String, TensorData>, DataError> {
+    tensor_data_inner(graph, workload_dir, given, Some(cache))
+}
+
+/// Without a cache, nothing is copied into one.
+fn tensor_data_inner(
+    graph: &Graph,
+    workload_dir: &Path,
+    mut given: BTreeMap<String, TensorData>,
+    mut cache: Option<&mut TensorCache>,
+) -> Result<BTreeMap<String, TensorData>, DataError> {
     let mut data = BTreeMap::new();
     let mut headers = Headers::default();
+    let mut kept = TensorCache::default();
     for declaration in &graph.file.tensors {
         let _span = tracing::debug_span!("tensor_data", tensor = %declaration.name).entered();
-        let values = match given.remove(&declaration.name) {
-            Some(values) => values,
-            None => values_with(declaration, workload_dir, &mut headers)?,
+        let key = cache.as_ref().and_then(|_| TensorCache::key(declaration));
+        let values = match (given.remove(&declaration.name), key) {
+            (Some(values), _) => values,
+            (None, None) => values_with(declaration, workload_dir, &mut headers)?,
+            (None, Some(key)) => {
+                if let Some(values) = kept.find(&key) {
+                    values.clone()
+                } else {
+                    let values = match cache.as_mut().and_then(|c| c.take(&key)) {
+                        Some(values) => values,
+                        None => values_with(declaration, workload_dir, &mut headers)?,
+                    };
+                    kept.entries.push((key, values.clone()));
+                    values
+                }
+            }
         };
         data.insert(declaration.name.clone(), values);
+    }
+    if let Some(cache) = cache {
+        *cache = kept;
     }
     Ok(data)
 }
@@ -209,7 +274,9 @@ impl Xoshiro256 {
 /// `value` rounded to nearest (ties to even) in `dtype`, as an f32 (exact for both dtypes).
 pub fn round_to(dtype: DType, value: f64) -> f32 {
     match dtype {
-        DType::F16 => f16_from_f64(value).to_f32(),
+        DType::F16 if value.is_nan() => f16::NAN.to_f32(),
+        // Every f16 value (and infinity) is exact in f32.
+        DType::F16 => f16_rounded(value) as f32,
         DType::F32 => value as f32,
     }
 }
@@ -220,28 +287,54 @@ pub fn f16_from_f64(value: f64) -> f16 {
     if value.is_nan() {
         return f16::NAN;
     }
+    // The rounded value is an f16 value (or infinity), so this conversion is exact.
+    f16::from_f64(f16_rounded(value))
+}
+
+/// 2^`exponent` as an f64, for exponents of normal f64 values (built from its bits: exact).
+fn power_of_two(exponent: i32) -> f64 {
+    f64::from_bits(((exponent + 1023) as u64) << 52)
+}
+
+/// `value` (not NaN) rounded once to the nearest f16 value, ties to even, as an f64: ±infinity
+/// beyond f16's range, a signed zero below half its smallest subnormal.
+fn f16_rounded(value: f64) -> f64 {
     let magnitude = value.abs();
     // 65520 is the midpoint between f16's largest finite value (65504) and the next step.
     let rounded = if magnitude >= 65520.0 {
         f64::INFINITY
     } else {
-        let smallest_normal = 2f64.powi(-14);
-        let quantum = if magnitude < smallest_normal {
-            2f64.powi(-24)
-        } else {
-            let exponent = ((magnitude.to_bits() >> 52) & 0x7ff) as i32 - 1023;
-            2f64.powi(exponent - 10)
-        };
-        // Scaling by a power of two is exact, so this is the one rounding.
-        (magnitude / quantum).round_ties_even() * quantum
+        // The spacing of f16 values around `magnitude`: 2^-24 among subnormals (below 2^-14),
+        // else 2^(exponent - 10).
+        let exponent = ((magnitude.to_bits() >> 52) & 0x7ff) as i32 - 1023;
+        let quantum = if exponent < -14 { -24 } else { exponent - 10 };
+        // Scaling by a power of two is exact (the scaled value is below 2^11), and adding then
+        // subtracting 2^52 rounds a value in [0, 2^52) to an integer, ties to even, under the
+        // default rounding mode: this is the one rounding.
+        let scaled = magnitude * power_of_two(-quantum);
+        let magic = 4_503_599_627_370_496.0f64; // 2^52
+        ((scaled + magic) - magic) * power_of_two(quantum)
     };
-    f16::from_f64(rounded.copysign(value))
+    rounded.copysign(value)
 }
 
 /// Row-major little-endian bytes of `values` in `dtype` (values are rounded if not exact).
 pub fn encode(values: &[f32], dtype: DType) -> Vec<u8> {
     match dtype {
-        DType::F16 => values.iter().flat_map(|&v| f16_from_f64(v as f64).to_le_bytes()).collect(),
+        DType::F16 => {
+            // f32 to f16 is one rounding to nearest even (an f32 is exact in f64), as
+            // `f16_from_f64` does; NaN is encoded as `f16::NAN`, whatever its payload.
+            let mut out = vec![0u8; values.len() * 2];
+            out.par_chunks_mut(2 * CHUNK).zip(values.par_chunks(CHUNK)).for_each(|(out, values)| {
+                let mut halves = vec![f16::ZERO; values.len()];
+                halves.convert_from_f32_slice(values);
+                for ((bytes, h), v) in out.chunks_exact_mut(2).zip(&halves).zip(values) {
+                    let h = if v.is_nan() { f16::NAN } else { *h };
+                    bytes.copy_from_slice(&h.to_le_bytes());
+                }
+            });
+            out
+        }
         DType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
     }
 }
@@ -256,4 +349,97 @@ pub fn decode(bytes: &[u8], dtype: DType) -> Result<Vec<f32>, DataError> {
         DType::F16 => bytes.chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
         DType::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The plain statement of one rounding (powers by `powi`, `round_ties_even`): the oracle.
+    fn f16_from_f64_oracle(value: f64) -> f16 {
+        if value.is_nan() {
+            return f16::NAN;
+        }
+        let magnitude = value.abs();
+        let rounded = if magnitude >= 65520.0 {
+            f64::INFINITY
+        } else {
+            let smallest_normal = 2f64.powi(-14);
+            let quantum = if magnitude < smallest_normal {
+                2f64.powi(-24)
+            } else {
+                let exponent = ((magnitude.to_bits() >> 52) & 0x7ff) as i32 - 1023;
+                2f64.powi(exponent - 10)
+            };
+            (magnitude / quantum).round_ties_even() * quantum
+        };
+        f16::from_f64(rounded.copysign(value))
+    }
+
+    /// Values on, beside and between every f16 value, their midpoints, and random bits.
+    fn probes() -> Vec<f64> {
+        let mut values = vec![0.0, -0.0, f64::INFINITY, f64::NEG_INFINITY, f64::MIN_POSITIVE, 5e-324, 65504.0, 65519.99, 65520.0, 1e300, -1e-300];
+        for bits in 0..=0xffffu16 {
+            let h = f16::from_bits(bits).to_f64();
+            let next = f16::from_bits(bits.wrapping_add(1)).to_f64();
+            if !h.is_finite() {
+                continue;
+            }
+            let middle = if next.is_finite() { (h + next) / 2.0 } else { h };
+            for v in [h, middle] {
+                values.extend([v, f64::from_bits(v.to_bits() + 1), f64::from_bits(v.to_bits().saturating_sub(1)), (v as f32) as f64]);
+            }
+        }
+        let mut state = 0x1234_5678_9abc_def0u64;
+        for _ in 0..200_000 {
+            let bits = splitmix64(&mut state);
+            values.push(f64::from_bits(bits));
+            values.push(f32::from_bits(bits as u32) as f64);
+        }
+        values
+    }
+
+    #[test]
+    fn fast_rounding_to_f16_matches_the_plain_statement_bit_for_bit() {
+        for v in probes() {
+            let expected = f16_from_f64_oracle(v);
+            assert_eq!(f16_from_f64(v).to_bits(), expected.to_bits(), "{v:e} ({:#x})", v.to_bits());
+            let as_f32 = round_to(DType::F16, v);
+            assert_eq!(as_f32.to_bits(), expected.to_f32().to_bits(), "round_to {v:e}");
+        }
+    }
+
+    #[test]
+    fn encoding_f32_values_as_f16_rounds_once_like_the_f64_path() {
+        let values: Vec<f32> = probes().into_iter().map(|v| v as f32).collect();
+        let bytes = encode(&values, DType::F16);
+        for (v, b) in values.iter().zip(bytes.chunks_exact(2)) {
+            assert_eq!(u16::from_le_bytes([b[0], b[1]]), f16_from_f64_oracle(*v as f64).to_bits(), "{v:e}");
+        }
+    }
+
+    #[test]
+    fn the_tensor_cache_reuses_only_unchanged_declarations_and_never_given_values() {
+        let text = include_str!("../../fixtures/workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml");
+        let graph = Graph::parse(text, "small").unwrap();
+        let dir = Path::new(".");
+        let fresh = tensor_data(&graph, dir).unwrap();
+        let mut cache = TensorCache::default();
+        assert_eq!(tensor_data_cached(&graph, dir, BTreeMap::new(), &mut cache).unwrap(), fresh);
+        assert_eq!(cache.entries.len(), fresh.len());
+        // Drawn from the cache: the same values.
+        assert_eq!(tensor_data_cached(&graph, dir, BTreeMap::new(), &mut cache).unwrap(), fresh);
+        // A new seed for the input: new input values, the weights as before.
+        let edited = Graph::parse(&text.replacen("seed = 1\n", "seed = 7\n", 1), "small").unwrap();
+        let after = tensor_data_cached(&edited, dir, BTreeMap::new(), &mut cache).unwrap();
+        assert_eq!(after, tensor_data(&edited, dir).unwrap());
+        assert_ne!(after["x"], fresh["x"]);
+        assert!(after.iter().filter(|(name, _)| *name != "x").all(|(name, d)| fresh[name] == *d));
+        assert_eq!(cache.entries.len(), fresh.len(), "the old input's entry is dropped");
+        // A given input is used as given and not cached under the initialiser's key.
+        let given = TensorData::from_values(fresh["x"].dtype, fresh["x"].shape.clone(), vec![0.5; fresh["x"].values.len()]).unwrap();
+        let with_given = tensor_data_cached(&graph, dir, BTreeMap::from([("x".to_string(), given.clone())]), &mut cache).unwrap();
+        assert_eq!(with_given["x"], given);
+        assert_eq!(tensor_data_cached(&graph, dir, BTreeMap::new(), &mut cache).unwrap(), fresh);
+    }
 }

@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 
 use ipuq_queries::ir::{Graph, WorkloadError};
 
-pub use data::{tensor_data, tensor_data_with, DataError, TensorData};
+pub use data::{tensor_data, tensor_data_cached, tensor_data_with, DataError, TensorCache, TensorData};
 pub use encoder::{siglip_encoder, SiglipEncoder};
 pub use generate::{from_name, grouped_attention, siglip_mlp, to_toml, GenerateError, GroupedAttention, SiglipMlp};
 

@@ -10,10 +10,12 @@
 //! the accumulation order of each kernel is part of its contract (stated per function).
 
 /// `c[m x n] = a[m x k] . b[k x n]`, all row-major and contiguous. Each `c[i][j]` is the fp32
-/// sum over `kk` in increasing order of `a[i][kk] * b[kk][j]`, starting from zero; four rows
-/// share each pass over a row of `b`. On x86-64 CPUs with AVX2 the same loops are compiled
-/// for 256-bit vectors (selected at run time); FMA is not enabled, so every product and sum
-/// is rounded exactly as in the portable code and the results are bit-identical.
+/// sum over `kk` in increasing order of `a[i][kk] * b[kk][j]`, starting from zero. Blocks of
+/// four rows by sixteen columns keep their sums in registers for the whole pass over `kk`
+/// (narrower blocks at the right and bottom edges). On x86-64 CPUs with AVX2 the same loops
+/// are compiled for 256-bit vectors (selected at run time); FMA is not enabled, so every
+/// product and sum is rounded exactly as in the portable code and the results are
+/// bit-identical.
 pub fn matmul(a: &[f32], b: &[f32], c: &mut [f32], m: usize, k: usize, n: usize) {
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx2") {
@@ -30,41 +32,64 @@ unsafe fn matmul_avx2(a: &[f32], b: &[f32], c: &mut [f32], m: usize, k: usize, n
     matmul_portable(a, b, c, m, k, n)
 }
 
+/// Rows and columns of the output block whose sums stay in registers.
+const BLOCK_ROWS: usize = 4;
+const BLOCK_COLUMNS: usize = 16;
+
 #[inline(always)]
 fn matmul_portable(a: &[f32], b: &[f32], c: &mut [f32], m: usize, k: usize, n: usize) {
-    debug_assert!(a.len() == m * k && b.len() == k * n && c.len() == m * n);
-    c.fill(0.0);
-    if n == 0 || k == 0 {
+    assert!(a.len() == m * k && b.len() == k * n && c.len() == m * n, "matmul operands do not match {m} x {k} x {n}");
+    if n == 0 {
         return;
     }
-    let mut row_blocks = c.chunks_exact_mut(4 * n);
-    let mut i = 0;
-    for block in &mut row_blocks {
-        let (c0, rest) = block.split_at_mut(n);
-        let (c1, rest) = rest.split_at_mut(n);
-        let (c2, c3) = rest.split_at_mut(n);
-        let (r0, r1, r2, r3) = (&a[i * k..], &a[(i + 1) * k..], &a[(i + 2) * k..], &a[(i + 3) * k..]);
-        for (kk, b_row) in b.chunks_exact(n).enumerate() {
-            let (x0, x1, x2, x3) = (r0[kk], r1[kk], r2[kk], r3[kk]);
-            let lanes = c0.iter_mut().zip(c1.iter_mut()).zip(c2.iter_mut()).zip(c3.iter_mut()).zip(b_row);
-            for ((((y0, y1), y2), y3), &bv) in lanes {
-                *y0 += x0 * bv;
-                *y1 += x1 * bv;
-                *y2 += x2 * bv;
-                *y3 += x3 * bv;
+    let mut first_row = 0;
+    while first_row < m {
+        if m - first_row >= BLOCK_ROWS {
+            block_row::<BLOCK_ROWS>(a, b, c, first_row, k, n);
+            first_row += BLOCK_ROWS;
+        } else {
+            block_row::<1>(a, b, c, first_row, k, n);
+            first_row += 1;
+        }
+    }
+}
+
+/// Output rows `first_row..first_row + R`, column block by column block.
+#[inline(always)]
+fn block_row<const R: usize>(a: &[f32], b: &[f32], c: &mut [f32], first_row: usize, k: usize, n: usize) {
+    let mut first_column = 0;
+    while first_column < n {
+        let left = n - first_column;
+        first_column += if left >= BLOCK_COLUMNS {
+            block::<R, BLOCK_COLUMNS>(a, b, c, first_row, first_column, k, n)
+        } else if left >= 8 {
+            block::<R, 8>(a, b, c, first_row, first_column, k, n)
+        } else {
+            block::<R, 1>(a, b, c, first_row, first_column, k, n)
+        };
+    }
+}
+
+/// One R x W block of `c`: every sum starts at zero and adds its products in increasing `kk`.
+/// Returns W.
+#[inline(always)]
+fn block<const R: usize, const W: usize>(a: &[f32], b: &[f32], c: &mut [f32], first_row: usize, first_column: usize, k: usize, n: usize) -> usize {
+    let rows: [&[f32]; R] = std::array::from_fn(|r| &a[(first_row + r) * k..(first_row + r + 1) * k]);
+    let mut sums = [[0.0f32; W]; R];
+    for (kk, b_row) in b.chunks_exact(n).enumerate() {
+        let b_part: &[f32; W] = b_row[first_column..first_column + W].try_into().expect("W columns");
+        for (sum, row) in sums.iter_mut().zip(&rows) {
+            let x = row[kk];
+            for (s, &bv) in sum.iter_mut().zip(b_part) {
+                *s += x * bv;
             }
         }
-        i += 4;
     }
-    for c_row in row_blocks.into_remainder().chunks_exact_mut(n) {
-        let a_row = &a[i * k..(i + 1) * k];
-        for (&x, b_row) in a_row.iter().zip(b.chunks_exact(n)) {
-            for (y, &bv) in c_row.iter_mut().zip(b_row) {
-                *y += x * bv;
-            }
-        }
-        i += 1;
+    for (r, sum) in sums.iter().enumerate() {
+        let at = (first_row + r) * n + first_column;
+        c[at..at + W].copy_from_slice(sum);
     }
+    W
 }
 
 /// Transpose a row-major `rows` x `cols` buffer into `out` (`cols` x `rows`).
@@ -188,18 +213,20 @@ mod tests {
 
     #[test]
     fn matmul_matches_the_textbook_sum_for_blocked_and_remainder_rows() {
-        let (m, k, n) = (6, 5, 3);
-        let a: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.37).sin()).collect();
-        let b: Vec<f32> = (0..k * n).map(|i| (i as f32 * 0.11).cos()).collect();
-        let mut c = vec![0.0; m * n];
-        matmul(&a, &b, &mut c, m, k, n);
-        for i in 0..m {
-            for j in 0..n {
-                let mut s = 0.0f32;
-                for kk in 0..k {
-                    s += a[i * k + kk] * b[kk * n + j];
+        // Every block kind: full 4 x 16 blocks, 8-column and single-column edges, single rows.
+        for (m, k, n) in [(6, 5, 3), (9, 37, 43), (4, 1, 16), (1, 3, 25), (7, 0, 5)] {
+            let a: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.37).sin()).collect();
+            let b: Vec<f32> = (0..k * n).map(|i| (i as f32 * 0.11).cos()).collect();
+            let mut c = vec![f32::NAN; m * n];
+            matmul(&a, &b, &mut c, m, k, n);
+            for i in 0..m {
+                for j in 0..n {
+                    let mut s = 0.0f32;
+                    for kk in 0..k {
+                        s += a[i * k + kk] * b[kk * n + j];
+                    }
+                    assert_eq!(c[i * n + j].to_bits(), s.to_bits(), "{m} x {k} x {n}: ({i}, {j})");
                 }
-                assert_eq!(c[i * n + j], s, "({i}, {j})");
             }
         }
     }

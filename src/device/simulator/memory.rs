@@ -167,10 +167,15 @@ impl TileMemory {
 
     /// Read `rows` x `cols` f16 elements into `out` (row-major, contiguous), as f32.
     pub fn read_f16(&self, op: Operand, rows: u32, cols: u32, bits: &mut Vec<u16>, out: &mut Vec<f32>) {
+        let cols = cols as usize;
         bits.clear();
-        for r in 0..rows {
-            let row = self.range(row_address(op, r, 2), cols as usize * 2);
-            bits.extend(row.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])));
+        bits.resize(rows as usize * cols, 0);
+        // Row by row into a sized buffer (a loop the compiler turns into vector moves).
+        for (r, out_row) in bits.chunks_exact_mut(cols.max(1)).enumerate() {
+            let row = self.range(row_address(op, r as u32, 2), cols * 2);
+            for (b, c) in out_row.iter_mut().zip(row.chunks_exact(2)) {
+                *b = u16::from_le_bytes([c[0], c[1]]);
+            }
         }
         out.clear();
         out.resize(bits.len(), 0.0);
@@ -180,10 +185,14 @@ impl TileMemory {
 
     /// Read `rows` x `cols` f32 elements into `out` (row-major, contiguous).
     pub fn read_f32(&self, op: Operand, rows: u32, cols: u32, out: &mut Vec<f32>) {
+        let cols = cols as usize;
         out.clear();
-        for r in 0..rows {
-            let row = self.range(row_address(op, r, 4), cols as usize * 4);
-            out.extend(row.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])));
+        out.resize(rows as usize * cols, 0.0);
+        for (r, out_row) in out.chunks_exact_mut(cols.max(1)).enumerate() {
+            let row = self.range(row_address(op, r as u32, 4), cols * 4);
+            for (v, c) in out_row.iter_mut().zip(row.chunks_exact(4)) {
+                *v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
         }
     }
 
@@ -227,6 +236,49 @@ impl TileMemory {
             let target = self.range_mut(row_address(output, r, element_bytes), row_bytes);
             target.copy_from_slice(&staging[at..at + row_bytes]);
         }
+    }
+}
+
+/// Raw views of every tile's bytes, for copies between tiles that run in parallel
+/// ([`TileMemory::raw_parts`]).
+pub struct RawTiles<'a> {
+    /// Per slot: the first byte, the address it holds, the length.
+    parts: Vec<(*mut u8, u32, usize)>,
+    _memories: std::marker::PhantomData<&'a mut [TileMemory]>,
+}
+
+// SAFETY: `RawTiles` only hands out copies through `copy`, whose callers guarantee that no
+// byte is written by one thread while another reads or writes it.
+unsafe impl Sync for RawTiles<'_> {}
+
+impl TileMemory {
+    /// Raw views of all tiles' bytes, holding the exclusive borrow of `memories` while in use.
+    pub fn raw_parts(memories: &mut [TileMemory]) -> RawTiles<'_> {
+        let parts = memories.iter_mut().map(|m| (m.bytes.as_mut_ptr(), m.base, m.bytes.len())).collect();
+        RawTiles { parts, _memories: std::marker::PhantomData }
+    }
+}
+
+impl RawTiles<'_> {
+    /// Copy `len` bytes from `source_address` of slot `source` to `address` of slot `target`.
+    /// Both ranges are bounds-checked (a panic, not undefined behaviour, if they are not inside
+    /// their tiles).
+    ///
+    /// # Safety
+    /// The two ranges must not overlap, and while the copy runs no other thread may write
+    /// either range nor read the target range.
+    pub unsafe fn copy(&self, source: usize, source_address: u32, target: usize, address: u32, len: usize) {
+        let at = |(pointer, base, size): (*mut u8, u32, usize), address: u32| {
+            let offset = address.checked_sub(base).map(|o| o as usize).filter(|&o| o.checked_add(len).is_some_and(|end| end <= size));
+            let offset = offset.unwrap_or_else(|| panic!("exchange copy of {len} bytes at {address:#x} lies outside the tile's memory"));
+            // SAFETY: `offset + len` is within the tile's allocation, checked just above.
+            unsafe { pointer.add(offset) }
+        };
+        let from = at(self.parts[source], source_address);
+        let to = at(self.parts[target], address);
+        // SAFETY: both ranges lie inside live allocations (checked above) and the caller
+        // guarantees they do not overlap and that no other thread races with them.
+        unsafe { std::ptr::copy_nonoverlapping(from, to, len) };
     }
 }
 
