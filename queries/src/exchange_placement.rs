@@ -82,6 +82,8 @@ pub fn placed_tables(target: &Target, lowered: &Lowered, schedules: &[Schedule],
 struct Scored {
     offset: Option<u32>,
     placement: Placement,
+    /// The placement's relocated tables (scored once, reused for the finalists' cycles).
+    tables: Vec<ExchangePhase>,
     conflicts: u64,
     score: u64,
 }
@@ -107,7 +109,7 @@ pub fn optimize_exchange_placement(target: &Target, lowered: &Lowered, schedules
     // forced cycles: later offsets could differ only in cost, which the finalists compare).
     let mut scored: Vec<Scored> = Vec::new();
     for batch in (0..OFFSETS).collect::<Vec<_>>().chunks(FINALISTS) {
-        let candidates: Vec<(u32, Result<Option<(Placement, u64, u64)>, CompileError>)> = batch
+        let candidates: Vec<(u32, Result<Option<(Placement, Vec<ExchangePhase>, u64, u64)>, CompileError>)> = batch
             .par_iter()
             .map(|&k| {
                 let offset = k * OFFSET_STEP;
@@ -115,7 +117,7 @@ pub fn optimize_exchange_placement(target: &Target, lowered: &Lowered, schedules
                 let result = match place_storage_with(target, lowered, code_bytes, &rules) {
                     Ok(placement) => placed_tables(target, lowered, schedules, &placement, false).map(|tables| {
                         let (conflicts, score) = score(target, &tables);
-                        Some((placement, conflicts, score))
+                        Some((placement, tables, conflicts, score))
                     }),
                     Err(e) => {
                         debug!(offset, error = %e, "exchange placement candidate does not fit");
@@ -126,9 +128,9 @@ pub fn optimize_exchange_placement(target: &Target, lowered: &Lowered, schedules
             })
             .collect();
         for (offset, result) in candidates {
-            if let Some((placement, conflicts, score)) = result? {
+            if let Some((placement, tables, conflicts, score)) = result? {
                 info!(offset, score, conflicts, "scored exchange placement");
-                scored.push(Scored { offset: Some(offset), placement, conflicts, score });
+                scored.push(Scored { offset: Some(offset), placement, tables, conflicts, score });
             }
         }
         let mut perfect: Vec<&Placement> = scored.iter().filter(|s| s.score == 0).map(|s| &s.placement).collect();
@@ -148,8 +150,7 @@ pub fn optimize_exchange_placement(target: &Target, lowered: &Lowered, schedules
     let (base_cycles, base_exchange) = estimate_cycles(target, lowered, baseline, &base_tables);
     let mut best: Option<(Scored, u64, u64)> = None;
     for f in finalists {
-        let tables = placed_tables(target, lowered, schedules, &f.placement, false)?;
-        let (cycles, exchange_cycles) = estimate_cycles(target, lowered, &f.placement, &tables);
+        let (cycles, exchange_cycles) = estimate_cycles(target, lowered, &f.placement, &f.tables);
         let better_than_base = f.conflicts < base_conflicts || (f.conflicts == base_conflicts && cycles < base_cycles);
         let better_than_best = best.as_ref().is_none_or(|(b, c, _)| (f.conflicts, cycles) < (b.conflicts, *c));
         let accepted = better_than_base && better_than_best;
@@ -175,11 +176,11 @@ pub fn optimize_exchange_placement(target: &Target, lowered: &Lowered, schedules
             best = None;
         }
     }
-    let (placement, conflicts, cycles, exchange_cycles) = match best {
-        Some((f, c, x)) => (f.placement, f.conflicts, c, x),
-        None => (baseline.clone(), base_conflicts, base_cycles, base_exchange),
+    let (placement, tables, conflicts, cycles, exchange_cycles) = match best {
+        Some((f, c, x)) => (f.placement, f.tables, f.conflicts, c, x),
+        None => (baseline.clone(), base_tables, base_conflicts, base_cycles, base_exchange),
     };
-    log_phases(target, "final", &placed_tables(target, lowered, schedules, &placement, false)?);
+    log_phases(target, "final", &tables);
     if conflicts > 0 {
         warn!(conflicts, "memory-element conflicts remain after exchange placement (tile memory too full to separate send and receive buffers)");
     }
