@@ -16,7 +16,7 @@ use rayon::prelude::*;
 use tracing::{debug, info, warn};
 
 use crate::db::CompileError;
-use crate::elements::{element_bound, phase_conflicts};
+use crate::elements::{element_bound, phase_conflicts, Conflicts};
 use crate::emit::estimate_cycles;
 use crate::exchange::{self, Schedule};
 use crate::lower::Lowered;
@@ -82,16 +82,27 @@ pub fn placed_tables(target: &Target, lowered: &Lowered, schedules: &[Schedule],
 struct Scored {
     offset: Option<u32>,
     placement: Placement,
+    /// The placement's relocated tables and their per-phase statistics (computed once, reused
+    /// for the finalists' cycles and the final phase log).
+    tables: (Vec<ExchangePhase>, PhaseStats),
     conflicts: u64,
     score: u64,
 }
 
-fn score(target: &Target, tables: &[ExchangePhase]) -> (u64, u64) {
+/// Per phase: its memory-element conflicts and bound (computed once per placement, for the
+/// score and for the phase log lines).
+type PhaseStats = Vec<(Conflicts, u64)>;
+
+fn phase_stats(target: &Target, tables: &[ExchangePhase]) -> PhaseStats {
+    tables.iter().map(|phase| (phase_conflicts(target, phase), element_bound(target, phase))).collect()
+}
+
+fn score(tables: &[ExchangePhase], stats: &PhaseStats) -> (u64, u64) {
     let mut conflicts = 0u64;
     let mut forced = 0u64;
-    for phase in tables {
-        conflicts += phase_conflicts(target, phase).tile_cycles;
-        forced += element_bound(target, phase).saturating_sub(phase.horizon as u64);
+    for (phase, (c, bound)) in tables.iter().zip(stats) {
+        conflicts += c.tile_cycles;
+        forced += bound.saturating_sub(phase.horizon as u64);
     }
     (conflicts, conflicts * CONFLICT_WEIGHT + forced)
 }
@@ -99,23 +110,25 @@ fn score(target: &Target, tables: &[ExchangePhase]) -> (u64, u64) {
 /// The stage: the accepted placement (the baseline when no candidate is accepted).
 pub fn optimize_exchange_placement(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_bytes: &[u32], baseline: &Placement) -> Result<Placement, CompileError> {
     let base_tables = placed_tables(target, lowered, schedules, baseline, false)?;
-    let (base_conflicts, base_score) = score(target, &base_tables);
-    log_phases(target, "baseline", &base_tables);
+    let base_stats = phase_stats(target, &base_tables);
+    let (base_conflicts, base_score) = score(&base_tables, &base_stats);
+    log_phases("baseline", &base_tables, &base_stats);
     info!(score = base_score, conflicts = base_conflicts, "scored baseline exchange placement");
     // Candidates are independent: place and score them two at a time in parallel, in offset
     // order, and stop once `FINALISTS` distinct placements score zero (no conflicts and no
     // forced cycles: later offsets could differ only in cost, which the finalists compare).
     let mut scored: Vec<Scored> = Vec::new();
     for batch in (0..OFFSETS).collect::<Vec<_>>().chunks(FINALISTS) {
-        let candidates: Vec<(u32, Result<Option<(Placement, u64, u64)>, CompileError>)> = batch
+        let candidates: Vec<(u32, Result<Option<(Placement, (Vec<ExchangePhase>, PhaseStats), u64, u64)>, CompileError>)> = batch
             .par_iter()
             .map(|&k| {
                 let offset = k * OFFSET_STEP;
                 let rules = exchange_rules(lowered, offset);
                 let result = match place_storage_with(target, lowered, code_bytes, &rules) {
                     Ok(placement) => placed_tables(target, lowered, schedules, &placement, false).map(|tables| {
-                        let (conflicts, score) = score(target, &tables);
-                        Some((placement, conflicts, score))
+                        let stats = phase_stats(target, &tables);
+                        let (conflicts, score) = score(&tables, &stats);
+                        Some((placement, (tables, stats), conflicts, score))
                     }),
                     Err(e) => {
                         debug!(offset, error = %e, "exchange placement candidate does not fit");
@@ -126,9 +139,9 @@ pub fn optimize_exchange_placement(target: &Target, lowered: &Lowered, schedules
             })
             .collect();
         for (offset, result) in candidates {
-            if let Some((placement, conflicts, score)) = result? {
+            if let Some((placement, tables, conflicts, score)) = result? {
                 info!(offset, score, conflicts, "scored exchange placement");
-                scored.push(Scored { offset: Some(offset), placement, conflicts, score });
+                scored.push(Scored { offset: Some(offset), placement, tables, conflicts, score });
             }
         }
         let mut perfect: Vec<&Placement> = scored.iter().filter(|s| s.score == 0).map(|s| &s.placement).collect();
@@ -148,8 +161,7 @@ pub fn optimize_exchange_placement(target: &Target, lowered: &Lowered, schedules
     let (base_cycles, base_exchange) = estimate_cycles(target, lowered, baseline, &base_tables);
     let mut best: Option<(Scored, u64, u64)> = None;
     for f in finalists {
-        let tables = placed_tables(target, lowered, schedules, &f.placement, false)?;
-        let (cycles, exchange_cycles) = estimate_cycles(target, lowered, &f.placement, &tables);
+        let (cycles, exchange_cycles) = estimate_cycles(target, lowered, &f.placement, &f.tables.0);
         let better_than_base = f.conflicts < base_conflicts || (f.conflicts == base_conflicts && cycles < base_cycles);
         let better_than_best = best.as_ref().is_none_or(|(b, c, _)| (f.conflicts, cycles) < (b.conflicts, *c));
         let accepted = better_than_base && better_than_best;
@@ -175,11 +187,11 @@ pub fn optimize_exchange_placement(target: &Target, lowered: &Lowered, schedules
             best = None;
         }
     }
-    let (placement, conflicts, cycles, exchange_cycles) = match best {
-        Some((f, c, x)) => (f.placement, f.conflicts, c, x),
-        None => (baseline.clone(), base_conflicts, base_cycles, base_exchange),
+    let (placement, tables, conflicts, cycles, exchange_cycles) = match best {
+        Some((f, c, x)) => (f.placement, f.tables, f.conflicts, c, x),
+        None => (baseline.clone(), (base_tables, base_stats), base_conflicts, base_cycles, base_exchange),
     };
-    log_phases(target, "final", &placed_tables(target, lowered, schedules, &placement, false)?);
+    log_phases("final", &tables.0, &tables.1);
     if conflicts > 0 {
         warn!(conflicts, "memory-element conflicts remain after exchange placement (tile memory too full to separate send and receive buffers)");
     }
@@ -189,10 +201,9 @@ pub fn optimize_exchange_placement(target: &Target, lowered: &Lowered, schedules
 
 /// Per phase: conflicts and the memory-element bound beside the endpoint bound (the bound
 /// binds where it exceeds the endpoint bound).
-fn log_phases(target: &Target, placement: &str, tables: &[ExchangePhase]) {
-    for phase in tables {
-        let c = phase_conflicts(target, phase);
-        let bound = element_bound(target, phase);
+fn log_phases(placement: &str, tables: &[ExchangePhase], stats: &PhaseStats) {
+    for (phase, (c, bound)) in tables.iter().zip(stats) {
+        let bound = *bound;
         info!(
             placement,
             phase = phase.index,

@@ -48,6 +48,7 @@ struct Epilogue {
 /// A place in tile memory before addresses exist: (buffer, byte offset).
 type Place = (u32, u32);
 
+#[derive(Clone)]
 struct Stored {
     grid: Grid,
     dtype: DType,
@@ -120,6 +121,7 @@ impl Held {
     }
 }
 
+#[derive(Clone)]
 struct LocalCopy {
     rows: u32,
     cols: u32,
@@ -192,37 +194,119 @@ pub struct Attempt {
 }
 
 pub fn lower_with(oriented: &Oriented, target: &Target, home_weights: bool, reserves: &[Reserve]) -> Result<Attempt, LowerError> {
+    let partial = extend(Partial::new(home_weights), oriented, target, reserves, oriented.graph.operations.len())?;
+    complete(partial, oriented, target, reserves)
+}
+
+/// A lowering in progress between two operations: the builder's own state, so that the
+/// search (`search.rs`) can extend one lowered prefix of a program in several ways. Extending
+/// a prefix gives exactly what lowering the whole program at once gives (`lower_with` is
+/// `extend` to the end, then `complete`).
+#[derive(Clone)]
+pub struct Partial {
+    labels: Vec<String>,
+    buffers: Vec<BufferDecl>,
+    steps: Vec<LStep>,
+    compute_sets: Vec<Vec<(u32, Call)>>,
+    phases: Vec<Vec<Transfer>>,
+    stored: BTreeMap<ValueId, Stored>,
+    host: BTreeMap<ValueId, LHostTensor>,
+    pending: Vec<(Place, u32, Place)>,
+    copies: Vec<LocalCopy>,
+    plans: Vec<OperationPlan>,
+    checkpoints: Vec<LCheckpoint>,
+    gemm_flops: u64,
+    home_weights: bool,
+    home_rotation: usize,
+    owners: Vec<u32>,
+    spans: BTreeMap<u32, (u32, u32)>,
+    interleaved_weights: std::collections::BTreeSet<u32>,
+    gathered: BTreeMap<GatherKey, (u32, DType, u32)>,
+    /// Operations of the oriented graph lowered so far (a prefix of them).
+    lowered: usize,
+}
+
+impl Partial {
+    pub fn new(home_weights: bool) -> Partial {
+        Partial {
+            labels: vec!["code".into()],
+            buffers: Vec::new(),
+            steps: Vec::new(),
+            compute_sets: Vec::new(),
+            phases: Vec::new(),
+            stored: BTreeMap::new(),
+            host: BTreeMap::new(),
+            pending: Vec::new(),
+            copies: Vec::new(),
+            plans: Vec::new(),
+            checkpoints: Vec::new(),
+            gemm_flops: 0,
+            home_weights,
+            home_rotation: 0,
+            owners: Vec::new(),
+            spans: BTreeMap::new(),
+            interleaved_weights: Default::default(),
+            gathered: BTreeMap::new(),
+            lowered: 0,
+        }
+    }
+
+    /// Operations of the oriented graph lowered so far.
+    pub fn lowered_operations(&self) -> usize {
+        self.lowered
+    }
+
+    /// Whether matrix-product weights are kept once on home tiles (else replicated).
+    pub fn home_weights(&self) -> bool {
+        self.home_weights
+    }
+
+    pub fn plans(&self) -> &[OperationPlan] {
+        &self.plans
+    }
+
+    pub fn buffers(&self) -> &[BufferDecl] {
+        &self.buffers
+    }
+
+    /// Buffers the host writes (resident from the start of the run once the program is complete).
+    pub fn host_buffers(&self) -> impl Iterator<Item = u32> + '_ {
+        self.host.values().flat_map(|t| t.segments.iter().map(|s| s.buffer))
+    }
+}
+
+/// Whether a prefix of `end` operations lowered over `from` extends exactly over `to`: the
+/// same operations, values and origins there, and the same answers to the questions about the
+/// whole graph the lowering asks of them (scales folded into a softmax, consumers that need
+/// whole rows, swapped values' checkpoint names).
+pub fn prefix_compatible(from: &Oriented, to: &Oriented, end: usize) -> bool {
+    let (f, t) = (&from.graph, &to.graph);
+    if end > f.operations.len() || end > t.operations.len() || f.operations[..end] != t.operations[..end] || from.origin[..end] != to.origin[..end] {
+        return false;
+    }
+    let used = f.operations[..end].iter().flat_map(|o| o.inputs.iter().chain([&o.output])).map(|v| v.0 as usize + 1).max().unwrap_or(0);
+    if used > f.values.len() || used > t.values.len() || f.values[..used] != t.values[..used] {
+        return false;
+    }
+    let prefix = |g: &Graph| -> Vec<(usize, (usize, u64))> { folded_scales(g).into_iter().filter(|(j, (i, _))| *j < end || *i < end).map(|(j, (i, x))| (j, (i, x.to_bits()))).collect() };
+    if prefix(f) != prefix(t) {
+        return false;
+    }
+    f.operations[..end].iter().all(|o| {
+        needs_whole_rows(f, o.output) == needs_whole_rows(t, o.output)
+            && from.checkpoint_value.get(&o.output) == to.checkpoint_value.get(&o.output)
+            && f.outputs.contains(&o.output) == t.outputs.contains(&o.output)
+    })
+}
+
+/// Lower the operations of `oriented` from where `partial` stopped up to `end` (exclusive).
+pub fn extend(partial: Partial, oriented: &Oriented, target: &Target, reserves: &[Reserve], end: usize) -> Result<Partial, LowerError> {
     let graph = &oriented.graph;
-    let mut b = Builder {
-        graph,
-        target,
-        labels: vec!["code".into()],
-        buffers: Vec::new(),
-        steps: Vec::new(),
-        compute_sets: Vec::new(),
-        phases: Vec::new(),
-        stored: BTreeMap::new(),
-        host: BTreeMap::new(),
-        pending: Vec::new(),
-        copies: Vec::new(),
-        plans: Vec::new(),
-        checkpoints: Vec::new(),
-        gemm_flops: 0,
-        operation_name: String::new(),
-        home_weights,
-        home_rotation: 0,
-        reserves,
-        origin: &oriented.origin,
-        checkpoint_value: &oriented.checkpoint_value,
-        operation_index: 0,
-        owners: Vec::new(),
-        spans: BTreeMap::new(),
-        interleaved_weights: Default::default(),
-        gathered: BTreeMap::new(),
-    };
+    let start = partial.lowered;
+    let mut b = Builder::resume(partial, oriented, target, reserves);
     let folded = folded_scales(graph);
     let adds = super::elementwise::folded_adds(graph);
-    for (index, operation) in graph.operations.iter().enumerate() {
+    for (index, operation) in graph.operations.iter().enumerate().take(end).skip(start) {
         if operation.kind.is_view() || folded.values().any(|f| f.0 == index) || adds.values().any(|f| f.add == index) {
             continue;
         }
@@ -252,7 +336,68 @@ pub fn lower_with(oriented: &Oriented, target: &Target, home_weights: bool, rese
         let last_step = (b.steps.len() as u32).saturating_sub(1);
         b.spans.insert(index as u32, (first_step.min(last_step), last_step));
     }
-    b.finish()
+    Ok(b.suspend(end.max(start)))
+}
+
+/// Finish a lowering whose every operation is lowered: outputs, host tables, the program.
+pub fn complete(partial: Partial, oriented: &Oriented, target: &Target, reserves: &[Reserve]) -> Result<Attempt, LowerError> {
+    Builder::resume(partial, oriented, target, reserves).finish()
+}
+
+impl<'a> Builder<'a> {
+    fn resume(p: Partial, oriented: &'a Oriented, target: &'a Target, reserves: &'a [Reserve]) -> Builder<'a> {
+        Builder {
+            graph: &oriented.graph,
+            target,
+            labels: p.labels,
+            buffers: p.buffers,
+            steps: p.steps,
+            compute_sets: p.compute_sets,
+            phases: p.phases,
+            stored: p.stored,
+            host: p.host,
+            pending: p.pending,
+            copies: p.copies,
+            plans: p.plans,
+            checkpoints: p.checkpoints,
+            gemm_flops: p.gemm_flops,
+            operation_name: String::new(),
+            home_weights: p.home_weights,
+            home_rotation: p.home_rotation,
+            reserves,
+            origin: &oriented.origin,
+            checkpoint_value: &oriented.checkpoint_value,
+            operation_index: 0,
+            owners: p.owners,
+            spans: p.spans,
+            interleaved_weights: p.interleaved_weights,
+            gathered: p.gathered,
+        }
+    }
+
+    fn suspend(self, lowered: usize) -> Partial {
+        Partial {
+            labels: self.labels,
+            buffers: self.buffers,
+            steps: self.steps,
+            compute_sets: self.compute_sets,
+            phases: self.phases,
+            stored: self.stored,
+            host: self.host,
+            pending: self.pending,
+            copies: self.copies,
+            plans: self.plans,
+            checkpoints: self.checkpoints,
+            gemm_flops: self.gemm_flops,
+            home_weights: self.home_weights,
+            home_rotation: self.home_rotation,
+            owners: self.owners,
+            spans: self.spans,
+            interleaved_weights: self.interleaved_weights,
+            gathered: self.gathered,
+            lowered,
+        }
+    }
 }
 
 impl<'a> Builder<'a> {

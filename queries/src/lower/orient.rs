@@ -56,6 +56,12 @@ pub fn swappable(graph: &Graph) -> Vec<usize> {
 /// innermost axis, which the workload validation rejects for users (a gather through them
 /// would move sub-word pieces) but which the host writes in any layout.
 pub fn orient(graph: &Graph, swapped: &BTreeSet<usize>) -> Result<Oriented, String> {
+    orient_until(graph, swapped, usize::MAX)
+}
+
+/// [`orient`], checking only the readers that compute original operations before `until`
+/// (the search's partial programs: later products are decided later).
+pub fn orient_until(graph: &Graph, swapped: &BTreeSet<usize>, until: usize) -> Result<Oriented, String> {
     let mut values: Vec<Value> = graph.values.iter().filter(|v| matches!(v.producer, Producer::Tensor { .. })).cloned().collect();
     let mut map: BTreeMap<ValueId, ValueId> = BTreeMap::new();
     for (i, v) in graph.values.iter().enumerate() {
@@ -142,7 +148,7 @@ pub fn orient(graph: &Graph, swapped: &BTreeSet<usize>) -> Result<Oriented, Stri
     let rewritten = Graph { name: graph.name.clone(), file: graph.file.clone(), values, operations, outputs };
     // A computing consumer that reads a swapped value through its transpose would gather
     // single f16 elements: such an orientation cannot lower, so it is no candidate.
-    for o in rewritten.operations.iter().filter(|o| !o.kind.is_view()) {
+    for (_, o) in rewritten.operations.iter().enumerate().filter(|(i, o)| !o.kind.is_view() && (origin[*i] as usize) < until) {
         for &input in &o.inputs {
             let chain = ViewChain::resolve(&rewritten, input);
             if !chain.is_identity() && checkpoint_value.contains_key(&chain.base) {

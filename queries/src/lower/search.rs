@@ -1,6 +1,13 @@
-//! The whole-program search in `lower_mid`: orientation candidates (which rank-2 products
-//! are swapped), each planned operation by operation and kept only if whole-program feasible;
-//! the best K by estimated cycles are the finalists that `select_finalist` costs exactly.
+//! The whole-program search in `lower_mid`: a beam over program order. At each rank-2 matrix
+//! product the beam's partial programs (lowered prefixes, `build::Partial`) are extended with
+//! the product normal and swapped (as the user's constraints allow), each extension lowering
+//! only the operations up to the next product; the extensions are kept by Pareto retention on
+//! estimated cycles, estimated exchange cycles and peak standard, interleaved and total bytes
+//! per tile (the non-dominated ones first, best estimate first, up to the beam width). The
+//! work grows linearly with the number of products (two extensions per state and product),
+//! where an enumeration of orientation subsets grows with their count. The programs the beam
+//! ends with are then made whole-program feasible (below); the best K by estimated cycles are
+//! the finalists that `select_finalist` costs exactly.
 //!
 //! Whole-program feasibility: a program is kept only if every tile's buffers,
 //! all operations together, can be placed in their regions (the same placement the pipeline
@@ -9,15 +16,16 @@
 //! on a tile while it runs (host-written weights are live from the start), in total and in
 //! interleaved memory, until the program fits or the budgets stop changing.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashSet};
+use std::sync::Arc;
 
 use rayon::prelude::*;
 
 use tracing::{debug, info};
 
-use super::build::{lower_with, Attempt, Reserve, CODE_RESERVE_BYTES};
-use super::orient::{orient, swappable, Oriented};
-use super::{LowerError, Lowered};
+use super::build::{complete, extend, lower_with, prefix_compatible, Attempt, Partial, Reserve, CODE_RESERVE_BYTES};
+use super::orient::{orient, orient_until, swappable, Oriented};
+use super::{BufferDecl, LowerError, Lowered};
 use crate::ir::Graph;
 use crate::package::AllocationKind;
 use crate::storage::place_storage;
@@ -29,12 +37,8 @@ const ROUNDS: usize = 3;
 /// Finalists kept by default (`--plan-finalists`).
 pub const DEFAULT_FINALISTS: usize = 4;
 
-/// Orientation candidates: every subset when there are at most three swappable products,
-/// else none swapped, all swapped, and each "all from product i on" suffix (chains of
-/// products whose consumers follow their producer's orientation).
-fn orientation_candidates(graph: &Graph) -> Vec<BTreeSet<usize>> {
-    let ops = swappable(graph);
-    // The user's orientation constraints: products that must, or must not, be swapped.
+/// The user's orientation constraints: products that must, and that must not, be swapped.
+fn orientation_constraints(graph: &Graph) -> (BTreeSet<usize>, BTreeSet<usize>) {
     let mut must: BTreeSet<usize> = BTreeSet::new();
     let mut must_not: BTreeSet<usize> = BTreeSet::new();
     for c in &graph.file.constraints {
@@ -50,27 +54,189 @@ fn orientation_candidates(graph: &Graph) -> Vec<BTreeSet<usize>> {
             _ => false,
         };
     }
-    let mut out = candidate_sets(&ops);
-    out.retain(|s| must.is_subset(s) && must_not.is_disjoint(s));
-    if out.is_empty() {
-        out.push(must);
-    }
-    out
+    (must, must_not)
 }
 
-fn candidate_sets(ops: &[usize]) -> Vec<BTreeSet<usize>> {
-    let mut out: Vec<BTreeSet<usize>> = Vec::new();
-    if ops.len() <= 3 {
-        for mask in 0..(1u32 << ops.len()) {
-            out.push(ops.iter().enumerate().filter(|(i, _)| mask >> i & 1 == 1).map(|(_, &o)| o).collect());
-        }
-    } else {
-        out.push(BTreeSet::new());
-        for start in 0..ops.len() {
-            out.push(ops[start..].iter().copied().collect());
+/// A partial program of the beam: the products swapped so far, the graph oriented so (later
+/// products normal), and its lowered prefix.
+#[derive(Clone)]
+struct State {
+    swapped: BTreeSet<usize>,
+    oriented: Arc<Oriented>,
+    partial: Partial,
+}
+
+/// What the beam compares partial programs by: estimated cycles, estimated exchange cycles,
+/// and the peak standard, interleaved and total bytes on any tile (host-written buffers live
+/// from the start, as in the finished program).
+fn score(partial: &Partial, tiles: u32) -> [u64; 5] {
+    let cycles = partial.plans().iter().map(|p| p.estimated_compute_cycles + p.estimated_exchange_cycles).sum();
+    let exchange = partial.plans().iter().map(|p| p.estimated_exchange_cycles).sum();
+    let (standard, interleaved, total) = peaks(partial.buffers(), &partial.host_buffers().collect(), tiles);
+    [cycles, exchange, standard, interleaved, total]
+}
+
+/// Peak live bytes per tile over the steps, in standard and interleaved memory (buffers that
+/// claim interleaved memory first: partials, and weights that prefer it) and in total.
+fn peaks(buffers: &[BufferDecl], host: &HashSet<u32>, tiles: u32) -> (u64, u64, u64) {
+    let mut events: Vec<Vec<(u32, i64, i64)>> = vec![Vec::new(); tiles as usize];
+    for (i, b) in buffers.iter().enumerate() {
+        let last = b.last_step.max(if b.first_step == u32::MAX { 0 } else { b.first_step });
+        let first = if host.contains(&(i as u32)) || b.first_step == u32::MAX { 0 } else { b.first_step };
+        let bytes = b.bytes as i64;
+        let (standard, interleaved) = if b.kind == AllocationKind::Partials || b.prefer_interleaved { (0, bytes) } else { (bytes, 0) };
+        if let Some(e) = events.get_mut(b.tile as usize) {
+            e.push((first, standard, interleaved));
+            e.push((last + 1, -standard, -interleaved));
         }
     }
-    out
+    let (mut ps, mut pi, mut pt) = (0i64, 0i64, 0i64);
+    for mut e in events {
+        // Ends before starts at the same step: a buffer's range is inclusive.
+        e.sort_unstable_by_key(|&(step, s, i)| (step, s + i));
+        let (mut s, mut i) = (0i64, 0i64);
+        for (_, ds, di) in e {
+            s += ds;
+            i += di;
+            ps = ps.max(s);
+            pi = pi.max(i);
+            pt = pt.max(s + i);
+        }
+    }
+    (ps as u64, pi as u64, pt as u64)
+}
+
+/// Whether a partial program's peak bytes on a tile fit in tile memory beside the code
+/// reserve (a screen: placement decides, in `lower_feasible`; buffers that prefer one region
+/// may spill into the other, so only the total is screened).
+fn within_memory(score: &[u64; 5], target: &Target) -> bool {
+    let m = &target.memory;
+    score[4] <= ((m.loader_limit - m.base) as u64).saturating_sub(CODE_RESERVE_BYTES)
+}
+
+/// Pareto retention, the extensions that fit in memory first: in each class, the extensions
+/// no other one of the class dominates (no worse in every score, better in one), best estimate first (ties: fewer swapped products, then generation order), then
+/// the dominated ones in the same order, up to `width`.
+fn retain(mut scored: Vec<(State, [u64; 5], bool)>, width: usize) -> Vec<State> {
+    let dominated: Vec<bool> = scored
+        .iter()
+        .map(|(_, a, fa)| scored.iter().any(|(_, b, fb)| fa == fb && b.iter().zip(a).all(|(x, y)| x <= y) && b.iter().zip(a).any(|(x, y)| x < y)))
+        .collect();
+    let mut order: Vec<usize> = (0..scored.len()).collect();
+    order.sort_by_key(|&i| (!scored[i].2, dominated[i], scored[i].1[0], scored[i].0.swapped.len(), i));
+    order.truncate(width);
+    let mut taken: Vec<Option<State>> = scored.drain(..).map(|(s, _, _)| Some(s)).collect();
+    order.into_iter().map(|i| taken[i].take().expect("each state taken once")).collect()
+}
+
+/// The beam over program order (module docs): the lowered programs it ends with, as first
+/// attempts of [`lower_feasible`] (each lowered with replicated weights, or with home-tile
+/// weights where a replicated operation could not be planned at all), and the first error met.
+#[allow(clippy::type_complexity)]
+fn beam(graph: &Graph, target: &Target, width: usize) -> (Vec<(Arc<Oriented>, Option<(Attempt, bool)>)>, Option<LowerError>) {
+    let products = swappable(graph);
+    let (must, must_not) = orientation_constraints(graph);
+    // Products the user wants swapped that the search never swaps (not rank 2, or feeding a
+    // bias add): that one orientation is the only program, and it is lowered as it is.
+    if !must.iter().all(|m| products.contains(m)) {
+        return match orient(graph, &must) {
+            Ok(o) => (vec![(Arc::new(o), None)], None),
+            Err(message) => (Vec::new(), Some(LowerError::Unsupported { operation: graph.name.clone(), message })),
+        };
+    }
+    let mut first_error: Option<LowerError> = None;
+    let note = |e: LowerError, first_error: &mut Option<LowerError>| {
+        debug!(error = %e, "partial program does not lower");
+        // Report a constraint's reason first, else the first error met.
+        let constraint = matches!(e, LowerError::Constraint { .. });
+        if first_error.is_none() || (constraint && !matches!(first_error, Some(LowerError::Constraint { .. }))) {
+            *first_error = Some(e);
+        }
+    };
+    // Oriented operations (non-decreasing origins) before original operation `next`.
+    let end_before = |o: &Oriented, next: Option<usize>| next.map_or(o.graph.operations.len(), |n| o.origin.partition_point(|&x| (x as usize) < n));
+    // Extend a state to the swapped set `swapped`, lowering up to original operation `next`.
+    // Ok(None): the orientation itself is rejected (a consumer would read a swapped value
+    // across its rows).
+    let grow = |state: &State, swapped: BTreeSet<usize>, next: Option<usize>| -> Result<Option<(State, [u64; 5], bool)>, LowerError> {
+        // Oriented afresh (cheap beside lowering) so that the readers up to `next` are checked.
+        let oriented = match orient_until(graph, &swapped, next.unwrap_or(usize::MAX)) {
+            Ok(o) => Arc::new(o),
+            Err(message) => {
+                debug!(%message, "orientation rejected");
+                return Ok(None);
+            }
+        };
+        let end = end_before(&oriented, next);
+        let lowered = state.partial.lowered_operations();
+        let reuse = prefix_compatible(&state.oriented, &oriented, lowered);
+        let home = reuse && state.partial.home_weights();
+        let start = if reuse { state.partial.clone() } else { Partial::new(false) };
+        let mut partial = match extend(start, &oriented, target, &[], end) {
+            Ok(p) => p,
+            // A replicated weight that no plan fits: this program keeps weights on home tiles.
+            Err(LowerError::NoPlan { .. }) if !home => extend(Partial::new(true), &oriented, target, &[], end)?,
+            Err(e) => return Err(e),
+        };
+        let mut scored = score(&partial, target.chip.tiles);
+        let mut fits = within_memory(&scored, target);
+        if !fits && !partial.home_weights() {
+            // Replicated weights outgrow tile memory: from here on this program keeps each
+            // weight block once on a home tile (as `lower_feasible` falls back to).
+            if let Ok(p) = extend(Partial::new(true), &oriented, target, &[], end) {
+                partial = p;
+                scored = score(&partial, target.chip.tiles);
+                fits = within_memory(&scored, target);
+            }
+        }
+        debug!(swapped = ?swapped, home_weights = partial.home_weights(), ?scored, fits, "scored partial program");
+        Ok(Some((State { swapped, oriented, partial }, scored, fits)))
+    };
+    let root = match orient_until(graph, &BTreeSet::new(), products.first().copied().unwrap_or(usize::MAX)) {
+        Ok(o) => State { swapped: BTreeSet::new(), oriented: Arc::new(o), partial: Partial::new(false) },
+        Err(message) => return (Vec::new(), Some(LowerError::Unsupported { operation: graph.name.clone(), message })),
+    };
+    let mut states = match grow(&root, BTreeSet::new(), products.first().copied()) {
+        Ok(s) => s.into_iter().map(|s| s.0).collect(),
+        Err(e) => {
+            note(e, &mut first_error);
+            Vec::new()
+        }
+    };
+    for (j, &product) in products.iter().enumerate() {
+        let next = products.get(j + 1).copied();
+        let options: Vec<bool> = [false, true].into_iter().filter(|&swap| if swap { !must_not.contains(&product) } else { !must.contains(&product) }).collect();
+        let jobs: Vec<(usize, bool)> = (0..states.len()).flat_map(|i| options.iter().map(move |&o| (i, o))).collect();
+        let grown: Vec<Result<Option<(State, [u64; 5], bool)>, LowerError>> = jobs
+            .par_iter()
+            .map(|&(i, swap)| {
+                let mut swapped = states[i].swapped.clone();
+                if swap {
+                    swapped.insert(product);
+                }
+                grow(&states[i], swapped, next)
+            })
+            .collect();
+        let mut scored = Vec::new();
+        for g in grown {
+            match g {
+                Ok(Some(s)) => scored.push(s),
+                Ok(None) => {}
+                Err(e) => note(e, &mut first_error),
+            }
+        }
+        states = retain(scored, width);
+        debug!(product, states = states.len(), "extended the plan beam");
+    }
+    let mut out = Vec::new();
+    for s in states {
+        let home = s.partial.home_weights();
+        match complete(s.partial, &s.oriented, target, &[]) {
+            Ok(a) => out.push((s.oriented, Some((a, home)))),
+            Err(e) => note(e, &mut first_error),
+        }
+    }
+    (out, first_error)
 }
 
 /// The estimate the search ranks programs by: the sum of every operation's estimate.
@@ -82,29 +248,19 @@ pub fn estimated_cycles(lowered: &Lowered) -> u64 {
 /// candidate order). Fails with the first candidate's error when none lowers.
 pub fn finalists(graph: &Graph, target: &Target, keep: usize) -> Result<Vec<Lowered>, LowerError> {
     let mut found: Vec<(bool, u64, usize, usize, Lowered)> = Vec::new();
-    let mut first_error: Option<LowerError> = None;
-    // Candidates lower in parallel; results are taken in candidate order.
-    let candidates: Vec<(BTreeSet<usize>, Result<Oriented, String>)> = orientation_candidates(graph).into_iter().map(|s| {
-        let o = orient(graph, &s);
-        (s, o)
-    }).collect();
-    let lowered: Vec<Option<Result<(Lowered, bool), LowerError>>> = candidates.par_iter().map(|(_, o)| o.as_ref().ok().map(|o| lower_feasible(o, target))).collect();
-    for (index, ((swapped, oriented), result)) in candidates.iter().zip(lowered).enumerate() {
-        let Some(result) = result else {
-            if let Err(message) = oriented {
-                debug!(%message, "orientation candidate rejected");
-            }
-            continue;
-        };
+    let (programs, mut first_error) = beam(graph, target, keep.max(DEFAULT_FINALISTS));
+    // The beam's programs are made feasible in parallel; results are taken in beam order.
+    let feasible: Vec<Result<(Lowered, bool), LowerError>> = programs.into_par_iter().map(|(oriented, first)| lower_feasible(&oriented, target, first)).collect::<Vec<_>>();
+    for (index, result) in feasible.into_iter().enumerate() {
         match result {
-            Ok((l, fits)) => found.push((!fits, estimated_cycles(&l), swapped.len(), index, l)),
+            Ok((l, fits)) => {
+                let swapped = l.plans.iter().filter(|p| p.orientation == "swapped").count();
+                found.push((!fits, estimated_cycles(&l), swapped, index, l))
+            }
             Err(e) => {
-                debug!(error = %e, swapped = swapped.len(), "orientation candidate does not lower");
-                // Report a constraint's reason first, else the plainest candidate's error.
+                debug!(error = %e, "program does not lower");
                 let constraint = matches!(e, LowerError::Constraint { .. });
-                if constraint && !matches!(first_error, Some(LowerError::Constraint { .. })) {
-                    first_error = Some(e);
-                } else if first_error.is_none() {
+                if first_error.is_none() || (constraint && !matches!(first_error, Some(LowerError::Constraint { .. }))) {
                     first_error = Some(e);
                 }
             }
@@ -154,15 +310,27 @@ pub fn finalists(graph: &Graph, target: &Target, keep: usize) -> Result<Vec<Lowe
 /// region pressure (and may pick plans that avoid it).
 /// The flag says whether the program fits (false: nothing fit; the last attempt is returned so
 /// that placement can name the buffer that overflows).
-pub fn lower_feasible(oriented: &Oriented, target: &Target) -> Result<(Lowered, bool), LowerError> {
+///
+/// `first`: the program already lowered with no reserves (and whether with home-tile
+/// weights), which stands for that first attempt.
+pub fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attempt, bool)>) -> Result<(Lowered, bool), LowerError> {
     let operations = oriented.graph.operations.len();
     let mut last: Option<Lowered> = None;
     let mut first_error: Option<LowerError> = None;
-    for home_weights in [false, true] {
+    // A program the beam already lowered with home-tile weights found replicated ones too big.
+    let modes: &[bool] = if first.as_ref().is_some_and(|f| f.1) { &[true] } else { &[false, true] };
+    for &home_weights in modes {
         let mut reserves = vec![Reserve::default(); operations];
         let mut fitting: Option<Lowered> = None;
         for round in 0..ROUNDS {
-            let attempt = match lower_with(oriented, target, home_weights, &reserves) {
+            let given = match first.take() {
+                Some((a, home)) if round == 0 && home == home_weights => Some(a),
+                other => {
+                    first = other;
+                    None
+                }
+            };
+            let attempt = match given.map(Ok).unwrap_or_else(|| lower_with(oriented, target, home_weights, &reserves)) {
                 Ok(a) => a,
                 Err(e) => {
                     first_error.get_or_insert(e);
@@ -264,4 +432,89 @@ pub fn describe(l: &Lowered) -> String {
         })
         .collect::<Vec<_>>()
         .join(" ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::target::{fixtures, Target};
+
+    /// `blocks` MLP blocks `y_i = gelu(x_i · w1_i) · w2_i`, each feeding the next.
+    fn mlp(blocks: usize) -> Graph {
+        let mut text = format!("name = \"mlp\"\noutputs = [\"y_{}\"]\n[[tensor]]\nname = \"x\"\nshape = [37, 64]\ndtype = \"f16\"\nrole = \"input\"\ninit = \"zeros\"\n", blocks - 1);
+        for b in 0..blocks {
+            for (w, shape) in [("w1", "[64, 96]"), ("w2", "[96, 64]")] {
+                text += &format!("[[tensor]]\nname = \"{w}_{b}\"\nshape = {shape}\ndtype = \"f16\"\nrole = \"weight\"\ninit = \"zeros\"\n");
+            }
+            let input = if b == 0 { "x".to_string() } else { format!("y_{}", b - 1) };
+            text += &format!("[[operation]]\nname = \"h_{b}\"\nop = \"matmul\"\ninputs = [\"{input}\", \"w1_{b}\"]\n[[operation]]\nname = \"g_{b}\"\nop = \"gelu\"\ninputs = [\"h_{b}\"]\n[[operation]]\nname = \"y_{b}\"\nop = \"matmul\"\ninputs = [\"g_{b}\", \"w2_{b}\"]\n");
+        }
+        Graph::parse(&text, "mlp.toml").unwrap()
+    }
+
+    fn small16() -> Target {
+        Target::from_toml(fixtures::SMALL16, "small16.toml").unwrap()
+    }
+
+    /// A prefix lowered over one orientation and extended over another (later products
+    /// swapped) is exactly the program lowered at once: the beam's programs are real ones.
+    #[test]
+    fn extended_prefixes_equal_whole_lowerings() {
+        let (graph, target) = (mlp(2), small16());
+        let products = swappable(&graph);
+        assert_eq!(products.len(), 4);
+        for split in 0..products.len() {
+            let swapped: BTreeSet<usize> = products[split..].iter().copied().collect();
+            let whole = orient(&graph, &swapped).unwrap();
+            let expected = lower_with(&whole, &target, false, &[]).unwrap().lowered;
+            let prefix = orient_until(&graph, &BTreeSet::new(), products[split]).unwrap();
+            let end = prefix.origin.partition_point(|&o| (o as usize) < products[split]);
+            let partial = extend(Partial::new(false), &prefix, &target, &[], end).unwrap();
+            assert!(prefix_compatible(&prefix, &whole, partial.lowered_operations()), "split {split}");
+            let partial = extend(partial, &whole, &target, &[], whole.graph.operations.len()).unwrap();
+            assert_eq!(complete(partial, &whole, &target, &[]).unwrap().lowered, expected, "split {split}");
+        }
+        // A prefix whose consumer would be oriented differently is not reused.
+        let normal = orient(&graph, &BTreeSet::new()).unwrap();
+        let all: BTreeSet<usize> = products.iter().copied().collect();
+        let swapped = orient(&graph, &all).unwrap();
+        assert!(!prefix_compatible(&normal, &swapped, normal.graph.operations.len()));
+    }
+
+    /// Pareto retention keeps what fits first, then the non-dominated extensions by estimate,
+    /// then the dominated ones, up to the width.
+    #[test]
+    fn retention_is_pareto_then_estimate() {
+        let graph = mlp(1);
+        let state = |n: usize| State { swapped: (0..n).collect(), oriented: Arc::new(orient(&graph, &BTreeSet::new()).unwrap()), partial: Partial::new(false) };
+        let scored = vec![
+            (state(0), [100, 10, 5, 5, 10], true),
+            (state(1), [90, 20, 5, 5, 10], true),
+            (state(2), [95, 20, 6, 5, 11], true), // dominated by the second
+            (state(3), [50, 1, 1, 1, 2], false),  // does not fit
+        ];
+        let kept: Vec<usize> = retain(scored.clone(), 4).iter().map(|s| s.swapped.len()).collect();
+        assert_eq!(kept, vec![1, 0, 2, 3]);
+        let kept: Vec<usize> = retain(scored, 2).iter().map(|s| s.swapped.len()).collect();
+        assert_eq!(kept, vec![1, 0]);
+    }
+
+    /// The beam's finalists are no worse than any orientation's program: on two blocks, the
+    /// best estimate among every suffix orientation lowered whole is the first finalist's.
+    #[test]
+    fn beam_finds_the_best_suffix_orientation() {
+        let (graph, target) = (mlp(2), small16());
+        let products = swappable(&graph);
+        let best = (0..=products.len())
+            .filter_map(|start| {
+                let swapped: BTreeSet<usize> = products[start..].iter().copied().collect();
+                let o = orient(&graph, &swapped).ok()?;
+                lower_feasible(&o, &target, None).ok().filter(|r| r.1).map(|r| estimated_cycles(&r.0))
+            })
+            .min()
+            .unwrap();
+        let found = finalists(&graph, &target, DEFAULT_FINALISTS).unwrap();
+        assert!(found.len() <= DEFAULT_FINALISTS);
+        assert!(estimated_cycles(&found[0]) <= best, "{} > {best}", estimated_cycles(&found[0]));
+    }
 }
