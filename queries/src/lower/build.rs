@@ -135,6 +135,7 @@ struct Builder<'a> {
     steps: Vec<LStep>,
     compute_sets: Vec<Vec<(u32, Call)>>,
     phases: Vec<Vec<Transfer>>,
+    phase_plans: Vec<u32>,
     stored: BTreeMap<ValueId, Stored>,
     host: BTreeMap<ValueId, LHostTensor>,
     /// Word moves of the exchange phase being gathered: source (buffer, byte offset), words,
@@ -201,6 +202,7 @@ pub fn lower_with(oriented: &Oriented, target: &Target, home_weights: bool, rese
         steps: Vec::new(),
         compute_sets: Vec::new(),
         phases: Vec::new(),
+        phase_plans: Vec::new(),
         stored: BTreeMap::new(),
         host: BTreeMap::new(),
         pending: Vec::new(),
@@ -471,6 +473,8 @@ impl<'a> Builder<'a> {
             }
             let transfers = merge_rows(grouped.into_iter());
             self.phases.push(transfers);
+            // The operation being built records its plan after its phases: its index is next.
+            self.phase_plans.push(self.plans.len() as u32);
             self.steps.push(LStep::Compute(self.compute_sets.len() as u32));
             self.compute_sets.push(Vec::new());
         } else if !matches!(self.steps.last(), Some(LStep::Compute(_))) {
@@ -1071,6 +1075,7 @@ impl<'a> Builder<'a> {
             steps: self.steps,
             compute_sets: self.compute_sets,
             phases: self.phases,
+            phase_plans: self.phase_plans,
             initialize: Vec::new(),
             inputs,
             outputs,
