@@ -39,7 +39,7 @@ pub const PHASES: &[&str] = &["lower_mid", "select_finalist", "lower_exchanges_p
 const LOWER_VERSION: u32 = 14;
 const SELECT_VERSION: u32 = 9;
 const SCHEDULE_VERSION: u32 = 6;
-const CODE_VERSION: u32 = 5;
+const CODE_VERSION: u32 = 6;
 const PLACE_VERSION: u32 = 4;
 const OPTIMIZE_PLACEMENT_VERSION: u32 = 4;
 const TABLES_VERSION: u32 = 6;
@@ -71,7 +71,7 @@ pub fn finalists(db: &dyn Db, sources: Sources) -> StageResult<Vec<Lowered>> {
 
 /// Re-plans `selection` may make when no finalist can be placed (each steers the operations
 /// blamed for it away from their plans, `lower/select.rs`).
-const REPLANS: usize = 4;
+const REPLANS: usize = 8;
 
 /// Every finalist's exchange phases are scheduled through the per-phase memo, so the chosen
 /// program's schedules stage finds them there.
@@ -89,7 +89,8 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
     let f = finalists(db, sources)?;
     let lt = lowering_target(db, sources)?;
     let g = graph(db, sources)?;
-    let key = db.ipuq().key("select_finalist", SELECT_VERSION, &[t.digest, x.digest, f.digest, lt.digest, g.digest]);
+    let budget = db.ipuq().table_budget();
+    let key = db.ipuq().key("select_finalist", SELECT_VERSION, &[t.digest, x.digest, f.digest, lt.digest, g.digest, KeyHasher::new("table budget").add(&budget).finish()]);
     let k = db.ipuq().plan_finalists();
     let db = db.ipuq();
     db.cached("select_finalist", SELECT_VERSION, key, || {
@@ -101,7 +102,7 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
         let mut candidates: Vec<Lowered> = (*f.value).clone();
         let mut steered: Vec<crate::ir::PlanConstraint> = Vec::new();
         for round in 0..=REPLANS {
-            let failure = match select_finalist(&t.value, &candidates, |l| crate::lower::host::replicate(l, &t.value), schedule) {
+            let failure = match select_finalist(&t.value, &candidates, budget, |l| crate::lower::host::replicate(l, &t.value), schedule) {
                 Ok(mut s) => {
                     s.steered = steered.iter().map(|c| format!("{}: {}", c.operation, c.describe())).collect();
                     return Ok(s);
@@ -245,9 +246,10 @@ pub fn code_sizes(db: &dyn Db, sources: Sources) -> StageResult<Vec<u32>> {
     let x = exchange_target(db, sources)?;
     let l = lowered(db, sources)?;
     let s = schedules(db, sources)?;
-    let key = db.ipuq().key("size_tile_code", CODE_VERSION, &[t.digest, x.digest, l.digest, s.digest]);
+    let budget = db.ipuq().table_budget();
+    let key = db.ipuq().key("size_tile_code", CODE_VERSION, &[t.digest, x.digest, l.digest, s.digest, KeyHasher::new("table budget").add(&budget).finish()]);
     db.ipuq().cached("size_tile_code", CODE_VERSION, key, || {
-        let support = crate::sizing::support_with_tables(&x.value, &l.value, &s.value.phases, crate::sizing::EXCHANGE_TABLE_BUDGET_BYTES).map_err(CompileError)?;
+        let support = crate::sizing::support_with_tables(&x.value, &l.value, &s.value.phases, budget).map_err(CompileError)?;
         log_support_memory(&t.value, &support);
         Ok(support.iter().map(SupportMemory::total).collect())
     })

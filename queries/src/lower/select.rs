@@ -77,7 +77,7 @@ pub const EXACT_COST_MARGIN_PERCENT: u64 = 5;
 ///
 /// `prepare` turns each finalist into the program that will run (`lower/host.rs` moves host
 /// replicas to exchange phases), so the exact cost counts every phase the simulator will.
-pub fn select_finalist(target: &Target, finalists: &[Lowered], prepare: impl Fn(Lowered) -> Lowered + Sync, schedule: impl FnOnce(&[exchange::PhaseRequest]) -> Result<Vec<Schedule>, String>) -> Result<Selection, NoFinalist> {
+pub fn select_finalist(target: &Target, finalists: &[Lowered], table_budget: u32, prepare: impl Fn(Lowered) -> Lowered + Sync, schedule: impl FnOnce(&[exchange::PhaseRequest]) -> Result<Vec<Schedule>, String>) -> Result<Selection, NoFinalist> {
     let prepared: Vec<Lowered> = finalists.par_iter().map(|l| prepare(l.clone())).collect();
     let finalists = &prepared[..];
     let estimates: Vec<u64> = finalists.iter().map(estimated_cycles).collect();
@@ -113,7 +113,7 @@ pub fn select_finalist(target: &Target, finalists: &[Lowered], prepare: impl Fn(
             if per_finalist[f].len() != l.phases.len() {
                 return Err(Failure::from("exchange phases were not scheduled".to_string()));
             }
-            cost_placed(target, f as u32, l, &per_finalist[f])
+            cost_placed(target, f as u32, l, &per_finalist[f], table_budget)
         })
         .collect();
     let mut ok: Vec<Costed> = Vec::new();
@@ -152,9 +152,9 @@ pub fn select_finalist(target: &Target, finalists: &[Lowered], prepare: impl Fn(
 /// exchange tables exceed the budget, or when memory-element conflicts remain after the
 /// exchange-placement stage's own search (run here only where the placement has conflicts),
 /// since the device rejects a tile sending from and receiving into one element in a cycle.
-fn cost_placed(target: &Target, finalist: u32, l: &Lowered, schedules: &[Schedule]) -> Result<Costed, Failure> {
+fn cost_placed(target: &Target, finalist: u32, l: &Lowered, schedules: &[Schedule], table_budget: u32) -> Result<Costed, Failure> {
     let blame = |phase: u32| l.phase_plans.get(phase as usize).copied();
-    let support = match crate::sizing::support_checked(target, l, schedules, crate::sizing::EXCHANGE_TABLE_BUDGET_BYTES)? {
+    let support = match crate::sizing::support_checked(target, l, schedules, table_budget)? {
         Ok(s) => s,
         Err(o) => return Err(Failure { message: o.to_string(), blamed: o.phase.and_then(blame) }),
     };
@@ -238,4 +238,50 @@ pub fn steer_away(plan: &super::OperationPlan, user: Option<&crate::ir::PlanCons
         return None;
     }
     Some(c)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::steer_away;
+    use crate::ir::PlanConstraint;
+    use crate::lower::OperationPlan;
+
+    fn plan(kind: &str, partitions: [u32; 4]) -> OperationPlan {
+        OperationPlan {
+            operation: 3,
+            value: "down".into(),
+            kind: kind.into(),
+            orientation: "normal".into(),
+            weight_memory: "interleaved".into(),
+            constraint: String::new(),
+            matching_plans: 0,
+            partitions,
+            tiles: partitions.iter().product(),
+            estimated_compute_cycles: 0,
+            estimated_exchange_cycles: 0,
+            peak_bytes: 0,
+        }
+    }
+
+    fn user(inner: Option<u32>, columns: Option<u32>) -> PlanConstraint {
+        PlanConstraint { operation: "down".into(), orientation: Some("swapped".into()), row_partitions: None, column_partitions: columns, inner_partitions: inner, weight_memory: None }
+    }
+
+    #[test]
+    fn halves_the_first_free_axis_and_keeps_the_users_fields() {
+        let c = steer_away(&plan("matmul", [1, 48, 2, 27]), None).expect("steered");
+        assert_eq!((c.operation.as_str(), c.row_partitions, c.column_partitions, c.inner_partitions), ("down", None, None, Some(13)));
+        // The user fixed the inner partitions: the columns are halved instead, orientation kept.
+        let c = steer_away(&plan("matmul", [1, 48, 2, 27]), Some(&user(Some(27), None))).expect("steered");
+        assert_eq!((c.orientation.as_deref(), c.column_partitions, c.inner_partitions), (Some("swapped"), Some(1), Some(27)));
+        let c = steer_away(&plan("matmul", [1, 48, 1, 1]), None).expect("steered");
+        assert_eq!((c.row_partitions, c.column_partitions, c.inner_partitions), (Some(24), None, None));
+    }
+
+    #[test]
+    fn nothing_to_steer() {
+        assert!(steer_away(&plan("matmul", [4, 1, 1, 1]), None).is_none());
+        assert!(steer_away(&plan("matmul", [1, 1, 8, 1]), Some(&user(None, Some(8)))).is_none());
+        assert!(steer_away(&plan("softmax", [64, 1, 1, 1]), None).is_none());
+    }
 }
