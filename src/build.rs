@@ -98,6 +98,8 @@ pub struct BuildOptions {
     pub cache_max_bytes: Option<u64>,
     /// Operator-plan finalists `lower_mid` keeps (`--plan-finalists`).
     pub plan_finalists: usize,
+    /// Exchange-table bytes a tile may hold (`--exchange-table-budget`).
+    pub table_budget: u32,
     /// A shared cache server behind the local cache (implies `incremental`).
     pub remote: Option<RemoteOptions>,
 }
@@ -182,7 +184,7 @@ impl Session {
     pub fn new(options: &BuildOptions) -> Result<Session, BuildError> {
         let disk = open_store(options)?;
         let verify = std::env::var_os("IPUQ_VERIFY_CACHE").is_some_and(|v| v == "1");
-        let db = Database::new(disk.clone().map(|d| d as Arc<dyn StageStore>)).verifying_hits(verify).with_plan_finalists(options.plan_finalists);
+        let db = Database::new(disk.clone().map(|d| d as Arc<dyn StageStore>)).verifying_hits(verify).with_plan_finalists(options.plan_finalists).with_table_budget(options.table_budget);
         Ok(Session { db, sources: None, disk })
     }
 

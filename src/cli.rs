@@ -47,6 +47,10 @@ pub struct CompileArgs {
     /// Operator-plan finalists lower_mid keeps for select_finalist to cost exactly.
     #[arg(long, default_value_t = ipuq_queries::lower::search::DEFAULT_FINALISTS, value_parser = clap::value_parser!(usize))]
     plan_finalists: usize,
+    /// Exchange-table bytes one tile may hold (a compiler policy; default 48 KiB). A plan whose
+    /// tables exceed it is steered away from and the program planned again.
+    #[arg(long, default_value_t = ipuq_queries::sizing::EXCHANGE_TABLE_BUDGET_BYTES)]
+    exchange_table_budget: u32,
     #[command(flatten)]
     remote: crate::remote_args::RemoteArgs,
 }
@@ -272,6 +276,7 @@ fn build_options(args: &CompileArgs, out_dir: PathBuf) -> Result<BuildOptions, S
         cache_read_only: args.cache_read_only,
         cache_max_bytes: args.cache_max_bytes,
         plan_finalists: args.plan_finalists,
+        table_budget: args.exchange_table_budget,
         remote,
     })
 }

@@ -19,6 +19,11 @@ pub fn run(workload: &Path, target: Option<&str>, keep: usize) -> Result<(), Str
     let f = finalists(&db, s).map_err(|e| e.to_string())?;
     let chosen = selection(&db, s).map_err(|e| e.to_string())?;
     println!("workload={} finalists={} chosen={}", g.value.name, f.value.len(), chosen.value.chosen);
+    if !chosen.value.steered.is_empty() {
+        println!("no finalist below could be placed; planned again with {}", chosen.value.steered.join("; "));
+        println!("chosen after re-planning: {}", describe(&chosen.value.lowered));
+        return Ok(());
+    }
     println!("{:>8} {:>6} {:>10} {:>10} {:>10} {:>10}  plans", "finalist", "chosen", "estimated", "scheduled", "standard", "interleaved");
     for (i, l) in f.value.iter().enumerate() {
         let costed = chosen.value.costed.iter().find(|c| c.finalist == i as u32);

@@ -29,6 +29,7 @@ pub fn base() -> &'static Base {
             cache_read_only: false,
             cache_max_bytes: None,
             plan_finalists: ipuq_queries::lower::search::DEFAULT_FINALISTS,
+            table_budget: ipuq_queries::sizing::EXCHANGE_TABLE_BUDGET_BYTES,
             remote: None,
         };
         let built = ipuq::build::build(&workload, &options).expect("the fixture builds");

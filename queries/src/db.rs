@@ -78,6 +78,9 @@ pub struct Database {
     runs: Arc<Mutex<Vec<(&'static str, Origin)>>>,
     /// Operator-plan finalists `lower_mid` keeps for `select_finalist` (`--plan-finalists`).
     plan_finalists: usize,
+    /// Exchange-table bytes a tile may hold (`--exchange-table-budget`; a compiler policy that
+    /// tests lower to exercise re-planning at small sizes).
+    table_budget: u32,
     /// The compiler build, part of every stage key (`fingerprint.rs`; replaceable in tests).
     fingerprint: Digest,
     /// Hand stages the whole target instead of their views (the test proving views complete).
@@ -110,6 +113,7 @@ impl Database {
             schedule_memo: Arc::default(),
             tables_memo: Arc::default(),
             plan_finalists: crate::lower::search::DEFAULT_FINALISTS,
+            table_budget: crate::sizing::EXCHANGE_TABLE_BUDGET_BYTES,
         }
     }
 
@@ -150,6 +154,15 @@ impl Database {
     pub fn with_plan_finalists(mut self, k: usize) -> Self {
         self.plan_finalists = k.max(1);
         self
+    }
+
+    pub fn with_table_budget(mut self, bytes: u32) -> Self {
+        self.table_budget = bytes;
+        self
+    }
+
+    pub fn table_budget(&self) -> u32 {
+        self.table_budget
     }
 
     pub fn plan_finalists(&self) -> usize {

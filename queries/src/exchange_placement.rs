@@ -107,8 +107,19 @@ fn score(tables: &[ExchangePhase], stats: &PhaseStats) -> (u64, u64) {
     (conflicts, conflicts * CONFLICT_WEIGHT + forced)
 }
 
-/// The stage: the accepted placement (the baseline when no candidate is accepted).
+/// The stage: the accepted placement (the baseline when no candidate is accepted). Fails when
+/// memory-element conflicts remain: the device rejects such a package (`select_finalist`
+/// drops a finalist whose conflicts this search cannot remove, so a build does not get here).
 pub fn optimize_exchange_placement(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_bytes: &[u32], baseline: &Placement) -> Result<Placement, CompileError> {
+    let (placement, conflicts) = best_exchange_placement(target, lowered, schedules, code_bytes, baseline)?;
+    if conflicts > 0 {
+        return Err(CompileError(format!("{conflicts} memory-element conflict tile-cycles remain after exchange placement (tile memory too full to separate send and receive buffers); the device would reject the package")));
+    }
+    Ok(placement)
+}
+
+/// The accepted placement and the conflicting tile-cycles it leaves.
+pub fn best_exchange_placement(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_bytes: &[u32], baseline: &Placement) -> Result<(Placement, u64), CompileError> {
     let base_tables = placed_tables(target, lowered, schedules, baseline, false)?;
     let base_stats = phase_stats(target, &base_tables);
     let (base_conflicts, base_score) = score(&base_tables, &base_stats);
@@ -196,7 +207,7 @@ pub fn optimize_exchange_placement(target: &Target, lowered: &Lowered, schedules
         warn!(conflicts, "memory-element conflicts remain after exchange placement (tile memory too full to separate send and receive buffers)");
     }
     info!(final_cycles = cycles, final_exchange = exchange_cycles, conflicts, "costed final placed program");
-    Ok(placement)
+    Ok((placement, conflicts))
 }
 
 /// Per phase: conflicts and the memory-element bound beside the endpoint bound (the bound

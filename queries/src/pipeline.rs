@@ -36,12 +36,12 @@ use crate::storage::{place_storage, Placement};
 /// The phases in order, as the driver runs and logs them.
 pub const PHASES: &[&str] = &["lower_mid", "select_finalist", "lower_exchanges_provisional", "size_tile_code", "place_storage", "optimize_exchange_placement", "lower_exchanges", "build_tile_images"];
 
-const LOWER_VERSION: u32 = 14;
-const SELECT_VERSION: u32 = 9;
+const LOWER_VERSION: u32 = 15;
+const SELECT_VERSION: u32 = 10;
 const SCHEDULE_VERSION: u32 = 6;
-const CODE_VERSION: u32 = 7;
+const CODE_VERSION: u32 = 8;
 const PLACE_VERSION: u32 = 4;
-const OPTIMIZE_PLACEMENT_VERSION: u32 = 3;
+const OPTIMIZE_PLACEMENT_VERSION: u32 = 5;
 const TABLES_VERSION: u32 = 6;
 const PACKAGE_VERSION: u32 = 12;
 
@@ -69,8 +69,17 @@ pub fn finalists(db: &dyn Db, sources: Sources) -> StageResult<Vec<Lowered>> {
     db.ipuq().cached("lower_mid", LOWER_VERSION, key, || search::finalists(&g.value, &t.value, k).map_err(CompileError::from))
 }
 
+/// Re-plans `selection` may make when no finalist can be placed (each steers the operations
+/// blamed for it away from their plans, `lower/select.rs`).
+const REPLANS: usize = 8;
+
 /// Every finalist's exchange phases are scheduled through the per-phase memo, so the chosen
 /// program's schedules stage finds them there.
+///
+/// When no finalist can be placed because a plan's exchanges made it infeasible (tables over
+/// the per-tile budget, memory-element conflicts placement cannot remove), the operations
+/// blamed are steered away from their plans by constraints (`steer_away`) and the program is
+/// planned again, up to `REPLANS` times; the build fails only when that cannot help.
 #[salsa::tracked(returns(clone))]
 pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
     // The selection view: the lowering view and the host link rate, which the host pass
@@ -78,7 +87,11 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
     let t = selection_target(db, sources)?;
     let x = exchange_target(db, sources)?;
     let f = finalists(db, sources)?;
-    let key = db.ipuq().key("select_finalist", SELECT_VERSION, &[t.digest, x.digest, f.digest]);
+    let lt = lowering_target(db, sources)?;
+    let g = graph(db, sources)?;
+    let budget = db.ipuq().table_budget();
+    let key = db.ipuq().key("select_finalist", SELECT_VERSION, &[t.digest, x.digest, f.digest, lt.digest, g.digest, KeyHasher::new("table budget").add(&budget).finish()]);
+    let k = db.ipuq().plan_finalists();
     let db = db.ipuq();
     db.cached("select_finalist", SELECT_VERSION, key, || {
         let schedule = |requests: &[PhaseRequest]| -> Result<Vec<Schedule>, String> {
@@ -86,7 +99,41 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
             let entries = per_phase(db, "exchange_schedule", SCHEDULE_VERSION, &keys, &db.schedule_memo, |i| exchange::schedule_phase(&x.value, &requests[i]).map_err(CompileError::from)).map_err(|e| e.0)?;
             Ok(entries.iter().map(|e| (*e.value).clone()).collect())
         };
-        select_finalist(&t.value, &f.value, |l| crate::lower::host::replicate(l, &t.value), schedule).map_err(CompileError)
+        let mut candidates: Vec<Lowered> = (*f.value).clone();
+        let mut steered: Vec<crate::ir::PlanConstraint> = Vec::new();
+        for round in 0..=REPLANS {
+            let failure = match select_finalist(&t.value, &candidates, budget, |l| crate::lower::host::replicate(l, &t.value), schedule) {
+                Ok(mut s) => {
+                    s.steered = steered.iter().map(|c| format!("{}: {}", c.operation, c.describe())).collect();
+                    return Ok(s);
+                }
+                Err(e) => e,
+            };
+            // Steer the plans blamed in the best finalist (the first one blamed).
+            let Some(first) = failure.blamed.first().map(|b| b.0) else { return Err(CompileError(failure.message)) };
+            let mut changed = false;
+            for (finalist, plan, why) in failure.blamed.iter().filter(|b| b.0 == first) {
+                let Some(p) = candidates[*finalist as usize].plans.get(*plan as usize) else { continue };
+                let user = g.value.file.constraints.iter().find(|c| c.operation == p.value);
+                let Some(c) = crate::lower::select::steer_away(p, user) else { continue };
+                if round == REPLANS {
+                    break;
+                }
+                let [b, r, col, i] = p.partitions;
+                tracing::info!(operation = %p.value, partitions = %format!("[{b},{r},{col},{i}]"), reason = %why, constraint = %c.describe(), "no finalist can be placed: planning the operation again, steered away from its plan");
+                steered.retain(|s| s.operation != c.operation);
+                steered.push(c);
+                changed = true;
+            }
+            if !changed {
+                return Err(CompileError(failure.message));
+            }
+            let mut graph = (*g.value).clone();
+            graph.file.constraints.retain(|c| !steered.iter().any(|s| s.operation == c.operation));
+            graph.file.constraints.extend(steered.iter().cloned());
+            candidates = search::finalists(&graph, &lt.value, k).map_err(CompileError::from)?;
+        }
+        Err(CompileError("no finalist can be placed".into()))
     })
 }
 
@@ -159,7 +206,8 @@ pub fn schedules(db: &dyn Db, sources: Sources) -> StageResult<Schedules> {
     let s = selection(db, sources)?;
     let f = finalists(db, sources)?;
     let full = selection_target(db, sources)?;
-    for (i, other) in f.value.iter().enumerate() {
+    // (After a re-plan the first finalists are not the ones selection chose among.)
+    for (i, other) in f.value.iter().enumerate().filter(|_| s.value.steered.is_empty()) {
         let skipped = s.value.failures.iter().any(|x| x.0 == i as u32 && x.1.starts_with("not costed"));
         if i as u32 != s.value.chosen && !skipped {
             let other = crate::lower::host::replicate(other.clone(), &full.value);
@@ -198,9 +246,10 @@ pub fn code_sizes(db: &dyn Db, sources: Sources) -> StageResult<Vec<u32>> {
     let x = exchange_target(db, sources)?;
     let l = lowered(db, sources)?;
     let s = schedules(db, sources)?;
-    let key = db.ipuq().key("size_tile_code", CODE_VERSION, &[t.digest, x.digest, l.digest, s.digest]);
+    let budget = db.ipuq().table_budget();
+    let key = db.ipuq().key("size_tile_code", CODE_VERSION, &[t.digest, x.digest, l.digest, s.digest, KeyHasher::new("table budget").add(&budget).finish()]);
     db.ipuq().cached("size_tile_code", CODE_VERSION, key, || {
-        let support = crate::sizing::support_with_tables(&x.value, &l.value, &s.value.phases, crate::sizing::EXCHANGE_TABLE_BUDGET_BYTES).map_err(CompileError)?;
+        let support = crate::sizing::support_with_tables(&x.value, &l.value, &s.value.phases, budget).map_err(CompileError)?;
         log_support_memory(&t.value, &support);
         Ok(support.iter().map(SupportMemory::total).collect())
     })

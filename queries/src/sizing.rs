@@ -8,8 +8,8 @@
 //! package stage checks that the final tables fit what was sized (an error otherwise).
 //!
 //! The budget is a planner input: a program whose tables exceed it on some tile is infeasible
-//! (`select_finalist` drops such a finalist; the build fails naming tile and bytes when none
-//! is left).
+//! (`select_finalist` drops such a finalist; when none is left, the operation whose phase
+//! holds most of the oversized tables is planned again, steered away from its plan).
 
 use rayon::prelude::*;
 
@@ -17,7 +17,7 @@ use crate::emit::{support_memory, tile_tables, SupportMemory};
 use crate::exchange::{self, Schedule};
 use crate::lower::Lowered;
 use crate::pipeline::requests;
-use crate::tables::{pack_phase, PackedPhase};
+use crate::tables::{encode_tile, pack_phase, PackedPhase};
 use crate::target::Target;
 
 /// Exchange-table bytes one tile may hold: a compiler policy, not a machine constant (the
@@ -52,13 +52,50 @@ pub fn sizing_tables(target: &Target, lowered: &Lowered, schedules: &[Schedule])
         .collect()
 }
 
+/// A tile whose exchange tables exceed the budget, and the phase contributing most of them.
+#[derive(Clone, Debug)]
+pub struct TableOverflow {
+    pub tile: u32,
+    pub bytes: u32,
+    pub budget: u32,
+    /// The phase whose tables on that tile are largest (index into `Lowered::phases`).
+    pub phase: Option<u32>,
+    pub phase_bytes: u32,
+}
+
+impl std::fmt::Display for TableOverflow {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "tile {}: exchange tables need {} bytes, over the per-tile exchange-table budget of {} bytes", self.tile, self.bytes, self.budget)?;
+        if let Some(p) = self.phase {
+            write!(f, " (exchange phase {p} holds {} of them)", self.phase_bytes)?;
+        }
+        Ok(())
+    }
+}
+
+/// Support memory per tile with compact tables, or the first tile (lowest) whose tables
+/// exceed `budget` bytes (inner error) with the phase holding most of its table bytes.
+pub fn support_checked(target: &Target, lowered: &Lowered, schedules: &[Schedule], budget: u32) -> Result<Result<Vec<SupportMemory>, TableOverflow>, String> {
+    let packed = sizing_tables(target, lowered, schedules)?;
+    let table_bytes: Vec<u32> = tile_tables(lowered.tiles as usize, &packed).iter().map(|b| b.len() as u32).collect();
+    if let Some((tile, &bytes)) = table_bytes.iter().enumerate().find(|(_, b)| **b > budget) {
+        // Each phase's share: its tables on that tile encoded alone (largest first, lowest index on ties).
+        let mut worst: Option<(u32, u32)> = None;
+        for phase in &packed {
+            for t in phase.tiles.iter().filter(|t| t.tile as usize == tile) {
+                let b = encode_tile(&[(phase.index, t)]).len() as u32;
+                if worst.is_none_or(|w| b > w.1) {
+                    worst = Some((phase.index, b));
+                }
+            }
+        }
+        return Ok(Err(TableOverflow { tile: tile as u32, bytes, budget, phase: worst.map(|w| w.0), phase_bytes: worst.map_or(0, |w| w.1) }));
+    }
+    Ok(Ok(support_memory(lowered, &table_bytes)))
+}
+
 /// Support memory per tile with compact tables; an error names the first tile (lowest) whose
 /// tables exceed `budget` bytes.
 pub fn support_with_tables(target: &Target, lowered: &Lowered, schedules: &[Schedule], budget: u32) -> Result<Vec<SupportMemory>, String> {
-    let packed = sizing_tables(target, lowered, schedules)?;
-    let table_bytes: Vec<u32> = tile_tables(lowered.tiles as usize, &packed).iter().map(|b| b.len() as u32).collect();
-    if let Some((tile, bytes)) = table_bytes.iter().enumerate().find(|(_, b)| **b > budget) {
-        return Err(format!("tile {tile}: exchange tables need {bytes} bytes, over the per-tile exchange-table budget of {budget} bytes"));
-    }
-    Ok(support_memory(lowered, &table_bytes))
+    support_checked(target, lowered, schedules, budget)?.map_err(|o| o.to_string())
 }

@@ -137,6 +137,7 @@ struct Builder<'a> {
     steps: Vec<LStep>,
     compute_sets: Vec<Vec<(u32, Call)>>,
     phases: Vec<Vec<Transfer>>,
+    phase_plans: Vec<u32>,
     stored: BTreeMap<ValueId, Stored>,
     host: BTreeMap<ValueId, LHostTensor>,
     /// Word moves of the exchange phase being gathered: source (buffer, byte offset), words,
@@ -209,6 +210,7 @@ pub struct Partial {
     steps: Vec<LStep>,
     compute_sets: Vec<Vec<(u32, Call)>>,
     phases: Vec<Vec<Transfer>>,
+    phase_plans: Vec<u32>,
     stored: BTreeMap<ValueId, Stored>,
     host: BTreeMap<ValueId, LHostTensor>,
     pending: Vec<(Place, u32, Place)>,
@@ -234,6 +236,7 @@ impl Partial {
             steps: Vec::new(),
             compute_sets: Vec::new(),
             phases: Vec::new(),
+            phase_plans: Vec::new(),
             stored: BTreeMap::new(),
             host: BTreeMap::new(),
             pending: Vec::new(),
@@ -354,6 +357,7 @@ impl<'a> Builder<'a> {
             steps: p.steps,
             compute_sets: p.compute_sets,
             phases: p.phases,
+            phase_plans: p.phase_plans,
             stored: p.stored,
             host: p.host,
             pending: p.pending,
@@ -382,6 +386,7 @@ impl<'a> Builder<'a> {
             steps: self.steps,
             compute_sets: self.compute_sets,
             phases: self.phases,
+            phase_plans: self.phase_plans,
             stored: self.stored,
             host: self.host,
             pending: self.pending,
@@ -616,6 +621,8 @@ impl<'a> Builder<'a> {
             }
             let transfers = merge_rows(grouped.into_iter());
             self.phases.push(transfers);
+            // The operation being built records its plan after its phases: its index is next.
+            self.phase_plans.push(self.plans.len() as u32);
             self.steps.push(LStep::Compute(self.compute_sets.len() as u32));
             self.compute_sets.push(Vec::new());
         } else if !matches!(self.steps.last(), Some(LStep::Compute(_))) {
@@ -1216,6 +1223,7 @@ impl<'a> Builder<'a> {
             steps: self.steps,
             compute_sets: self.compute_sets,
             phases: self.phases,
+            phase_plans: self.phase_plans,
             initialize: Vec::new(),
             inputs,
             outputs,

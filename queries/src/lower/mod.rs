@@ -118,6 +118,9 @@ pub struct Lowered {
     /// Per compute set: (tile, call) in execution order per tile.
     pub compute_sets: Vec<Vec<(u32, Call)>>,
     pub phases: Vec<Vec<Transfer>>,
+    /// Per exchange phase the lowering built: the index in `plans` of the operation whose
+    /// gathers (or reduction) it carries. Phases added later (`host.rs`) have no entry.
+    pub phase_plans: Vec<u32>,
     /// Exchange phases the `initialize` call runs after the host writes, before `run`
     /// (weight replication, `host.rs`); not steps of the run.
     pub initialize: Vec<u32>,

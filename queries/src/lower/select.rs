@@ -16,6 +16,8 @@ use crate::cost;
 use crate::emit::vertex;
 use crate::exchange::{self, Schedule};
 use crate::pipeline::{provisional_bases, requests};
+use crate::elements::phase_conflicts;
+use crate::exchange_placement::{best_exchange_placement, placed_tables};
 use crate::storage::place_storage;
 use crate::target::Target;
 
@@ -39,6 +41,32 @@ pub struct Selection {
     pub costed: Vec<Costed>,
     /// Per finalist: why it could not be placed, if it could not.
     pub failures: Vec<(u32, String)>,
+    /// Constraints the pipeline added when no first-planned finalist could be placed
+    /// (`operation: fields`); when any, `chosen`, `costed` and `failures` speak of the
+    /// finalists of the last re-plan.
+    pub steered: Vec<String>,
+}
+
+/// Why no finalist could be placed, with the plans (indices into the finalists' `plans`, by
+/// finalist) of the operations whose exchanges made a finalist infeasible: tables over the
+/// per-tile budget, or memory-element conflicts that exchange placement cannot remove.
+#[derive(Clone, Debug)]
+pub struct NoFinalist {
+    pub message: String,
+    /// (finalist, plan index, what went wrong, in words).
+    pub blamed: Vec<(u32, u32, String)>,
+}
+
+/// Why one finalist cannot be placed, and the plan blamed for it (if one is).
+struct Failure {
+    message: String,
+    blamed: Option<u32>,
+}
+
+impl From<String> for Failure {
+    fn from(message: String) -> Failure {
+        Failure { message, blamed: None }
+    }
 }
 
 /// Finalists whose estimate exceeds the best estimate by more than this are not costed exactly.
@@ -49,7 +77,7 @@ pub const EXACT_COST_MARGIN_PERCENT: u64 = 5;
 ///
 /// `prepare` turns each finalist into the program that will run (`lower/host.rs` moves host
 /// replicas to exchange phases), so the exact cost counts every phase the simulator will.
-pub fn select_finalist(target: &Target, finalists: &[Lowered], prepare: impl Fn(Lowered) -> Lowered + Sync, schedule: impl FnOnce(&[exchange::PhaseRequest]) -> Result<Vec<Schedule>, String>) -> Result<Selection, String> {
+pub fn select_finalist(target: &Target, finalists: &[Lowered], table_budget: u32, prepare: impl Fn(Lowered) -> Lowered + Sync, schedule: impl FnOnce(&[exchange::PhaseRequest]) -> Result<Vec<Schedule>, String>) -> Result<Selection, NoFinalist> {
     let prepared: Vec<Lowered> = finalists.par_iter().map(|l| prepare(l.clone())).collect();
     let finalists = &prepared[..];
     let estimates: Vec<u64> = finalists.iter().map(estimated_cycles).collect();
@@ -70,29 +98,35 @@ pub fn select_finalist(target: &Target, finalists: &[Lowered], prepare: impl Fn(
         })
         .collect();
     let requests: Vec<exchange::PhaseRequest> = jobs.iter().map(|j| j.1.clone()).collect();
-    let scheduled = schedule(&requests)?;
+    let scheduled = schedule(&requests).map_err(|message| NoFinalist { message, blamed: Vec::new() })?;
     let mut per_finalist: Vec<Vec<Schedule>> = vec![Vec::new(); finalists.len()];
     for ((f, _), s) in jobs.iter().zip(scheduled) {
         per_finalist[*f].push(s);
     }
-    let costed: Vec<Result<Costed, String>> = finalists
+    let costed: Vec<Result<Costed, Failure>> = finalists
         .par_iter()
         .enumerate()
         .map(|(f, l)| {
             if failures.iter().any(|x| x.0 == f as u32) {
-                return Err("skipped".to_string());
+                return Err(Failure::from("skipped".to_string()));
             }
             if per_finalist[f].len() != l.phases.len() {
-                return Err("exchange phases were not scheduled".to_string());
+                return Err(Failure::from("exchange phases were not scheduled".to_string()));
             }
-            cost_placed(target, f as u32, l, &per_finalist[f])
+            cost_placed(target, f as u32, l, &per_finalist[f], table_budget)
         })
         .collect();
     let mut ok: Vec<Costed> = Vec::new();
+    let mut blamed: Vec<(u32, u32, String)> = Vec::new();
     for (f, c) in costed.into_iter().enumerate() {
         match c {
             Ok(c) => ok.push(c),
-            Err(e) if !failures.iter().any(|x| x.0 == f as u32) => failures.push((f as u32, e)),
+            Err(e) if !failures.iter().any(|x| x.0 == f as u32) => {
+                if let Some(plan) = e.blamed {
+                    blamed.push((f as u32, plan, e.message.clone()));
+                }
+                failures.push((f as u32, e.message));
+            }
             Err(_) => {}
         }
     }
@@ -102,26 +136,49 @@ pub fn select_finalist(target: &Target, finalists: &[Lowered], prepare: impl Fn(
     }
     let best = ok.iter().min_by_key(|c| (c.scheduled_cycles, c.estimated_cycles, c.finalist)).cloned();
     let Some(best) = best else {
-        return Err(failures.first().map(|f| f.1.clone()).unwrap_or_else(|| "no finalist".into()));
+        return Err(NoFinalist { message: failures.first().map(|f| f.1.clone()).unwrap_or_else(|| "no finalist".into()), blamed });
     };
     for p in finalists[best.finalist as usize].plans.iter().filter(|p| !p.constraint.is_empty()) {
         info!(source_operation = %p.value, matching_plans = p.matching_plans, constraint = %p.constraint, "applied GEMM plan constraint");
     }
     info!(finalist = best.finalist, estimated_cycles = best.estimated_cycles, scheduled_cycles = best.scheduled_cycles, "selected operator-plan finalist");
     let chosen = best.finalist as usize;
-    Ok(Selection { chosen: best.finalist, lowered: finalists[chosen].clone(), costed: ok, failures })
+    Ok(Selection { chosen: best.finalist, lowered: finalists[chosen].clone(), costed: ok, failures, steered: Vec::new() })
 }
 
 /// Cycles of a finalist's placed program, computed as the package summary computes them.
-fn cost_placed(target: &Target, finalist: u32, l: &Lowered, schedules: &[Schedule]) -> Result<Costed, String> {
-    let support = crate::sizing::support_with_tables(target, l, schedules, crate::sizing::EXCHANGE_TABLE_BUDGET_BYTES)?;
+///
+/// Infeasible (blaming the plan of the phase at fault, `Lowered::phase_plans`) when a tile's
+/// exchange tables exceed the budget, or when memory-element conflicts remain after the
+/// exchange-placement stage's own search (run here only where the placement has conflicts),
+/// since the device rejects a tile sending from and receiving into one element in a cycle.
+fn cost_placed(target: &Target, finalist: u32, l: &Lowered, schedules: &[Schedule], table_budget: u32) -> Result<Costed, Failure> {
+    let blame = |phase: u32| l.phase_plans.get(phase as usize).copied();
+    let support = match crate::sizing::support_checked(target, l, schedules, table_budget)? {
+        Ok(s) => s,
+        Err(o) => return Err(Failure { message: o.to_string(), blamed: o.phase.and_then(blame) }),
+    };
     let code: Vec<u32> = support.iter().map(|s| s.total()).collect();
     let placement = place_storage(target, l, &code).map_err(|e| e.to_string())?;
     let addresses = &placement.addresses;
     let placed = requests(l, |buffer, offset| addresses[buffer as usize] + offset);
     let mut horizons = Vec::with_capacity(placed.len());
+    let mut conflicts = 0u64;
     for (r, s) in placed.iter().zip(schedules) {
-        horizons.push(exchange::reuse(target, r, s).map_err(|e| e.to_string())?.horizon);
+        let phase = exchange::reuse(target, r, s).map_err(|e| e.to_string())?;
+        conflicts += phase_conflicts(target, &phase).tile_cycles;
+        horizons.push(phase.horizon);
+    }
+    if conflicts > 0 {
+        let (optimized, _) = best_exchange_placement(target, l, schedules, &code, &placement).map_err(|e| e.0)?;
+        let tables = placed_tables(target, l, schedules, &optimized, false).map_err(|e| e.0)?;
+        if let Some((phase, c)) = tables.iter().map(|p| (p.index, phase_conflicts(target, p))).find(|(_, c)| c.tile_cycles > 0) {
+            let (tile, cycle, element) = c.first.unwrap_or((0, 0, 0));
+            return Err(Failure {
+                message: format!("memory-element conflicts remain after exchange placement: exchange phase {phase}, tile {tile} sends from and receives into element {element} in cycle {cycle} ({} tile-cycles on {} tiles)", c.tile_cycles, c.tiles),
+                blamed: blame(phase),
+            });
+        }
     }
     let mut cycles = 0u64;
     let mut exchange_cycles = 0u64;
@@ -150,4 +207,81 @@ fn cost_placed(target: &Target, finalist: u32, l: &Lowered, schedules: &[Schedul
         peak_standard_bytes: placement.peak_standard.iter().map(|&p| (p - m.base) as u64).max().unwrap_or(0),
         peak_interleaved_bytes: placement.peak_interleaved.iter().map(|&p| (p - m.interleaved_start) as u64).max().unwrap_or(0),
     })
+}
+
+/// A constraint steering a matrix product away from `plan`, which made every finalist
+/// infeasible: half as many pieces along the first axis the user left free, in the order
+/// inner, column, row partitions (fewer pieces mean fewer partial and operand transfers per
+/// tile, so smaller exchange tables and fewer buffers in flight). The user's own fields (in
+/// `user`) are kept. None when no free axis has more than one piece, or for other operations.
+pub fn steer_away(plan: &super::OperationPlan, user: Option<&crate::ir::PlanConstraint>) -> Option<crate::ir::PlanConstraint> {
+    if plan.kind != "matmul" {
+        return None;
+    }
+    let [_, rows, columns, inner] = plan.partitions;
+    let mut c = user.cloned().unwrap_or(crate::ir::PlanConstraint {
+        operation: plan.value.clone(),
+        orientation: None,
+        row_partitions: None,
+        column_partitions: None,
+        inner_partitions: None,
+        weight_memory: None,
+    });
+    let user_sets = |f: fn(&crate::ir::PlanConstraint) -> Option<u32>| user.is_some_and(|u| f(u).is_some());
+    if !user_sets(|u| u.inner_partitions) && inner > 1 {
+        c.inner_partitions = Some(inner / 2);
+    } else if !user_sets(|u| u.column_partitions) && columns > 1 {
+        c.column_partitions = Some(columns / 2);
+    } else if !user_sets(|u| u.row_partitions) && rows > 1 {
+        c.row_partitions = Some(rows / 2);
+    } else {
+        return None;
+    }
+    Some(c)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::steer_away;
+    use crate::ir::PlanConstraint;
+    use crate::lower::OperationPlan;
+
+    fn plan(kind: &str, partitions: [u32; 4]) -> OperationPlan {
+        OperationPlan {
+            operation: 3,
+            value: "down".into(),
+            kind: kind.into(),
+            orientation: "normal".into(),
+            weight_memory: "interleaved".into(),
+            constraint: String::new(),
+            matching_plans: 0,
+            partitions,
+            tiles: partitions.iter().product(),
+            estimated_compute_cycles: 0,
+            estimated_exchange_cycles: 0,
+            peak_bytes: 0,
+        }
+    }
+
+    fn user(inner: Option<u32>, columns: Option<u32>) -> PlanConstraint {
+        PlanConstraint { operation: "down".into(), orientation: Some("swapped".into()), row_partitions: None, column_partitions: columns, inner_partitions: inner, weight_memory: None }
+    }
+
+    #[test]
+    fn halves_the_first_free_axis_and_keeps_the_users_fields() {
+        let c = steer_away(&plan("matmul", [1, 48, 2, 27]), None).expect("steered");
+        assert_eq!((c.operation.as_str(), c.row_partitions, c.column_partitions, c.inner_partitions), ("down", None, None, Some(13)));
+        // The user fixed the inner partitions: the columns are halved instead, orientation kept.
+        let c = steer_away(&plan("matmul", [1, 48, 2, 27]), Some(&user(Some(27), None))).expect("steered");
+        assert_eq!((c.orientation.as_deref(), c.column_partitions, c.inner_partitions), (Some("swapped"), Some(1), Some(27)));
+        let c = steer_away(&plan("matmul", [1, 48, 1, 1]), None).expect("steered");
+        assert_eq!((c.row_partitions, c.column_partitions, c.inner_partitions), (Some(24), None, None));
+    }
+
+    #[test]
+    fn nothing_to_steer() {
+        assert!(steer_away(&plan("matmul", [4, 1, 1, 1]), None).is_none());
+        assert!(steer_away(&plan("matmul", [1, 1, 8, 1]), Some(&user(None, Some(8)))).is_none());
+        assert!(steer_away(&plan("softmax", [64, 1, 1, 1]), None).is_none());
+    }
 }
