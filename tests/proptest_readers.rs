@@ -3,7 +3,11 @@
 //! fast (`PROPTEST_CASES=N` runs more); the cargo-fuzz targets in `fuzz/` run the long
 //! campaigns. Shrunk failures are kept by proptest under `tests/proptest_readers.proptest-regressions`.
 
+use std::io::Cursor;
+use std::path::Path;
+
 use ipuq::workload::npy::{encode_npy, parse_npy};
+use ipuq::workload::safetensors::Header;
 use ipuq_queries::ir::{DType, Graph};
 use ipuq_queries::package::Package;
 use ipuq_queries::target::{fixtures, Target};
@@ -12,7 +16,10 @@ use proptest::prelude::*;
 const MLP: &str = include_str!("../fixtures/workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml");
 
 fn config() -> ProptestConfig {
-    ProptestConfig { cases: 48, failure_persistence: None, ..ProptestConfig::default() }
+    // ProptestConfig::default() reads PROPTEST_CASES; without it, 48 cases keep the suite fast.
+    let defaults = ProptestConfig::default();
+    let cases = if std::env::var_os("PROPTEST_CASES").is_some() { defaults.cases } else { 48 };
+    ProptestConfig { cases, failure_persistence: None, ..defaults }
 }
 
 /// A valid text with one span replaced by arbitrary text.
@@ -87,5 +94,53 @@ proptest! {
             file.splice(0..0, ipuq_queries::package::PACKAGE_MAGIC);
         }
         prop_assert!(Package::from_bytes(&file, "prop.ipuexe").is_err());
+    }
+    #[test]
+    fn safetensors_round_trips_and_damaged_files_never_panic(
+        tensors in proptest::collection::btree_map("[a-z.]{1,10}", (0usize..3, proptest::collection::vec(1usize..5, 0..3)), 1..4),
+        flip in any::<prop::sample::Index>(),
+        byte in any::<u8>(),
+        cut in any::<prop::sample::Index>(),
+    ) {
+        use safetensors::tensor::{Dtype, TensorView};
+        let dtypes = [Dtype::F32, Dtype::F16, Dtype::BF16];
+        let data: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = tensors
+            .iter()
+            .map(|(name, (d, shape))| {
+                let dtype = dtypes[*d];
+                let bytes = shape.iter().product::<usize>() * dtype.bitsize() / 8;
+                (name.clone(), dtype, shape.clone(), (0..bytes).map(|i| (i as u8).wrapping_mul(37)).collect())
+            })
+            .collect();
+        let views: Vec<(String, TensorView<'_>)> =
+            data.iter().map(|(n, d, s, b)| (n.clone(), TensorView::new(*d, s.clone(), b).expect("view"))).collect();
+        let file = safetensors::tensor::serialize(views, None).expect("serialize");
+        let path = Path::new("prop.safetensors");
+        let header = Header::parse(&mut Cursor::new(&file), file.len() as u64, path).expect("a written file reads back");
+        for (name, _, shape, bytes) in &data {
+            let tensor = header.read_from(&mut Cursor::new(&file), name).expect("a written tensor reads back");
+            prop_assert_eq!(&tensor.bytes, bytes);
+            prop_assert_eq!(tensor.shape, shape.iter().map(|&d| d as u64).collect::<Vec<_>>());
+        }
+        // A flipped byte or a truncation reads or fails cleanly, never panics.
+        let mut damaged = file.clone();
+        let i = flip.index(damaged.len());
+        damaged[i] ^= byte;
+        for bytes in [damaged.as_slice(), &file[..cut.index(file.len())]] {
+            if let Ok(h) = Header::parse(&mut Cursor::new(bytes), bytes.len() as u64, path) {
+                for name in h.names() {
+                    if let Ok(t) = h.read_from(&mut Cursor::new(bytes), &name) {
+                        let _ = t.values();
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn checkpoint_metadata_never_panics(text in ".{0,200}", config in spliced(r#"{"model_type": "bert", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128, "hidden_act": "gelu", "layer_norm_eps": 1e-12}"#)) {
+        let _ = ipuq::import::config::parse_config(text.as_bytes(), "prop/config.json");
+        let _ = ipuq::import::config::parse_config(config.as_bytes(), "prop/config.json");
+        let _ = ipuq::import::checkpoint::parse_index(text.as_bytes(), "prop/index.json", Path::new("prop"));
     }
 }

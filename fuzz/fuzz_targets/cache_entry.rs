@@ -1,6 +1,6 @@
 //! Stage-cache entries on disk (manifests under `ac/`, blobs under `cas/`): the first byte
-//! picks which file of a one-entry cache the rest replaces; the read must give the payload or
-//! a miss, never a panic.
+//! picks which file of a one-entry cache the rest replaces or edits; the read must give the
+//! payload or a miss, never a panic.
 #![no_main]
 
 use std::path::PathBuf;
@@ -42,8 +42,11 @@ fn fixture() -> &'static Fixture {
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     let f = fixture();
     let Some((&which, rest)) = data.split_first() else { return };
-    let (path, original) = &f.files[which as usize % f.files.len()];
-    std::fs::write(path, rest).expect("write");
+    let (path, original) = &f.files[(which & 0x7f) as usize % f.files.len()];
+    // High bit set: byte edits to the file as the cache wrote it (so the fuzzer starts from a
+    // valid manifest or blob); clear: the rest replaces the file.
+    let bytes = if which & 0x80 != 0 { ipuq_fuzz::mutated_payload(original, rest) } else { rest.to_vec() };
+    std::fs::write(path, bytes).expect("write");
     let _ = f.cache.get("stage", &KEY, 1);
     std::fs::write(path, original).expect("restore");
 });

@@ -44,23 +44,8 @@ impl Checkpoint {
             return Err(ImportError::Other(format!("{}: neither {SINGLE_FILE} nor {INDEX_FILE} is there", dir.display())));
         }
         let file = index.display().to_string();
-        let field = |field: &str, message: String| ImportError::Field { file: file.clone(), field: field.into(), message };
         let bytes = std::fs::read(&index).map_err(|source| ImportError::Read { file: file.clone(), source })?;
-        let value: Value = serde_json::from_slice(&bytes).map_err(|e| field("(file)", format!("not valid JSON: {e}")))?;
-        let map = match value.get("weight_map") {
-            Some(Value::Object(map)) => map,
-            Some(v) => return Err(field("weight_map", format!("must be an object, got {v}"))),
-            None => return Err(field("weight_map", "missing".into())),
-        };
-        let mut weight_map = BTreeMap::new();
-        for (tensor, shard) in map {
-            let shard = shard.as_str().ok_or_else(|| field(&format!("weight_map.{tensor}"), format!("must be a file name, got {shard}")))?;
-            // Shards live beside the index: a name that climbs out of the folder is refused.
-            if shard.is_empty() || Path::new(shard).components().any(|c| !matches!(c, std::path::Component::Normal(_))) {
-                return Err(field(&format!("weight_map.{tensor}"), format!("{shard:?} is not a file name in the checkpoint folder")));
-            }
-            weight_map.insert(tensor.clone(), dir.join(shard));
-        }
+        let weight_map = parse_index(&bytes, &file, dir)?;
         Ok(Checkpoint { origin: index, weight_map: Some(weight_map), headers: Headers::default() })
     }
 
@@ -90,4 +75,26 @@ impl Checkpoint {
         }
         Ok(Found { digest: stored.digest(), dtype: stored.dtype, file, tensor: tensor.to_string() })
     }
+}
+
+/// The `weight_map` of a sharded checkpoint's index (`file` names it in errors): each tensor's
+/// shard, a file name beside the index in `dir`. Never panics.
+pub fn parse_index(bytes: &[u8], file: &str, dir: &Path) -> Result<BTreeMap<String, PathBuf>, ImportError> {
+    let field = |field: &str, message: String| ImportError::Field { file: file.to_string(), field: field.into(), message };
+    let value: Value = serde_json::from_slice(bytes).map_err(|e| field("(file)", format!("not valid JSON: {e}")))?;
+    let map = match value.get("weight_map") {
+        Some(Value::Object(map)) => map,
+        Some(v) => return Err(field("weight_map", format!("must be an object, got {v}"))),
+        None => return Err(field("weight_map", "missing".into())),
+    };
+    let mut weight_map = BTreeMap::new();
+    for (tensor, shard) in map {
+        let shard = shard.as_str().ok_or_else(|| field(&format!("weight_map.{tensor}"), format!("must be a file name, got {shard}")))?;
+        // Shards live beside the index: a name that climbs out of the folder is refused.
+        if shard.is_empty() || Path::new(shard).components().any(|c| !matches!(c, std::path::Component::Normal(_))) {
+            return Err(field(&format!("weight_map.{tensor}"), format!("{shard:?} is not a file name in the checkpoint folder")));
+        }
+        weight_map.insert(tensor.clone(), dir.join(shard));
+    }
+    Ok(weight_map)
 }

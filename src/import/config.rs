@@ -107,6 +107,12 @@ impl Fields<'_> {
 pub fn read_config(path: &Path) -> Result<ModelConfig, ImportError> {
     let file = path.display().to_string();
     let text = std::fs::read(path).map_err(|source| ImportError::Read { file: file.clone(), source })?;
+    parse_config(&text, &file)
+}
+
+/// Interpret the bytes of a `config.json`; `file` names it in errors. Never panics.
+pub fn parse_config(text: &[u8], file: &str) -> Result<ModelConfig, ImportError> {
+    let file = file.to_string();
     let value: Value = serde_json::from_slice(&text).map_err(|e| ImportError::Field { file: file.clone(), field: "(file)".into(), message: format!("not valid JSON: {e}") })?;
     let Value::Object(root) = &value else {
         return Err(ImportError::Field { file, field: "(file)".into(), message: "the top level must be a JSON object".into() });
