@@ -284,3 +284,25 @@ fn structurally_mutated_packages_never_panic_the_device() {
     assert!(started.elapsed() < Duration::from_secs(300) * scale() as u32, "{cases} cases took {:?}", started.elapsed());
     eprintln!("fuzz campaign structural package mutations: {cases} executions in {:?}, no panic", started.elapsed());
 }
+
+/// Regression (cargo-fuzz `package_device`, session 17): an output tensor whose shape was
+/// corrupted to far more elements than its segments store made the host read allocate
+/// coverage and output buffers the size of the shape (34 GB) before finding the gap. It is
+/// refused by name, before any allocation of that size (and a shape whose size in bytes
+/// overflows 64 bits, which panicked in a debug build, by that reason).
+#[test]
+fn an_output_shape_larger_than_its_segments_is_refused_before_allocating() {
+    let (package, inputs) = small_package();
+    let options = ipuq::runtime::RunOptions::default();
+    for (shape, reason) in [(vec![u32::MAX; 3], "overflows 64 bits"), (vec![1 << 20, 1 << 20, 64], "cannot be read")] {
+        let mut p = package.clone();
+        let output = p.host.outputs.first_mut().expect("the fixture has an output");
+        output.shape = shape.clone();
+        let name = output.name.clone();
+        let error = match ipuq::runtime::execute(&p, &inputs, &options) {
+            Ok(_) => panic!("a package whose output {name} has shape {shape:?} ran"),
+            Err(e) => e.to_string(),
+        };
+        assert!(error.contains(&name) && error.contains(reason), "{error}");
+    }
+}

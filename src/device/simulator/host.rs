@@ -17,7 +17,8 @@ use crate::device::DeviceError;
 pub fn tensor_size(tensor: &HostTensor) -> Result<(u64, u64), DeviceError> {
     let elements = tensor.shape.iter().try_fold(1u64, |n, &d| n.checked_mul(d as u64));
     let elements = elements.ok_or_else(|| host_error(tensor, "shape overflows 64 bits".into()))?;
-    Ok((elements, elements * tensor.dtype.bytes() as u64))
+    let bytes = elements.checked_mul(tensor.dtype.bytes() as u64).ok_or_else(|| host_error(tensor, "size in bytes overflows 64 bits".into()))?;
+    Ok((elements, bytes))
 }
 
 fn host_error(tensor: &HostTensor, message: String) -> DeviceError {
@@ -136,6 +137,12 @@ fn transpose(bytes: &[u8], rows: usize, cols: usize, element_bytes: usize) -> Ve
 /// Gather the tensor's row-major bytes; every element must be covered by some segment.
 pub fn read(tensor: &HostTensor, slots: &[usize], memories: &[TileMemory]) -> Result<Vec<u8>, DeviceError> {
     let (elements, total) = tensor_size(tensor)?;
+    // Every element must be stored on some tile, so a shape with more elements than the
+    // segments hold cannot be read: refused before anything the size of the shape is made.
+    let stored = tensor.segments.iter().fold(0u64, |n, s| n.saturating_add(s.count as u64 * s.rows as u64));
+    if stored < elements {
+        return Err(host_error(tensor, format!("its shape {:?} has {elements} elements but its segments store {stored}, so the tensor cannot be read", tensor.shape)));
+    }
     let element_bytes = tensor.dtype.bytes() as usize;
     let runs = tensor.runs();
     // Coverage, one bit per element (runs may be strided, so intervals do not describe them).
