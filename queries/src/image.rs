@@ -545,7 +545,7 @@ mod tests {
         let e = decode_vertex_state(&good, 0x1000, 2).unwrap_err();
         assert!(e.contains("compute-set record"), "{e}");
         let mut flags = good.clone();
-        flags[8 + 4 * 6..8 + 4 * 7].copy_from_slice(&16u32.to_le_bytes()); // MatMul flags word
+        flags[8 + 4 * 6..8 + 4 * 7].copy_from_slice(&32u32.to_le_bytes()); // MatMul flags word
         assert!(decode_vertex_state(&flags, 0x1000, 1).unwrap_err().contains("flags"));
         // Any single corrupted byte is an error or a call, never a panic.
         for i in 0..good.len() {

@@ -893,6 +893,14 @@ impl<'a> Builder<'a> {
         }
         let (nb, nm, nn, nk) = (plan.b_cuts.len() - 1, plan.m_cuts.len() - 1, plan.n_cuts.len() - 1, plan.k_cuts.len() - 1);
         let out_name = self.graph.value(output).name.clone();
+        // The AMP's 128-bit weight loads need a B row pitch of whole `weight_load_alignment`
+        // groups: a gathered B block whose rows are narrower is stored as one panel that wide
+        // (its rows padded), so that it loads as interleaved weights. 0: rows as they are.
+        let align = (self.target.memory.weight_load_alignment / bv.dtype.bytes()).max(1);
+        let b_pitch = |p: &MatMulPlan, i_n: usize, ik: usize| -> u32 {
+            let width = if b_transposed { p.k_cuts[ik + 1] - p.k_cuts[ik] } else { p.n_cuts[i_n + 1] - p.n_cuts[i_n] };
+            if p.weights_standard || width.is_multiple_of(align) { 0 } else { width.div_ceil(align) * align }
+        };
         // Partials reduced by column panels are written as panels of `gemm_block` columns.
         let by_columns = column_reduction(&plan.n_cuts, nk as u32, gemm_block);
         let c_panel = if by_columns { gemm_block } else { 0 };
@@ -904,7 +912,7 @@ impl<'a> Builder<'a> {
                     for ik in 0..nk {
                         let tile = plan.tile_of(ib, im, i_n, ik);
                         let ha = self.gather(a, tile, &a_block(&plan, ib, im, ik), false, panel, false)?;
-                        let hb = self.gather(b, tile, &b_block(&plan, ib, i_n, ik), !plan.weights_standard || constraint.is_none_or(|c| c.weight_memory.is_none()), 0, false)?;
+                        let hb = self.gather(b, tile, &b_block(&plan, ib, i_n, ik), !plan.weights_standard || constraint.is_none_or(|c| c.weight_memory.is_none()), b_pitch(&plan, i_n, ik), false)?;
                         let (br, mr, nr) = ((plan.b_cuts[ib], plan.b_cuts[ib + 1]), (plan.m_cuts[im], plan.m_cuts[im + 1]), (plan.n_cuts[i_n], plan.n_cuts[i_n + 1]));
                         let (dtype, kind) = if nk > 1 { (DType::F32, AllocationKind::Partials) } else { (DType::F16, AllocationKind::Data) };
                         let label = if nk > 1 { format!("{out_name}.partials") } else { out_name.clone() };

@@ -284,6 +284,40 @@ inputs = ["g", "w2"]
         assert_eq!(swappable(&g), vec![3]);
     }
 
+    fn attention(outputs: &str) -> String {
+        let mut text = format!("name = \"att\"\noutputs = [{outputs}]\n");
+        for name in ["q", "k", "v"] {
+            text += &format!("[[tensor]]\nname = \"{name}\"\nshape = [6, 8]\ndtype = \"f16\"\nrole = \"input\"\ninit = \"zeros\"\n");
+        }
+        text += "[[operation]]\nname = \"s\"\nop = \"matmul\"\ninputs = [\"q\", \"k\"]\ntranspose_b = true\n";
+        text += "[[operation]]\nname = \"p\"\nop = \"softmax\"\ninputs = [\"s\"]\n";
+        text + "[[operation]]\nname = \"c\"\nop = \"matmul\"\ninputs = [\"p\", \"v\"]\n"
+    }
+
+    #[test]
+    fn a_softmax_read_only_by_an_unswapped_product_defers_its_normalisation() {
+        let g = Graph::parse(&attention("\"c\""), "att").unwrap();
+        assert_eq!(deferred_softmaxes(&g, &BTreeSet::new()), [(1, 2)].into_iter().collect());
+        let o = orient(&g, &BTreeSet::new()).unwrap();
+        // The reciprocals follow the softmax's output, one fp32 element per row, and the
+        // product reads them as its third input.
+        let r = o.graph.find(&format!("p{RECIPROCALS}")).expect("the reciprocals value");
+        let p = o.graph.find("p").unwrap();
+        assert_eq!(r.0, p.0 + 1);
+        assert_eq!((o.graph.value(r).shape.clone(), o.graph.value(r).dtype), (vec![6, 1], DType::F32));
+        assert_eq!(o.graph.value(r).producer, Producer::Operation(1));
+        assert_eq!(o.graph.operations[2].inputs, vec![p, o.graph.find("v").unwrap(), r]);
+        // Not when the product is swapped (it reads the probabilities transposed), nor when
+        // the probabilities are an output.
+        assert!(deferred_softmaxes(&g, &[2].into_iter().collect()).is_empty());
+        if let Ok(o) = orient(&g, &[2].into_iter().collect()) {
+            assert!(o.graph.find(&format!("p{RECIPROCALS}")).is_none());
+        }
+        let g = Graph::parse(&attention("\"c\", \"p\""), "att").unwrap();
+        assert!(deferred_softmaxes(&g, &BTreeSet::new()).is_empty());
+        assert_eq!(orient(&g, &BTreeSet::new()).unwrap().graph.values.len(), g.values.len());
+    }
+
     #[test]
     fn swapping_a_chain_keeps_every_value_and_stores_transposes() {
         let g = Graph::parse(MLP, "mlp").unwrap();
