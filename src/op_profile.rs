@@ -59,8 +59,13 @@ pub fn by_kind(package: &Package, timeline: &Timeline) -> Result<KindProfile, St
             _ => None,
         };
         let op = folded_product.unwrap_or(op);
+        // A softmax whose normalisation the product reading it applies has no checkpoint (its
+        // probabilities never exist on the device): its steps close with the product's.
+        let deferred_softmax = matches!(op.kind, OpKind::MatMul { .. })
+            && matches!(graph.value(op.inputs[0]).producer, Producer::Operation(i) if !checkpointed.contains(&(i as u32)) && matches!(graph.operations[i].kind, OpKind::Softmax));
         let kind = match &op.kind {
             OpKind::Softmax => "softmax (scale folded in)".to_string(),
+            OpKind::MatMul { .. } if deferred_softmax => "softmax (normalisation deferred) + matmul".to_string(),
             k => k.name().to_string(),
         };
         let row = rows.entry(kind.clone()).or_insert(KindRow { kind, operations: 0, compute_cycles: 0, exchange_cycles: 0, flops: 0 });

@@ -39,6 +39,8 @@ fn odd_shapes_of_both_families_pass() {
         &["attention", "--tokens", "13", "--heads", "6", "--kv-heads", "3", "--head-dim", "10"],
         &["attention", "--tokens", "11", "--heads", "3", "--kv-heads", "1", "--head-dim", "9"],
         &["attention", "--tokens", "19", "--heads", "2", "--kv-heads", "2", "--head-dim", "6", "--batch", "2"],
+        // More heads than tiles: each context tile normalises the rows of two heads.
+        &["attention", "--tokens", "19", "--heads", "32", "--kv-heads", "8", "--head-dim", "8"],
     ];
     for (i, args) in cases.iter().enumerate() {
         let file = format!("w{i}.toml");

@@ -538,7 +538,7 @@ fn add_softmax_and_copy_match_the_reference() {
         b.alloc(4, name, IL + offset, 64, AllocationKind::Data);
     }
     b.call(4, 0, VertexCall::Add { rows: 2, cols: 8, a: op(IL, 8), b: op(IL + 0x100, 8), output: op(IL + 0x200, 8) });
-    b.call(4, 0, VertexCall::Softmax { rows: 2, cols: 8, scale: 1.0, input: op(IL + 0x200, 8), input_panel: 0, output: op(IL + 0x300, 8) });
+    b.call(4, 0, VertexCall::Softmax { rows: 2, cols: 8, scale: 1.0, input: op(IL + 0x200, 8), input_panel: 0, output: op(IL + 0x300, 8), reciprocals: None });
     b.call(4, 0, VertexCall::Copy { rows: 2, cols: 8, dtype: DType::F16, input: op(IL + 0x300, 8), output: op(IL + 0x400, 10) });
     b.steps = vec![Step::Compute { index: 0 }];
     let t = |name: &str, address, stride: u32| {
@@ -579,8 +579,8 @@ fn a_softmax_reads_a_panelled_input_with_a_tight_last_panel_as_its_row_major_twi
     for (name, offset) in [("x", 0x100), ("p", 0x200), ("q", 0x300)] {
         b.alloc(5, name, IL + offset, 72, AllocationKind::Data);
     }
-    b.call(5, 0, VertexCall::Softmax { rows, cols, scale: 0.5, input: op(IL, w), input_panel: w, output: op(IL + 0x200, 12) });
-    b.call(5, 0, VertexCall::Softmax { rows, cols, scale: 0.5, input: op(IL + 0x100, 12), input_panel: 0, output: op(IL + 0x300, 12) });
+    b.call(5, 0, VertexCall::Softmax { rows, cols, scale: 0.5, input: op(IL, w), input_panel: w, output: op(IL + 0x200, 12), reciprocals: None });
+    b.call(5, 0, VertexCall::Softmax { rows, cols, scale: 0.5, input: op(IL + 0x100, 12), input_panel: 0, output: op(IL + 0x300, 12), reciprocals: None });
     b.steps = vec![Step::Compute { index: 0 }];
     let row_major = |name: &str, address| tensor(name, vec![rows, cols], HostRole::Input, (0..rows).map(|r| segment(5, address + r * 24, r * cols, cols)).collect());
     let panelled = tensor(
@@ -605,7 +605,7 @@ fn a_softmax_reads_a_panelled_input_with_a_tight_last_panel_as_its_row_major_twi
     let mut b = Build::new();
     b.alloc(5, "xp", IL, 64, AllocationKind::Data);
     b.alloc(5, "p", IL + 0x200, 72, AllocationKind::Data);
-    b.call(5, 0, VertexCall::Softmax { rows, cols, scale: 0.5, input: op(IL, w), input_panel: w, output: op(IL + 0x200, 12) });
+    b.call(5, 0, VertexCall::Softmax { rows, cols, scale: 0.5, input: op(IL, w), input_panel: w, output: op(IL + 0x200, 12), reciprocals: None });
     b.steps = vec![Step::Compute { index: 0 }];
     let err = load(&b.finish()).err().expect("a panelled input past its allocation must be rejected");
     assert!(matches!(err, DeviceError::Access { tile: 5, operand: "input", .. }), "{err}");

@@ -6,7 +6,7 @@
 //! charges them for the vertex calls it executes, so the two can only disagree where the
 //! planner's picture of a call differs from the call the package really makes.
 
-use crate::package::{Addend, Operand, VertexCall};
+use crate::package::{Addend, Broadcast, Operand, VertexCall};
 use crate::target::Target;
 
 fn ceil_div(a: u64, b: u64) -> u64 {
@@ -125,6 +125,40 @@ pub fn scaled_softmax(t: &Target, rows: u32, cols: u32) -> u64 {
         + unary_half(t, n, c.cpl_mul_half, false)
 }
 
+/// Softmax with its normalisation deferred to the product that consumes it: the maximum pass,
+/// then one exponential pass that also accumulates each row's sum (the sum pass's per-vector
+/// add term, `cpl_add_half`, joins the exponential's loop; that pass's launch, worker base,
+/// loads, stores and tail are saved), then one fp32 reciprocal per row (a divide, rows spread
+/// over the workers, as LayerNorm's). The normalise pass is not run here: the consumer's
+/// epilogue multiplies its rows by the reciprocals (`epilogue_scale`). With `scaled`, the
+/// exponential pass also pays the folded scale's multiply term (as `scaled_softmax`). The
+/// composition is an assumption (`[INF]`); every term is the target file's.
+pub fn deferred_softmax(t: &Target, rows: u32, cols: u32, scaled: bool) -> u64 {
+    let c = &t.costs;
+    let n = rows as u64 * cols as u64;
+    let w = workers(t);
+    let multiply = if scaled { c.cpl_mul_half } else { 0 };
+    unary_half(t, n, c.cpl_max_half, false) + unary_half(t, n, c.cpl_exp_half + multiply + c.cpl_add_half, true) + w * ceil_div(rows as u64, w) * c.cpl_divide_float
+}
+
+/// A row scale folded into the epilogue of a product (or of the reduction that finishes it)
+/// over `n` output elements: the normalise pass's per-vector multiply body (`cpl_mul_half`
+/// plus the binary loop's 2 cycles per vector, over the workers, as `epilogue_add`); its
+/// launch, worker base and tail are the pass it saves. The composition is an assumption
+/// (`[INF]`), every term is the target file's.
+pub fn epilogue_scale(t: &Target, n: u64) -> u64 {
+    let w = workers(t);
+    w * ceil_div(ceil_div(n, w), t.compute.vector_f16_lanes as u64) * (t.costs.cpl_mul_half + 2)
+}
+
+/// The epilogue cost of an addend (or row scale) `broadcast` on a call writing `n` elements.
+pub fn epilogue(t: &Target, broadcast: Broadcast, n: u64) -> u64 {
+    match broadcast {
+        Broadcast::RowScale => epilogue_scale(t, n),
+        Broadcast::Row | Broadcast::Column | Broadcast::Full => epilogue_add(t, n),
+    }
+}
+
 /// An addend folded into the epilogue of a product (or of the reduction that finishes it) over
 /// `n` output elements: the separate binary add pass's per-vector body (`cpl_add_half` plus the
 /// binary loop's 2 cycles per vector, over the workers) is paid; its launch, worker base and
@@ -137,7 +171,7 @@ pub fn epilogue_add(t: &Target, n: u64) -> u64 {
 
 /// The epilogue cost of an optional addend on a call writing `rows` x `cols` elements.
 fn addend_cost<O>(t: &Target, add: &Option<Addend<O>>, rows: u32, cols: u32) -> u64 {
-    add.as_ref().map_or(0, |_| epilogue_add(t, rows as u64 * cols as u64))
+    add.as_ref().map_or(0, |x| epilogue(t, x.broadcast, rows as u64 * cols as u64))
 }
 
 pub fn copy(t: &Target, bytes: u64, both_interleaved: bool) -> u64 {
@@ -181,9 +215,7 @@ pub fn vertex_constants(t: &Target, call: &VertexCall) -> Vec<&'static str> {
     match call {
         VertexCall::MatMul { b, b_transposed, add, .. } => {
             keys.extend(["costs.gemm_base", "costs.gemm_block", "costs.gemm_per_row", "costs.gemm_per_block"]);
-            if add.is_some() {
-                keys.extend(EPILOGUE_CONSTANTS);
-            }
+            keys.extend(epilogue_constants(add));
             if weight_class(t, b) == WeightClass::Standard {
                 keys.push("costs.gemm_standard_weight_extra_per_block");
             }
@@ -193,13 +225,17 @@ pub fn vertex_constants(t: &Target, call: &VertexCall) -> Vec<&'static str> {
         }
         VertexCall::Reduce { add, .. } => {
             keys.extend(["costs.reduce_base", "costs.reduce_chunk", "costs.reduce_chunk_base", "costs.reduce_per_partial"]);
-            if add.is_some() {
-                keys.extend(EPILOGUE_CONSTANTS);
-            }
+            keys.extend(epilogue_constants(add));
         }
         VertexCall::Gelu { .. } => keys.extend(["costs.gelu_base", "costs.gelu_chunk", "costs.gelu_per_chunk"]),
         VertexCall::Scale { .. } => keys.extend(["costs.unary_base", "costs.unary_tail", "costs.cpl_mul_half", "compute.vector_f16_lanes", "chip.workers"]),
         VertexCall::Add { .. } => keys.extend(["costs.binary_base", "costs.binary_tail", "costs.cpl_add_half", "compute.vector_f16_lanes", "chip.workers"]),
+        VertexCall::Softmax { reciprocals: Some(_), scale, .. } => {
+            keys.extend(["costs.unary_base", "costs.unary_exp_base", "costs.unary_tail", "costs.cpl_max_half", "costs.cpl_exp_half", "costs.cpl_add_half", "costs.cpl_divide_float", "compute.vector_f16_lanes", "chip.workers"]);
+            if *scale != 1.0 {
+                keys.push("costs.cpl_mul_half");
+            }
+        }
         VertexCall::Softmax { .. } => keys.extend([
             "costs.unary_base",
             "costs.unary_exp_base",
@@ -233,8 +269,14 @@ pub fn vertex_constants(t: &Target, call: &VertexCall) -> Vec<&'static str> {
     keys
 }
 
-/// The target constants [`epilogue_add`] reads.
-const EPILOGUE_CONSTANTS: [&str; 3] = ["costs.cpl_add_half", "compute.vector_f16_lanes", "chip.workers"];
+/// The target constants [`epilogue`] reads for a call's addend or row scale.
+fn epilogue_constants<O>(add: &Option<Addend<O>>) -> Vec<&'static str> {
+    match add.as_ref().map(|x| x.broadcast) {
+        None => Vec::new(),
+        Some(Broadcast::RowScale) => vec!["costs.cpl_mul_half", "compute.vector_f16_lanes", "chip.workers"],
+        Some(_) => vec!["costs.cpl_add_half", "compute.vector_f16_lanes", "chip.workers"],
+    }
+}
 
 /// The target constants an exchange phase's cycles read: the sync and the route delays that
 /// set the horizon.
@@ -253,6 +295,7 @@ pub fn vertex_with<O>(t: &Target, call: &VertexCall<O>, interleaved: impl Fn(&O)
         VertexCall::Gelu { rows, cols, .. } => gelu(t, *rows as u64 * *cols as u64),
         VertexCall::Scale { rows, cols, .. } => unary_half(t, *rows as u64 * *cols as u64, t.costs.cpl_mul_half, false),
         VertexCall::Add { rows, cols, .. } => binary_half(t, *rows as u64 * *cols as u64, t.costs.cpl_add_half),
+        VertexCall::Softmax { rows, cols, scale, reciprocals: Some(_), .. } => deferred_softmax(t, *rows, *cols, *scale != 1.0),
         VertexCall::Softmax { rows, cols, scale, .. } if *scale != 1.0 => scaled_softmax(t, *rows, *cols),
         VertexCall::Softmax { rows, cols, .. } => softmax(t, *rows, *cols),
         VertexCall::GeluErf { rows, cols, .. } => gelu_erf(t, *rows as u64 * *cols as u64),
@@ -300,6 +343,30 @@ mod tests {
         assert_eq!(separate - folded, t.costs.kernel_launch + t.chip.workers as u64 * t.costs.binary_base + t.costs.binary_tail);
         let vectors = elements.div_ceil(t.chip.workers as u64).div_ceil(t.compute.vector_f16_lanes as u64);
         assert_eq!(epilogue_add(&t, elements), t.chip.workers as u64 * vectors * (t.costs.cpl_add_half + 2));
+    }
+
+    #[test]
+    fn a_deferred_normalisation_saves_the_sum_and_normalise_passes_but_their_per_vector_terms() {
+        let t = Target::from_toml(fixtures::IPU21, "ipu21").unwrap();
+        let (rows, cols) = (8u32, 729u32);
+        let n = rows as u64 * cols as u64;
+        let w = t.chip.workers as u64;
+        let vectors = n.div_ceil(w).div_ceil(t.compute.vector_f16_lanes as u64);
+        // The sum pass's per-vector add joins the exponential loop; its launch, bases, loop
+        // overhead and tail go; one fp32 divide per row is added; the normalise pass goes.
+        let sum_pass = unary_half(&t, n, t.costs.cpl_add_half, false);
+        let reciprocals = w * (rows as u64).div_ceil(w) * t.costs.cpl_divide_float;
+        let normalise = unary_half(&t, n, t.costs.cpl_mul_half, false);
+        for scaled in [false, true] {
+            let full = if scaled { scaled_softmax(&t, rows, cols) } else { softmax(&t, rows, cols) };
+            let deferred = deferred_softmax(&t, rows, cols, scaled);
+            assert_eq!(deferred, full - sum_pass - normalise + w * vectors * t.costs.cpl_add_half + reciprocals);
+        }
+        // The consumer pays the normalise pass's per-vector multiply (binary body) on its output.
+        let out = 67u64 * 9;
+        assert_eq!(epilogue_scale(&t, out), w * out.div_ceil(w).div_ceil(t.compute.vector_f16_lanes as u64) * (t.costs.cpl_mul_half + 2));
+        assert_eq!(epilogue(&t, Broadcast::RowScale, out), epilogue_scale(&t, out));
+        assert_eq!(epilogue(&t, Broadcast::Column, out), epilogue_add(&t, out));
     }
 
     #[test]

@@ -103,13 +103,14 @@ fn scalars<O>(call: &VertexCall<O>) -> (u32, Vec<u32>) {
 }
 
 /// The epilogue addend's broadcast in a record (its operand is the call's last): 0 none, 1 row,
-/// 2 column, 3 a whole block.
+/// 2 column, 3 a whole block, 4 an fp32 factor per row.
 fn addend_mode<O>(add: &Option<Addend<O>>) -> u32 {
     match add.as_ref().map(|x| x.broadcast) {
         None => 0,
         Some(Broadcast::Row) => 1,
         Some(Broadcast::Column) => 2,
         Some(Broadcast::Full) => 3,
+        Some(Broadcast::RowScale) => 4,
     }
 }
 
@@ -120,7 +121,8 @@ fn addend(mode: u32, operand: Option<Operand>) -> Result<Option<Addend<Operand>>
         1 => Broadcast::Row,
         2 => Broadcast::Column,
         3 => Broadcast::Full,
-        m => return Err(format!("epilogue addend mode {m} (only 0-3)")),
+        4 => Broadcast::RowScale,
+        m => return Err(format!("epilogue addend mode {m} (only 0-4)")),
     };
     let operand = operand.ok_or_else(|| "an epilogue addend without its operand".to_string())?;
     Ok(Some(Addend { operand, broadcast }))
@@ -144,8 +146,8 @@ fn decode_call(kind: u32, s: &[u32], o: &[Operand]) -> Result<VertexCall, String
             if s.len() != 6 {
                 return Err(format!("a kind-1 record carries {} scalar words, not 6", s.len()));
             }
-            if s[5] > 15 {
-                return Err(format!("matrix-product flags {:#x} set bits other than b_transposed (1), partials (2) and the addend mode (4, 8)", s[5]));
+            if s[5] > 31 {
+                return Err(format!("matrix-product flags {:#x} set bits other than b_transposed (1), partials (2) and the addend mode (4, 8, 16)", s[5]));
             }
             let mode = s[5] >> 2;
             shape(6, 3 + (mode != 0) as usize)?;
@@ -170,8 +172,9 @@ fn decode_call(kind: u32, s: &[u32], o: &[Operand]) -> Result<VertexCall, String
             VertexCall::Add { rows: s[0], cols: s[1], a: o[0], b: o[1], output: o[2] }
         }
         6 => {
-            shape(4, 2)?;
-            VertexCall::Softmax { rows: s[0], cols: s[1], scale: f32::from_bits(s[2]), input: o[0], input_panel: s[3], output: o[1] }
+            // A third operand: the row reciprocals of a deferred normalisation.
+            shape(4, o.len().clamp(2, 3))?;
+            VertexCall::Softmax { rows: s[0], cols: s[1], scale: f32::from_bits(s[2]), input: o[0], input_panel: s[3], output: o[1], reciprocals: o.get(2).copied() }
         }
         7 => {
             shape(3, 2)?;
@@ -488,7 +491,9 @@ mod tests {
             VertexCall::Gelu { rows: 1, cols: 2, input: op(3, 4), output: op(5, 6) },
             VertexCall::Scale { rows: 1, cols: 2, factor: 0.125, input: op(3, 4), output: op(5, 6) },
             VertexCall::Add { rows: 1, cols: 2, a: op(3, 4), b: op(5, 6), output: op(7, 8) },
-            VertexCall::Softmax { rows: 1, cols: 2, scale: -1.5, input: op(3, 4), input_panel: 16, output: op(5, 6) },
+            VertexCall::Softmax { rows: 1, cols: 2, scale: -1.5, input: op(3, 4), input_panel: 16, output: op(5, 6), reciprocals: None },
+            VertexCall::Softmax { rows: 3, cols: 2, scale: 1.0, input: op(3, 4), input_panel: 0, output: op(5, 6), reciprocals: Some(op(7, 3)) },
+            VertexCall::Reduce { rows: 3, cols: 16, parts: vec![op(1, 2), op(3, 4)], out: op(13, 14), add: Some(Addend { operand: op(15, 3), broadcast: Broadcast::RowScale }) },
             VertexCall::Copy { rows: 1, cols: 2, dtype: DType::F32, input: op(3, 4), output: op(5, 6) },
             VertexCall::GeluErf { rows: 1, cols: 2, input: op(3, 4), output: op(5, 6) },
             VertexCall::BiasAdd { rows: 1, cols: 2, input: op(3, 4), bias: op(5, 6), output: op(7, 8) },
@@ -540,7 +545,7 @@ mod tests {
         let e = decode_vertex_state(&good, 0x1000, 2).unwrap_err();
         assert!(e.contains("compute-set record"), "{e}");
         let mut flags = good.clone();
-        flags[8 + 4 * 6..8 + 4 * 7].copy_from_slice(&16u32.to_le_bytes()); // MatMul flags word
+        flags[8 + 4 * 6..8 + 4 * 7].copy_from_slice(&32u32.to_le_bytes()); // MatMul flags word
         assert!(decode_vertex_state(&flags, 0x1000, 1).unwrap_err().contains("flags"));
         // Any single corrupted byte is an error or a call, never a panic.
         for i in 0..good.len() {

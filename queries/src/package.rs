@@ -166,10 +166,15 @@ pub enum Broadcast {
     Column,
     /// A whole rows x cols block with its own row stride (an added host tensor).
     Full,
+    /// One fp32 factor per row, multiplying its row (not added): the row reciprocals of a
+    /// softmax whose normalisation is deferred to the product that consumes it. The operand is
+    /// `rows` rows of one element each at its row stride (each factor in its own aligned slot).
+    RowScale,
 }
 
 /// An epilogue addend (f16): what a product or the reduction finishing it adds to its fp32
-/// result before rounding it to f16, so no separate add pass runs.
+/// result before rounding it to f16, so no separate add pass runs; with `Broadcast::RowScale`
+/// an fp32 factor per row that multiplies the result instead (no separate normalise pass).
 #[derive(Clone, Copy, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct Addend<O> {
     pub operand: O,
@@ -182,6 +187,7 @@ impl Broadcast {
         match self {
             Broadcast::Row => (1, cols),
             Broadcast::Column => (1, rows),
+            Broadcast::RowScale => (rows, 1),
             Broadcast::Full => (rows, cols),
         }
     }
@@ -220,7 +226,11 @@ pub enum VertexCall<O = Operand> {
     /// its width rounded up to 4 elements as its row stride: rows gathered from cells w
     /// columns wide (and a narrower last cell) then arrive as one contiguous run per cell. The
     /// output is row-major.
-    Softmax { rows: u32, cols: u32, scale: f32, input: O, input_panel: u32, output: O },
+    /// `reciprocals`: the normalisation is deferred to the consumer. The output then holds the
+    /// unnormalised exp(x - max) and `reciprocals` (`rows` rows of one fp32 element at its row
+    /// stride) 1 / sum per row; the exponential pass accumulates the sums, so no separate sum
+    /// pass runs.
+    Softmax { rows: u32, cols: u32, scale: f32, input: O, input_panel: u32, output: O, reciprocals: Option<O> },
     /// GELU, exact (erf), f16.
     GeluErf { rows: u32, cols: u32, input: O, output: O },
     /// output = input + bias, f16; `bias` is one row of `cols` elements added to every row.
@@ -250,8 +260,9 @@ impl<O> VertexCall<O> {
             VertexCall::Gelu { rows, cols, input, output } => VertexCall::Gelu { rows: *rows, cols: *cols, input: f(input), output: f(output) },
             VertexCall::Scale { rows, cols, factor, input, output } => VertexCall::Scale { rows: *rows, cols: *cols, factor: *factor, input: f(input), output: f(output) },
             VertexCall::Add { rows, cols, a, b, output } => VertexCall::Add { rows: *rows, cols: *cols, a: f(a), b: f(b), output: f(output) },
-            VertexCall::Softmax { rows, cols, scale, input, input_panel, output } => {
-                VertexCall::Softmax { rows: *rows, cols: *cols, scale: *scale, input: f(input), input_panel: *input_panel, output: f(output) }
+            VertexCall::Softmax { rows, cols, scale, input, input_panel, output, reciprocals } => {
+                let (input, output) = (f(input), f(output));
+                VertexCall::Softmax { rows: *rows, cols: *cols, scale: *scale, input, input_panel: *input_panel, output, reciprocals: reciprocals.as_ref().map(&mut f) }
             }
             VertexCall::GeluErf { rows, cols, input, output } => VertexCall::GeluErf { rows: *rows, cols: *cols, input: f(input), output: f(output) },
             VertexCall::BiasAdd { rows, cols, input, bias, output } => VertexCall::BiasAdd { rows: *rows, cols: *cols, input: f(input), bias: f(bias), output: f(output) },
@@ -267,7 +278,8 @@ impl<O> VertexCall<O> {
         match self {
             VertexCall::MatMul { a, b, c, add, .. } => [a, b, c].into_iter().chain(add.as_ref().map(|x| &x.operand)).collect(),
             VertexCall::Reduce { parts, out, add, .. } => parts.iter().chain([out]).chain(add.as_ref().map(|x| &x.operand)).collect(),
-            VertexCall::Gelu { input, output, .. } | VertexCall::Scale { input, output, .. } | VertexCall::Softmax { input, output, .. } | VertexCall::Copy { input, output, .. } => vec![input, output],
+            VertexCall::Gelu { input, output, .. } | VertexCall::Scale { input, output, .. } | VertexCall::Copy { input, output, .. } => vec![input, output],
+            VertexCall::Softmax { input, output, reciprocals, .. } => [input, output].into_iter().chain(reciprocals.as_ref()).collect(),
             VertexCall::Add { a, b, output, .. } => vec![a, b, output],
             VertexCall::GeluErf { input, output, .. } => vec![input, output],
             VertexCall::BiasAdd { input, bias, output, .. } => vec![input, bias, output],

@@ -287,7 +287,12 @@ pub fn prefix_compatible(from: &Oriented, to: &Oriented, end: usize) -> bool {
     if end > f.operations.len() || end > t.operations.len() || f.operations[..end] != t.operations[..end] || from.origin[..end] != to.origin[..end] {
         return false;
     }
-    let used = f.operations[..end].iter().flat_map(|o| o.inputs.iter().chain([&o.output])).map(|v| v.0 as usize + 1).max().unwrap_or(0);
+    // A deferred softmax's reciprocals (the value after its output) belong to its prefix too.
+    let reciprocals = |g: &Graph| -> Vec<Option<ValueId>> { (0..end).map(|i| reciprocals_of(g, i)).collect() };
+    if reciprocals(f) != reciprocals(t) {
+        return false;
+    }
+    let used = f.operations[..end].iter().flat_map(|o| o.inputs.iter().chain([&o.output])).map(|v| v.0 as usize + 1).chain(reciprocals(f).into_iter().flatten().map(|v| v.0 as usize + 1)).max().unwrap_or(0);
     if used > f.values.len() || used > t.values.len() || f.values[..used] != t.values[..used] {
         return false;
     }
@@ -327,14 +332,14 @@ pub fn extend(partial: Partial, oriented: &Oriented, target: &Target, reserves: 
                     };
                     Epilogue { add: f.add, addend: f.addend, broadcast }
                 });
-                b.matmul(index, operation.inputs[0], operation.inputs[1], *transpose_b, operation.output, fold)?
+                b.matmul(index, operation.inputs[0], operation.inputs[1], *transpose_b, operation.output, fold, operation.inputs.get(2).copied())?
             }
             OpKind::Softmax if folded.contains_key(&index) => {
                 let (scale_op, factor) = folded[&index];
                 let input = graph.operations[scale_op].inputs[0];
-                b.elementwise_scaled(index, OpKind::Softmax, &[input], operation.output, factor as f32)?
+                b.elementwise_scaled(index, OpKind::Softmax, &[input], operation.output, factor as f32, reciprocals_of(graph, index))?
             }
-            kind => b.elementwise(index, kind.clone(), &operation.inputs, operation.output)?,
+            kind => b.elementwise_scaled(index, kind.clone(), &operation.inputs, operation.output, 1.0, reciprocals_of(graph, index))?,
         }
         let last_step = (b.steps.len() as u32).saturating_sub(1);
         b.spans.insert(index as u32, (first_step.min(last_step), last_step));
@@ -654,8 +659,12 @@ impl<'a> Builder<'a> {
         let original = self.origin.get(index).copied().unwrap_or(index as u32);
         plan.operation = original;
         let shown = self.checkpoint_value.get(&output).copied().unwrap_or(output);
-        let tensor = self.host_view(shown, HostRole::Intermediate);
-        self.checkpoints.push(LCheckpoint { operation: original, after_step: step, tensor });
+        // A softmax whose normalisation is deferred stores exp(x - max), not its value: no
+        // checkpoint can be compared with the reference.
+        if reciprocals_of(self.graph, index).is_none() {
+            let tensor = self.host_view(shown, HostRole::Intermediate);
+            self.checkpoints.push(LCheckpoint { operation: original, after_step: step, tensor });
+        }
         debug!(operation = plan.operation, value = %value.name, kind = %plan.kind, partitions = ?plan.partitions, tiles = plan.tiles,
             estimated_compute_cycles = plan.estimated_compute_cycles, estimated_exchange_cycles = plan.estimated_exchange_cycles,
             peak_bytes = plan.peak_bytes, "planned operation");
@@ -734,14 +743,32 @@ impl<'a> Builder<'a> {
             Broadcast::Row => (vec![cols], vec![cols.0]),
             Broadcast::Column => (vec![rows], vec![rows.0]),
             Broadcast::Full => (vec![rows, cols], vec![rows.0, cols.0]),
+            Broadcast::RowScale => return Err(LowerError::Unsupported { operation: self.operation_name.clone(), message: "a folded add cannot be a row scale".into() }),
         };
         let held = self.gather(e.addend, tile, &block, false, 0, false)?;
         Ok(Some(Addend { operand: held.loc(&first), broadcast: e.broadcast }))
     }
 
+    /// The row scale `value` (a deferred softmax's reciprocals, one fp32 factor per row) for
+    /// rows `rows` of batch `batches` (rank-3 products) gathered onto `tile`.
+    fn gather_row_scale(&mut self, value: Option<ValueId>, tile: u32, batches: Option<(u32, u32)>, rows: (u32, u32)) -> Result<Option<Held>, LowerError> {
+        let Some(value) = value else { return Ok(None) };
+        let block = match batches {
+            Some(b) => vec![b, rows, (0, 1)],
+            None => vec![rows, (0, 1)],
+        };
+        self.gather(value, tile, &block, false, 0, false).map(Some)
+    }
+
     /// A matrix product; `output` is the product's value, or with `fold` the folded add's.
-    fn matmul(&mut self, index: usize, a: ValueId, b: ValueId, b_transposed: bool, product: ValueId, fold: Option<Epilogue>) -> Result<(), LowerError> {
+    /// `row_scale`: the reciprocals of the softmax that produced A, whose normalisation the
+    /// product's epilogue (or its reduction's) applies.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul(&mut self, index: usize, a: ValueId, b: ValueId, b_transposed: bool, product: ValueId, fold: Option<Epilogue>, row_scale: Option<ValueId>) -> Result<(), LowerError> {
         let output = fold.map_or(product, |f| self.graph.operations[f.add].output);
+        if fold.is_some() && row_scale.is_some() {
+            return Err(LowerError::Unsupported { operation: self.operation_name.clone(), message: "a product with both a folded add and a deferred softmax normalisation".into() });
+        }
         let (av, bv) = (self.graph.value(a).clone(), self.graph.value(b).clone());
         let (batches, m, k) = split3(&av.shape);
         let (b_batches, b0, b1) = split3(&bv.shape);
@@ -844,7 +871,7 @@ impl<'a> Builder<'a> {
         let graph = self.graph;
         let original_name = graph.value(self.checkpoint_value.get(&product).copied().unwrap_or(product)).name.clone();
         let constraint = graph.file.constraints.iter().find(|c| c.operation == original_name);
-        let epilogue = fold.map(|f| f.broadcast);
+        let epilogue = fold.map(|f| f.broadcast).or(row_scale.map(|_| Broadcast::RowScale));
         let problem = MatMulProblem { batches, m, k, n, b_transposed, whole_rows, epilogue, remote_a_words: &remote_a, remote_b_words: &remote_b, gather_bound: &gather_bound, memory_budget: self.budget(), interleaved_budget: self.interleaved_budget(), standard_budget: self.standard_budget(), constraint };
         let layout = |chain: &ViewChain| match self.stored.get(&chain.base) {
             Some(s) => format!("{} stored {:?} {:?}", chain.signature(), s.grid.cuts, s.grid.tiles),
@@ -866,6 +893,14 @@ impl<'a> Builder<'a> {
         }
         let (nb, nm, nn, nk) = (plan.b_cuts.len() - 1, plan.m_cuts.len() - 1, plan.n_cuts.len() - 1, plan.k_cuts.len() - 1);
         let out_name = self.graph.value(output).name.clone();
+        // The AMP's 128-bit weight loads need a B row pitch of whole `weight_load_alignment`
+        // groups: a gathered B block whose rows are narrower is stored as one panel that wide
+        // (its rows padded), so that it loads as interleaved weights. 0: rows as they are.
+        let align = (self.target.memory.weight_load_alignment / bv.dtype.bytes()).max(1);
+        let b_pitch = |p: &MatMulPlan, i_n: usize, ik: usize| -> u32 {
+            let width = if b_transposed { p.k_cuts[ik + 1] - p.k_cuts[ik] } else { p.n_cuts[i_n + 1] - p.n_cuts[i_n] };
+            if p.weights_standard || width.is_multiple_of(align) { 0 } else { width.div_ceil(align) * align }
+        };
         // Partials reduced by column panels are written as panels of `gemm_block` columns.
         let by_columns = column_reduction(&plan.n_cuts, nk as u32, gemm_block);
         let c_panel = if by_columns { gemm_block } else { 0 };
@@ -877,22 +912,23 @@ impl<'a> Builder<'a> {
                     for ik in 0..nk {
                         let tile = plan.tile_of(ib, im, i_n, ik);
                         let ha = self.gather(a, tile, &a_block(&plan, ib, im, ik), false, panel, false)?;
-                        let hb = self.gather(b, tile, &b_block(&plan, ib, i_n, ik), !plan.weights_standard || constraint.is_none_or(|c| c.weight_memory.is_none()), 0, false)?;
+                        let hb = self.gather(b, tile, &b_block(&plan, ib, i_n, ik), !plan.weights_standard || constraint.is_none_or(|c| c.weight_memory.is_none()), b_pitch(&plan, i_n, ik), false)?;
                         let (br, mr, nr) = ((plan.b_cuts[ib], plan.b_cuts[ib + 1]), (plan.m_cuts[im], plan.m_cuts[im + 1]), (plan.n_cuts[i_n], plan.n_cuts[i_n + 1]));
                         let (dtype, kind) = if nk > 1 { (DType::F32, AllocationKind::Partials) } else { (DType::F16, AllocationKind::Data) };
                         let label = if nk > 1 { format!("{out_name}.partials") } else { out_name.clone() };
                         let out_block = if a_rank3 { vec![br, mr, nr] } else { vec![mr, nr] };
                         // Without partials the product's own call adds the addend.
                         let add = if nk == 1 { self.gather_addend(fold, tile, mr, nr)? } else { None };
+                        let scale = if nk == 1 { self.gather_row_scale(row_scale, tile, a_rank3.then_some(br), mr)? } else { None };
                         let hc = Held { buffer: u32::MAX, block: out_block, dtype, panel: c_panel, tight_last: false };
                         let buffer = self.buffer(tile, hc.stored_elements() * dtype.bytes() as u64, kind, kind == AllocationKind::Partials, &label);
-                        work.push((tile, ib, im, i_n, ik, ha, hb, Held { buffer, ..hc }, add));
+                        work.push((tile, ib, im, i_n, ik, ha, hb, Held { buffer, ..hc }, add, scale));
                     }
                 }
             }
         }
         let step = self.open_compute();
-        for (tile, ib, im, i_n, ik, ha, hb, hc, add) in &work {
+        for (tile, ib, im, i_n, ik, ha, hb, hc, add, scale) in &work {
             let (kr, nr, mr) = ((plan.k_cuts[*ik], plan.k_cuts[*ik + 1]), (plan.n_cuts[*i_n], plan.n_cuts[*i_n + 1]), (plan.m_cuts[*im], plan.m_cuts[*im + 1]));
             for batch in plan.b_cuts[*ib]..plan.b_cuts[*ib + 1] {
                 let with_batch = |rank3: bool, v: Vec<u32>, bi: u32| if rank3 { [vec![bi], v].concat() } else { v };
@@ -900,7 +936,11 @@ impl<'a> Builder<'a> {
                 let b_first = if b_transposed { vec![nr.0, kr.0] } else { vec![kr.0, nr.0] };
                 let b_loc = hb.loc(&with_batch(b_rank3, b_first, batch / group));
                 let c_loc = hc.loc(&with_batch(a_rank3, vec![mr.0, nr.0], batch));
-                let call = Call::MatMul { m: mr.1 - mr.0, k: kr.1 - kr.0, n: nr.1 - nr.0, a: a_loc, a_panel: ha.panel, b: b_loc, b_transposed, c: c_loc, c_panel: hc.panel, partials: nk > 1, add: *add };
+                let add = match scale {
+                    Some(h) => Some(row_scale_addend(h, a_rank3.then_some((batch, batch + 1)), mr.0)),
+                    None => *add,
+                };
+                let call = Call::MatMul { m: mr.1 - mr.0, k: kr.1 - kr.0, n: nr.1 - nr.0, a: a_loc, a_panel: ha.panel, b: b_loc, b_transposed, c: c_loc, c_panel: hc.panel, partials: nk > 1, add };
                 self.emit(step, *tile, call);
             }
         }
@@ -908,16 +948,16 @@ impl<'a> Builder<'a> {
         let mut final_step = step;
         if nk == 1 {
             grid.cuts = if a_rank3 { vec![plan.b_cuts.clone(), plan.m_cuts.clone(), plan.n_cuts.clone()] } else { vec![plan.m_cuts.clone(), plan.n_cuts.clone()] };
-            for (tile, .., hc, _) in &work {
+            for (tile, .., hc, _, _) in &work {
                 grid.tiles.push(*tile);
                 grid.buffers.push(hc.buffer);
             }
         } else {
             let partials: Vec<(u32, u32)> = work.iter().map(|w| (w.0, w.7.buffer)).collect();
             final_step = if by_columns {
-                self.reduce_by_columns(&plan, &partials, a_rank3, &out_name, &mut grid, fold)?
+                self.reduce_by_columns(&plan, &partials, a_rank3, &out_name, &mut grid, fold, row_scale)?
             } else {
-                self.reduce(&plan, &partials, a_rank3, &out_name, &mut grid, fold)?
+                self.reduce(&plan, &partials, a_rank3, &out_name, &mut grid, fold, row_scale)?
             };
         }
         let swapped = self.checkpoint_value.contains_key(&product);
@@ -985,7 +1025,8 @@ impl<'a> Builder<'a> {
     /// Reduce the inner partials of each (batch, row, column) block by column panels: member j
     /// of a group owns panel j (all rows), receives the others' panel j (one contiguous run
     /// each) and sums them into f16. The value is stored in cells one panel wide.
-    fn reduce_by_columns(&mut self, plan: &MatMulPlan, partials: &[(u32, u32)], rank3: bool, name: &str, grid: &mut Grid, fold: Option<Epilogue>) -> Result<u32, LowerError> {
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_by_columns(&mut self, plan: &MatMulPlan, partials: &[(u32, u32)], rank3: bool, name: &str, grid: &mut Grid, fold: Option<Epilogue>, row_scale: Option<ValueId>) -> Result<u32, LowerError> {
         let (nb, nm, nn, nk) = (plan.b_cuts.len() - 1, plan.m_cuts.len() - 1, plan.n_cuts.len() - 1, plan.k_cuts.len() - 1);
         let w = self.target.costs.gemm_block as u32;
         let mut col_cuts = vec![0u32];
@@ -1009,6 +1050,11 @@ impl<'a> Builder<'a> {
                         let out = self.buffer(owner, rows as u64 * row_stride(cols, DType::F16) as u64 * 2, AllocationKind::Data, false, name);
                         // Folds are rank-2 only, so a batch piece is one element here.
                         let add = self.gather_addend(fold, owner, (plan.m_cuts[im], plan.m_cuts[im + 1]), (col, col + cols))?;
+                        let batch = self.single_batch(plan, ib, rank3)?;
+                        let add = match self.gather_row_scale(row_scale, owner, batch, (plan.m_cuts[im], plan.m_cuts[im + 1]))? {
+                            Some(h) => Some(row_scale_addend(&h, batch, plan.m_cuts[im])),
+                            None => add,
+                        };
                         reductions.push((ib, im, col, owner, rows, cols, parts, out, add));
                     }
                 }
@@ -1027,6 +1073,20 @@ impl<'a> Builder<'a> {
             grid.buffers.push(buffer);
         }
         Ok(step)
+    }
+
+    /// The batch piece `ib` of a reduced rank-3 product as a block range (a reduction's rows
+    /// are one batch's: the planner splits the inner axis only when batch pieces are one
+    /// element); `None` for rank-2 products.
+    fn single_batch(&self, plan: &MatMulPlan, ib: usize, rank3: bool) -> Result<Option<(u32, u32)>, LowerError> {
+        if !rank3 {
+            return Ok(None);
+        }
+        let (b0, b1) = (plan.b_cuts[ib], plan.b_cuts[ib + 1]);
+        if b1 - b0 != 1 {
+            return Err(LowerError::Unsupported { operation: self.operation_name.clone(), message: format!("a reduction over a batch piece of {} batches", b1 - b0) });
+        }
+        Ok(Some((b0, b1)))
     }
 
     /// The fp32 partials member `j` of a reduction group sums: its own at `offset` (words) in
@@ -1050,7 +1110,8 @@ impl<'a> Builder<'a> {
 
     /// Reduce the inner partials of each (batch, row, column) block: member j of a group owns
     /// row chunk j, receives the others' partials for it, and sums them into f16.
-    fn reduce(&mut self, plan: &MatMulPlan, partials: &[(u32, u32)], rank3: bool, name: &str, grid: &mut Grid, fold: Option<Epilogue>) -> Result<u32, LowerError> {
+    #[allow(clippy::too_many_arguments)]
+    fn reduce(&mut self, plan: &MatMulPlan, partials: &[(u32, u32)], rank3: bool, name: &str, grid: &mut Grid, fold: Option<Epilogue>, row_scale: Option<ValueId>) -> Result<u32, LowerError> {
         let (nb, nm, nn, nk) = (plan.b_cuts.len() - 1, plan.m_cuts.len() - 1, plan.n_cuts.len() - 1, plan.k_cuts.len() - 1);
         let mut row_cuts = vec![0u32];
         for im in 0..nm {
@@ -1073,6 +1134,11 @@ impl<'a> Builder<'a> {
                         let out = self.buffer(owner, rows as u64 * row_stride(cols, DType::F16) as u64 * 2, AllocationKind::Data, false, name);
                         let row0 = plan.m_cuts[im] + chunks[j];
                         let add = self.gather_addend(fold, owner, (row0, row0 + rows), (plan.n_cuts[i_n], plan.n_cuts[i_n + 1]))?;
+                        let batch = self.single_batch(plan, ib, rank3)?;
+                        let add = match self.gather_row_scale(row_scale, owner, batch, (row0, row0 + rows))? {
+                            Some(h) => Some(row_scale_addend(&h, batch, row0)),
+                            None => add,
+                        };
                         reductions.push((ib, row0, i_n, owner, rows, cols, parts, out, add));
                     }
                 }
@@ -1093,13 +1159,10 @@ impl<'a> Builder<'a> {
         Ok(step)
     }
 
-    fn elementwise(&mut self, index: usize, kind: OpKind, inputs: &[ValueId], output: ValueId) -> Result<(), LowerError> {
-        self.elementwise_scaled(index, kind, inputs, output, 1.0)
-    }
-
     /// An elementwise operation; a softmax with `scale` != 1 reads its input scaled (a scale
-    /// pass folded into it).
-    fn elementwise_scaled(&mut self, index: usize, kind: OpKind, inputs: &[ValueId], output: ValueId, scale: f32) -> Result<(), LowerError> {
+    /// pass folded into it), and with `reciprocals` leaves its rows unnormalised and stores
+    /// 1 / sum per row in that value (its consumer's epilogue normalises).
+    fn elementwise_scaled(&mut self, index: usize, kind: OpKind, inputs: &[ValueId], output: ValueId, scale: f32, reciprocals: Option<ValueId>) -> Result<(), LowerError> {
         let out = self.graph.value(output).clone();
         let chain = ViewChain::resolve(self.graph, inputs[0]);
         if matches!(kind, OpKind::BiasAdd) && self.checkpoint_value.contains_key(&chain.base) {
@@ -1149,12 +1212,24 @@ impl<'a> Builder<'a> {
                 .collect::<Result<_, _>>()?;
             let buffer = self.buffer(tile, block_elements_stored(&block, out.dtype) * out.dtype.bytes() as u64, AllocationKind::Data, false, &out.name);
             grid.buffers.push(buffer);
-            work.push((tile, block, held, Held::plain(buffer, grid.cell_block(cell), out.dtype)));
+            // The row reciprocals: one fp32 element per row of the block.
+            let r_held = match reciprocals {
+                Some(r) => {
+                    let mut r_block = block[..block.len() - 1].to_vec();
+                    r_block.push((0, 1));
+                    let name = self.graph.value(r).name.clone();
+                    let r_buffer = self.buffer(tile, block_elements_stored(&r_block, DType::F32) * 4, AllocationKind::Data, false, &name);
+                    Some(Held::plain(r_buffer, r_block, DType::F32))
+                }
+                None => None,
+            };
+            work.push((tile, block, held, Held::plain(buffer, grid.cell_block(cell), out.dtype), r_held));
         }
         let step = self.open_compute();
         let mut peak = 0u64;
         let mut compute = 0u64;
-        for (tile, block, held, out_held) in work {
+        let mut r_buffers = Vec::new();
+        for (tile, block, held, out_held, r_held) in work {
             let rank = block.len();
             let cols = block[rank - 1].1 - block[rank - 1].0;
             // One call per leading row block whose rows are contiguous in every operand.
@@ -1165,13 +1240,16 @@ impl<'a> Builder<'a> {
                 first.extend(block[prefix.len()..].iter().map(|r| r.0));
                 let ins: Vec<Loc> = held.iter().map(|h| if h.block.len() < first.len() { h.loc(&first[first.len() - 1..]) } else { h.loc(&first) }).collect();
                 let o = out_held.loc(&first);
-                let Some(call) = super::elementwise::call(&kind, rows, cols, &ins, o, scale, held[0].panel) else {
+                let r = r_held.as_ref().map(|h| h.loc(&[&first[..first.len() - 1], &[0]].concat()));
+                let Some(call) = super::elementwise::call(&kind, rows, cols, &ins, o, scale, held[0].panel, r) else {
                     return Err(LowerError::Unsupported { operation: out.name.clone(), message: format!("{} is not an elementwise operation", kind.name()) });
                 };
                 compute += cost::vertex_with(self.target, &call, |_| false);
                 self.emit(step, tile, call);
             }
-            peak = peak.max(block_elements_stored(&block, out.dtype) * out.dtype.bytes() as u64 * (inputs.len() as u64 + 1));
+            let r_bytes = r_held.as_ref().map_or(0, |h| block_elements_stored(&h.block, DType::F32) * 4);
+            peak = peak.max(block_elements_stored(&block, out.dtype) * out.dtype.bytes() as u64 * (inputs.len() as u64 + 1) + r_bytes);
+            r_buffers.extend(r_held.map(|h| h.buffer));
         }
         let cells = grid.tiles.len() as u32;
         let plan = OperationPlan {
@@ -1188,6 +1266,12 @@ impl<'a> Builder<'a> {
             estimated_exchange_cycles: 0,
             peak_bytes: peak,
         };
+        if let Some(r) = reciprocals {
+            let mut cuts = grid.cuts[..grid.cuts.len() - 1].to_vec();
+            cuts.push(vec![0, 1]);
+            let r_grid = Grid { cuts, tiles: grid.tiles.clone(), buffers: r_buffers };
+            self.stored.insert(r, Stored { grid: r_grid, dtype: DType::F32 });
+        }
         self.record(index, output, grid, out.dtype, step, plan);
         Ok(())
     }
@@ -1236,6 +1320,23 @@ impl<'a> Builder<'a> {
     }
 }
 
+
+/// The epilogue row scale held in `h` for rows from `row0` of batch `batch` (rank-3 products).
+fn row_scale_addend(h: &Held, batch: Option<(u32, u32)>, row0: u32) -> Addend<Loc> {
+    let first = match batch {
+        Some(b) => vec![b.0, row0, 0],
+        None => vec![row0, 0],
+    };
+    Addend { operand: h.loc(&first), broadcast: Broadcast::RowScale }
+}
+
+/// The row reciprocals of softmax operation `softmax` when its normalisation is deferred to
+/// the product consuming it (`orient` adds that value): the value the operation produces
+/// besides its output.
+fn reciprocals_of(graph: &Graph, softmax: usize) -> Option<ValueId> {
+    let output = graph.operations.get(softmax)?.output;
+    graph.values.iter().enumerate().find(|(i, v)| v.producer == Producer::Operation(softmax) && *i as u32 != output.0).map(|(i, _)| ValueId(i as u32))
+}
 
 /// Scale passes folded into the softmax that consumes them: softmax operation index ->
 /// (scale operation index, factor). A scale folds when its factor is positive (so the row

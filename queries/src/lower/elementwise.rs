@@ -30,14 +30,15 @@ pub fn reads_panels(kind: &OpKind) -> bool {
 
 /// The call over `rows` x `cols` elements for one elementwise kind, with `scale` the factor a
 /// softmax reads its input with (1 when none was folded in) and `panel` the panel width its
-/// input is stored in (0: row-major; only for kinds that [`reads_panels`]). `None` for kinds
+/// input is stored in (0: row-major; only for kinds that [`reads_panels`]), `reciprocals` where
+/// a softmax stores its row reciprocals when its normalisation is deferred. `None` for kinds
 /// that are not elementwise.
-pub fn call(kind: &OpKind, rows: u32, cols: u32, ins: &[Loc], output: Loc, scale: f32, panel: u32) -> Option<Call> {
+pub fn call(kind: &OpKind, rows: u32, cols: u32, ins: &[Loc], output: Loc, scale: f32, panel: u32, reciprocals: Option<Loc>) -> Option<Call> {
     Some(match kind {
         OpKind::Gelu => Call::Gelu { rows, cols, input: ins[0], output },
         OpKind::GeluErf => Call::GeluErf { rows, cols, input: ins[0], output },
         OpKind::Scale { factor } => Call::Scale { rows, cols, factor: *factor as f32, input: ins[0], output },
-        OpKind::Softmax => Call::Softmax { rows, cols, scale, input: ins[0], input_panel: panel, output },
+        OpKind::Softmax => Call::Softmax { rows, cols, scale, input: ins[0], input_panel: panel, output, reciprocals },
         OpKind::Add => Call::Add { rows, cols, a: ins[0], b: ins[1], output },
         OpKind::BiasAdd => Call::BiasAdd { rows, cols, input: ins[0], bias: ins[1], output },
         OpKind::LayerNorm { eps } => Call::LayerNorm { rows, cols, eps: *eps as f32, input: ins[0], gamma: ins[1], beta: ins[2], output },

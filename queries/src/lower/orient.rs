@@ -51,6 +51,39 @@ pub fn swappable(graph: &Graph) -> Vec<usize> {
         .collect()
 }
 
+/// Suffix of the row reciprocals value of a softmax whose normalisation is deferred.
+pub const RECIPROCALS: &str = ".row_reciprocals";
+
+/// The softmax operations of `graph` whose normalisation the product consuming them applies
+/// (softmax operation index -> product operation index): the probabilities are not an output,
+/// their only reader is one product that is not swapped (`swapped`), reading them as A, with
+/// no add folded into its epilogue. The softmax then stores exp(x - max) and 1 / sum per row;
+/// the product (or the reduction finishing it) multiplies its rows by those reciprocals, and
+/// the normalise pass over the probabilities is not run. The probabilities then never exist
+/// on the device, so they have no checkpoint.
+pub fn deferred_softmaxes(graph: &Graph, swapped: &BTreeSet<usize>) -> BTreeMap<usize, usize> {
+    let mut out = BTreeMap::new();
+    for (j, o) in graph.operations.iter().enumerate() {
+        if !matches!(o.kind, OpKind::Softmax) || o.inputs.len() != 1 || graph.outputs.contains(&o.output) {
+            continue;
+        }
+        let readers: Vec<usize> = graph.operations.iter().enumerate().filter(|(_, c)| c.inputs.contains(&o.output)).map(|(c, _)| c).collect();
+        if let [c] = readers[..] {
+            let product = &graph.operations[c];
+            if matches!(product.kind, OpKind::MatMul { .. })
+                && product.inputs.len() == 2
+                && product.inputs[0] == o.output
+                && product.inputs[1] != o.output
+                && !swapped.contains(&c)
+                && super::elementwise::folded_add(graph, c).is_none()
+            {
+                out.insert(j, c);
+            }
+        }
+    }
+    out
+}
+
 /// Rewrite `graph` with the products at `swapped` (operation indices) computed transposed.
 /// The rewritten graph is built directly, not parsed: its transposes of host tensors move the
 /// innermost axis, which the workload validation rejects for users (a gather through them
@@ -82,6 +115,10 @@ pub fn orient_until(graph: &Graph, swapped: &BTreeSet<usize>, until: usize) -> R
         id
     };
     let t2 = |s: &[u32]| vec![s[1], s[0]];
+    // Deferred softmax normalisations: the softmax also produces its row reciprocals (a value
+    // right after its output), which the consuming product reads as a third input.
+    let deferred = deferred_softmaxes(graph, swapped);
+    let mut reciprocals: BTreeMap<usize, ValueId> = BTreeMap::new();
     for (index, operation) in graph.operations.iter().enumerate() {
         let out = graph.value(operation.output);
         let swapped_name = format!("{}{SWAPPED}", out.name);
@@ -140,9 +177,21 @@ pub fn orient_until(graph: &Graph, swapped: &BTreeSet<usize>, until: usize) -> R
             checkpoint_value.insert(stored, view);
             continue;
         }
-        let inputs = operation.inputs.iter().map(|i| map[i]).collect();
+        let mut inputs: Vec<ValueId> = operation.inputs.iter().map(|i| map[i]).collect();
+        if let Some((softmax, _)) = deferred.iter().find(|(_, &c)| c == index) {
+            inputs.push(reciprocals[softmax]);
+        }
         let id = push(&mut values, &mut operations, &mut origin, operation.kind.clone(), inputs, out.name.clone(), out.shape.clone(), out.dtype, index);
         map.insert(operation.output, id);
+        if deferred.contains_key(&index) {
+            let r = ValueId(values.len() as u32);
+            // One element per row: each factor in its own aligned slot, so any block of rows
+            // moves and copies in whole 64-bit-aligned pieces.
+            let mut rows = out.shape[..out.shape.len() - 1].to_vec();
+            rows.push(1);
+            values.push(Value { name: format!("{}{RECIPROCALS}", out.name), shape: rows, dtype: DType::F32, producer: Producer::Operation(operations.len() - 1) });
+            reciprocals.insert(index, r);
+        }
     }
     let outputs = graph.outputs.iter().map(|o| map[o]).collect();
     let rewritten = Graph { name: graph.name.clone(), file: graph.file.clone(), values, operations, outputs };
@@ -233,6 +282,40 @@ inputs = ["g", "w2"]
         // A product with a second reader besides its bias add does not fold, so it is not swapped.
         let g = Graph::parse(&biased("[[operation]]\nname = \"h2\"\nop = \"gelu\"\ninputs = [\"h\"]\n"), "mlp").unwrap();
         assert_eq!(swappable(&g), vec![3]);
+    }
+
+    fn attention(outputs: &str) -> String {
+        let mut text = format!("name = \"att\"\noutputs = [{outputs}]\n");
+        for name in ["q", "k", "v"] {
+            text += &format!("[[tensor]]\nname = \"{name}\"\nshape = [6, 8]\ndtype = \"f16\"\nrole = \"input\"\ninit = \"zeros\"\n");
+        }
+        text += "[[operation]]\nname = \"s\"\nop = \"matmul\"\ninputs = [\"q\", \"k\"]\ntranspose_b = true\n";
+        text += "[[operation]]\nname = \"p\"\nop = \"softmax\"\ninputs = [\"s\"]\n";
+        text + "[[operation]]\nname = \"c\"\nop = \"matmul\"\ninputs = [\"p\", \"v\"]\n"
+    }
+
+    #[test]
+    fn a_softmax_read_only_by_an_unswapped_product_defers_its_normalisation() {
+        let g = Graph::parse(&attention("\"c\""), "att").unwrap();
+        assert_eq!(deferred_softmaxes(&g, &BTreeSet::new()), [(1, 2)].into_iter().collect());
+        let o = orient(&g, &BTreeSet::new()).unwrap();
+        // The reciprocals follow the softmax's output, one fp32 element per row, and the
+        // product reads them as its third input.
+        let r = o.graph.find(&format!("p{RECIPROCALS}")).expect("the reciprocals value");
+        let p = o.graph.find("p").unwrap();
+        assert_eq!(r.0, p.0 + 1);
+        assert_eq!((o.graph.value(r).shape.clone(), o.graph.value(r).dtype), (vec![6, 1], DType::F32));
+        assert_eq!(o.graph.value(r).producer, Producer::Operation(1));
+        assert_eq!(o.graph.operations[2].inputs, vec![p, o.graph.find("v").unwrap(), r]);
+        // Not when the product is swapped (it reads the probabilities transposed), nor when
+        // the probabilities are an output.
+        assert!(deferred_softmaxes(&g, &[2].into_iter().collect()).is_empty());
+        if let Ok(o) = orient(&g, &[2].into_iter().collect()) {
+            assert!(o.graph.find(&format!("p{RECIPROCALS}")).is_none());
+        }
+        let g = Graph::parse(&attention("\"c\", \"p\""), "att").unwrap();
+        assert!(deferred_softmaxes(&g, &BTreeSet::new()).is_empty());
+        assert_eq!(orient(&g, &BTreeSet::new()).unwrap().graph.values.len(), g.values.len());
     }
 
     #[test]

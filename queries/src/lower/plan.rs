@@ -262,9 +262,11 @@ fn cost_plan(t: &Target, p: &MatMulProblem, b_cuts: Vec<u32>, m_cuts: Vec<u32>, 
     let mut compute = bs as u64 * cost::gemm(t, ms, ks, ns, class, p.b_transposed);
     let mut exchange = 0u64;
     let mut bytes = a_bytes + b_bytes;
-    // The epilogue addend's f16 block for an output block of `rows` x `cols` (rows padded to words).
+    // The epilogue addend's f16 block for an output block of `rows` x `cols` (rows padded to
+    // 8 bytes), or a row scale's fp32 factors (one per stored row, padded to 4 elements).
     let addend_bytes = |rows: u32, cols: u32| match p.epilogue {
         None => 0,
+        Some(Broadcast::RowScale) => rows as u64 * 4 * 4,
         Some(b) => {
             let (r, c) = b.extent(rows, cols);
             r as u64 * c.div_ceil(4) as u64 * 4 * 2
@@ -273,15 +275,15 @@ fn cost_plan(t: &Target, p: &MatMulProblem, b_cuts: Vec<u32>, m_cuts: Vec<u32>, 
     if pk > 1 {
         bytes += partials_bytes + chunk_rows as u64 * chunk_cols.div_ceil(4) as u64 * 4 * 2;
         compute += cost::reduce(t, pk, chunk_rows as u64 * chunk_cols as u64);
-        if p.epilogue.is_some() {
-            compute += cost::epilogue_add(t, chunk_rows as u64 * chunk_cols as u64);
+        if let Some(b) = p.epilogue {
+            compute += cost::epilogue(t, b, chunk_rows as u64 * chunk_cols as u64);
             bytes += addend_bytes(chunk_rows, chunk_cols);
         }
         exchange += sync + max_delay as u64 + receive_words;
     } else {
         bytes += bs as u64 * ms as u64 * ns_f16 as u64 * 2;
-        if p.epilogue.is_some() {
-            compute += bs as u64 * cost::epilogue_add(t, ms as u64 * ns as u64);
+        if let Some(b) = p.epilogue {
+            compute += bs as u64 * cost::epilogue(t, b, ms as u64 * ns as u64);
             bytes += addend_bytes(ms, ns);
         }
     }

@@ -97,7 +97,7 @@ fn accesses(call: &VertexCall) -> Vec<Access> {
         VertexCall::Gelu { rows, cols, input, output } | VertexCall::Scale { rows, cols, input, output, .. } => {
             vec![half("input", *input, *rows, *cols), half("output", *output, *rows, *cols)]
         }
-        VertexCall::Softmax { rows, cols, input, input_panel, output, .. } => {
+        VertexCall::Softmax { rows, cols, input, input_panel, output, reciprocals, .. } => {
             // A panelled input: cols / w full panels of `rows` rows (row stride input.row_stride),
             // then a narrower last panel at its own stride, one contiguous span.
             let input_access = if *input_panel > 0 {
@@ -107,7 +107,11 @@ fn accesses(call: &VertexCall) -> Vec<Access> {
             } else {
                 half("input", *input, *rows, *cols)
             };
-            vec![input_access, half("output", *output, *rows, *cols)]
+            let mut list = vec![input_access, half("output", *output, *rows, *cols)];
+            if let Some(r) = reciprocals {
+                list.push(Access { name: "reciprocals", op: *r, rows: *rows, cols: 1, element_bytes: 4, need: Need::Data });
+            }
+            list
         }
         VertexCall::Add { rows, cols, a, b, output } => {
             vec![half("a", *a, *rows, *cols), half("b", *b, *rows, *cols), half("output", *output, *rows, *cols)]
@@ -137,7 +141,8 @@ fn accesses(call: &VertexCall) -> Vec<Access> {
 fn addend_access(add: &Option<Addend<Operand>>, rows: u32, cols: u32) -> Option<Access> {
     let x = add.as_ref()?;
     let (r, c) = x.broadcast.extent(rows, cols);
-    Some(Access { name: "add", op: x.operand, rows: r, cols: c, element_bytes: 2, need: Need::Data })
+    let element_bytes = if x.broadcast == Broadcast::RowScale { 4 } else { 2 };
+    Some(Access { name: "add", op: x.operand, rows: r, cols: c, element_bytes, need: Need::Data })
 }
 
 /// Check every call of a tile's compute set, which runs at program steps `steps`, and add up
@@ -292,7 +297,7 @@ pub fn execute(memory: &mut TileMemory, call: &VertexCall, s: &mut Scratch) {
             kernels::accumulate(&mut s.a, &s.b);
             memory.write_f16(*output, *rows, *cols, &s.a, &mut s.halves);
         }
-        VertexCall::Softmax { rows, cols, scale, input, input_panel, output } => {
+        VertexCall::Softmax { rows, cols, scale, input, input_panel, output, reciprocals } => {
             if *input_panel > 0 {
                 read_panels(memory, *input, *input_panel, *rows, *cols, true, s);
             } else {
@@ -302,7 +307,13 @@ pub fn execute(memory: &mut TileMemory, call: &VertexCall, s: &mut Scratch) {
                 kernels::scale(&mut s.a, *scale);
                 kernels::round_to_f16(&mut s.a);
             }
-            kernels::softmax_rows(&mut s.a, *cols as usize);
+            match reciprocals {
+                Some(r) => {
+                    kernels::softmax_rows_unnormalised(&mut s.a, *cols as usize, &mut s.b);
+                    memory.write_f32(*r, *rows, 1, &s.b);
+                }
+                None => kernels::softmax_rows(&mut s.a, *cols as usize),
+            }
             memory.write_f16(*output, *rows, *cols, &s.a, &mut s.halves);
         }
         VertexCall::GeluErf { rows, cols, input, output } => {
@@ -334,11 +345,17 @@ pub fn execute(memory: &mut TileMemory, call: &VertexCall, s: &mut Scratch) {
 fn add_epilogue(memory: &TileMemory, add: &Option<Addend<Operand>>, rows: u32, cols: u32, s: &mut Scratch) {
     let Some(x) = add else { return };
     let (r, c) = x.broadcast.extent(rows, cols);
-    memory.read_f16(x.operand, r, c, &mut s.bits, &mut s.t);
+    // A row scale is fp32 and multiplies; an addend is f16 and adds.
+    if x.broadcast == Broadcast::RowScale {
+        memory.read_f32(x.operand, r, c, &mut s.t);
+    } else {
+        memory.read_f16(x.operand, r, c, &mut s.bits, &mut s.t);
+    }
     match x.broadcast {
         Broadcast::Row => kernels::add_row(&mut s.c, &s.t),
         Broadcast::Column => kernels::add_column(&mut s.c, &s.t),
         Broadcast::Full => kernels::accumulate(&mut s.c, &s.t),
+        Broadcast::RowScale => kernels::scale_rows(&mut s.c, &s.t),
     }
 }
 

@@ -207,6 +207,38 @@ pub fn softmax_rows(values: &mut [f32], cols: usize) {
     }
 }
 
+/// Softmax over each row of `cols` elements with the normalisation deferred: subtract the row
+/// maximum and exponentiate, summing in increasing column order (as `softmax_rows`), and leave
+/// the values unnormalised; `reciprocals` receives 1 / sum per row, in row order.
+pub fn softmax_rows_unnormalised(values: &mut [f32], cols: usize, reciprocals: &mut Vec<f32>) {
+    reciprocals.clear();
+    if cols == 0 {
+        return;
+    }
+    for row in values.chunks_exact_mut(cols) {
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0.0f32;
+        for x in row.iter_mut() {
+            *x = (*x - max).exp();
+            sum += *x;
+        }
+        reciprocals.push(1.0 / sum);
+    }
+}
+
+/// `values[r][c] *= factors[r]` for every row r (`factors.len()` rows).
+pub fn scale_rows(values: &mut [f32], factors: &[f32]) {
+    if factors.is_empty() {
+        return;
+    }
+    let cols = values.len() / factors.len();
+    for (row, &f) in values.chunks_exact_mut(cols.max(1)).zip(factors) {
+        for v in row.iter_mut() {
+            *v *= f;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -236,6 +268,15 @@ mod tests {
         let mut v = vec![1.0, 2.0, 3.0, -1.0, 0.0, 1.0];
         softmax_rows(&mut v, 3);
         assert!((v[..3].iter().sum::<f32>() - 1.0).abs() < 1e-6);
+        let mut u = vec![1.0, 2.0, 3.0, -1.0, 0.0, 1.0];
+        let mut reciprocals = Vec::new();
+        softmax_rows_unnormalised(&mut u, 3, &mut reciprocals);
+        assert_eq!(reciprocals.len(), 2);
+        assert_eq!(u[2], 1.0, "the row maximum exponentiates to one");
+        scale_rows(&mut u, &reciprocals);
+        for (a, b) in u.iter().zip(&v) {
+            assert!((a - b).abs() < 1e-6, "deferred {a} vs normalised {b}");
+        }
         let mut g = vec![0.0, 1.0, -1.0];
         gelu(&mut g);
         assert_eq!(g[0], 0.0);
