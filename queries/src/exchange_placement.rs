@@ -112,6 +112,11 @@ fn score(tables: &[ExchangePhase], stats: &PhaseStats) -> (u64, u64) {
 /// drops a finalist whose conflicts this search cannot remove, so a build does not get here).
 pub fn optimize_exchange_placement(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_bytes: &[u32], baseline: &Placement) -> Result<Placement, CompileError> {
     let (placement, conflicts) = best_exchange_placement(target, lowered, schedules, code_bytes, baseline)?;
+    check_placement(placement, conflicts)
+}
+
+/// The stage's verdict on a searched placement: an error when conflicts remain.
+pub fn check_placement(placement: Placement, conflicts: u64) -> Result<Placement, CompileError> {
     if conflicts > 0 {
         return Err(CompileError(format!("{conflicts} memory-element conflict tile-cycles remain after exchange placement (tile memory too full to separate send and receive buffers); the device would reject the package")));
     }

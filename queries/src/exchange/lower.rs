@@ -157,12 +157,16 @@ pub(crate) fn check_fits(problem: &Problem, phase: &PhaseRequest, schedule: &Sch
 pub fn relocate(target: &Target, phase: &PhaseRequest, cached: &Schedule, check: bool) -> Result<ExchangePhase, ExchangeError> {
     if check {
         let problem = prepare(target, phase)?;
-        check_fits(&problem, phase, cached)?;
+        return relocate_checked(target, &problem, phase, cached);
     }
+    Ok(write_tables(target, phase, cached))
+}
+
+/// `relocate` with `check`, on the phase's already prepared problem.
+fn relocate_checked(target: &Target, problem: &Problem, phase: &PhaseRequest, cached: &Schedule) -> Result<ExchangePhase, ExchangeError> {
+    check_fits(problem, phase, cached)?;
     let tables = write_tables(target, phase, cached);
-    if check {
-        validate(target, phase, &tables).map_err(|source| ExchangeError::Invalid { phase: phase.index, source })?;
-    }
+    validate(target, phase, &tables).map_err(|source| ExchangeError::Invalid { phase: phase.index, source })?;
     Ok(tables)
 }
 
@@ -170,7 +174,7 @@ pub fn relocate(target: &Target, phase: &PhaseRequest, cached: &Schedule, check:
 /// validate, and return the tables. Fails when the schedule does not fit (then schedule anew).
 pub fn reuse(target: &Target, phase: &PhaseRequest, cached: &Schedule) -> Result<ExchangePhase, ExchangeError> {
     let problem = prepare(target, phase)?;
-    let tables = relocate(target, phase, cached, true)?;
+    let tables = relocate_checked(target, &problem, phase, cached)?;
     info!(phase = phase.index, "reused exchange optimization after validating relocated rows");
     info!(phase = phase.index, transfers = phase.transfers.len(), maximum_identical_destinations = problem.maximum_identical_destinations(), "prepared large physical exchange phase");
     super::log_optimized(phase.index, cached.horizon, tables.horizon, cached.endpoint_lower_bound, ScheduleKind::Reused, 0);
