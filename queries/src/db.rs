@@ -94,7 +94,11 @@ pub struct Database {
     /// reads (`pipeline::placement_search_key`): the stage `optimize_exchange_placement` finds
     /// the chosen finalist's search there instead of running it again. Holds the latest
     /// selection's searches only; not stored on disk.
-    pub(crate) placement_memo: Arc<std::sync::Mutex<std::collections::HashMap<Digest, (crate::storage::Placement, u64)>>>,
+    pub(crate) placement_memo: Arc<std::sync::Mutex<std::collections::HashMap<Digest, Arc<crate::exchange_placement::Searched>>>>,
+    /// The tables the exchange-placement search validated for the placement it accepted, by
+    /// the key of what they are made of (`pipeline::validated_key`): `lower_exchanges` packs
+    /// them instead of validating the same tables again. Taken by the next `lower_exchanges`.
+    pub(crate) validated_memo: Arc<std::sync::Mutex<Option<(Digest, Arc<Vec<crate::package::ExchangePhase>>)>>>,
 }
 
 #[salsa::db]
@@ -118,6 +122,7 @@ impl Database {
             schedule_memo: Arc::default(),
             tables_memo: Arc::default(),
             placement_memo: Arc::default(),
+            validated_memo: Arc::default(),
             plan_finalists: crate::lower::search::DEFAULT_FINALISTS,
             table_budget: crate::sizing::EXCHANGE_TABLE_BUDGET_BYTES,
         }

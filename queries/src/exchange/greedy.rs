@@ -87,10 +87,10 @@ pub(crate) fn choose_pairing(problem: &Problem, mode: Pairing) -> Vec<bool> {
 ///
 /// `not_before`: the earliest start the last look found (0: not looked at yet, or it could
 /// start then). Ports only ever get busier, so a transfer whose last look said "not before c"
-/// cannot start before c: while c is still ahead it is skipped without walking its ports, and
-/// c stands in for its start when the sender picks when to look again. That cycle may come
-/// earlier than the exact one, never later, so the sender only looks more often, at cycles
-/// where nothing can start: which piece goes when is exactly as without it.
+/// cannot start before c: while c is still ahead it is skipped without walking its ports.
+/// When no transfer can start, the skipped ones are walked after all (those whose bound is
+/// below the earliest start found), so the sender looks again exactly when the first one can
+/// start: which piece goes when is exactly as when every look walks every port.
 #[derive(Clone)]
 struct Waiting {
     job: u32,
@@ -165,6 +165,13 @@ pub(crate) fn full_duplex(problem: &Problem, paired: &[bool], chunk_words: u32, 
             }
         }
         let Some((_, j)) = best else {
+            // Exact earliest start: bounds below the earliest found may be stale.
+            for w in pending[su].iter_mut().filter(|w| w.not_before > now) {
+                if w.not_before < soonest {
+                    w.not_before = earliest(problem, &timeline, su, w);
+                    soonest = soonest.min(w.not_before);
+                }
+            }
             if soonest != u32::MAX {
                 heap.push(Reverse((soonest, s)));
             }
@@ -197,6 +204,18 @@ pub(crate) fn full_duplex(problem: &Problem, paired: &[bool], chunk_words: u32, 
     }
     timing::merge_adjacent(&mut pieces);
     pieces
+}
+
+/// The earliest send cycle of a waiting transfer of sender `su` on the timeline so far.
+fn earliest(problem: &Problem, timeline: &Timeline, su: usize, w: &Waiting) -> u32 {
+    let mut start = timeline.send_free[su];
+    if w.pair {
+        start = start.max(timeline.send_free[su ^ 1]);
+    }
+    for p in problem.ports_in(w.list, w.first, w.end) {
+        start = start.max(timeline.receive_free[p.tile as usize].saturating_sub(p.delay));
+    }
+    start
 }
 
 /// The plain fallback: whole transfers, in request order, each as soon as possible.

@@ -170,6 +170,14 @@ fn relocate_checked(target: &Target, problem: &Problem, phase: &PhaseRequest, ca
     Ok(tables)
 }
 
+/// The log lines of `reuse`, for tables validated elsewhere (the exchange-placement search
+/// validates the tables of the placement it accepts).
+pub fn log_validated(phase: &PhaseRequest, cached: &Schedule, tables: &ExchangePhase) {
+    info!(phase = phase.index, "reused exchange optimization after validating relocated rows");
+    super::log_optimized(phase.index, cached.horizon, tables.horizon, cached.endpoint_lower_bound, ScheduleKind::Reused, 0);
+    log_finished(tables);
+}
+
 /// Replay a cached schedule of an identical pattern with this phase's addresses: patch,
 /// validate, and return the tables. Fails when the schedule does not fit (then schedule anew).
 pub fn reuse(target: &Target, phase: &PhaseRequest, cached: &Schedule) -> Result<ExchangePhase, ExchangeError> {
