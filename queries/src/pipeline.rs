@@ -100,9 +100,9 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
             Ok(entries.iter().map(|e| ((*e.value).clone(), e.digest)).collect())
         };
         // The exchange-placement search of a finalist, over the lowering view (what the stage
-        // optimize_exchange_placement runs on), remembered for that stage.
+        // optimize_exchange_placement runs on), remembered for that stage (the searches of the
+        // last round's finalists only).
         let memo = &db.placement_memo;
-        memo.lock().expect("placement memo lock").clear();
         let optimize = |l: &Lowered, schedules: &[Schedule], digests: &[Digest], code: &[u32], baseline: &Placement| -> Result<(Placement, u64), String> {
             let key = placement_search_key(lt.digest, digest_of(l)?, digests, digest_of(&code.to_vec())?, digest_of(baseline)?);
             let found = Arc::new(search_exchange_placement(&lt.value, l, schedules, code, baseline).map_err(|e| e.0)?);
@@ -112,6 +112,7 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
         let mut candidates: Vec<Lowered> = (*f.value).clone();
         let mut steered: Vec<crate::ir::PlanConstraint> = Vec::new();
         for round in 0..=REPLANS {
+            memo.lock().expect("placement memo lock").clear();
             let failure = match select_finalist(&t.value, &candidates, budget, |l| crate::lower::host::replicate(l, &t.value), schedule, optimize) {
                 Ok(mut s) => {
                     s.steered = steered.iter().map(|c| format!("{}: {}", c.operation, c.describe())).collect();
