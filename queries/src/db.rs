@@ -90,6 +90,15 @@ pub struct Database {
     pub(crate) schedule_memo: Arc<crate::phases::Memo<crate::exchange::Schedule>>,
     /// Per-phase exchange tables by key: only phases whose addresses moved are re-validated.
     pub(crate) tables_memo: Arc<crate::phases::Memo<crate::tables::PackedPhase>>,
+    /// Exchange-placement searches `select_finalist` ran, by the key of everything the search
+    /// reads (`pipeline::placement_search_key`): the stage `optimize_exchange_placement` finds
+    /// the chosen finalist's search there instead of running it again. Holds the latest
+    /// selection's searches only; not stored on disk.
+    pub(crate) placement_memo: Arc<std::sync::Mutex<std::collections::HashMap<Digest, Arc<crate::exchange_placement::Searched>>>>,
+    /// The tables the exchange-placement search validated for the placement it accepted, by
+    /// the key of what they are made of (`pipeline::validated_key`): `lower_exchanges` packs
+    /// them instead of validating the same tables again. Taken by the next `lower_exchanges`.
+    pub(crate) validated_memo: Arc<std::sync::Mutex<Option<(Digest, Arc<Vec<crate::package::ExchangePhase>>)>>>,
 }
 
 #[salsa::db]
@@ -112,6 +121,8 @@ impl Database {
             full_target_views: false,
             schedule_memo: Arc::default(),
             tables_memo: Arc::default(),
+            placement_memo: Arc::default(),
+            validated_memo: Arc::default(),
             plan_finalists: crate::lower::search::DEFAULT_FINALISTS,
             table_budget: crate::sizing::EXCHANGE_TABLE_BUDGET_BYTES,
         }

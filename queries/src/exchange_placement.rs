@@ -107,11 +107,11 @@ fn score(tables: &[ExchangePhase], stats: &PhaseStats) -> (u64, u64) {
     (conflicts, conflicts * CONFLICT_WEIGHT + forced)
 }
 
-/// The stage: the accepted placement (the baseline when no candidate is accepted). Fails when
-/// memory-element conflicts remain: the device rejects such a package (`select_finalist`
-/// drops a finalist whose conflicts this search cannot remove, so a build does not get here).
-pub fn optimize_exchange_placement(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_bytes: &[u32], baseline: &Placement) -> Result<Placement, CompileError> {
-    let (placement, conflicts) = best_exchange_placement(target, lowered, schedules, code_bytes, baseline)?;
+/// The stage's verdict on the searched placement (the baseline when no candidate is
+/// accepted): an error when memory-element conflicts remain, since the device rejects such a
+/// package (`select_finalist` drops a finalist whose conflicts this search cannot remove, so a
+/// build does not get here).
+pub fn check_placement(placement: Placement, conflicts: u64) -> Result<Placement, CompileError> {
     if conflicts > 0 {
         return Err(CompileError(format!("{conflicts} memory-element conflict tile-cycles remain after exchange placement (tile memory too full to separate send and receive buffers); the device would reject the package")));
     }
@@ -120,6 +120,20 @@ pub fn optimize_exchange_placement(target: &Target, lowered: &Lowered, schedules
 
 /// The accepted placement and the conflicting tile-cycles it leaves.
 pub fn best_exchange_placement(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_bytes: &[u32], baseline: &Placement) -> Result<(Placement, u64), CompileError> {
+    search_exchange_placement(target, lowered, schedules, code_bytes, baseline).map(|s| (s.placement, s.conflicts))
+}
+
+/// What the search found: the accepted placement, the conflicting tile-cycles it leaves, and,
+/// when a candidate was accepted, its relocated tables of every phase as validated (the stage
+/// `lower_exchanges` would validate the same tables again).
+pub struct Searched {
+    pub placement: Placement,
+    pub conflicts: u64,
+    pub validated: Option<std::sync::Arc<Vec<ExchangePhase>>>,
+}
+
+/// `best_exchange_placement`, keeping the accepted candidate's validated tables.
+pub fn search_exchange_placement(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_bytes: &[u32], baseline: &Placement) -> Result<Searched, CompileError> {
     let base_tables = placed_tables(target, lowered, schedules, baseline, false)?;
     let base_stats = phase_stats(target, &base_tables);
     let (base_conflicts, base_score) = score(&base_tables, &base_stats);
@@ -192,10 +206,14 @@ pub fn best_exchange_placement(target: &Target, lowered: &Lowered, schedules: &[
         }
     }
     // The winner's relocated rows must validate (its schedules are reused as they are).
+    let mut validated = None;
     if let Some((f, _, _)) = &best {
-        if let Err(e) = placed_tables(target, lowered, schedules, &f.placement, true) {
-            warn!(offset = f.offset.unwrap_or(0), error = %e, "exchange placement finalist's relocated rows do not validate: keeping the baseline");
-            best = None;
+        match placed_tables(target, lowered, schedules, &f.placement, true) {
+            Ok(tables) => validated = Some(std::sync::Arc::new(tables)),
+            Err(e) => {
+                warn!(offset = f.offset.unwrap_or(0), error = %e, "exchange placement finalist's relocated rows do not validate: keeping the baseline");
+                best = None;
+            }
         }
     }
     let (placement, tables, conflicts, cycles, exchange_cycles) = match best {
@@ -207,7 +225,7 @@ pub fn best_exchange_placement(target: &Target, lowered: &Lowered, schedules: &[
         warn!(conflicts, "memory-element conflicts remain after exchange placement (tile memory too full to separate send and receive buffers)");
     }
     info!(final_cycles = cycles, final_exchange = exchange_cycles, conflicts, "costed final placed program");
-    Ok((placement, conflicts))
+    Ok(Searched { placement, conflicts, validated })
 }
 
 /// Per phase: conflicts and the memory-element bound beside the endpoint bound (the bound

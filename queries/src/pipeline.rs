@@ -23,7 +23,7 @@ use rayon::prelude::*;
 use crate::db::{exchange_target, graph, lowering_target, memory_target, selection_target, target, CompileError, Database, Db, Sources, StageResult, Staged};
 use crate::emit::{build_package, log_support_memory, SupportMemory};
 use crate::exchange::{self, Destination, PhaseRequest, Schedule};
-use crate::exchange_placement::optimize_exchange_placement;
+use crate::exchange_placement::{check_placement, search_exchange_placement};
 use crate::hash::{Digest, KeyHasher};
 use crate::lower::search;
 use crate::lower::select::{select_finalist, Selection};
@@ -94,15 +94,26 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
     let k = db.ipuq().plan_finalists();
     let db = db.ipuq();
     db.cached("select_finalist", SELECT_VERSION, key, || {
-        let schedule = |requests: &[PhaseRequest]| -> Result<Vec<Schedule>, String> {
+        let schedule = |requests: &[PhaseRequest]| -> Result<Vec<(Schedule, Digest)>, String> {
             let keys: Vec<Digest> = requests.par_iter().map(exchange::pattern_digest).collect::<Vec<_>>().iter().map(|p| db.key("exchange_schedule", SCHEDULE_VERSION, &[x.digest, *p])).collect();
             let entries = per_phase(db, "exchange_schedule", SCHEDULE_VERSION, &keys, &db.schedule_memo, |i| exchange::schedule_phase(&x.value, &requests[i]).map_err(CompileError::from)).map_err(|e| e.0)?;
-            Ok(entries.iter().map(|e| (*e.value).clone()).collect())
+            Ok(entries.iter().map(|e| ((*e.value).clone(), e.digest)).collect())
+        };
+        // The exchange-placement search of a finalist, over the lowering view (what the stage
+        // optimize_exchange_placement runs on), remembered for that stage (the searches of the
+        // last round's finalists only).
+        let memo = &db.placement_memo;
+        let optimize = |l: &Lowered, schedules: &[Schedule], digests: &[Digest], code: &[u32], baseline: &Placement| -> Result<(Placement, u64), String> {
+            let key = placement_search_key(lt.digest, digest_of(l)?, digests, digest_of(&code.to_vec())?, digest_of(baseline)?);
+            let found = Arc::new(search_exchange_placement(&lt.value, l, schedules, code, baseline).map_err(|e| e.0)?);
+            memo.lock().expect("placement memo lock").insert(key, found.clone());
+            Ok((found.placement.clone(), found.conflicts))
         };
         let mut candidates: Vec<Lowered> = (*f.value).clone();
         let mut steered: Vec<crate::ir::PlanConstraint> = Vec::new();
         for round in 0..=REPLANS {
-            let failure = match select_finalist(&t.value, &candidates, budget, |l| crate::lower::host::replicate(l, &t.value), schedule) {
+            memo.lock().expect("placement memo lock").clear();
+            let failure = match select_finalist(&t.value, &candidates, budget, |l| crate::lower::host::replicate(l, &t.value), schedule, optimize) {
                 Ok(mut s) => {
                     s.steered = steered.iter().map(|c| format!("{}: {}", c.operation, c.describe())).collect();
                     return Ok(s);
@@ -270,14 +281,61 @@ pub fn placement(db: &dyn Db, sources: Sources) -> StageResult<Placement> {
 #[salsa::tracked(returns(clone))]
 pub fn placed(db: &dyn Db, sources: Sources) -> StageResult<Placement> {
     let t = lowering_target(db, sources)?;
+    let x = exchange_target(db, sources)?;
     let l = lowered(db, sources)?;
     let s = schedules(db, sources)?;
     let c = code_sizes(db, sources)?;
     let p = placement(db, sources)?;
     let key = db.ipuq().key("optimize_exchange_placement", OPTIMIZE_PLACEMENT_VERSION, &[t.digest, l.digest, s.digest, c.digest, p.digest]);
-    db.ipuq().cached("optimize_exchange_placement", OPTIMIZE_PLACEMENT_VERSION, key, || {
-        optimize_exchange_placement(&t.value, &l.value, &s.value.phases, &c.value, &p.value)
+    let db = db.ipuq();
+    db.cached("optimize_exchange_placement", OPTIMIZE_PLACEMENT_VERSION, key, || {
+        // select_finalist ran this search on the chosen finalist (same view, program,
+        // schedules, code and baseline: same key) unless the selection came from the cache.
+        let search = placement_search_key(t.digest, l.digest, &s.value.digests, c.digest, p.digest);
+        let found = if db.verifying() { None } else { db.placement_memo.lock().expect("placement memo lock").get(&search).cloned() };
+        let searched = match found {
+            Some(s) => s,
+            None => Arc::new(search_exchange_placement(&t.value, &l.value, &s.value.phases, &c.value, &p.value)?),
+        };
+        let placement = check_placement(searched.placement.clone(), searched.conflicts)?;
+        // The accepted placement's tables, validated by the search (over the lowering view,
+        // whose grid and delays are the exchange view's), for lower_exchanges.
+        if let (Some(tables), false) = (&searched.validated, db.verifying()) {
+            let key = validated_key(x.digest, l.digest, &s.value.digests, digest_of(&placement).map_err(CompileError)?);
+            *db.validated_memo.lock().expect("validated memo lock") = Some((key, tables.clone()));
+        }
+        Ok(placement)
     })
+}
+
+/// Key of a program's validated exchange tables: the exchange view, the program, each phase's
+/// schedule and the final placement (what decides every table word).
+fn validated_key(exchange: Digest, lowered: Digest, schedules: &[Digest], placement: Digest) -> Digest {
+    let mut h = KeyHasher::new("ipuq validated exchange tables v1");
+    h.add(&exchange).add(&lowered).add(&schedules.len());
+    for d in schedules {
+        h.add(d);
+    }
+    h.add(&placement).finish()
+}
+
+/// Key of an exchange-placement search: digests of everything it reads (the lowering view of
+/// the target, the program, each phase's schedule, the code bytes, the baseline placement).
+fn placement_search_key(target: Digest, lowered: Digest, schedules: &[Digest], code: Digest, baseline: Digest) -> Digest {
+    let mut h = KeyHasher::new("ipuq exchange placement search v1");
+    h.add(&target).add(&lowered).add(&schedules.len());
+    for d in schedules {
+        h.add(d);
+    }
+    h.add(&code).add(&baseline).finish()
+}
+
+/// Digest of a value as stages digest their outputs (blake3 of its rkyv bytes).
+fn digest_of<T>(value: &T) -> Result<Digest, String>
+where
+    T: for<'a> rkyv::Serialize<rkyv::api::high::HighSerializer<rkyv::util::AlignedVec, rkyv::ser::allocator::ArenaHandle<'a>, rkyv::rancor::Error>>,
+{
+    rkyv::to_bytes::<rkyv::rancor::Error>(value).map(|b| Digest::of_bytes(&b)).map_err(|e| e.to_string())
 }
 
 /// Patch final addresses into every phase's schedule and validate the tables, per phase: a
@@ -295,8 +353,20 @@ pub fn tables(db: &dyn Db, sources: Sources) -> StageResult<Vec<PackedPhase>> {
     let digests: Vec<Digest> = requests.par_iter().map(request_digest).collect();
     let keys: Vec<Digest> = digests.iter().zip(&s.value.digests).map(|(r, sd)| db.key("lower_exchanges", TABLES_VERSION, &[t.digest, *sd, *r])).collect();
     let (target, schedules) = (&t.value, &s.value.phases);
-    let entries = per_phase(db, "lower_exchanges", TABLES_VERSION, &keys, &db.tables_memo, |i| {
-        exchange::reuse(target, &requests[i], &schedules[i]).map(|p| crate::tables::pack_phase(&p)).map_err(CompileError::from)
+    // Tables optimize_exchange_placement's search already validated for these addresses.
+    let validated = match db.verifying() {
+        true => None,
+        false => {
+            let key = validated_key(t.digest, l.digest, &s.value.digests, p.digest);
+            db.validated_memo.lock().expect("validated memo lock").take().filter(|v| v.0 == key && v.1.len() == requests.len()).map(|v| v.1)
+        }
+    };
+    let entries = per_phase(db, "lower_exchanges", TABLES_VERSION, &keys, &db.tables_memo, |i| match validated.as_ref() {
+        Some(tables) => {
+            exchange::log_validated(&requests[i], &schedules[i], &tables[i]);
+            Ok(crate::tables::pack_phase(&tables[i]))
+        }
+        None => exchange::reuse(target, &requests[i], &schedules[i]).map(|p| crate::tables::pack_phase(&p)).map_err(CompileError::from),
     })?;
     Ok(Staged { digest: combined("ipuq exchange tables v3", &entries), value: Arc::new(entries.iter().map(|e| (*e.value).clone()).collect()) })
 }

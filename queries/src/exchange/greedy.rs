@@ -82,6 +82,26 @@ pub(crate) fn choose_pairing(problem: &Problem, mode: Pairing) -> Vec<bool> {
     paired
 }
 
+/// A transfer waiting on its sender in `full_duplex`, with what the sender's look at it reads
+/// kept together (the look is the schedule's inner loop).
+///
+/// `not_before`: the earliest start the last look found (0: not looked at yet, or it could
+/// start then). Ports only ever get busier, so a transfer whose last look said "not before c"
+/// cannot start before c: while c is still ahead it is skipped without walking its ports.
+/// When no transfer can start, the skipped ones are walked after all (those whose bound is
+/// below the earliest start found), so the sender looks again exactly when the first one can
+/// start: which piece goes when is exactly as when every look walks every port.
+#[derive(Clone)]
+struct Waiting {
+    job: u32,
+    not_before: u32,
+    pair: bool,
+    /// Its receive ports: `Problem::ports_in(list, first, end)`.
+    list: bool,
+    first: u32,
+    end: u32,
+}
+
 /// The greedy list schedule with the given pairing choice and chunk size. `bias` (per
 /// transfer, may be empty) raises the urgency of transfers that ended late in an earlier run.
 pub(crate) fn full_duplex(problem: &Problem, paired: &[bool], chunk_words: u32, bias: &[u64]) -> Vec<Piece> {
@@ -89,7 +109,7 @@ pub(crate) fn full_duplex(problem: &Problem, paired: &[bool], chunk_words: u32, 
     let cycles = |j: usize, words: u32| if paired[j] { words / 2 } else { words };
     // Remaining port cycles: the urgency of every port.
     let (mut send_load, mut receive_load) = (vec![0u64; tiles], vec![0u64; tiles]);
-    let mut pending: Vec<Vec<u32>> = vec![Vec::new(); tiles];
+    let mut pending: Vec<Vec<Waiting>> = vec![Vec::new(); tiles];
     for (j, job) in problem.jobs.iter().enumerate() {
         let c = cycles(j, job.words) as u64;
         send_load[job.source as usize] += c;
@@ -99,7 +119,8 @@ pub(crate) fn full_duplex(problem: &Problem, paired: &[bool], chunk_words: u32, 
         for p in problem.receive_ports(j, paired[j]) {
             receive_load[p.tile as usize] += c;
         }
-        pending[job.source as usize].push(j as u32);
+        let (list, first, end) = problem.receive_port_range(j, paired[j]);
+        pending[job.source as usize].push(Waiting { job: j as u32, not_before: 0, pair: paired[j], list, first, end });
     }
     let mut sent = vec![0u32; problem.jobs.len()];
     let mut timeline = Timeline::new(problem.tiles);
@@ -116,21 +137,25 @@ pub(crate) fn full_duplex(problem: &Problem, paired: &[bool], chunk_words: u32, 
         let mut soonest = u32::MAX;
         // One pass per pending transfer: its earliest start and its urgency together.
         let own_free = if now > timeline.send_free[su] { now } else { timeline.send_free[su] };
-        for &j in &pending[su] {
-            let ju = j as usize;
-            let pair = paired[ju];
+        for w in pending[su].iter_mut() {
+            if w.not_before > now {
+                soonest = soonest.min(w.not_before);
+                continue;
+            }
+            let (j, ju, pair) = (w.job, w.job as usize, w.pair);
             let mut start = own_free;
             let mut most = 0;
             if pair {
                 start = start.max(timeline.send_free[su ^ 1]);
                 most = send_load[su ^ 1];
             }
-            for p in problem.receive_ports(ju, pair) {
+            for p in problem.ports_in(w.list, w.first, w.end) {
                 let d = p.tile as usize;
                 start = start.max(timeline.receive_free[d].saturating_sub(p.delay));
                 most = most.max(receive_load[d]);
             }
             if start > now {
+                w.not_before = start;
                 soonest = soonest.min(start);
                 continue;
             }
@@ -140,6 +165,13 @@ pub(crate) fn full_duplex(problem: &Problem, paired: &[bool], chunk_words: u32, 
             }
         }
         let Some((_, j)) = best else {
+            // Exact earliest start: bounds below the earliest found may be stale.
+            for w in pending[su].iter_mut().filter(|w| w.not_before > now) {
+                if w.not_before < soonest {
+                    w.not_before = earliest(problem, &timeline, su, w);
+                    soonest = soonest.min(w.not_before);
+                }
+            }
             if soonest != u32::MAX {
                 heap.push(Reverse((soonest, s)));
             }
@@ -164,7 +196,7 @@ pub(crate) fn full_duplex(problem: &Problem, paired: &[bool], chunk_words: u32, 
         sent[ju] += take;
         pieces.push(piece);
         if sent[ju] == words {
-            pending[su].retain(|&k| k != j);
+            pending[su].retain(|k| k.job != j);
         }
         if !pending[su].is_empty() {
             heap.push(Reverse((timeline.send_free[su], s)));
@@ -172,6 +204,18 @@ pub(crate) fn full_duplex(problem: &Problem, paired: &[bool], chunk_words: u32, 
     }
     timing::merge_adjacent(&mut pieces);
     pieces
+}
+
+/// The earliest send cycle of a waiting transfer of sender `su` on the timeline so far.
+fn earliest(problem: &Problem, timeline: &Timeline, su: usize, w: &Waiting) -> u32 {
+    let mut start = timeline.send_free[su];
+    if w.pair {
+        start = start.max(timeline.send_free[su ^ 1]);
+    }
+    for p in problem.ports_in(w.list, w.first, w.end) {
+        start = start.max(timeline.receive_free[p.tile as usize].saturating_sub(p.delay));
+    }
+    start
 }
 
 /// The plain fallback: whole transfers, in request order, each as soon as possible.

@@ -157,20 +157,32 @@ pub(crate) fn check_fits(problem: &Problem, phase: &PhaseRequest, schedule: &Sch
 pub fn relocate(target: &Target, phase: &PhaseRequest, cached: &Schedule, check: bool) -> Result<ExchangePhase, ExchangeError> {
     if check {
         let problem = prepare(target, phase)?;
-        check_fits(&problem, phase, cached)?;
+        return relocate_checked(target, &problem, phase, cached);
     }
+    Ok(write_tables(target, phase, cached))
+}
+
+/// `relocate` with `check`, on the phase's already prepared problem.
+fn relocate_checked(target: &Target, problem: &Problem, phase: &PhaseRequest, cached: &Schedule) -> Result<ExchangePhase, ExchangeError> {
+    check_fits(problem, phase, cached)?;
     let tables = write_tables(target, phase, cached);
-    if check {
-        validate(target, phase, &tables).map_err(|source| ExchangeError::Invalid { phase: phase.index, source })?;
-    }
+    validate(target, phase, &tables).map_err(|source| ExchangeError::Invalid { phase: phase.index, source })?;
     Ok(tables)
+}
+
+/// The log lines of `reuse`, for tables validated elsewhere (the exchange-placement search
+/// validates the tables of the placement it accepts).
+pub fn log_validated(phase: &PhaseRequest, cached: &Schedule, tables: &ExchangePhase) {
+    info!(phase = phase.index, "reused exchange optimization after validating relocated rows");
+    super::log_optimized(phase.index, cached.horizon, tables.horizon, cached.endpoint_lower_bound, ScheduleKind::Reused, 0);
+    log_finished(tables);
 }
 
 /// Replay a cached schedule of an identical pattern with this phase's addresses: patch,
 /// validate, and return the tables. Fails when the schedule does not fit (then schedule anew).
 pub fn reuse(target: &Target, phase: &PhaseRequest, cached: &Schedule) -> Result<ExchangePhase, ExchangeError> {
     let problem = prepare(target, phase)?;
-    let tables = relocate(target, phase, cached, true)?;
+    let tables = relocate_checked(target, &problem, phase, cached)?;
     info!(phase = phase.index, "reused exchange optimization after validating relocated rows");
     info!(phase = phase.index, transfers = phase.transfers.len(), maximum_identical_destinations = problem.maximum_identical_destinations(), "prepared large physical exchange phase");
     super::log_optimized(phase.index, cached.horizon, tables.horizon, cached.endpoint_lower_bound, ScheduleKind::Reused, 0);

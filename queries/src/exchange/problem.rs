@@ -52,6 +52,21 @@ impl Problem {
         }
     }
 
+    /// Where `receive_ports(job, paired)` lies: (in `paired_ports`, start, end).
+    pub fn receive_port_range(&self, job: usize, paired: bool) -> (bool, u32, u32) {
+        let j = &self.jobs[job];
+        match (paired, j.paired) {
+            (true, Some((a, b))) => (true, a, b),
+            _ => (false, j.ordinary.0, j.ordinary.1),
+        }
+    }
+
+    /// The ports of a range from `receive_port_range`.
+    pub fn ports_in(&self, paired_list: bool, start: u32, end: u32) -> &[Port] {
+        let list = if paired_list { &self.paired_ports } else { &self.ordinary_ports };
+        &list[start as usize..end as usize]
+    }
+
     pub fn eligible(&self, job: usize) -> bool {
         self.jobs[job].paired.is_some()
     }
@@ -95,6 +110,9 @@ pub(crate) fn prepare(target: &Target, phase: &PhaseRequest) -> Result<Problem, 
     let mut paired_ports = Vec::new();
     let mut writes: Vec<(u32, u32, u32, u32)> = Vec::new();
     let mut seen = vec![u32::MAX; tiles as usize];
+    // Per tile: (transfer, position in `paired_ports`) of its paired port, for the transfer
+    // being prepared.
+    let mut listed = vec![(u32::MAX, 0u32); tiles as usize];
     // Port loads, so that no cycle count can overflow 32 bits anywhere downstream.
     let mut load = vec![0u64; 2 * tiles as usize];
     for (index, t) in phase.transfers.iter().enumerate() {
@@ -140,7 +158,7 @@ pub(crate) fn prepare(target: &Target, phase: &PhaseRequest) -> Result<Problem, 
             writes.push((d.tile, d.address, d.address + t.words * 4, index as u32));
         }
         let end = ordinary_ports.len() as u32;
-        let paired = if aligned && target.partner(t.source) < tiles { paired_ports_of(target, &ordinary_ports[start as usize..], &mut paired_ports) } else { None };
+        let paired = if aligned && target.partner(t.source) < tiles { paired_ports_of(target, &ordinary_ports[start as usize..], &mut paired_ports, &mut listed, index as u32) } else { None };
         jobs.push(Job { source: t.source, words: t.words, ordinary: (start, end), paired, max_delay });
     }
     // Two transfers writing the same words of one tile would make the phase's result depend
@@ -157,7 +175,10 @@ pub(crate) fn prepare(target: &Target, phase: &PhaseRequest) -> Result<Problem, 
 
 /// The receive ports of a paired piece: each destination and its partner, at the destination's
 /// delay. A partner that is itself a destination shares the port only at the same delay.
-fn paired_ports_of(target: &Target, ports: &[Port], out: &mut Vec<Port>) -> Option<(u32, u32)> {
+///
+/// `listed` (one slot per tile) remembers where this transfer's ports are in `out`, so that a
+/// transfer with many destinations finds a tile's port without a search.
+fn paired_ports_of(target: &Target, ports: &[Port], out: &mut Vec<Port>, listed: &mut [(u32, u32)], transfer: u32) -> Option<(u32, u32)> {
     let start = out.len();
     for p in ports {
         for tile in [p.tile, target.partner(p.tile)] {
@@ -165,13 +186,15 @@ fn paired_ports_of(target: &Target, ports: &[Port], out: &mut Vec<Port>) -> Opti
                 out.truncate(start);
                 return None;
             }
-            match out[start..].iter().find(|q| q.tile == tile) {
-                Some(q) if q.delay != p.delay => {
+            let slot = &mut listed[tile as usize];
+            if slot.0 == transfer {
+                if out[slot.1 as usize].delay != p.delay {
                     out.truncate(start);
                     return None;
                 }
-                Some(_) => {}
-                None => out.push(Port { tile, delay: p.delay }),
+            } else {
+                *slot = (transfer, out.len() as u32);
+                out.push(Port { tile, delay: p.delay });
             }
         }
     }

@@ -17,8 +17,9 @@ use crate::emit::vertex;
 use crate::exchange::{self, Schedule};
 use crate::pipeline::{provisional_bases, requests};
 use crate::elements::phase_conflicts;
-use crate::exchange_placement::{best_exchange_placement, placed_tables};
-use crate::storage::place_storage;
+use crate::exchange_placement::placed_tables;
+use crate::hash::Digest;
+use crate::storage::{place_storage, Placement};
 use crate::target::Target;
 
 /// A finalist costed on its placed program.
@@ -73,11 +74,24 @@ impl From<String> for Failure {
 pub const EXACT_COST_MARGIN_PERCENT: u64 = 5;
 
 /// Schedule, size, place and cost each finalist; keep the cheapest. `schedule` schedules a
-/// list of exchange phases (every finalist's, concatenated) and returns them in order.
+/// list of exchange phases (every finalist's, concatenated) and returns them in order, each
+/// with its digest.
 ///
 /// `prepare` turns each finalist into the program that will run (`lower/host.rs` moves host
 /// replicas to exchange phases), so the exact cost counts every phase the simulator will.
-pub fn select_finalist(target: &Target, finalists: &[Lowered], table_budget: u32, prepare: impl Fn(Lowered) -> Lowered + Sync, schedule: impl FnOnce(&[exchange::PhaseRequest]) -> Result<Vec<Schedule>, String>) -> Result<Selection, NoFinalist> {
+/// `optimize` is the exchange-placement search (`best_exchange_placement` over the lowering
+/// view), for a finalist whose baseline placement has memory-element conflicts: given the
+/// program, its schedules and their digests, the code bytes and the baseline placement, the
+/// placement it accepts and the conflicts left (the pipeline memoizes it, so that the stage
+/// `optimize_exchange_placement` finds the chosen finalist's search done).
+pub fn select_finalist(
+    target: &Target,
+    finalists: &[Lowered],
+    table_budget: u32,
+    prepare: impl Fn(Lowered) -> Lowered + Sync,
+    schedule: impl FnOnce(&[exchange::PhaseRequest]) -> Result<Vec<(Schedule, Digest)>, String>,
+    optimize: impl Fn(&Lowered, &[Schedule], &[Digest], &[u32], &Placement) -> Result<(Placement, u64), String> + Sync,
+) -> Result<Selection, NoFinalist> {
     let prepared: Vec<Lowered> = finalists.par_iter().map(|l| prepare(l.clone())).collect();
     let finalists = &prepared[..];
     let estimates: Vec<u64> = finalists.iter().map(estimated_cycles).collect();
@@ -100,8 +114,10 @@ pub fn select_finalist(target: &Target, finalists: &[Lowered], table_budget: u32
     let requests: Vec<exchange::PhaseRequest> = jobs.iter().map(|j| j.1.clone()).collect();
     let scheduled = schedule(&requests).map_err(|message| NoFinalist { message, blamed: Vec::new() })?;
     let mut per_finalist: Vec<Vec<Schedule>> = vec![Vec::new(); finalists.len()];
-    for ((f, _), s) in jobs.iter().zip(scheduled) {
+    let mut digests: Vec<Vec<Digest>> = vec![Vec::new(); finalists.len()];
+    for ((f, _), (s, d)) in jobs.iter().zip(scheduled) {
         per_finalist[*f].push(s);
+        digests[*f].push(d);
     }
     let costed: Vec<Result<Costed, Failure>> = finalists
         .par_iter()
@@ -113,7 +129,7 @@ pub fn select_finalist(target: &Target, finalists: &[Lowered], table_budget: u32
             if per_finalist[f].len() != l.phases.len() {
                 return Err(Failure::from("exchange phases were not scheduled".to_string()));
             }
-            cost_placed(target, f as u32, l, &per_finalist[f], table_budget)
+            cost_placed(target, f as u32, l, &per_finalist[f], &digests[f], table_budget, &optimize)
         })
         .collect();
     let mut ok: Vec<Costed> = Vec::new();
@@ -152,7 +168,15 @@ pub fn select_finalist(target: &Target, finalists: &[Lowered], table_budget: u32
 /// exchange tables exceed the budget, or when memory-element conflicts remain after the
 /// exchange-placement stage's own search (run here only where the placement has conflicts),
 /// since the device rejects a tile sending from and receiving into one element in a cycle.
-fn cost_placed(target: &Target, finalist: u32, l: &Lowered, schedules: &[Schedule], table_budget: u32) -> Result<Costed, Failure> {
+fn cost_placed(
+    target: &Target,
+    finalist: u32,
+    l: &Lowered,
+    schedules: &[Schedule],
+    digests: &[Digest],
+    table_budget: u32,
+    optimize: &(impl Fn(&Lowered, &[Schedule], &[Digest], &[u32], &Placement) -> Result<(Placement, u64), String> + Sync),
+) -> Result<Costed, Failure> {
     let blame = |phase: u32| l.phase_plans.get(phase as usize).copied();
     let support = match crate::sizing::support_checked(target, l, schedules, table_budget)? {
         Ok(s) => s,
@@ -164,13 +188,24 @@ fn cost_placed(target: &Target, finalist: u32, l: &Lowered, schedules: &[Schedul
     let placed = requests(l, |buffer, offset| addresses[buffer as usize] + offset);
     let mut horizons = Vec::with_capacity(placed.len());
     let mut conflicts = 0u64;
-    for (r, s) in placed.iter().zip(schedules) {
-        let phase = exchange::reuse(target, r, s).map_err(|e| e.to_string())?;
-        conflicts += phase_conflicts(target, &phase).tile_cycles;
-        horizons.push(phase.horizon);
+    // Phases relocate and validate independently: in parallel, taken in phase order (the
+    // first failing phase's error, as in sequence).
+    let span = tracing::Span::current();
+    let relocated: Vec<Result<(u32, u64), String>> = placed
+        .par_iter()
+        .zip(schedules.par_iter())
+        .map(|(r, s)| {
+            let _span = span.enter();
+            exchange::reuse(target, r, s).map(|phase| (phase.horizon, phase_conflicts(target, &phase).tile_cycles)).map_err(|e| e.to_string())
+        })
+        .collect();
+    for r in relocated {
+        let (horizon, c) = r?;
+        conflicts += c;
+        horizons.push(horizon);
     }
     if conflicts > 0 {
-        let (optimized, _) = best_exchange_placement(target, l, schedules, &code, &placement).map_err(|e| e.0)?;
+        let (optimized, _) = optimize(l, schedules, digests, &code, &placement)?;
         let tables = placed_tables(target, l, schedules, &optimized, false).map_err(|e| e.0)?;
         if let Some((phase, c)) = tables.iter().map(|p| (p.index, phase_conflicts(target, p))).find(|(_, c)| c.tile_cycles > 0) {
             let (tile, cycle, element) = c.first.unwrap_or((0, 0, 0));
