@@ -34,6 +34,17 @@ impl<T> PartialEq for Staged<T> {
 }
 impl<T> Eq for Staged<T> {}
 
+impl<T> Staged<T> {
+    /// A value with the digest of its canonical (rkyv) bytes.
+    pub(crate) fn of(value: T) -> StageResult<T>
+    where
+        T: for<'a> rkyv::Serialize<rkyv::api::high::HighSerializer<rkyv::util::AlignedVec, rkyv::ser::allocator::ArenaHandle<'a>, rkyv::rancor::Error>>,
+    {
+        let bytes = rkyv::to_bytes::<rkyv::rancor::Error>(&value).map_err(CompileError::from)?;
+        Ok(Staged { digest: Digest::of_bytes(&bytes), value: Arc::new(value) })
+    }
+}
+
 /// Any error a stage can report, as text naming what and where (errors must compare equal
 /// for salsa, and every one already carries its context).
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -90,6 +101,11 @@ pub struct Database {
     pub(crate) schedule_memo: Arc<crate::phases::Memo<crate::exchange::Schedule>>,
     /// Per-phase exchange tables by key: only phases whose addresses moved are re-validated.
     pub(crate) tables_memo: Arc<crate::phases::Memo<crate::tables::PackedPhase>>,
+    /// Tile images by key (`emit::TileInput`): an edit that leaves a tile's content unchanged
+    /// reuses its image. In memory only, like the package they make.
+    pub(crate) tile_memo: Arc<crate::phases::Memo<crate::emit::TileBody>>,
+    /// How the last package build obtained its tile images.
+    tile_counts: Arc<Mutex<Option<crate::phases::EntryCounts>>>,
 }
 
 #[salsa::db]
@@ -112,6 +128,8 @@ impl Database {
             full_target_views: false,
             schedule_memo: Arc::default(),
             tables_memo: Arc::default(),
+            tile_memo: Arc::default(),
+            tile_counts: Arc::default(),
             plan_finalists: crate::lower::search::DEFAULT_FINALISTS,
             table_budget: crate::sizing::EXCHANGE_TABLE_BUDGET_BYTES,
         }
@@ -174,6 +192,16 @@ impl Database {
         std::mem::take(&mut *self.runs.lock().expect("run log lock"))
     }
 
+    /// How the last run of the package stage obtained its tile images: tiles, distinct
+    /// images, reused from the previous build, computed (None before the first).
+    pub fn tile_image_counts(&self) -> Option<crate::phases::EntryCounts> {
+        *self.tile_counts.lock().expect("tile counts lock")
+    }
+
+    pub(crate) fn note_tile_images(&self, counts: crate::phases::EntryCounts) {
+        *self.tile_counts.lock().expect("tile counts lock") = Some(counts);
+    }
+
     pub(crate) fn note(&self, stage: &'static str, origin: Origin) {
         self.runs.lock().expect("run log lock").push((stage, origin));
     }
@@ -219,8 +247,7 @@ impl Database {
         T: for<'a> rkyv::Serialize<rkyv::api::high::HighSerializer<rkyv::util::AlignedVec, rkyv::ser::allocator::ArenaHandle<'a>, rkyv::rancor::Error>>,
     {
         self.note(stage, Origin::Computed);
-        let bytes = rkyv::to_bytes::<rkyv::rancor::Error>(&value).map_err(CompileError::from)?;
-        Ok(Staged { digest: Digest::of_bytes(&bytes), value: Arc::new(value) })
+        Staged::of(value)
     }
 
     /// The disk store, for the driver's whole-build record.
