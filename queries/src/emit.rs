@@ -9,6 +9,10 @@
 //! the code reserve is a load-time zero fill, not bytes. Host-streamed inputs and weights are
 //! never in an image. The package carries no structured copy of calls or tables: the
 //! simulator decodes them from the loaded tile memory.
+//!
+//! Each tile's image is built from that tile's `TileInput` alone (`build_tile`), so the package
+//! stage can key, memoize and parallelise images per tile (`pipeline::package`);
+//! `assemble_package` then pools shared bytes and writes the package, serially in tile order.
 
 use crate::cost;
 use crate::db::CompileError;
