@@ -14,6 +14,8 @@
 //! stage can key, memoize and parallelise images per tile (`pipeline::package`);
 //! `assemble_package` then pools shared bytes and writes the package, serially in tile order.
 
+use rayon::prelude::*;
+
 use crate::cost;
 use crate::db::CompileError;
 use crate::image;
@@ -173,8 +175,11 @@ pub struct TileInput {
     pub host_records: Vec<u8>,
     /// The tile's compute sets with placed operands, in program order.
     pub sets: Vec<ComputeSet>,
-    /// The tile's exchange tables: (phase, runs) for each phase it takes part in, in phase order.
-    pub tables: Vec<(u32, PackedTile)>,
+    /// The tile's exchange tables as its image holds them (`tile_tables`: a binding per phase
+    /// it takes part in, then the distinct segments).
+    pub tables: Vec<u8>,
+    /// Bindings in `tables` (phases the tile takes part in).
+    pub bindings: u32,
     /// The tile's buffers as placed, in buffer order.
     pub allocations: Vec<Allocation>,
     /// The code allocation (start, end) that size_tile_code sized and placement placed.
@@ -209,7 +214,7 @@ pub fn tile_inputs(lowered: &Lowered, placement: &Placement, exchanges: &[Packed
     let steps = lowered.steps.len() as u32;
     let mut inputs: Vec<TileInput> = placement.code[..tiles]
         .iter()
-        .map(|&code| TileInput { steps, host_records: Vec::new(), sets: Vec::new(), tables: Vec::new(), allocations: Vec::new(), code })
+        .map(|&code| TileInput { steps, host_records: Vec::new(), sets: Vec::new(), tables: Vec::new(), bindings: 0, allocations: Vec::new(), code })
         .collect();
     for (index, set) in lowered.compute_sets.iter().enumerate() {
         for (tile, call) in set {
@@ -242,9 +247,12 @@ pub fn tile_inputs(lowered: &Lowered, placement: &Placement, exchanges: &[Packed
     for phase in exchanges {
         for t in &phase.tiles {
             if let Some(input) = inputs.get_mut(t.tile as usize) {
-                input.tables.push((phase.index, t.clone()));
+                input.bindings += 1;
             }
         }
+    }
+    for (input, tables) in inputs.iter_mut().zip(tile_tables(tiles, exchanges)) {
+        input.tables = tables;
     }
     inputs
 }
@@ -252,9 +260,7 @@ pub fn tile_inputs(lowered: &Lowered, placement: &Placement, exchanges: &[Packed
 /// Build one tile's image from its input; `tile` (the first tile with this content) only
 /// names the tile in an error.
 pub fn build_tile(tile: usize, input: &TileInput) -> Result<TileBody, CompileError> {
-    let phases: Vec<(u32, &PackedTile)> = input.tables.iter().map(|(phase, t)| (*phase, t)).collect();
-    let tables = if phases.is_empty() { Vec::new() } else { tables::encode_tile(&phases) };
-    let (head, vertex_state, tables) = image::encode_code(0, input.steps, &input.host_records, &input.sets, &tables, phases.len() as u32);
+    let (head, vertex_state, tables) = image::encode_code(0, input.steps, &input.host_records, &input.sets, &input.tables, input.bindings);
     let (start, end) = input.code;
     let total = head.len() + vertex_state.len() + tables.len();
     if total > (end - start) as usize {
@@ -371,7 +377,8 @@ pub fn assemble_package(
     })
 }
 
-/// Each tile's encoded exchange tables over all phases (bindings and shared segments).
+/// Each tile's encoded exchange tables over all phases (bindings and shared segments), encoded
+/// in parallel over tiles (plain data), in tile order.
 pub fn tile_tables(tiles: usize, exchanges: &[PackedPhase]) -> Vec<Vec<u8>> {
     let mut per_tile: Vec<Vec<(u32, &PackedTile)>> = vec![Vec::new(); tiles];
     for phase in exchanges {
@@ -381,5 +388,5 @@ pub fn tile_tables(tiles: usize, exchanges: &[PackedPhase]) -> Vec<Vec<u8>> {
             }
         }
     }
-    per_tile.iter().map(|v| if v.is_empty() { Vec::new() } else { tables::encode_tile(v) }).collect()
+    per_tile.par_iter().map(|v| if v.is_empty() { Vec::new() } else { tables::encode_tile(v) }).collect()
 }
