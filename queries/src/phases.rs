@@ -148,34 +148,23 @@ where
         }
     }
     let span = tracing::Span::current();
+    let fresh: Vec<Result<T, CompileError>> = missing
+        .par_iter()
+        .map(|&index| {
+            let _span = span.enter();
+            compute(index)
+        })
+        .collect();
     counts.computed += missing.len();
-    match tier {
-        Tier::Disk => {
-            let fresh: Vec<Result<T, CompileError>> = missing
-                .par_iter()
-                .map(|&index| {
-                    let _span = span.enter();
-                    compute(index)
-                })
-                .collect();
-            for (&index, value) in missing.iter().zip(fresh) {
-                found.insert(keys[index], db.save(stage, version, keys[index], value?)?);
-            }
-        }
-        Tier::Memory => {
+    for (&index, value) in missing.iter().zip(fresh) {
+        let key = keys[index];
+        let entry = match tier {
+            Tier::Disk => db.save(stage, version, key, value?)?,
             // An entry that is never published is known by its key (its value is a function
             // of what the key digests), so its bytes are not serialised to digest them.
-            let fresh: Vec<Result<T, CompileError>> = missing
-                .par_iter()
-                .map(|&index| {
-                    let _span = span.enter();
-                    compute(index)
-                })
-                .collect();
-            for (&index, value) in missing.iter().zip(fresh) {
-                found.insert(keys[index], Staged { digest: keys[index], value: std::sync::Arc::new(value?) });
-            }
-        }
+            Tier::Memory => Staged { digest: key, value: std::sync::Arc::new(value?) },
+        };
+        found.insert(key, entry);
     }
     Ok((found, counts))
 }
