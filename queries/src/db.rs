@@ -34,6 +34,17 @@ impl<T> PartialEq for Staged<T> {
 }
 impl<T> Eq for Staged<T> {}
 
+impl<T> Staged<T> {
+    /// A value with the digest of its canonical (rkyv) bytes.
+    pub(crate) fn of(value: T) -> StageResult<T>
+    where
+        T: for<'a> rkyv::Serialize<rkyv::api::high::HighSerializer<rkyv::util::AlignedVec, rkyv::ser::allocator::ArenaHandle<'a>, rkyv::rancor::Error>>,
+    {
+        let bytes = rkyv::to_bytes::<rkyv::rancor::Error>(&value).map_err(CompileError::from)?;
+        Ok(Staged { digest: Digest::of_bytes(&bytes), value: Arc::new(value) })
+    }
+}
+
 /// Any error a stage can report, as text naming what and where (errors must compare equal
 /// for salsa, and every one already carries its context).
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -99,6 +110,11 @@ pub struct Database {
     /// the key of what they are made of (`pipeline::validated_key`): `lower_exchanges` packs
     /// them instead of validating the same tables again. Taken by the next `lower_exchanges`.
     pub(crate) validated_memo: Arc<std::sync::Mutex<Option<(Digest, Arc<Vec<crate::package::ExchangePhase>>)>>>,
+    /// Tile images by key (`emit::TileInput`): an edit that leaves a tile's content unchanged
+    /// reuses its image. In memory only, like the package they make.
+    pub(crate) tile_memo: Arc<crate::phases::Memo<crate::emit::TileBody>>,
+    /// How the last package build obtained its tile images.
+    tile_counts: Arc<Mutex<Option<crate::phases::EntryCounts>>>,
 }
 
 #[salsa::db]
@@ -123,6 +139,8 @@ impl Database {
             tables_memo: Arc::default(),
             placement_memo: Arc::default(),
             validated_memo: Arc::default(),
+            tile_memo: Arc::default(),
+            tile_counts: Arc::default(),
             plan_finalists: crate::lower::search::DEFAULT_FINALISTS,
             table_budget: crate::sizing::EXCHANGE_TABLE_BUDGET_BYTES,
         }
@@ -185,6 +203,16 @@ impl Database {
         std::mem::take(&mut *self.runs.lock().expect("run log lock"))
     }
 
+    /// How the last run of the package stage obtained its tile images: tiles, distinct
+    /// images, reused from the previous build, computed (None before the first).
+    pub fn tile_image_counts(&self) -> Option<crate::phases::EntryCounts> {
+        *self.tile_counts.lock().expect("tile counts lock")
+    }
+
+    pub(crate) fn note_tile_images(&self, counts: crate::phases::EntryCounts) {
+        *self.tile_counts.lock().expect("tile counts lock") = Some(counts);
+    }
+
     pub(crate) fn note(&self, stage: &'static str, origin: Origin) {
         self.runs.lock().expect("run log lock").push((stage, origin));
     }
@@ -230,8 +258,7 @@ impl Database {
         T: for<'a> rkyv::Serialize<rkyv::api::high::HighSerializer<rkyv::util::AlignedVec, rkyv::ser::allocator::ArenaHandle<'a>, rkyv::rancor::Error>>,
     {
         self.note(stage, Origin::Computed);
-        let bytes = rkyv::to_bytes::<rkyv::rancor::Error>(&value).map_err(CompileError::from)?;
-        Ok(Staged { digest: Digest::of_bytes(&bytes), value: Arc::new(value) })
+        Staged::of(value)
     }
 
     /// The disk store, for the driver's whole-build record.

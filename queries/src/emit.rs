@@ -9,6 +9,12 @@
 //! the code reserve is a load-time zero fill, not bytes. Host-streamed inputs and weights are
 //! never in an image. The package carries no structured copy of calls or tables: the
 //! simulator decodes them from the loaded tile memory.
+//!
+//! Each tile's image is built from that tile's `TileInput` alone (`build_tile`), so the package
+//! stage can key, memoize and parallelise images per tile (`pipeline::package`);
+//! `assemble_package` then pools shared bytes and writes the package, serially in tile order.
+
+use rayon::prelude::*;
 
 use crate::cost;
 use crate::db::CompileError;
@@ -157,46 +163,73 @@ pub fn estimate_cycles(target: &Target, lowered: &Lowered, placement: &Placement
     (total, exchange)
 }
 
-/// Assemble the package from the placed program and the final exchange tables.
-pub fn build_package(target: &Target, graph: &Graph, lowered: &Lowered, placement: &Placement, exchanges: Vec<PackedPhase>) -> Result<Package, CompileError> {
+/// Everything one tile's image is made from but the tile's number, which assembly stamps into
+/// the runtime header (`image::stamp_tile`). The digest of its bytes is the tile's key
+/// (`pipeline::package`): tiles whose content is equal share one image entry, and an edit that
+/// leaves a tile's content unchanged reuses its image.
+#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct TileInput {
+    /// Steps of the program (the runtime header records them).
+    pub steps: u32,
+    /// Host-exchange records, `HOST_RECORD_BYTES` each.
+    pub host_records: Vec<u8>,
+    /// The tile's compute sets with placed operands, in program order.
+    pub sets: Vec<ComputeSet>,
+    /// The tile's exchange tables as its image holds them (`tile_tables`: a binding per phase
+    /// it takes part in, then the distinct segments).
+    pub tables: Vec<u8>,
+    /// Bindings in `tables` (phases the tile takes part in).
+    pub bindings: u32,
+    /// The tile's buffers as placed, in buffer order.
+    pub allocations: Vec<Allocation>,
+    /// The code allocation (start, end) that size_tile_code sized and placement placed.
+    pub code: (u32, u32),
+}
+
+impl TileInput {
+    /// The digest of the input's canonical bytes: the content part of its tile's key.
+    pub fn digest(&self) -> Result<crate::hash::Digest, CompileError> {
+        let bytes = rkyv::to_bytes::<rkyv::rancor::Error>(self).map_err(CompileError::from)?;
+        Ok(crate::hash::Digest::of_bytes(&bytes))
+    }
+}
+
+/// One tile's image as built from its `TileInput`: the code written at the code allocation's
+/// start (runtime header, its tile number left for assembly to stamp, and host records), the
+/// vertex state and exchange tables after it (stored once per package when tiles share them),
+/// and the tile's allocations and zero fill.
+#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct TileBody {
+    pub head: Vec<u8>,
+    pub vertex_state: Vec<u8>,
+    pub tables: Vec<u8>,
+    /// Buffers and the code allocation, by (start, end).
+    pub allocations: Vec<Allocation>,
+    pub zero_fill: Vec<AddressRange>,
+}
+
+/// Every tile's input, in tile order, from the placed program and the final exchange tables.
+pub fn tile_inputs(lowered: &Lowered, placement: &Placement, exchanges: &[PackedPhase]) -> Vec<TileInput> {
     let tiles = lowered.tiles as usize;
-    let mut images: Vec<TileImage> = (0..tiles as u32)
-        .map(|tile| TileImage { tile, segments: Vec::new(), shared: Vec::new(), zero_fill: Vec::new(), allocations: Vec::new() })
+    let steps = lowered.steps.len() as u32;
+    let mut inputs: Vec<TileInput> = placement.code[..tiles]
+        .iter()
+        .map(|&code| TileInput { steps, host_records: Vec::new(), sets: Vec::new(), tables: Vec::new(), bindings: 0, allocations: Vec::new(), code })
         .collect();
-    let mut programs: Vec<Vec<ComputeSet>> = vec![Vec::new(); tiles];
-    let mut set_cycles: Vec<Vec<u64>> = vec![vec![0; tiles]; lowered.compute_sets.len()];
     for (index, set) in lowered.compute_sets.iter().enumerate() {
         for (tile, call) in set {
-            let sets = &mut programs[*tile as usize];
+            let sets = &mut inputs[*tile as usize].sets;
             if sets.last().is_none_or(|s| s.index != index as u32) {
                 sets.push(ComputeSet { index: index as u32, calls: Vec::new() });
             }
-            let v = vertex(placement, call);
-            set_cycles[index][*tile as usize] += cost::vertex(target, &v);
-            sets.last_mut().unwrap().calls.push(v);
+            sets.last_mut().expect("a set was just pushed").calls.push(vertex(placement, call));
         }
     }
     for (i, b) in lowered.buffers.iter().enumerate() {
         let start = placement.addresses[i];
-        images[b.tile as usize].allocations.push(Allocation { start, end: start + b.bytes, kind: b.kind, label: b.label, first_step: b.first_step, last_step: b.last_step });
+        inputs[b.tile as usize].allocations.push(Allocation { start, end: start + b.bytes, kind: b.kind, label: b.label, first_step: b.first_step, last_step: b.last_step });
     }
-    // The seed cleared the padding of finite GEMM operands and then dropped the clears that
-    // load-time SRAM initialisation made redundant. ipuq's matrix-product splits are exact
-    // (no padded rows or columns), so it emits no padding clear to remove.
-    tracing::info!(removed = 0u32, "eliminated finite GEMM padding clears using load-time SRAM initialization");
-    let mut table_bytes = tile_tables(tiles, &exchanges);
-    let mut bindings = vec![0u32; tiles];
-    for phase in &exchanges {
-        for t in &phase.tiles {
-            if let Some(b) = bindings.get_mut(t.tile as usize) {
-                *b += 1;
-            }
-        }
-    }
-    let mut pool: std::collections::HashMap<Vec<u8>, u32> = std::collections::HashMap::new();
-    let mut shared_segments: Vec<Vec<u8>> = Vec::new();
     // Host-exchange records: (role and tensor, address, first element, count, rows, strides, step).
-    let mut host_records: Vec<Vec<u8>> = vec![Vec::new(); tiles];
     let host_tensors = lowered.inputs.iter().map(|t| (0u32, t)).chain(lowered.outputs.iter().map(|t| (1, t))).chain(lowered.checkpoints.iter().map(|c| (2, &c.tensor)));
     let mut counters = [0u32; 3];
     for (role, t) in host_tensors {
@@ -205,50 +238,94 @@ pub fn build_package(target: &Target, graph: &Graph, lowered: &Lowered, placemen
         for seg in &t.segments {
             let b = seg.buffer as usize;
             let address = placement.addresses[b] + seg.offset;
-            let bytes = &mut host_records[lowered.buffers[b].tile as usize];
+            let bytes = &mut inputs[lowered.buffers[b].tile as usize].host_records;
             for w in [role << 30 | index, address, seg.element, seg.count, seg.rows, seg.element_stride, seg.offset_stride, seg.element_step] {
                 bytes.extend_from_slice(&w.to_le_bytes());
             }
         }
     }
-    for (tile, image) in images.iter_mut().enumerate() {
-        let (start, end) = placement.code[tile];
-        let tables = std::mem::take(&mut table_bytes[tile]);
-        let (code, vertex_state, tables) = image::encode_code(tile as u32, lowered.steps.len() as u32, &host_records[tile], &programs[tile], &tables, bindings[tile]);
-        let total = code.len() + vertex_state.len() + tables.len();
-        if total > (end - start) as usize {
-            return Err(CompileError(format!(
-                "tile {tile}: code and exchange tables need {total} bytes, but size_tile_code reserved {} (the final addresses made the exchange tables less compact than sized)",
-                end - start
-            )));
+    for phase in exchanges {
+        for t in &phase.tiles {
+            if let Some(input) = inputs.get_mut(t.tile as usize) {
+                input.bindings += 1;
+            }
         }
-        image.allocations.push(Allocation { start, end, kind: AllocationKind::Code, label: 0, first_step: 0, last_step: u32::MAX });
-        image.allocations.sort_by_key(|a| (a.start, a.end));
-        // The reserve past the written bytes is a load-time fill, not bytes in the package.
-        let written = start + total as u32;
-        if written < end {
-            image.zero_fill.push(AddressRange { start: written, end });
+    }
+    for (input, tables) in inputs.iter_mut().zip(tile_tables(tiles, exchanges)) {
+        input.tables = tables;
+    }
+    inputs
+}
+
+/// Build one tile's image from its input; `tile` (the first tile with this content) only
+/// names the tile in an error.
+pub fn build_tile(tile: usize, input: &TileInput) -> Result<TileBody, CompileError> {
+    let (head, vertex_state, tables) = image::encode_code(0, input.steps, &input.host_records, &input.sets, &input.tables, input.bindings);
+    let (start, end) = input.code;
+    let total = head.len() + vertex_state.len() + tables.len();
+    if total > (end - start) as usize {
+        return Err(CompileError(format!(
+            "tile {tile}: code and exchange tables need {total} bytes, but size_tile_code reserved {} (the final addresses made the exchange tables less compact than sized)",
+            end - start
+        )));
+    }
+    let mut allocations = input.allocations.clone();
+    allocations.push(Allocation { start, end, kind: AllocationKind::Code, label: 0, first_step: 0, last_step: u32::MAX });
+    allocations.sort_by_key(|a| (a.start, a.end));
+    // The reserve past the written bytes is a load-time fill, not bytes in the package.
+    let written = start + total as u32;
+    let zero_fill = if written < end { vec![AddressRange { start: written, end }] } else { Vec::new() };
+    Ok(TileBody { head, vertex_state, tables, allocations, zero_fill })
+}
+
+/// Assemble the package from the placed program, the final exchange tables and every tile's
+/// input and image (in tile order). Vertex state and tables that several tiles hold are
+/// pooled here, serially in tile order, so the pool's order is the order of first use.
+pub fn assemble_package(
+    target: &Target,
+    graph: &Graph,
+    lowered: &Lowered,
+    placement: &Placement,
+    exchanges: &[PackedPhase],
+    inputs: &[TileInput],
+    bodies: &[&TileBody],
+) -> Result<Package, CompileError> {
+    let tiles = lowered.tiles as usize;
+    if inputs.len() != tiles || bodies.len() != tiles {
+        return Err(CompileError(format!("package assembly: {} tile inputs and {} images for {tiles} tiles", inputs.len(), bodies.len())));
+    }
+    let mut set_cycles: Vec<Vec<u64>> = vec![vec![0; tiles]; lowered.compute_sets.len()];
+    for (tile, input) in inputs.iter().enumerate() {
+        for set in &input.sets {
+            for call in &set.calls {
+                set_cycles[set.index as usize][tile] += cost::vertex(target, call);
+            }
         }
+    }
+    let mut pool: std::collections::HashMap<&[u8], u32> = std::collections::HashMap::new();
+    let mut shared_segments: Vec<Vec<u8>> = Vec::new();
+    let mut images: Vec<TileImage> = Vec::with_capacity(tiles);
+    for (tile, (input, body)) in inputs.iter().zip(bodies).enumerate() {
+        let start = input.code.0;
+        let mut head = body.head.clone();
+        image::stamp_tile(&mut head, tile as u32);
+        let mut image = TileImage { tile: tile as u32, segments: Vec::new(), shared: Vec::new(), zero_fill: body.zero_fill.clone(), allocations: body.allocations.clone() };
         // Vertex state and tables that another tile holds too are stored once.
-        let mut at = start + code.len() as u32;
-        for part in [vertex_state, tables] {
+        let mut at = start + head.len() as u32;
+        for part in [&body.vertex_state, &body.tables] {
             if part.is_empty() {
                 continue;
             }
-            let len = part.len() as u32;
             let next = shared_segments.len() as u32;
-            let index = *pool.entry(part).or_insert(next);
+            let index = *pool.entry(part.as_slice()).or_insert(next);
             if index == next {
-                shared_segments.push(Vec::new());
+                shared_segments.push(part.clone());
             }
             image.shared.push(SharedSegment { address: at, index });
-            at += len;
+            at += part.len() as u32;
         }
-        image.segments.push(Segment { address: start, bytes: code });
-    }
-    // The pool's contents, in order of first use.
-    for (bytes, index) in pool {
-        shared_segments[index as usize] = bytes;
+        image.segments.push(Segment { address: start, bytes: head });
+        images.push(image);
     }
     let steps: Vec<Step> = lowered.steps.iter().map(|s| match s {
         LStep::Compute(i) => Step::Compute { index: *i },
@@ -266,7 +343,7 @@ pub fn build_package(target: &Target, graph: &Graph, lowered: &Lowered, placemen
             }
         }
     }
-    let active_tiles = programs.iter().filter(|p| !p.is_empty()).count() as u32;
+    let active_tiles = inputs.iter().filter(|i| !i.sets.is_empty()).count() as u32;
     let host = HostTables {
         inputs: lowered.inputs.iter().map(|t| host_tensor(placement, lowered, t)).collect(),
         initialize: lowered.initialize.clone(),
@@ -300,7 +377,8 @@ pub fn build_package(target: &Target, graph: &Graph, lowered: &Lowered, placemen
     })
 }
 
-/// Each tile's encoded exchange tables over all phases (bindings and shared segments).
+/// Each tile's encoded exchange tables over all phases (bindings and shared segments), encoded
+/// in parallel over tiles (plain data), in tile order.
 pub fn tile_tables(tiles: usize, exchanges: &[PackedPhase]) -> Vec<Vec<u8>> {
     let mut per_tile: Vec<Vec<(u32, &PackedTile)>> = vec![Vec::new(); tiles];
     for phase in exchanges {
@@ -310,5 +388,5 @@ pub fn tile_tables(tiles: usize, exchanges: &[PackedPhase]) -> Vec<Vec<u8>> {
             }
         }
     }
-    per_tile.iter().map(|v| if v.is_empty() { Vec::new() } else { tables::encode_tile(v) }).collect()
+    per_tile.par_iter().map(|v| if v.is_empty() { Vec::new() } else { tables::encode_tile(v) }).collect()
 }

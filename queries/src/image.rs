@@ -48,6 +48,9 @@ impl Header {
         out
     }
 
+    /// Byte offset of the tile number in an encoded header (the word after the magic).
+    const TILE_OFFSET: usize = 4;
+
     /// The header at the start of `code` (the code allocation's bytes, at `address`).
     pub fn decode(code: &[u8], address: u32) -> Result<Header, String> {
         if code.len() < RUNTIME_HEADER_BYTES as usize {
@@ -307,6 +310,12 @@ pub fn encode_code(tile: u32, steps: u32, host_records: &[u8], sets: &[ComputeSe
     (head, vertex, tables.to_vec())
 }
 
+/// Write `tile` into the runtime header at the start of `code` (an image built once for every
+/// tile with the same content gets each tile's number at assembly). `code` starts with a header.
+pub fn stamp_tile(code: &mut [u8], tile: u32) {
+    code[Header::TILE_OFFSET..Header::TILE_OFFSET + 4].copy_from_slice(&tile.to_le_bytes());
+}
+
 /// Decode a tile's program from its code bytes (`code`, the code allocation's contents from
 /// `address`), for a package of `steps` program steps.
 pub fn decode_program(code: &[u8], address: u32, tile: u32, steps: u32) -> Result<(Header, TileProgram), String> {
@@ -499,6 +508,18 @@ mod tests {
             VertexCall::BiasAdd { rows: 1, cols: 2, input: op(3, 4), bias: op(5, 6), output: op(7, 8) },
             VertexCall::LayerNorm { rows: 1, cols: 2, eps: 1e-6, input: op(3, 4), gamma: op(5, 6), beta: op(7, 8), output: op(9, 10) },
         ]
+    }
+
+    #[test]
+    fn stamping_a_tile_number_gives_that_tiles_header() {
+        let header = |tile| Header { tile, steps: 11, host_records: 2, sets: 3, vertex_bytes: 96, bindings: 4, table_bytes: 200 };
+        let mut code = header(0).encode();
+        code.extend_from_slice(&[7u8; 64]);
+        stamp_tile(&mut code, 1471);
+        let mut expected = header(1471).encode();
+        expected.extend_from_slice(&[7u8; 64]);
+        assert_eq!(code, expected);
+        assert_eq!(Header::decode(&code, 0).unwrap(), header(1471));
     }
 
     #[test]

@@ -7,7 +7,9 @@ use std::sync::{Arc, Mutex};
 use ipuq_queries::db::{Database, Origin, Sources, StageStore};
 use ipuq_queries::hash::Digest;
 use ipuq_queries::exchange::pattern_digest;
-use ipuq_queries::pipeline::{finalists, lowered, package, provisional_bases, requests, run_phase, selection, PHASES};
+use ipuq_queries::emit::tile_inputs;
+use ipuq_queries::phases::EntryCounts;
+use ipuq_queries::pipeline::{finalists, lowered, package, placed, provisional_bases, requests, run_phase, selection, tables, PHASES};
 use ipuq_queries::target::fixtures;
 use salsa::Setter;
 
@@ -197,5 +199,85 @@ fn identical_patterns_are_scheduled_once_and_threads_change_no_byte() {
             package(&db, sources).unwrap().value.to_bytes()
         })
     };
-    assert!(build(1) == build(3), "the package depends on the thread count");
+    assert!(build(1) == build(4), "the package depends on the thread count");
+}
+
+const ATTENTION: &str = include_str!("../../fixtures/workloads/attention-grouped-materialized-gaussian-f16-b1-t29-h4-kv2-d8.toml");
+
+/// Build every phase in a pool of `threads` threads; the database back, the package bytes and
+/// how its tile images were obtained.
+fn tile_build(db: Database, sources: Sources, threads: usize) -> (Database, Vec<u8>, EntryCounts) {
+    rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap().install(move || {
+        let runs = build_all(&db, sources);
+        assert!(stages(&runs, Origin::Computed).contains(&"build_tile_images"), "the package stage did not run: {runs:?}");
+        let bytes = package(&db, sources).unwrap().value.to_bytes();
+        let counts = db.tile_image_counts().expect("tile image counts");
+        (db, bytes, counts)
+    })
+}
+
+#[test]
+fn tile_images_are_built_once_per_distinct_content_at_any_thread_count() {
+    let build = |threads: usize| {
+        let db = Database::default();
+        let sources = Sources::new(&db, ATTENTION.to_string(), "attention.toml".into(), fixtures::SMALL16.to_string(), "small16".into());
+        let (db, bytes, counts) = tile_build(db, sources, threads);
+        // Distinct contents: the tile inputs' digests, as the stage keys them.
+        let inputs = tile_inputs(&lowered(&db, sources).unwrap().value, &placed(&db, sources).unwrap().value, &tables(&db, sources).unwrap().value);
+        let distinct: std::collections::BTreeSet<Digest> = inputs.iter().map(|i| i.digest().unwrap()).collect();
+        assert_eq!(counts, EntryCounts { entries: 16, distinct: distinct.len(), reused: 0, computed: distinct.len() }, "{threads} threads");
+        bytes
+    };
+    assert!(build(1) == build(4), "the package depends on the thread count");
+}
+
+#[test]
+fn an_edit_that_leaves_every_tile_unchanged_reuses_every_tile_image() {
+    let db = Database::default();
+    let sources = Sources::new(&db, WORKLOAD.to_string(), "mlp.toml".into(), fixtures::SMALL16.to_string(), "small16".into());
+    let (mut db, _, cold) = tile_build(db, sources, 2);
+    assert_eq!((cold.entries, cold.reused, cold.computed), (16, 0, cold.distinct), "{cold:?}");
+    let before = package(&db, sources).unwrap();
+
+    // A runtime-only target constant: the package (which embeds the target) is built again,
+    // from the previous build's tile images.
+    sources.set_target_text(&mut db).to(fixtures::SMALL16.replacen("page_bytes = ", "page_bytes = 1", 1));
+    let (mut db, _, counts) = tile_build(db, sources, 2);
+    assert_eq!(counts, EntryCounts { entries: 16, distinct: cold.distinct, reused: cold.distinct, computed: 0 });
+    let after = package(&db, sources).unwrap();
+    assert_ne!(before.digest, after.digest);
+    assert_eq!((&before.value.tiles, &before.value.shared_segments), (&after.value.tiles, &after.value.shared_segments));
+
+    // An initialiser edit: the same.
+    sources.set_workload_text(&mut db).to(WORKLOAD.replacen("seed = 1\n", "seed = 7\n", 1));
+    let (_, _, counts) = tile_build(db, sources, 2);
+    assert_eq!((counts.reused, counts.computed), (cold.distinct, 0), "{counts:?}");
+}
+
+/// The small MLP with a second output: a scale of a small input of its own, which lands on
+/// fewer tiles than the products (`factor` is the edit).
+fn mlp_with_a_small_scale(factor: &str) -> String {
+    let text = WORKLOAD.replacen("outputs = [\"y_0\"]", "outputs = [\"y_0\", \"z\"]", 1);
+    assert_ne!(text, WORKLOAD);
+    format!("{text}\n[[tensor]]\nname = \"u\"\nshape = [2, 16]\ndtype = \"f16\"\nrole = \"input\"\n\n[tensor.init.gaussian]\nseed = 3\nstd = 1.0\n\n[[operation]]\nname = \"z\"\nop = \"scale\"\ninputs = [\"u\"]\nfactor = {factor}\n")
+}
+
+#[test]
+fn a_one_operation_edit_rebuilds_only_the_tiles_it_changed() {
+    let db = Database::default();
+    let sources = Sources::new(&db, mlp_with_a_small_scale("0.5"), "mlp.toml".into(), fixtures::SMALL16.to_string(), "small16".into());
+    let (mut db, before, _) = tile_build(db, sources, 2);
+    let edited = mlp_with_a_small_scale("0.25");
+    sources.set_workload_text(&mut db).to(edited.clone());
+    let (_, bytes, counts) = tile_build(db, sources, 2);
+    assert!(bytes != before);
+    assert!(counts.computed > 0 && counts.reused > 0, "{counts:?}");
+    assert_eq!(counts.computed + counts.reused, counts.distinct);
+
+    // The same bytes as a cold build of the edited workload.
+    let cold = Database::default();
+    let fresh = Sources::new(&cold, edited, "mlp.toml".into(), fixtures::SMALL16.to_string(), "small16".into());
+    let (_, cold_bytes, cold_counts) = tile_build(cold, fresh, 2);
+    assert!(bytes == cold_bytes, "the incremental package differs from a cold build's");
+    assert_eq!((cold_counts.reused, cold_counts.computed), (0, cold_counts.distinct));
 }
