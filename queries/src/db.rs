@@ -40,9 +40,17 @@ impl<T> Staged<T> {
     where
         T: for<'a> rkyv::Serialize<rkyv::api::high::HighSerializer<rkyv::util::AlignedVec, rkyv::ser::allocator::ArenaHandle<'a>, rkyv::rancor::Error>>,
     {
-        let bytes = rkyv::to_bytes::<rkyv::rancor::Error>(&value).map_err(CompileError::from)?;
-        Ok(Staged { digest: Digest::of_bytes(&bytes), value: Arc::new(value) })
+        Ok(Staged { digest: digest_of(&value)?, value: Arc::new(value) })
     }
+}
+
+/// Digest of a value as stages digest their outputs: blake3 of its canonical (rkyv) bytes.
+pub(crate) fn digest_of<T>(value: &T) -> Result<Digest, CompileError>
+where
+    T: for<'a> rkyv::Serialize<rkyv::api::high::HighSerializer<rkyv::util::AlignedVec, rkyv::ser::allocator::ArenaHandle<'a>, rkyv::rancor::Error>>,
+{
+    let bytes = rkyv::to_bytes::<rkyv::rancor::Error>(value).map_err(CompileError::from)?;
+    Ok(Digest::of_bytes(&bytes))
 }
 
 /// Any error a stage can report, as text naming what and where (errors must compare equal

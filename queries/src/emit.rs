@@ -189,8 +189,7 @@ pub struct TileInput {
 impl TileInput {
     /// The digest of the input's canonical bytes: the content part of its tile's key.
     pub fn digest(&self) -> Result<crate::hash::Digest, CompileError> {
-        let bytes = rkyv::to_bytes::<rkyv::rancor::Error>(self).map_err(CompileError::from)?;
-        Ok(crate::hash::Digest::of_bytes(&bytes))
+        crate::db::digest_of(self)
     }
 }
 

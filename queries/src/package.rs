@@ -191,6 +191,14 @@ impl Broadcast {
             Broadcast::Full => (rows, cols),
         }
     }
+
+    /// Bytes of one operand element: a row scale's factors are fp32, addends f16.
+    pub fn element_bytes(self) -> u32 {
+        match self {
+            Broadcast::RowScale => 4,
+            Broadcast::Row | Broadcast::Column | Broadcast::Full => 2,
+        }
+    }
 }
 
 /// One vertex (codelet) call. Every kernel works on `rows` x `cols` 2-D strided operands.

@@ -22,6 +22,27 @@ use crate::hash::{Digest, KeyHasher};
 /// An in-process memo of per-phase entries by key: holds the latest build's entries only.
 pub type Memo<T> = Mutex<HashMap<Digest, Staged<T>>>;
 
+/// What a per-entry memo holds: shared by rayon workers, and stored and loaded with rkyv.
+pub(crate) trait Entry:
+    Clone
+    + Send
+    + Sync
+    + rkyv::Archive<
+        Archived: for<'a> rkyv::bytecheck::CheckBytes<rkyv::api::high::HighValidator<'a, rkyv::rancor::Error>>
+                      + rkyv::Deserialize<Self, rkyv::api::high::HighDeserializer<rkyv::rancor::Error>>,
+    > + for<'a> rkyv::Serialize<rkyv::api::high::HighSerializer<rkyv::util::AlignedVec, rkyv::ser::allocator::ArenaHandle<'a>, rkyv::rancor::Error>>
+{
+}
+
+impl<T> Entry for T
+where
+    T: Clone + Send + Sync + rkyv::Archive
+        + for<'a> rkyv::Serialize<rkyv::api::high::HighSerializer<rkyv::util::AlignedVec, rkyv::ser::allocator::ArenaHandle<'a>, rkyv::rancor::Error>>,
+    T::Archived: for<'a> rkyv::bytecheck::CheckBytes<rkyv::api::high::HighValidator<'a, rkyv::rancor::Error>>
+        + rkyv::Deserialize<T, rkyv::api::high::HighDeserializer<rkyv::rancor::Error>>,
+{
+}
+
 /// How an entry was obtained, counted over one call.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct EntryCounts {
@@ -54,10 +75,7 @@ pub(crate) fn per_phase<T>(
     compute: impl Fn(usize) -> Result<T, CompileError> + Sync,
 ) -> Result<Vec<Staged<T>>, CompileError>
 where
-    T: Clone + Send + Sync + rkyv::Archive
-        + for<'a> rkyv::Serialize<rkyv::api::high::HighSerializer<rkyv::util::AlignedVec, rkyv::ser::allocator::ArenaHandle<'a>, rkyv::rancor::Error>>,
-    T::Archived: for<'a> rkyv::bytecheck::CheckBytes<rkyv::api::high::HighValidator<'a, rkyv::rancor::Error>>
-        + rkyv::Deserialize<T, rkyv::api::high::HighDeserializer<rkyv::rancor::Error>>,
+    T: Entry,
 {
     Ok(memoized(db, stage, version, keys, memo, Tier::Disk, &compute)?.0)
 }
@@ -73,10 +91,7 @@ pub(crate) fn per_tile<T>(
     compute: impl Fn(usize) -> Result<T, CompileError> + Sync,
 ) -> Result<(Vec<Staged<T>>, EntryCounts), CompileError>
 where
-    T: Clone + Send + Sync + rkyv::Archive
-        + for<'a> rkyv::Serialize<rkyv::api::high::HighSerializer<rkyv::util::AlignedVec, rkyv::ser::allocator::ArenaHandle<'a>, rkyv::rancor::Error>>,
-    T::Archived: for<'a> rkyv::bytecheck::CheckBytes<rkyv::api::high::HighValidator<'a, rkyv::rancor::Error>>
-        + rkyv::Deserialize<T, rkyv::api::high::HighDeserializer<rkyv::rancor::Error>>,
+    T: Entry,
 {
     memoized(db, stage, version, keys, memo, Tier::Memory, &compute)
 }
@@ -91,10 +106,7 @@ fn memoized<T>(
     compute: &(impl Fn(usize) -> Result<T, CompileError> + Sync),
 ) -> Result<(Vec<Staged<T>>, EntryCounts), CompileError>
 where
-    T: Clone + Send + Sync + rkyv::Archive
-        + for<'a> rkyv::Serialize<rkyv::api::high::HighSerializer<rkyv::util::AlignedVec, rkyv::ser::allocator::ArenaHandle<'a>, rkyv::rancor::Error>>,
-    T::Archived: for<'a> rkyv::bytecheck::CheckBytes<rkyv::api::high::HighValidator<'a, rkyv::rancor::Error>>
-        + rkyv::Deserialize<T, rkyv::api::high::HighDeserializer<rkyv::rancor::Error>>,
+    T: Entry,
 {
     let previous = std::mem::take(&mut *memo.lock().expect("phase memo lock"));
     let result = collect(db, stage, version, keys, &previous, tier, compute);
@@ -116,10 +128,7 @@ fn collect<T>(
     compute: &(impl Fn(usize) -> Result<T, CompileError> + Sync),
 ) -> Result<(HashMap<Digest, Staged<T>>, EntryCounts), CompileError>
 where
-    T: Clone + Send + Sync + rkyv::Archive
-        + for<'a> rkyv::Serialize<rkyv::api::high::HighSerializer<rkyv::util::AlignedVec, rkyv::ser::allocator::ArenaHandle<'a>, rkyv::rancor::Error>>,
-    T::Archived: for<'a> rkyv::bytecheck::CheckBytes<rkyv::api::high::HighValidator<'a, rkyv::rancor::Error>>
-        + rkyv::Deserialize<T, rkyv::api::high::HighDeserializer<rkyv::rancor::Error>>,
+    T: Entry,
 {
     let mut found: HashMap<Digest, Staged<T>> = HashMap::new();
     let mut missing: Vec<usize> = Vec::new();

@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use crate::db::{exchange_target, graph, lowering_target, memory_target, selection_target, target, CompileError, Database, Db, Sources, StageResult, Staged};
+use crate::db::{digest_of, exchange_target, graph, lowering_target, memory_target, selection_target, target, CompileError, Database, Db, Sources, StageResult, Staged};
 use crate::emit::{assemble_package, build_tile, log_support_memory, tile_inputs, SupportMemory, TileBody};
 use crate::exchange::{self, Destination, PhaseRequest, Schedule};
 use crate::exchange_placement::{check_placement, search_exchange_placement};
@@ -105,7 +105,8 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
         // last round's finalists only).
         let memo = &db.placement_memo;
         let optimize = |l: &Lowered, schedules: &[Schedule], digests: &[Digest], code: &[u32], baseline: &Placement| -> Result<(Placement, u64), String> {
-            let key = placement_search_key(lt.digest, digest_of(l)?, digests, digest_of(&code.to_vec())?, digest_of(baseline)?);
+            let (program, code_digest, base) = (digest_of(l).map_err(|e| e.0)?, digest_of(&code.to_vec()).map_err(|e| e.0)?, digest_of(baseline).map_err(|e| e.0)?);
+            let key = placement_search_key(lt.digest, program, digests, code_digest, base);
             let found = Arc::new(search_exchange_placement(&lt.value, l, schedules, code, baseline).map_err(|e| e.0)?);
             memo.lock().expect("placement memo lock").insert(key, found.clone());
             Ok((found.placement.clone(), found.conflicts))
@@ -154,9 +155,7 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
 #[salsa::tracked(returns(clone))]
 pub fn lowered(db: &dyn Db, sources: Sources) -> StageResult<Lowered> {
     let s = selection(db, sources)?;
-    let value = s.value.lowered.clone();
-    let bytes = rkyv::to_bytes::<rkyv::rancor::Error>(&value).map_err(CompileError::from)?;
-    Ok(Staged { digest: Digest::of_bytes(&bytes), value: Arc::new(value) })
+    Staged::of(s.value.lowered.clone())
 }
 
 /// The exchange requests of every phase, with addresses from `address(buffer, offset)`.
@@ -302,7 +301,7 @@ pub fn placed(db: &dyn Db, sources: Sources) -> StageResult<Placement> {
         // The accepted placement's tables, validated by the search (over the lowering view,
         // whose grid and delays are the exchange view's), for lower_exchanges.
         if let (Some(tables), false) = (&searched.validated, db.verifying()) {
-            let key = validated_key(x.digest, l.digest, &s.value.digests, digest_of(&placement).map_err(CompileError)?);
+            let key = validated_key(x.digest, l.digest, &s.value.digests, digest_of(&placement)?);
             *db.validated_memo.lock().expect("validated memo lock") = Some((key, tables.clone()));
         }
         Ok(placement)
@@ -312,31 +311,26 @@ pub fn placed(db: &dyn Db, sources: Sources) -> StageResult<Placement> {
 /// Key of a program's validated exchange tables: the exchange view, the program, each phase's
 /// schedule and the final placement (what decides every table word).
 fn validated_key(exchange: Digest, lowered: Digest, schedules: &[Digest], placement: Digest) -> Digest {
-    let mut h = KeyHasher::new("ipuq validated exchange tables v1");
-    h.add(&exchange).add(&lowered).add(&schedules.len());
-    for d in schedules {
-        h.add(d);
-    }
-    h.add(&placement).finish()
+    schedules_key("ipuq validated exchange tables v1", &[exchange, lowered], schedules, &[placement])
 }
 
 /// Key of an exchange-placement search: digests of everything it reads (the lowering view of
 /// the target, the program, each phase's schedule, the code bytes, the baseline placement).
 fn placement_search_key(target: Digest, lowered: Digest, schedules: &[Digest], code: Digest, baseline: Digest) -> Digest {
-    let mut h = KeyHasher::new("ipuq exchange placement search v1");
-    h.add(&target).add(&lowered).add(&schedules.len());
-    for d in schedules {
-        h.add(d);
-    }
-    h.add(&code).add(&baseline).finish()
+    schedules_key("ipuq exchange placement search v1", &[target, lowered], schedules, &[code, baseline])
 }
 
-/// Digest of a value as stages digest their outputs (blake3 of its rkyv bytes).
-fn digest_of<T>(value: &T) -> Result<Digest, String>
-where
-    T: for<'a> rkyv::Serialize<rkyv::api::high::HighSerializer<rkyv::util::AlignedVec, rkyv::ser::allocator::ArenaHandle<'a>, rkyv::rancor::Error>>,
-{
-    rkyv::to_bytes::<rkyv::rancor::Error>(value).map(|b| Digest::of_bytes(&b)).map_err(|e| e.to_string())
+/// An in-process key over some digests, every phase's schedule digest, then some more.
+fn schedules_key(domain: &str, before: &[Digest], schedules: &[Digest], after: &[Digest]) -> Digest {
+    let mut h = KeyHasher::new(domain);
+    for d in before {
+        h.add(d);
+    }
+    h.add(&schedules.len());
+    for d in schedules.iter().chain(after) {
+        h.add(d);
+    }
+    h.finish()
 }
 
 /// Patch final addresses into every phase's schedule and validate the tables, per phase: a

@@ -141,8 +141,7 @@ fn accesses(call: &VertexCall) -> Vec<Access> {
 fn addend_access(add: &Option<Addend<Operand>>, rows: u32, cols: u32) -> Option<Access> {
     let x = add.as_ref()?;
     let (r, c) = x.broadcast.extent(rows, cols);
-    let element_bytes = if x.broadcast == Broadcast::RowScale { 4 } else { 2 };
-    Some(Access { name: "add", op: x.operand, rows: r, cols: c, element_bytes, need: Need::Data })
+    Some(Access { name: "add", op: x.operand, rows: r, cols: c, element_bytes: x.broadcast.element_bytes(), need: Need::Data })
 }
 
 /// Check every call of a tile's compute set, which runs at program steps `steps`, and add up

@@ -195,16 +195,23 @@ pub fn softmax_rows(values: &mut [f32], cols: usize) {
         return;
     }
     for row in values.chunks_exact_mut(cols) {
-        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0.0f32;
-        for x in row.iter_mut() {
-            *x = (*x - max).exp();
-            sum += *x;
-        }
+        let sum = exp_row(row);
         for x in row.iter_mut() {
             *x /= sum;
         }
     }
+}
+
+/// Subtract the row's maximum and exponentiate in place; the sum, accumulated in increasing
+/// column order.
+fn exp_row(row: &mut [f32]) -> f32 {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0f32;
+    for x in row.iter_mut() {
+        *x = (*x - max).exp();
+        sum += *x;
+    }
+    sum
 }
 
 /// Softmax over each row of `cols` elements with the normalisation deferred: subtract the row
@@ -216,13 +223,7 @@ pub fn softmax_rows_unnormalised(values: &mut [f32], cols: usize, reciprocals: &
         return;
     }
     for row in values.chunks_exact_mut(cols) {
-        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0.0f32;
-        for x in row.iter_mut() {
-            *x = (*x - max).exp();
-            sum += *x;
-        }
-        reciprocals.push(1.0 / sum);
+        reciprocals.push(1.0 / exp_row(row));
     }
 }
 
