@@ -6,6 +6,7 @@
 //! share one builder state; each part is a method with one job.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use tracing::debug;
 
@@ -135,17 +136,17 @@ struct Builder<'a> {
     labels: Vec<String>,
     buffers: Vec<BufferDecl>,
     steps: Vec<LStep>,
-    compute_sets: Vec<Vec<(u32, Call)>>,
-    phases: Vec<Vec<Transfer>>,
+    compute_sets: Vec<Arc<Vec<(u32, Call)>>>,
+    phases: Vec<Arc<Vec<Transfer>>>,
     phase_plans: Vec<u32>,
     stored: BTreeMap<ValueId, Stored>,
-    host: BTreeMap<ValueId, LHostTensor>,
+    host: BTreeMap<ValueId, Arc<LHostTensor>>,
     /// Word moves of the exchange phase being gathered: source (buffer, byte offset), words,
     /// destination (buffer, byte offset).
     pending: Vec<(Place, u32, Place)>,
     copies: Vec<LocalCopy>,
     plans: Vec<OperationPlan>,
-    checkpoints: Vec<LCheckpoint>,
+    checkpoints: Vec<Arc<LCheckpoint>>,
     gemm_flops: u64,
     operation_name: String,
     /// Keep each matrix-product weight block once on a home tile and multicast it to the other
@@ -208,15 +209,15 @@ pub struct Partial {
     labels: Vec<String>,
     buffers: Vec<BufferDecl>,
     steps: Vec<LStep>,
-    compute_sets: Vec<Vec<(u32, Call)>>,
-    phases: Vec<Vec<Transfer>>,
+    compute_sets: Vec<Arc<Vec<(u32, Call)>>>,
+    phases: Vec<Arc<Vec<Transfer>>>,
     phase_plans: Vec<u32>,
     stored: BTreeMap<ValueId, Stored>,
-    host: BTreeMap<ValueId, LHostTensor>,
+    host: BTreeMap<ValueId, Arc<LHostTensor>>,
     pending: Vec<(Place, u32, Place)>,
     copies: Vec<LocalCopy>,
     plans: Vec<OperationPlan>,
-    checkpoints: Vec<LCheckpoint>,
+    checkpoints: Vec<Arc<LCheckpoint>>,
     gemm_flops: u64,
     home_weights: bool,
     home_rotation: usize,
@@ -461,11 +462,8 @@ impl<'a> Builder<'a> {
         let is_stored = self.stored.contains_key(&chain.base);
         if let Some(stored) = self.stored.get(&chain.base) {
             if chain.is_identity() {
-                let lo: Vec<u32> = block.iter().map(|r| r.0).collect();
-                let (cell, cell_block) = stored.grid.locate(&lo);
-                let inside = block.iter().zip(&cell_block).all(|(r, c)| c.0 <= r.0 && r.1 <= c.1);
-                if inside && stored.grid.tiles[cell] == tile {
-                    return Ok(Held::plain(stored.grid.buffers[cell], cell_block, dtype));
+                if let Some(cell) = stored.grid.cell_holding(block).filter(|&cell| stored.grid.tiles[cell] == tile) {
+                    return Ok(Held::plain(stored.grid.buffers[cell], stored.grid.cell_block(cell), dtype));
                 }
             }
         }
@@ -487,13 +485,15 @@ impl<'a> Builder<'a> {
             // (consecutive columns are base elements a base row apart).
             let Producer::Tensor { role, .. } = base.producer else { unreachable!("only host tensors are not stored") };
             let base_cols = chain.base_shape[1];
-            let entry = self.host.entry(chain.base).or_insert_with(|| LHostTensor {
-                name: base.name.clone(),
-                shape: base.shape.clone(),
-                dtype,
-                role: if role == Role::Weight { HostRole::Weight } else { HostRole::Input },
-                segments: Vec::new(),
-            });
+            let entry = Arc::make_mut(self.host.entry(chain.base).or_insert_with(|| {
+                Arc::new(LHostTensor {
+                    name: base.name.clone(),
+                    shape: base.shape.clone(),
+                    dtype,
+                    role: if role == Role::Weight { HostRole::Weight } else { HostRole::Input },
+                    segments: Vec::new(),
+                })
+            }));
             // One segment: row r of the block is base column r, read `base_cols` apart and
             // written contiguously (the host transposes as it streams).
             let (r0, r1) = block[0];
@@ -509,6 +509,11 @@ impl<'a> Builder<'a> {
         let row_count: u64 = rows.iter().map(|&r| r as u64).product();
         let (c0, c1) = block[rank - 1];
         let mut index = vec![0u32; rank];
+        // The source cell of the last piece (cell, block, held there, tile): consecutive
+        // pieces mostly come from the same cell, which then needs no search.
+        let mut source: Option<usize> = None;
+        let mut sources: Vec<(Vec<(u32, u32)>, Held, u32)> = Vec::new();
+        let mut source_of_cell: std::collections::HashMap<usize, usize> = std::collections::HashMap::new();
         for row in 0..row_count {
             let mut rest = row;
             for a in (0..rank - 1).rev() {
@@ -525,24 +530,39 @@ impl<'a> Builder<'a> {
                     (false, Producer::Tensor { role, .. }) => {
                         let role = *role;
                         let element = flatten(&base_index, &chain.base_shape);
-                        let entry = self.host.entry(chain.base).or_insert_with(|| LHostTensor {
-                            name: base.name.clone(),
-                            shape: base.shape.clone(),
-                            dtype,
-                            role: if role == Role::Weight { HostRole::Weight } else { HostRole::Input },
-                            segments: Vec::new(),
-                        });
+                        let entry = Arc::make_mut(self.host.entry(chain.base).or_insert_with(|| {
+                            Arc::new(LHostTensor {
+                                name: base.name.clone(),
+                                shape: base.shape.clone(),
+                                dtype,
+                                role: if role == Role::Weight { HostRole::Weight } else { HostRole::Input },
+                                segments: Vec::new(),
+                            })
+                        }));
                         push_segment(&mut entry.segments, LSegment { buffer, offset: dst_offset, element: element as u32, count: run, rows: 1, element_stride: 0, offset_stride: 0, element_step: 1 }, dtype.bytes());
                         c += run;
                     }
                     _ => {
-                        let stored = &self.stored[&chain.base];
-                        let (cell, cell_block) = stored.grid.locate(&base_index);
+                        let inside = |b: &[(u32, u32)]| b.iter().zip(&base_index).all(|(r, &i)| r.0 <= i && i < r.1);
+                        let at = match source {
+                            Some(at) if inside(&sources[at].0) => at,
+                            _ => {
+                                let grid = &self.stored[&chain.base].grid;
+                                let cell = grid.cell_of(&base_index);
+                                *source_of_cell.entry(cell).or_insert_with(|| {
+                                    let cell_block = grid.cell_block(cell);
+                                    let held = Held::plain(grid.buffers[cell], cell_block.clone(), dtype);
+                                    sources.push((cell_block, held, grid.tiles[cell]));
+                                    sources.len() - 1
+                                })
+                            }
+                        };
+                        source = Some(at);
+                        let (cell_block, src_held, src_tile) = &sources[at];
+                        let src_tile = *src_tile;
                         let last = cell_block.len() - 1;
                         let piece = run.min(cell_block[last].1 - base_index[last]);
-                        let src_held = Held::plain(stored.grid.buffers[cell], cell_block.clone(), dtype);
                         let src = src_held.loc(&base_index);
-                        let src_tile = stored.grid.tiles[cell];
                         if src_tile == tile {
                             let dst = held.loc(&index);
                             self.local_copy(piece, src, dst);
@@ -613,8 +633,7 @@ impl<'a> Builder<'a> {
             let step = self.steps.len() as u32;
             self.steps.push(LStep::Exchange(self.phases.len() as u32));
             // Sorted moves: one transfer per (source, words), destinations in order.
-            let mut pending = std::mem::take(&mut self.pending);
-            pending.sort_unstable();
+            let pending = sort_moves(std::mem::take(&mut self.pending), self.buffers.len());
             let mut grouped: Vec<Transfer> = Vec::new();
             for (src, words, dst) in pending {
                 self.touch(src.0, step);
@@ -625,14 +644,14 @@ impl<'a> Builder<'a> {
                 }
             }
             let transfers = merge_rows(grouped.into_iter());
-            self.phases.push(transfers);
+            self.phases.push(Arc::new(transfers));
             // The operation being built records its plan after its phases: its index is next.
             self.phase_plans.push(self.plans.len() as u32);
             self.steps.push(LStep::Compute(self.compute_sets.len() as u32));
-            self.compute_sets.push(Vec::new());
+            self.compute_sets.push(Arc::default());
         } else if !matches!(self.steps.last(), Some(LStep::Compute(_))) {
             self.steps.push(LStep::Compute(self.compute_sets.len() as u32));
-            self.compute_sets.push(Vec::new());
+            self.compute_sets.push(Arc::default());
         }
         let step = (self.steps.len() - 1) as u32;
         for copy in std::mem::take(&mut self.copies) {
@@ -649,7 +668,7 @@ impl<'a> Builder<'a> {
             self.touch(buffer, step);
         }
         let LStep::Compute(set) = self.steps[step as usize] else { unreachable!("calls go into compute steps") };
-        self.compute_sets[set as usize].push((tile, call));
+        Arc::make_mut(&mut self.compute_sets[set as usize]).push((tile, call));
     }
 
     fn record(&mut self, index: usize, output: ValueId, grid: Grid, dtype: DType, step: u32, mut plan: OperationPlan) {
@@ -663,7 +682,7 @@ impl<'a> Builder<'a> {
         // checkpoint can be compared with the reference.
         if reciprocals_of(self.graph, index).is_none() {
             let tensor = self.host_view(shown, HostRole::Intermediate);
-            self.checkpoints.push(LCheckpoint { operation: original, after_step: step, tensor });
+            self.checkpoints.push(Arc::new(LCheckpoint { operation: original, after_step: step, tensor }));
         }
         debug!(operation = plan.operation, value = %value.name, kind = %plan.kind, partitions = ?plan.partitions, tiles = plan.tiles,
             estimated_compute_cycles = plan.estimated_compute_cycles, estimated_exchange_cycles = plan.estimated_exchange_cycles,
@@ -727,9 +746,7 @@ impl<'a> Builder<'a> {
         let Some(stored) = self.stored.get(&chain.base) else { return 0 };
         let total: u64 = block.iter().map(|r| (r.1 - r.0) as u64).product::<u64>() * dtype.bytes() as u64 / 4;
         if chain.is_identity() {
-            let lo: Vec<u32> = block.iter().map(|r| r.0).collect();
-            let (cell, cell_block) = stored.grid.locate(&lo);
-            if stored.grid.tiles[cell] == tile && block.iter().zip(&cell_block).all(|(r, c)| c.0 <= r.0 && r.1 <= c.1) {
+            if stored.grid.cell_holding(block).is_some_and(|cell| stored.grid.tiles[cell] == tile) {
                 return 0;
             }
         }
@@ -1018,7 +1035,7 @@ impl<'a> Builder<'a> {
             grid.buffers.push(buffer);
         }
         self.home_rotation += 1;
-        self.host.insert(weight, LHostTensor { name: value.name.clone(), shape: value.shape.clone(), dtype: value.dtype, role: HostRole::Weight, segments });
+        self.host.insert(weight, Arc::new(LHostTensor { name: value.name.clone(), shape: value.shape.clone(), dtype: value.dtype, role: HostRole::Weight, segments }));
         self.stored.insert(weight, Stored { grid, dtype: value.dtype });
     }
 
@@ -1290,7 +1307,7 @@ impl<'a> Builder<'a> {
             }
             outputs.push(tensor);
         }
-        let mut inputs: Vec<LHostTensor> = std::mem::take(&mut self.host).into_values().collect();
+        let mut inputs: Vec<LHostTensor> = std::mem::take(&mut self.host).into_values().map(unshare).collect();
         for t in &mut inputs {
             for s in &t.segments {
                 let b = &mut self.buffers[s.buffer as usize];
@@ -1305,13 +1322,13 @@ impl<'a> Builder<'a> {
             labels: self.labels,
             buffers: self.buffers,
             steps: self.steps,
-            compute_sets: self.compute_sets,
-            phases: self.phases,
+            compute_sets: self.compute_sets.into_iter().map(unshare).collect(),
+            phases: self.phases.into_iter().map(unshare).collect(),
             phase_plans: self.phase_plans,
             initialize: Vec::new(),
             inputs,
             outputs,
-            checkpoints: self.checkpoints,
+            checkpoints: self.checkpoints.into_iter().map(unshare).collect(),
             plans: self.plans,
             gemm_flops: self.gemm_flops,
             logical_shards,
@@ -1453,6 +1470,35 @@ fn merge_segments(mut segments: Vec<LSegment>, dtype: DType) -> Vec<LSegment> {
         out.push(s);
     }
     out
+}
+
+/// Word moves in ascending order (as `sort_unstable` orders the tuples): counted out by
+/// source buffer (below `buffers`), then each source's moves sorted on one packed key.
+fn sort_moves(moves: Vec<(Place, u32, Place)>, buffers: usize) -> Vec<(Place, u32, Place)> {
+    let mut starts = vec![0usize; buffers + 1];
+    for m in &moves {
+        starts[m.0 .0 as usize + 1] += 1;
+    }
+    for i in 1..starts.len() {
+        starts[i] += starts[i - 1];
+    }
+    let mut next = starts.clone();
+    let mut sorted = vec![((0, 0), 0, (0, 0)); moves.len()];
+    for m in moves {
+        let at = &mut next[m.0 .0 as usize];
+        sorted[*at] = m;
+        *at += 1;
+    }
+    for w in starts.windows(2) {
+        sorted[w[0]..w[1]].sort_unstable_by_key(|&((_, offset), words, (buffer, to))| (offset as u128) << 96 | (words as u128) << 64 | (buffer as u128) << 32 | to as u128);
+    }
+    sorted
+}
+
+/// The value behind a shared part of a lowering in progress (copied only while a prefix that
+/// another lowering extends still holds it).
+fn unshare<T: Clone>(shared: Arc<T>) -> T {
+    Arc::try_unwrap(shared).unwrap_or_else(|shared| (*shared).clone())
 }
 
 /// Merge transfers whose source and destinations continue each other (consecutive rows).

@@ -27,15 +27,31 @@ impl Grid {
     }
     /// The cell containing an element, and the cell's block.
     pub fn locate(&self, index: &[u32]) -> (usize, Vec<(u32, u32)>) {
-        let mut coords = Vec::with_capacity(index.len());
+        let mut cell = 0;
         let mut block = Vec::with_capacity(index.len());
         for (axis, &i) in index.iter().enumerate() {
             let cuts = &self.cuts[axis];
             let c = cuts.partition_point(|&x| x <= i) - 1;
-            coords.push(c);
+            cell = cell * (cuts.len() - 1) + c;
             block.push((cuts[c], cuts[c + 1]));
         }
-        (self.cell_index(&coords), block)
+        (cell, block)
+    }
+    /// The cell containing an element.
+    pub fn cell_of(&self, index: &[u32]) -> usize {
+        index.iter().zip(&self.cuts).fold(0, |cell, (&i, cuts)| cell * (cuts.len() - 1) + cuts.partition_point(|&x| x <= i) - 1)
+    }
+    /// The cell that holds all of `block`, if one does.
+    pub fn cell_holding(&self, block: &[(u32, u32)]) -> Option<usize> {
+        let mut cell = 0;
+        for (r, cuts) in block.iter().zip(&self.cuts) {
+            let c = cuts.partition_point(|&x| x <= r.0) - 1;
+            if r.1 > cuts[c + 1] {
+                return None;
+            }
+            cell = cell * (cuts.len() - 1) + c;
+        }
+        Some(cell)
     }
     pub fn cell_block(&self, cell: usize) -> Vec<(u32, u32)> {
         let per = self.cells_per_axis();
@@ -131,6 +147,9 @@ impl ViewChain {
     /// Map a view index to the base index, and how many consecutive elements along the view's
     /// last axis stay consecutive along the base's last axis from there.
     pub fn map_run(&self, index: &[u32], max_run: u32) -> (Vec<u32>, u32) {
+        if self.steps.is_empty() {
+            return (index.to_vec(), max_run.min(self.view_shape[self.view_shape.len() - 1] - index[index.len() - 1]));
+        }
         let mut idx = index.to_vec();
         let mut shape = self.view_shape.clone();
         let mut run = max_run.min(shape[shape.len() - 1] - idx[idx.len() - 1]);

@@ -16,7 +16,7 @@
 //! on a tile while it runs (host-written weights are live from the start), in total and in
 //! interleaved memory, until the program fits or the budgets stop changing.
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use rayon::prelude::*;
@@ -64,6 +64,27 @@ struct State {
     swapped: BTreeSet<usize>,
     oriented: Arc<Oriented>,
     partial: Partial,
+    /// For a program with replicated weights, when the beam carries one: the same program
+    /// lowered with home-tile weights over a prefix compatible with `oriented`, so that a
+    /// switch to home-tile weights extends that prefix instead of lowering from the start
+    /// (the same program either way: see `extended_prefixes_equal_whole_lowerings`).
+    home: Option<Arc<HomePrefix>>,
+}
+
+/// A program's prefix lowered with home-tile weights, and the orientation it was lowered over.
+struct HomePrefix {
+    oriented: Arc<Oriented>,
+    partial: Partial,
+}
+
+/// The program `oriented` lowered with home-tile weights up to operation `end`: extended from
+/// `memo` when its prefix is compatible, else lowered from the start.
+fn home_lowering(memo: Option<&HomePrefix>, oriented: &Oriented, target: &Target, end: usize) -> Result<Partial, LowerError> {
+    let start = match memo {
+        Some(m) if m.partial.lowered_operations() <= end && prefix_compatible(&m.oriented, oriented, m.partial.lowered_operations()) => m.partial.clone(),
+        _ => Partial::new(true),
+    };
+    extend(start, oriented, target, &[], end)
 }
 
 /// What the beam compares partial programs by: estimated cycles, estimated exchange cycles,
@@ -72,17 +93,21 @@ struct State {
 fn score(partial: &Partial, tiles: u32) -> [u64; 5] {
     let cycles = partial.plans().iter().map(|p| p.estimated_compute_cycles + p.estimated_exchange_cycles).sum();
     let exchange = partial.plans().iter().map(|p| p.estimated_exchange_cycles).sum();
-    let (standard, interleaved, total) = peaks(partial.buffers(), &partial.host_buffers().collect(), tiles);
+    let mut host = vec![false; partial.buffers().len()];
+    for b in partial.host_buffers() {
+        host[b as usize] = true;
+    }
+    let (standard, interleaved, total) = peaks(partial.buffers(), &host, tiles);
     [cycles, exchange, standard, interleaved, total]
 }
 
 /// Peak live bytes per tile over the steps, in standard and interleaved memory (buffers that
 /// claim interleaved memory first: partials, and weights that prefer it) and in total.
-fn peaks(buffers: &[BufferDecl], host: &HashSet<u32>, tiles: u32) -> (u64, u64, u64) {
+fn peaks(buffers: &[BufferDecl], host: &[bool], tiles: u32) -> (u64, u64, u64) {
     let mut events: Vec<Vec<(u32, i64, i64)>> = vec![Vec::new(); tiles as usize];
     for (i, b) in buffers.iter().enumerate() {
         let last = b.last_step.max(if b.first_step == u32::MAX { 0 } else { b.first_step });
-        let first = if host.contains(&(i as u32)) || b.first_step == u32::MAX { 0 } else { b.first_step };
+        let first = if host[i] || b.first_step == u32::MAX { 0 } else { b.first_step };
         let bytes = b.bytes as i64;
         let (standard, interleaved) = if b.kind == AllocationKind::Partials || b.prefer_interleaved { (0, bytes) } else { (bytes, 0) };
         if let Some(e) = events.get_mut(b.tile as usize) {
@@ -133,14 +158,14 @@ fn retain(mut scored: Vec<(State, [u64; 5], bool)>, width: usize) -> Vec<State> 
 /// attempts of [`lower_feasible`] (each lowered with replicated weights, or with home-tile
 /// weights where a replicated operation could not be planned at all), and the first error met.
 #[allow(clippy::type_complexity)]
-fn beam(graph: &Graph, target: &Target, width: usize) -> (Vec<(Arc<Oriented>, Option<(Attempt, bool)>)>, Option<LowerError>) {
+fn beam(graph: &Graph, target: &Target, width: usize) -> (Vec<(Arc<Oriented>, Option<(Attempt, bool)>, Option<Arc<HomePrefix>>)>, Option<LowerError>) {
     let products = swappable(graph);
     let (must, must_not) = orientation_constraints(graph);
     // Products the user wants swapped that the search never swaps (not rank 2, or feeding a
     // bias add): that one orientation is the only program, and it is lowered as it is.
     if !must.iter().all(|m| products.contains(m)) {
         return match orient(graph, &must) {
-            Ok(o) => (vec![(Arc::new(o), None)], None),
+            Ok(o) => (vec![(Arc::new(o), None, None)], None),
             Err(message) => (Vec::new(), Some(LowerError::Unsupported { operation: graph.name.clone(), message })),
         };
     }
@@ -158,7 +183,9 @@ fn beam(graph: &Graph, target: &Target, width: usize) -> (Vec<(Arc<Oriented>, Op
     // Extend a state to the swapped set `swapped`, lowering up to original operation `next`.
     // Ok(None): the orientation itself is rejected (a consumer would read a swapped value
     // across its rows).
-    let grow = |state: &State, swapped: BTreeSet<usize>, next: Option<usize>| -> Result<Option<(State, [u64; 5], bool)>, LowerError> {
+    // `carry`: a child that keeps replicated weights carries its home-weights prefix (else its
+    // parent's, unextended).
+    let grow = |state: &State, swapped: BTreeSet<usize>, next: Option<usize>, carry: bool| -> Result<Option<(State, [u64; 5], bool)>, LowerError> {
         // Oriented afresh (cheap beside lowering) so that the readers up to `next` are checked.
         let oriented = match orient_until(graph, &swapped, next.unwrap_or(usize::MAX)) {
             Ok(o) => Arc::new(o),
@@ -175,38 +202,52 @@ fn beam(graph: &Graph, target: &Target, width: usize) -> (Vec<(Arc<Oriented>, Op
         let mut partial = match extend(start, &oriented, target, &[], end) {
             Ok(p) => p,
             // A replicated weight that no plan fits: this program keeps weights on home tiles.
-            Err(LowerError::NoPlan { .. }) if !home => extend(Partial::new(true), &oriented, target, &[], end)?,
+            Err(LowerError::NoPlan { .. }) if !home => home_lowering(state.home.as_deref(), &oriented, target, end)?,
             Err(e) => return Err(e),
         };
         let mut scored = score(&partial, target.chip.tiles);
         let mut fits = within_memory(&scored, target);
+        let mut tried_home = false;
         if !fits && !partial.home_weights() {
             // Replicated weights outgrow tile memory: from here on this program keeps each
             // weight block once on a home tile (as `lower_feasible` falls back to).
-            if let Ok(p) = extend(Partial::new(true), &oriented, target, &[], end) {
+            tried_home = true;
+            if let Ok(p) = home_lowering(state.home.as_deref(), &oriented, target, end) {
                 partial = p;
                 scored = score(&partial, target.chip.tiles);
                 fits = within_memory(&scored, target);
             }
         }
         debug!(swapped = ?swapped, home_weights = partial.home_weights(), ?scored, fits, "scored partial program");
-        Ok(Some((State { swapped, oriented, partial }, scored, fits)))
+        let home = match (partial.home_weights(), carry, tried_home) {
+            (true, ..) => None,
+            // Home-tile weights were tried and did not lower: none to carry.
+            (false, _, true) => None,
+            (false, true, false) => home_lowering(state.home.as_deref(), &oriented, target, end).ok().map(|partial| Arc::new(HomePrefix { oriented: oriented.clone(), partial })),
+            (false, false, false) => state.home.clone(),
+        };
+        Ok(Some((State { swapped, oriented, partial, home }, scored, fits)))
     };
     let root = match orient_until(graph, &BTreeSet::new(), products.first().copied().unwrap_or(usize::MAX)) {
-        Ok(o) => State { swapped: BTreeSet::new(), oriented: Arc::new(o), partial: Partial::new(false) },
+        Ok(o) => State { swapped: BTreeSet::new(), oriented: Arc::new(o), partial: Partial::new(false), home: None },
         Err(message) => return (Vec::new(), Some(LowerError::Unsupported { operation: graph.name.clone(), message })),
     };
-    let mut states = match grow(&root, BTreeSet::new(), products.first().copied()) {
+    let mut states = match grow(&root, BTreeSet::new(), products.first().copied(), false) {
         Ok(s) => s.into_iter().map(|s| s.0).collect(),
         Err(e) => {
             note(e, &mut first_error);
             Vec::new()
         }
     };
+    let mut carry = false;
     for (j, &product) in products.iter().enumerate() {
         let next = products.get(j + 1).copied();
         let options: Vec<bool> = [false, true].into_iter().filter(|&swap| if swap { !must_not.contains(&product) } else { !must.contains(&product) }).collect();
         let jobs: Vec<(usize, bool)> = (0..states.len()).flat_map(|i| options.iter().map(move |&o| (i, o))).collect();
+        // Once a program of the beam keeps weights on home tiles, the replicated ones carry
+        // their home-weights prefix along while products remain (a switch then extends it).
+        carry |= states.iter().any(|s| s.partial.home_weights());
+        let carry_now = carry && next.is_some();
         let grown: Vec<Result<Option<(State, [u64; 5], bool)>, LowerError>> = jobs
             .par_iter()
             .map(|&(i, swap)| {
@@ -214,7 +255,7 @@ fn beam(graph: &Graph, target: &Target, width: usize) -> (Vec<(Arc<Oriented>, Op
                 if swap {
                     swapped.insert(product);
                 }
-                grow(&states[i], swapped, next)
+                grow(&states[i], swapped, next, carry_now)
             })
             .collect();
         let mut scored = Vec::new();
@@ -232,7 +273,7 @@ fn beam(graph: &Graph, target: &Target, width: usize) -> (Vec<(Arc<Oriented>, Op
     for s in states {
         let home = s.partial.home_weights();
         match complete(s.partial, &s.oriented, target, &[]) {
-            Ok(a) => out.push((s.oriented, Some((a, home)))),
+            Ok(a) => out.push((s.oriented, Some((a, home)), s.home)),
             Err(e) => note(e, &mut first_error),
         }
     }
@@ -250,7 +291,7 @@ pub fn finalists(graph: &Graph, target: &Target, keep: usize) -> Result<Vec<Lowe
     let mut found: Vec<(bool, u64, usize, usize, Lowered)> = Vec::new();
     let (programs, mut first_error) = beam(graph, target, keep.max(DEFAULT_FINALISTS));
     // The beam's programs are made feasible in parallel; results are taken in beam order.
-    let feasible: Vec<Result<(Lowered, bool), LowerError>> = programs.into_par_iter().map(|(oriented, first)| lower_feasible(&oriented, target, first)).collect::<Vec<_>>();
+    let feasible: Vec<Result<(Lowered, bool), LowerError>> = programs.into_par_iter().map(|(oriented, first, memo)| lower_feasible(&oriented, target, first, memo.as_deref())).collect::<Vec<_>>();
     for (index, result) in feasible.into_iter().enumerate() {
         match result {
             Ok((l, fits)) => {
@@ -312,8 +353,9 @@ pub fn finalists(graph: &Graph, target: &Target, keep: usize) -> Result<Vec<Lowe
 /// that placement can name the buffer that overflows).
 ///
 /// `first`: the program already lowered with no reserves (and whether with home-tile
-/// weights), which stands for that first attempt.
-pub fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attempt, bool)>) -> Result<(Lowered, bool), LowerError> {
+/// weights), which stands for that first attempt. `memo`: a prefix of the program lowered
+/// with home-tile weights, which the first home-weights attempt extends.
+fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attempt, bool)>, memo: Option<&HomePrefix>) -> Result<(Lowered, bool), LowerError> {
     let operations = oriented.graph.operations.len();
     let mut last: Option<Lowered> = None;
     let mut first_error: Option<LowerError> = None;
@@ -330,7 +372,11 @@ pub fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(A
                     None
                 }
             };
-            let attempt = match given.map(Ok).unwrap_or_else(|| lower_with(oriented, target, home_weights, &reserves)) {
+            let attempt = match given.map(Ok).unwrap_or_else(|| match memo {
+                // No reserves yet: the home-weights prefix extends to the whole program.
+                Some(m) if home_weights && round == 0 => home_lowering(Some(m), oriented, target, operations).and_then(|p| complete(p, oriented, target, &reserves)),
+                _ => lower_with(oriented, target, home_weights, &reserves),
+            }) {
                 Ok(a) => a,
                 Err(e) => {
                     first_error.get_or_insert(e);
@@ -457,22 +503,27 @@ mod tests {
     }
 
     /// A prefix lowered over one orientation and extended over another (later products
-    /// swapped) is exactly the program lowered at once: the beam's programs are real ones.
+    /// swapped) is exactly the program lowered at once, with replicated or home-tile weights:
+    /// the beam's programs are real ones, and a home-weights prefix the beam carries extends
+    /// to the program a switch to home-tile weights would lower from the start.
     #[test]
     fn extended_prefixes_equal_whole_lowerings() {
         let (graph, target) = (mlp(2), small16());
         let products = swappable(&graph);
         assert_eq!(products.len(), 4);
-        for split in 0..products.len() {
-            let swapped: BTreeSet<usize> = products[split..].iter().copied().collect();
-            let whole = orient(&graph, &swapped).unwrap();
-            let expected = lower_with(&whole, &target, false, &[]).unwrap().lowered;
-            let prefix = orient_until(&graph, &BTreeSet::new(), products[split]).unwrap();
-            let end = prefix.origin.partition_point(|&o| (o as usize) < products[split]);
-            let partial = extend(Partial::new(false), &prefix, &target, &[], end).unwrap();
-            assert!(prefix_compatible(&prefix, &whole, partial.lowered_operations()), "split {split}");
-            let partial = extend(partial, &whole, &target, &[], whole.graph.operations.len()).unwrap();
-            assert_eq!(complete(partial, &whole, &target, &[]).unwrap().lowered, expected, "split {split}");
+        for home in [false, true] {
+            for split in 0..products.len() {
+                let swapped: BTreeSet<usize> = products[split..].iter().copied().collect();
+                let whole = orient(&graph, &swapped).unwrap();
+                let expected = lower_with(&whole, &target, home, &[]).unwrap().lowered;
+                let prefix = orient_until(&graph, &BTreeSet::new(), products[split]).unwrap();
+                let end = prefix.origin.partition_point(|&o| (o as usize) < products[split]);
+                let partial = extend(Partial::new(home), &prefix, &target, &[], end).unwrap();
+                assert!(prefix_compatible(&prefix, &whole, partial.lowered_operations()), "split {split}");
+                let memo = HomePrefix { oriented: Arc::new(prefix), partial };
+                let partial = if home { home_lowering(Some(&memo), &whole, &target, whole.graph.operations.len()).unwrap() } else { extend(memo.partial, &whole, &target, &[], whole.graph.operations.len()).unwrap() };
+                assert_eq!(complete(partial, &whole, &target, &[]).unwrap().lowered, expected, "home {home} split {split}");
+            }
         }
         // A prefix whose consumer would be oriented differently is not reused.
         let normal = orient(&graph, &BTreeSet::new()).unwrap();
@@ -486,7 +537,7 @@ mod tests {
     #[test]
     fn retention_is_pareto_then_estimate() {
         let graph = mlp(1);
-        let state = |n: usize| State { swapped: (0..n).collect(), oriented: Arc::new(orient(&graph, &BTreeSet::new()).unwrap()), partial: Partial::new(false) };
+        let state = |n: usize| State { swapped: (0..n).collect(), oriented: Arc::new(orient(&graph, &BTreeSet::new()).unwrap()), partial: Partial::new(false), home: None };
         let scored = vec![
             (state(0), [100, 10, 5, 5, 10], true),
             (state(1), [90, 20, 5, 5, 10], true),
@@ -509,7 +560,7 @@ mod tests {
             .filter_map(|start| {
                 let swapped: BTreeSet<usize> = products[start..].iter().copied().collect();
                 let o = orient(&graph, &swapped).ok()?;
-                lower_feasible(&o, &target, None).ok().filter(|r| r.1).map(|r| estimated_cycles(&r.0))
+                lower_feasible(&o, &target, None, None).ok().filter(|r| r.1).map(|r| estimated_cycles(&r.0))
             })
             .min()
             .unwrap();
