@@ -511,9 +511,12 @@ impl<'a> Builder<'a> {
         let mut index = vec![0u32; rank];
         // The source cell of the last piece (cell, block, held there, tile): consecutive
         // pieces mostly come from the same cell, which then needs no search.
-        let mut source: Option<usize> = None;
-        let mut sources: Vec<(Vec<(u32, u32)>, Held, u32)> = Vec::new();
-        let mut source_of_cell: std::collections::HashMap<usize, usize> = std::collections::HashMap::new();
+        let mut base_index: Vec<u32> = Vec::with_capacity(rank);
+        // The source cells met so far (cell, block, held there, tile), in the order met, and
+        // the last one used: a row's pieces mostly come from the cells the previous row's did,
+        // in the same order, so the last one or the one after it holds the next piece.
+        let mut source: usize = 0;
+        let mut sources: Vec<(usize, Vec<(u32, u32)>, Held, u32)> = Vec::new();
         for row in 0..row_count {
             let mut rest = row;
             for a in (0..rank - 1).rev() {
@@ -524,7 +527,15 @@ impl<'a> Builder<'a> {
             while c < c1 {
                 index[rank - 1] = c;
                 let limit = if held.panel > 0 { (held.panel - (c - c0) % held.panel).min(c1 - c) } else { c1 - c };
-                let (base_index, run) = chain.map_run(&index, limit);
+                // An identity view maps each index to itself (no new index to allocate).
+                let run = if chain.is_identity() {
+                    base_index.clone_from(&index);
+                    limit.min(chain.view_shape[rank - 1] - index[rank - 1])
+                } else {
+                    let (mapped, run) = chain.map_run(&index, limit);
+                    base_index = mapped;
+                    run
+                };
                 let dst_offset = held.loc(&index).offset * dtype.bytes();
                 match (is_stored, &base.producer) {
                     (false, Producer::Tensor { role, .. }) => {
@@ -544,21 +555,24 @@ impl<'a> Builder<'a> {
                     }
                     _ => {
                         let inside = |b: &[(u32, u32)]| b.iter().zip(&base_index).all(|(r, &i)| r.0 <= i && i < r.1);
-                        let at = match source {
-                            Some(at) if inside(&sources[at].0) => at,
-                            _ => {
+                        let guess = [source, source + 1, 0].into_iter().find(|&at| sources.get(at).is_some_and(|s| inside(&s.1)));
+                        source = match guess {
+                            Some(at) => at,
+                            None => {
                                 let grid = &self.stored[&chain.base].grid;
                                 let cell = grid.cell_of(&base_index);
-                                *source_of_cell.entry(cell).or_insert_with(|| {
-                                    let cell_block = grid.cell_block(cell);
-                                    let held = Held::plain(grid.buffers[cell], cell_block.clone(), dtype);
-                                    sources.push((cell_block, held, grid.tiles[cell]));
-                                    sources.len() - 1
-                                })
+                                match sources.iter().position(|s| s.0 == cell) {
+                                    Some(at) => at,
+                                    None => {
+                                        let cell_block = grid.cell_block(cell);
+                                        let held = Held::plain(grid.buffers[cell], cell_block.clone(), dtype);
+                                        sources.push((cell, cell_block, held, grid.tiles[cell]));
+                                        sources.len() - 1
+                                    }
+                                }
                             }
                         };
-                        source = Some(at);
-                        let (cell_block, src_held, src_tile) = &sources[at];
+                        let (_, cell_block, src_held, src_tile) = &sources[source];
                         let src_tile = *src_tile;
                         let last = cell_block.len() - 1;
                         let piece = run.min(cell_block[last].1 - base_index[last]);
@@ -635,13 +649,17 @@ impl<'a> Builder<'a> {
             // Sorted moves: one transfer per (source, words), destinations in order.
             let pending = sort_moves(std::mem::take(&mut self.pending), self.buffers.len());
             let mut grouped: Vec<Transfer> = Vec::new();
-            for (src, words, dst) in pending {
+            let mut first = 0;
+            while first < pending.len() {
+                let (src, words, _) = pending[first];
+                let end = first + pending[first..].iter().take_while(|m| m.0 == src && m.1 == words).count();
                 self.touch(src.0, step);
-                self.touch(dst.0, step);
-                match grouped.last_mut() {
-                    Some(t) if t.source == src && t.words == words => t.destinations.push(dst),
-                    _ => grouped.push(Transfer { source: src, words, destinations: vec![dst] }),
+                let destinations: Vec<Place> = pending[first..end].iter().map(|m| m.2).collect();
+                for d in &destinations {
+                    self.touch(d.0, step);
                 }
+                grouped.push(Transfer { source: src, words, destinations });
+                first = end;
             }
             let transfers = merge_rows(grouped.into_iter());
             self.phases.push(Arc::new(transfers));
