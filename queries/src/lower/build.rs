@@ -141,9 +141,8 @@ struct Builder<'a> {
     phase_plans: Vec<u32>,
     stored: BTreeMap<ValueId, Stored>,
     host: BTreeMap<ValueId, Arc<LHostTensor>>,
-    /// Word moves of the exchange phase being gathered: source (buffer, byte offset), words,
-    /// destination (buffer, byte offset).
-    pending: Vec<(Place, u32, Place)>,
+    /// Word moves of the exchange phase being gathered.
+    pending: Moves,
     copies: Vec<LocalCopy>,
     plans: Vec<OperationPlan>,
     checkpoints: Vec<Arc<LCheckpoint>>,
@@ -214,7 +213,7 @@ pub struct Partial {
     phase_plans: Vec<u32>,
     stored: BTreeMap<ValueId, Stored>,
     host: BTreeMap<ValueId, Arc<LHostTensor>>,
-    pending: Vec<(Place, u32, Place)>,
+    pending: Moves,
     copies: Vec<LocalCopy>,
     plans: Vec<OperationPlan>,
     checkpoints: Vec<Arc<LCheckpoint>>,
@@ -240,7 +239,7 @@ impl Partial {
             phase_plans: Vec::new(),
             stored: BTreeMap::new(),
             host: BTreeMap::new(),
-            pending: Vec::new(),
+            pending: Moves::default(),
             copies: Vec::new(),
             plans: Vec::new(),
             checkpoints: Vec::new(),
@@ -395,7 +394,8 @@ impl<'a> Builder<'a> {
             phase_plans: self.phase_plans,
             stored: self.stored,
             host: self.host,
-            pending: self.pending,
+            // Every operation closes its moves; what is left is an empty table.
+            pending: if self.pending.is_empty() { Moves::default() } else { self.pending },
             copies: self.copies,
             plans: self.plans,
             checkpoints: self.checkpoints,
@@ -428,9 +428,7 @@ impl<'a> Builder<'a> {
     }
 
     fn touch(&mut self, buffer: u32, step: u32) {
-        let b = &mut self.buffers[buffer as usize];
-        b.first_step = b.first_step.min(step);
-        b.last_step = b.last_step.max(step);
+        touch(&mut self.buffers, buffer, step);
     }
 
     fn reserve(&self) -> Reserve {
@@ -511,7 +509,6 @@ impl<'a> Builder<'a> {
         let mut index = vec![0u32; rank];
         // The source cell of the last piece (cell, block, held there, tile): consecutive
         // pieces mostly come from the same cell, which then needs no search.
-        let mut base_index: Vec<u32> = Vec::with_capacity(rank);
         // The source cells met so far (cell, block, held there, tile), in the order met, and
         // the last one used: a row's pieces mostly come from the cells the previous row's did,
         // in the same order, so the last one or the one after it holds the next piece.
@@ -527,14 +524,13 @@ impl<'a> Builder<'a> {
             while c < c1 {
                 index[rank - 1] = c;
                 let limit = if held.panel > 0 { (held.panel - (c - c0) % held.panel).min(c1 - c) } else { c1 - c };
-                // An identity view maps each index to itself (no new index to allocate).
-                let run = if chain.is_identity() {
-                    base_index.clone_from(&index);
-                    limit.min(chain.view_shape[rank - 1] - index[rank - 1])
+                // An identity view maps each index to itself (nothing to allocate or copy).
+                let mapped;
+                let (base_index, run): (&[u32], u32) = if chain.is_identity() {
+                    (&index, limit.min(chain.view_shape[rank - 1] - index[rank - 1]))
                 } else {
-                    let (mapped, run) = chain.map_run(&index, limit);
-                    base_index = mapped;
-                    run
+                    mapped = chain.map_run(&index, limit);
+                    (&mapped.0, mapped.1)
                 };
                 let dst_offset = held.loc(&index).offset * dtype.bytes();
                 match (is_stored, &base.producer) {
@@ -554,7 +550,7 @@ impl<'a> Builder<'a> {
                         c += run;
                     }
                     _ => {
-                        let inside = |b: &[(u32, u32)]| b.iter().zip(&base_index).all(|(r, &i)| r.0 <= i && i < r.1);
+                        let inside = |b: &[(u32, u32)]| b.iter().zip(base_index).all(|(r, &i)| r.0 <= i && i < r.1);
                         let guess = [source, source + 1, 0].into_iter().find(|&at| sources.get(at).is_some_and(|s| inside(&s.1)));
                         source = match guess {
                             Some(at) => at,
@@ -596,7 +592,7 @@ impl<'a> Builder<'a> {
                                 && src.row_stride == held.last_panel_stride()
                                 && (c - c0) / held.panel == (c1 - c0) / held.panel;
                             let words = if whole_rows { (src.row_stride * dtype.bytes()).div_ceil(4) } else { bytes.div_ceil(4) };
-                            self.pending.push(((src.buffer, src_offset), words, (buffer, dst_offset)));
+                            self.pending.push((src.buffer, src_offset), words, (buffer, dst_offset));
                         }
                         c += piece;
                     }
@@ -647,20 +643,28 @@ impl<'a> Builder<'a> {
             let step = self.steps.len() as u32;
             self.steps.push(LStep::Exchange(self.phases.len() as u32));
             // Sorted moves: one transfer per (source, words), destinations in order.
-            let pending = sort_moves(std::mem::take(&mut self.pending), self.buffers.len());
             let mut grouped: Vec<Transfer> = Vec::new();
-            let mut first = 0;
-            while first < pending.len() {
-                let (src, words, _) = pending[first];
-                let end = first + pending[first..].iter().take_while(|m| m.0 == src && m.1 == words).count();
-                self.touch(src.0, step);
-                let destinations: Vec<Place> = pending[first..end].iter().map(|m| m.2).collect();
-                for d in &destinations {
-                    self.touch(d.0, step);
+            let pending = &mut self.pending;
+            pending.sources.sort_unstable();
+            for &buffer in &pending.sources {
+                // Emptied in place: the capacity serves this lowering's later phases.
+                let moves = &mut pending.by_source[buffer as usize];
+                moves.sort_unstable_by_key(|&(offset, words, (to, at))| (offset as u128) << 96 | (words as u128) << 64 | (to as u128) << 32 | at as u128);
+                touch(&mut self.buffers, buffer, step);
+                let mut first = 0;
+                while first < moves.len() {
+                    let (offset, words, _) = moves[first];
+                    let end = first + moves[first..].iter().take_while(|m| m.0 == offset && m.1 == words).count();
+                    let destinations: Vec<Place> = moves[first..end].iter().map(|m| m.2).collect();
+                    for d in &destinations {
+                        touch(&mut self.buffers, d.0, step);
+                    }
+                    grouped.push(Transfer { source: (buffer, offset), words, destinations });
+                    first = end;
                 }
-                grouped.push(Transfer { source: src, words, destinations });
-                first = end;
+                moves.clear();
             }
+            pending.sources.clear();
             let transfers = merge_rows(grouped.into_iter());
             self.phases.push(Arc::new(transfers));
             // The operation being built records its plan after its phases: its index is next.
@@ -1136,7 +1140,7 @@ impl<'a> Builder<'a> {
             } else {
                 let words = rows * stride;
                 let received = self.buffer(owner, words as u64 * 4, AllocationKind::Partials, true, &format!("{name}.partials"));
-                self.pending.push(((buffer, offset * 4), words, (received, 0)));
+                self.pending.push((buffer, offset * 4), words, (received, 0));
                 parts.push(Loc { buffer: received, offset: 0, row_stride: stride, dtype_bytes: 4 });
             }
         }
@@ -1490,27 +1494,37 @@ fn merge_segments(mut segments: Vec<LSegment>, dtype: DType) -> Vec<LSegment> {
     out
 }
 
-/// Word moves in ascending order (as `sort_unstable` orders the tuples): counted out by
-/// source buffer (below `buffers`), then each source's moves sorted on one packed key.
-fn sort_moves(moves: Vec<(Place, u32, Place)>, buffers: usize) -> Vec<(Place, u32, Place)> {
-    let mut starts = vec![0usize; buffers + 1];
-    for m in &moves {
-        starts[m.0 .0 as usize + 1] += 1;
+/// Widen a buffer's lifetime to include `step`.
+fn touch(buffers: &mut [BufferDecl], buffer: u32, step: u32) {
+    let b = &mut buffers[buffer as usize];
+    b.first_step = b.first_step.min(step);
+    b.last_step = b.last_step.max(step);
+}
+
+/// Word moves of an exchange phase being gathered, kept by source buffer so that they sort
+/// one source at a time: per source buffer, (source byte offset, words, destination (buffer,
+/// byte offset)), and the source buffers that have moves.
+#[derive(Clone, Default)]
+struct Moves {
+    by_source: Vec<Vec<(u32, u32, Place)>>,
+    sources: Vec<u32>,
+}
+
+impl Moves {
+    fn push(&mut self, source: Place, words: u32, destination: Place) {
+        let b = source.0 as usize;
+        if self.by_source.len() <= b {
+            self.by_source.resize_with(b + 1, Vec::new);
+        }
+        if self.by_source[b].is_empty() {
+            self.sources.push(source.0);
+        }
+        self.by_source[b].push((source.1, words, destination));
     }
-    for i in 1..starts.len() {
-        starts[i] += starts[i - 1];
+
+    fn is_empty(&self) -> bool {
+        self.sources.is_empty()
     }
-    let mut next = starts.clone();
-    let mut sorted = vec![((0, 0), 0, (0, 0)); moves.len()];
-    for m in moves {
-        let at = &mut next[m.0 .0 as usize];
-        sorted[*at] = m;
-        *at += 1;
-    }
-    for w in starts.windows(2) {
-        sorted[w[0]..w[1]].sort_unstable_by_key(|&((_, offset), words, (buffer, to))| (offset as u128) << 96 | (words as u128) << 64 | (buffer as u128) << 32 | to as u128);
-    }
-    sorted
 }
 
 /// The value behind a shared part of a lowering in progress (copied only while a prefix that
