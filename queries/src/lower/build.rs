@@ -507,8 +507,6 @@ impl<'a> Builder<'a> {
         let row_count: u64 = rows.iter().map(|&r| r as u64).product();
         let (c0, c1) = block[rank - 1];
         let mut index = vec![0u32; rank];
-        // The source cell of the last piece (cell, block, held there, tile): consecutive
-        // pieces mostly come from the same cell, which then needs no search.
         // The source cells met so far (cell, block, held there, tile), in the order met, and
         // the last one used: a row's pieces mostly come from the cells the previous row's did,
         // in the same order, so the last one or the one after it holds the next piece.

@@ -9,6 +9,12 @@
 //! ends with are then made whole-program feasible (below); the best K by estimated cycles are
 //! the finalists that `select_finalist` costs exactly.
 //!
+//! Once a program of the beam keeps weights on home tiles, each program that still replicates
+//! them carries the same program lowered with home-tile weights, extended alongside; an
+//! extension that outgrows tile memory with replicated weights (and `lower_feasible`'s first
+//! home-weights attempt) then extends that prefix instead of lowering from the start: the same
+//! program, as extending a prefix always gives the program lowered at once.
+//!
 //! Whole-program feasibility: a program is kept only if every tile's buffers,
 //! all operations together, can be placed in their regions (the same placement the pipeline
 //! runs later, with the code reserve standing in for the code). When they cannot, each
