@@ -16,7 +16,7 @@ use super::candidates;
 use super::plan::{column_reduction, MatMulPlan, MatMulProblem};
 use super::{BufferDecl, Call, LCheckpoint, LHostTensor, LSegment, LStep, Loc, Lowered, OperationPlan, Transfer};
 use crate::cost;
-use crate::ir::{split3, DType, Graph, OpKind, Producer, Role, ValueId};
+use crate::ir::{split3, DType, Graph, OpKind, Producer, Role, Value, ValueId};
 use crate::package::{Addend, AllocationKind, Broadcast, HostRole};
 use crate::target::Target;
 
@@ -154,6 +154,10 @@ struct Builder<'a> {
     home_weights: bool,
     /// Spreads home tiles of successive operations over the row partitions.
     home_rotation: usize,
+    /// Home tiles follow the weight's place in the program's repeating period of weights
+    /// (`aligned_home_slot`), so that repeated blocks multicast from the same tiles and share
+    /// exchange patterns; else they rotate with every weight (less memory on the fullest tile).
+    home_aligned: bool,
     /// Per operation index: bytes per tile that other operations keep live while it runs
     /// (total, and in interleaved memory), from an earlier lowering of the whole program.
     reserves: &'a [Reserve],
@@ -195,8 +199,36 @@ pub struct Attempt {
 }
 
 pub fn lower_with(oriented: &Oriented, target: &Target, home_weights: bool, reserves: &[Reserve]) -> Result<Attempt, LowerError> {
-    let partial = extend(Partial::new(home_weights), oriented, target, reserves, oriented.graph.operations.len())?;
+    lower_from(Partial::new(home_weights), oriented, target, reserves)
+}
+
+/// `lower_with` home-tile weights that rotate with every weight (`Partial::rotated_homes`).
+pub fn lower_with_rotated_homes(oriented: &Oriented, target: &Target, reserves: &[Reserve]) -> Result<Attempt, LowerError> {
+    lower_from(Partial::rotated_homes(), oriented, target, reserves)
+}
+
+fn lower_from(start: Partial, oriented: &Oriented, target: &Target, reserves: &[Reserve]) -> Result<Attempt, LowerError> {
+    let partial = extend(start, oriented, target, reserves, oriented.graph.operations.len())?;
     complete(partial, oriented, target, reserves)
+}
+
+/// The home slot of a weight in a program of repeated blocks: its place among the rank-2
+/// weights (in declaration order) modulo the shortest period of their (shape, dtype)
+/// sequence, so that the same weight of every repeated block gets the same home tiles (and
+/// the blocks' multicast phases the same pattern, scheduled once). None for a value that is
+/// not such a weight.
+pub(crate) fn aligned_home_slot(graph: &Graph, weight: ValueId) -> Option<usize> {
+    let weights: Vec<(usize, &Value)> = graph
+        .values
+        .iter()
+        .enumerate()
+        .filter(|(_, v)| v.shape.len() == 2 && matches!(v.producer, Producer::Tensor { role: Role::Weight, .. }))
+        .collect();
+    let position = weights.iter().position(|(i, _)| *i == weight.0 as usize)?;
+    let same = |a: &Value, b: &Value| a.shape == b.shape && a.dtype == b.dtype;
+    let n = weights.len();
+    let period = (1..=n).find(|&p| (0..n - p).all(|i| same(weights[i].1, weights[i + p].1))).unwrap_or(n.max(1));
+    Some(position % period)
 }
 
 /// A lowering in progress between two operations: the builder's own state, so that the
@@ -220,6 +252,7 @@ pub struct Partial {
     gemm_flops: u64,
     home_weights: bool,
     home_rotation: usize,
+    home_aligned: bool,
     owners: Vec<u32>,
     spans: BTreeMap<u32, (u32, u32)>,
     interleaved_weights: std::collections::BTreeSet<u32>,
@@ -246,6 +279,7 @@ impl Partial {
             gemm_flops: 0,
             home_weights,
             home_rotation: 0,
+            home_aligned: true,
             owners: Vec::new(),
             spans: BTreeMap::new(),
             interleaved_weights: Default::default(),
@@ -262,6 +296,12 @@ impl Partial {
     /// Whether matrix-product weights are kept once on home tiles (else replicated).
     pub fn home_weights(&self) -> bool {
         self.home_weights
+    }
+
+    /// A program with home-tile weights rotating with every weight (not aligned to the
+    /// program's period): the fallback when aligned homes do not fit.
+    pub fn rotated_homes() -> Partial {
+        Partial { home_aligned: false, ..Partial::new(true) }
     }
 
     pub fn plans(&self) -> &[OperationPlan] {
@@ -373,6 +413,7 @@ impl<'a> Builder<'a> {
             operation_name: String::new(),
             home_weights: p.home_weights,
             home_rotation: p.home_rotation,
+            home_aligned: p.home_aligned,
             reserves,
             origin: &oriented.origin,
             checkpoint_value: &oriented.checkpoint_value,
@@ -402,6 +443,7 @@ impl<'a> Builder<'a> {
             gemm_flops: self.gemm_flops,
             home_weights: self.home_weights,
             home_rotation: self.home_rotation,
+            home_aligned: self.home_aligned,
             owners: self.owners,
             spans: self.spans,
             interleaved_weights: self.interleaved_weights,
@@ -1031,11 +1073,12 @@ impl<'a> Builder<'a> {
         let mut grid = Grid { cuts, tiles: Vec::new(), buffers: Vec::new() };
         let mut segments = Vec::new();
         let cells = (grid.cuts[0].len() - 1) * (grid.cuts[1].len() - 1);
+        let rotation = if self.home_aligned { aligned_home_slot(self.graph, weight).unwrap_or(self.home_rotation) } else { self.home_rotation };
         for cell in 0..cells {
             let block = grid.cell_block(cell);
             let (c0, c1) = (cell / (grid.cuts[1].len() - 1), cell % (grid.cuts[1].len() - 1));
             let (ik, i_n) = if b_transposed { (c1, c0) } else { (c0, c1) };
-            let im = (i_n + ik + self.home_rotation) % nm;
+            let im = (i_n + ik + rotation) % nm;
             let tile = plan.tile_of(0, im, i_n, ik);
             let buffer = self.buffer(tile, block_elements_stored(&block, value.dtype) * value.dtype.bytes() as u64, AllocationKind::Data, true, &value.name);
             let stride = row_stride(block[1].1 - block[1].0, value.dtype);

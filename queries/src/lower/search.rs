@@ -29,7 +29,7 @@ use rayon::prelude::*;
 
 use tracing::{debug, info};
 
-use super::build::{complete, extend, lower_with, prefix_compatible, Attempt, Partial, Reserve, CODE_RESERVE_BYTES};
+use super::build::{complete, extend, lower_with, lower_with_rotated_homes, prefix_compatible, Attempt, Partial, Reserve, CODE_RESERVE_BYTES};
 use super::orient::{orient, orient_until, swappable, Oriented};
 use super::{BufferDecl, LowerError, Lowered};
 use crate::ir::Graph;
@@ -366,22 +366,25 @@ fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attem
     let mut last: Option<Lowered> = None;
     let mut first_error: Option<LowerError> = None;
     // A program the beam already lowered with home-tile weights found replicated ones too big.
-    let modes: &[bool] = if first.as_ref().is_some_and(|f| f.1) { &[true] } else { &[false, true] };
-    for &home_weights in modes {
+    // Home tiles aligned to the program's period come first (repeated blocks then share their
+    // multicast patterns); rotating with every weight, when those do not fit.
+    let modes: &[(bool, bool)] = if first.as_ref().is_some_and(|f| f.1) { &[(true, true), (true, false)] } else { &[(false, true), (true, true), (true, false)] };
+    for &(home_weights, aligned) in modes {
         let mut reserves = vec![Reserve::default(); operations];
         let mut fitting: Option<Lowered> = None;
         for round in 0..ROUNDS {
             let given = match first.take() {
-                Some((a, home)) if round == 0 && home == home_weights => Some(a),
+                Some((a, home)) if round == 0 && home == home_weights && aligned => Some(a),
                 other => {
                     first = other;
                     None
                 }
             };
             let attempt = match given.map(Ok).unwrap_or_else(|| match memo {
-                // No reserves yet: the home-weights prefix extends to the whole program.
-                Some(m) if home_weights && round == 0 => home_lowering(Some(m), oriented, target, operations).and_then(|p| complete(p, oriented, target, &reserves)),
-                _ => lower_with(oriented, target, home_weights, &reserves),
+                // No reserves yet: the (aligned) home-weights prefix extends to the whole program.
+                Some(m) if home_weights && aligned && round == 0 => home_lowering(Some(m), oriented, target, operations).and_then(|p| complete(p, oriented, target, &reserves)),
+                _ if aligned => lower_with(oriented, target, home_weights, &reserves),
+                _ => lower_with_rotated_homes(oriented, target, &reserves),
             }) {
                 Ok(a) => a,
                 Err(e) => {
@@ -404,7 +407,7 @@ fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attem
                 debug!("weights costed in interleaved memory were placed in standard memory; planning again with resident bytes");
                 fitting = Some(attempt.lowered);
             } else {
-                debug!(home_weights, "the program does not fit; planning again with other operations' resident bytes");
+                debug!(home_weights, aligned, "the program does not fit; planning again with other operations' resident bytes");
                 last = Some(attempt.lowered);
             }
             if merged == reserves {
@@ -417,6 +420,8 @@ fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attem
         }
         if !home_weights {
             debug!("replicated weights do not fit in tile memory; keeping each weight block once on a home tile");
+        } else if aligned {
+            debug!("home tiles aligned to the program's period do not fit; rotating them with every weight");
         }
     }
     // Nothing fits: hand on the last program so placement names the buffer that overflows.
@@ -536,6 +541,29 @@ mod tests {
         let all: BTreeSet<usize> = products.iter().copied().collect();
         let swapped = orient(&graph, &all).unwrap();
         assert!(!prefix_compatible(&normal, &swapped, normal.graph.operations.len()));
+    }
+
+    /// Home tiles follow the weights' period: the same weight of every repeated block is homed
+    /// on the same tiles, so the blocks' phases repeat one pattern; rotating homes (the
+    /// fallback when those do not fit) give each block its own.
+    #[test]
+    fn aligned_homes_repeat_the_blocks_patterns() {
+        let (graph, target) = (mlp(3), small16());
+        let oriented = orient(&graph, &BTreeSet::new()).unwrap();
+        let slot = |name: &str| super::super::build::aligned_home_slot(&graph, graph.find(name).unwrap());
+        assert_eq!([slot("w1_0"), slot("w2_0"), slot("w1_1"), slot("w2_1"), slot("w1_2"), slot("w2_2")], [Some(0), Some(1), Some(0), Some(1), Some(0), Some(1)]);
+        assert_eq!(slot("x"), None);
+        assert_eq!(super::super::build::aligned_home_slot(&mlp(1), mlp(1).find("w2_0").unwrap()), Some(1));
+        // Each phase as its (source tile, words, destination tiles), in order.
+        let patterns = |l: &Lowered| -> Vec<Vec<(u32, u32, Vec<u32>)>> {
+            let tile = |b: u32| l.buffers[b as usize].tile;
+            l.phases.iter().map(|p| p.iter().map(|t| (tile(t.source.0), t.words, t.destinations.iter().map(|d| tile(d.0)).collect())).collect()).collect()
+        };
+        let distinct = |l: &Lowered| patterns(l).into_iter().collect::<std::collections::BTreeSet<_>>().len();
+        let aligned = lower_with(&oriented, &target, true, &[]).unwrap().lowered;
+        let rotated = super::super::build::lower_with_rotated_homes(&oriented, &target, &[]).unwrap().lowered;
+        assert_eq!(aligned.phases.len(), rotated.phases.len());
+        assert!(distinct(&aligned) < distinct(&rotated), "aligned {} rotated {}", distinct(&aligned), distinct(&rotated));
     }
 
     /// Pareto retention keeps what fits first, then the non-dominated extensions by estimate,
