@@ -21,6 +21,7 @@
 //! keyed by [`pattern_digest`].
 
 mod bound;
+mod coalesce;
 mod compact;
 mod greedy;
 mod lower;
@@ -51,14 +52,15 @@ use greedy::Pairing;
 use problem::Problem;
 
 /// Chunk sizes of the greedy constructions (words): small ones preempt, large ones keep rows
-/// short. Phases above `LARGE_PHASE` transfers try only the middle one, without "all paired",
-/// and justify once with a bounded look-back, to stay within half a second on two cores.
+/// short. Phases above `LARGE_PHASE` jobs (after coalescing, see `coalesce.rs`: the work
+/// scales with jobs) try only the middle one, without "all paired", and justify once with a
+/// bounded look-back, to stay within half a second on two cores.
 const CHUNKS: [u32; 2] = [96, 256];
 const LARGE_CHUNK: u32 = 192;
 const LARGE_PHASE: usize = 40_000;
 const EFFORT: compact::Effort = compact::Effort { passes: 2, lookback: None };
 const LARGE_EFFORT: compact::Effort = compact::Effort { passes: 1, lookback: Some(2048) };
-/// matching-waves runs on phases up to this many transfers, or on any phase whose delays
+/// matching-waves runs on phases up to this many jobs, or on any phase whose delays
 /// spread by at most `UNIFORM_DELAY_SPREAD` cycles (where its block order is exact). On large
 /// phases with the chip's full delay spread its timing loses to the greedy and costs most.
 const MATCHING_PHASE: usize = 30_000;
@@ -127,26 +129,35 @@ fn best(built: Vec<Option<Built>>) -> Option<Built> {
 
 /// Schedule one phase: constructions, comparison of ordinary and paired, local search.
 pub fn schedule_phase(target: &Target, phase: &PhaseRequest) -> Result<Schedule, ExchangeError> {
-    let problem = problem::prepare(target, phase)?;
+    schedule_with(target, phase, true)
+}
+
+/// `schedule_phase`, with `coalescing` off for the tests that compare against it.
+fn schedule_with(target: &Target, phase: &PhaseRequest, coalescing: bool) -> Result<Schedule, ExchangeError> {
+    let original = problem::prepare(target, phase)?;
     info!(
         phase = phase.index,
         transfers = phase.transfers.len(),
-        maximum_identical_destinations = problem.maximum_identical_destinations(),
+        maximum_identical_destinations = original.maximum_identical_destinations(),
         "prepared large physical exchange phase"
     );
-    let bounds = bound::bounds(&problem);
+    let bounds = bound::bounds(&original);
+    let coalesced = if coalescing { coalesce::coalesce(&original) } else { None };
+    let problem = coalesced.as_ref().unwrap_or(&original);
+    debug!(phase = phase.index, transfers = phase.transfers.len(), jobs = problem.jobs.len(), "coalesced exchange transfers");
     if let Some((name, value)) = &bounds.stronger {
         info!(phase = phase.index, bound = name.as_str(), value = *value, endpoint_lower_bound = bounds.endpoint, "stronger exchange bound applies");
     }
     let mut candidates = Vec::new();
-    let matching_first = phase.transfers.len() <= MATCHING_PHASE || problem.delay_spread() <= UNIFORM_DELAY_SPREAD;
+    let matching_first = problem.jobs.len() <= MATCHING_PHASE || problem.delay_spread() <= UNIFORM_DELAY_SPREAD;
     if matching_first {
         candidates.push(Candidate::Matching);
     }
-    let large = phase.transfers.len() > LARGE_PHASE;
+    let large = problem.jobs.len() > LARGE_PHASE;
     let chunks: &[u32] = if large { &[LARGE_CHUNK] } else { &CHUNKS };
     let effort = if large { LARGE_EFFORT } else { EFFORT };
-    let eligible = problem.eligible_count();
+    // Counted on the request: the log reports transfers.
+    let eligible = original.eligible_count();
     let pairings: &[Pairing] = match (eligible > 0, large) {
         (false, _) => &[Pairing::Ordinary],
         (true, true) => &[Pairing::Ordinary, Pairing::Balanced],
@@ -155,12 +166,12 @@ pub fn schedule_phase(target: &Target, phase: &PhaseRequest) -> Result<Schedule,
     for &pairing in pairings {
         candidates.extend(chunks.iter().map(|&chunk| Candidate::Greedy { pairing, chunk }));
     }
-    let mut built: Vec<Option<Built>> = candidates.par_iter().map(|&c| build(&problem, c, effort)).collect();
+    let mut built: Vec<Option<Built>> = candidates.par_iter().map(|&c| build(problem, c, effort)).collect();
     let unicast = problem.maximum_identical_destinations() <= 1;
-    if !matching_first && unicast && phase.transfers.len() <= MATCHING_UNICAST_PHASE {
+    if !matching_first && unicast && problem.jobs.len() <= MATCHING_UNICAST_PHASE {
         let greedy = built.iter().flatten().map(|b| b.horizon as u64).min();
         if greedy.is_none_or(|h| h * 100 > bounds.endpoint as u64 * (100 + MATCHING_FALLBACK_PERCENT)) {
-            built.push(build(&problem, Candidate::Matching, effort));
+            built.push(build(problem, Candidate::Matching, effort));
         }
     }
     let (ordinary, paired): (Vec<_>, Vec<_>) = built.into_iter().partition(|b| b.as_ref().is_none_or(|b| !b.paired));
@@ -180,16 +191,20 @@ pub fn schedule_phase(target: &Target, phase: &PhaseRequest) -> Result<Schedule,
     let chosen = best(vec![ordinary, paired]);
     let Some(chosen) = chosen else {
         // Only an empty phase has no candidate at all.
-        return Ok(finish(phase, &bounds, Built { greedy: None, kind: ScheduleKind::Greedy, paired: false, pieces: greedy::in_request_order(&problem), horizon: 0 }, 0, 0));
+        return Ok(finish(phase, &bounds, Built { greedy: None, kind: ScheduleKind::Greedy, paired: false, pieces: greedy::in_request_order(problem), horizon: 0 }, 0, 0));
     };
     let initial = chosen.horizon;
     let floor = bounds.stronger.as_ref().map_or(bounds.endpoint, |s| s.1.max(bounds.endpoint));
     let (pieces, horizon, improvements) = match &chosen.greedy {
         Some((choice, chunk)) => {
-            let better = greedy::critical_neighborhood(&problem, choice, *chunk, chosen.pieces, floor, effort);
+            let better = greedy::critical_neighborhood(problem, choice, *chunk, chosen.pieces, floor, effort);
             (better.pieces, better.horizon, better.improvements)
         }
         None => (chosen.pieces, chosen.horizon, 0),
+    };
+    let pieces = match &coalesced {
+        Some(c) => coalesce::expand(c, &pieces),
+        None => pieces,
     };
     let kind = if improvements > 0 { ScheduleKind::CriticalNeighborhood } else { chosen.kind };
     let paired_used = pieces.iter().any(|p| p.paired);
