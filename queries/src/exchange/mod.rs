@@ -3,6 +3,9 @@
 //! Pipeline of a phase, one line each:
 //! 1. `problem` checks the request and normalises it (ports, delays, pairing eligibility);
 //! 2. `bound` computes the endpoint lower bound (and the multicast clique bound);
+//! 2b. `coalesce` merges transfers with the same source, receive ports and pairing
+//!    eligibility into one job: steps 3 to 5 work on jobs, and their schedule is expanded
+//!    back into pieces of the request's transfers before step 6;
 //! 3. constructions run side by side: `matching` (optimal blocks for bipartite phases, then
 //!    timed with delays) and `greedy` (preemptive, most-loaded ports first), ordinary and paired;
 //! 4. `compact` justifies each one left, right and left again, cutting pieces into shared idle
@@ -12,7 +15,7 @@
 //! 6. `lower` patches addresses in and writes the sorted per-tile tables;
 //! 7. `validate` checks the tables against the request, independently of everything above.
 //!
-//! The best schedule is chosen by horizon, then piece count, then candidate order. The log
+//! The best schedule is chosen by horizon, then piece count (of jobs), then candidate order. The log
 //! lines carry the seed's field names; `row_words` is defined in `lower.rs`.
 //!
 //! Architecture Invariant: the output depends only on the target and the request, never on
