@@ -197,11 +197,30 @@ pub(crate) fn prepare(target: &Target, phase: &PhaseRequest) -> Result<Problem, 
         jobs.push(Job { source: t.source, words: t.words, ordinary: (start, end), paired, max_delay, members: (index as u32, index as u32 + 1) });
     }
     // Two transfers writing the same words of one tile would make the phase's result depend
-    // on the schedule: reject them rather than pick a winner.
-    writes.sort_unstable();
-    for w in writes.windows(2) {
-        if w[0].0 == w[1].0 && w[1].1 < w[0].2 {
-            return Err(bad(w[1].3 as usize, format!("writes addresses {:#x}.. on tile {} that transfer {} also writes", w[1].1, w[1].0, w[0].3)));
+    // on the schedule: reject them rather than pick a winner. The writes are bucketed by tile
+    // (a counting sort) and sorted one tile at a time: the same order as sorting them all,
+    // at a fraction of the cost on phases of a million writes.
+    let mut first = vec![0usize; tiles as usize + 1];
+    for w in &writes {
+        first[w.0 as usize + 1] += 1;
+    }
+    for tile in 0..tiles as usize {
+        first[tile + 1] += first[tile];
+    }
+    let mut fill = first.clone();
+    let mut by_tile = vec![(0u32, 0u32, 0u32); writes.len()];
+    for &(tile, address, end, transfer) in &writes {
+        by_tile[fill[tile as usize]] = (address, end, transfer);
+        fill[tile as usize] += 1;
+    }
+    drop(writes);
+    for tile in 0..tiles as usize {
+        let list = &mut by_tile[first[tile]..first[tile + 1]];
+        list.sort_unstable();
+        for w in list.windows(2) {
+            if w[1].0 < w[0].1 {
+                return Err(bad(w[1].2 as usize, format!("writes addresses {:#x}.. on tile {} that transfer {} also writes", w[1].0, tile, w[0].2)));
+            }
         }
     }
     let (receiver_class, class_sizes) = receiver_classes(tiles, &jobs, &ordinary_ports);
