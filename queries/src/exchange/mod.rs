@@ -3,20 +3,20 @@
 //! Pipeline of a phase, one line each:
 //! 1. `problem` checks the request and normalises it (ports, delays, pairing eligibility);
 //! 2. `bound` computes the endpoint lower bound (and the multicast clique bound);
-//! 2b. `coalesce` merges transfers with the same source, receive ports and pairing
-//!    eligibility into one job: steps 3 to 5 work on jobs, and their schedule is expanded
-//!    back into pieces of the request's transfers before step 6;
-//! 3. constructions run side by side: `matching` (optimal blocks for bipartite phases, then
+//! 3. `coalesce` merges transfers with the same source, receive ports and pairing
+//!    eligibility into one job: steps 4 to 6 work on jobs, and their schedule is expanded
+//!    back into pieces of the request's transfers before step 7;
+//! 4. constructions run side by side: `matching` (optimal blocks for bipartite phases, then
 //!    timed with delays) and `greedy` (preemptive, most-loaded ports first), ordinary and paired;
-//! 4. `compact` justifies each one left, right and left again, cutting pieces into shared idle
+//! 5. `compact` justifies each one left, right and left again, cutting pieces into shared idle
 //!    time (this closes most of the gap the delays open);
-//! 5. `greedy::critical_neighborhood` rebuilds the best greedy with its late transfers made
+//! 6. `greedy::critical_neighborhood` rebuilds the best greedy with its late transfers made
 //!    more urgent, within a fixed work budget;
-//! 6. `lower` patches addresses in and writes the sorted per-tile tables;
-//! 7. `validate` checks the tables against the request, independently of everything above.
+//! 7. `lower` patches addresses in and writes the sorted per-tile tables;
+//! 8. `validate` checks the tables against the request, independently of everything above.
 //!
-//! The best schedule is chosen by horizon, then piece count (of jobs), then candidate order. The log
-//! lines carry the seed's field names; `row_words` is defined in `lower.rs`.
+//! The best schedule is chosen by horizon, then piece count (of jobs), then candidate order.
+//! The log lines carry the seed's field names; `row_words` is defined in `lower.rs`.
 //!
 //! Architecture Invariant: the output depends only on the target and the request, never on
 //! thread count, clocks or hash order: budgets count work, not time, and ties break by index.
