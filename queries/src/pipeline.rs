@@ -38,8 +38,8 @@ use crate::storage::{place_storage, Placement};
 pub const PHASES: &[&str] = &["lower_mid", "select_finalist", "lower_exchanges_provisional", "size_tile_code", "place_storage", "optimize_exchange_placement", "lower_exchanges", "build_tile_images"];
 
 const LOWER_VERSION: u32 = 17;
-const SELECT_VERSION: u32 = 11;
-const SCHEDULE_VERSION: u32 = 6;
+const SELECT_VERSION: u32 = 12;
+const SCHEDULE_VERSION: u32 = 7;
 const CODE_VERSION: u32 = 9;
 const PLACE_VERSION: u32 = 5;
 const OPTIMIZE_PLACEMENT_VERSION: u32 = 6;

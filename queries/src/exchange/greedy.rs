@@ -179,7 +179,8 @@ pub(crate) fn full_duplex(problem: &Problem, paired: &[bool], chunk_words: u32, 
         };
         let ju = j as usize;
         let words = problem.jobs[ju].words;
-        let mut take = (words - sent[ju]).min(chunk_words);
+        // Whole members up to the chunk, a member cut only when it alone exceeds the chunk.
+        let mut take = problem.chunk_end(ju, sent[ju], chunk_words) - sent[ju];
         if paired[ju] {
             take &= !1;
         }

@@ -3,17 +3,20 @@
 //! Pipeline of a phase, one line each:
 //! 1. `problem` checks the request and normalises it (ports, delays, pairing eligibility);
 //! 2. `bound` computes the endpoint lower bound (and the multicast clique bound);
-//! 3. constructions run side by side: `matching` (optimal blocks for bipartite phases, then
+//! 3. `coalesce` merges transfers with the same source, receive ports and pairing
+//!    eligibility into one job: steps 4 to 6 work on jobs, and their schedule is expanded
+//!    back into pieces of the request's transfers before step 7;
+//! 4. constructions run side by side: `matching` (optimal blocks for bipartite phases, then
 //!    timed with delays) and `greedy` (preemptive, most-loaded ports first), ordinary and paired;
-//! 4. `compact` justifies each one left, right and left again, cutting pieces into shared idle
+//! 5. `compact` justifies each one left, right and left again, cutting pieces into shared idle
 //!    time (this closes most of the gap the delays open);
-//! 5. `greedy::critical_neighborhood` rebuilds the best greedy with its late transfers made
+//! 6. `greedy::critical_neighborhood` rebuilds the best greedy with its late transfers made
 //!    more urgent, within a fixed work budget;
-//! 6. `lower` patches addresses in and writes the sorted per-tile tables;
-//! 7. `validate` checks the tables against the request, independently of everything above.
+//! 7. `lower` patches addresses in and writes the sorted per-tile tables;
+//! 8. `validate` checks the tables against the request, independently of everything above.
 //!
-//! The best schedule is chosen by horizon, then piece count, then candidate order. The log
-//! lines carry the seed's field names; `row_words` is defined in `lower.rs`.
+//! The best schedule is chosen by horizon, then piece count (of jobs), then candidate order.
+//! The log lines carry the seed's field names; `row_words` is defined in `lower.rs`.
 //!
 //! Architecture Invariant: the output depends only on the target and the request, never on
 //! thread count, clocks or hash order: budgets count work, not time, and ties break by index.
@@ -21,6 +24,7 @@
 //! keyed by [`pattern_digest`].
 
 mod bound;
+mod coalesce;
 mod compact;
 mod greedy;
 mod lower;
@@ -51,14 +55,18 @@ use greedy::Pairing;
 use problem::Problem;
 
 /// Chunk sizes of the greedy constructions (words): small ones preempt, large ones keep rows
-/// short. Phases above `LARGE_PHASE` transfers try only the middle one, without "all paired",
-/// and justify once with a bounded look-back, to stay within half a second on two cores.
+/// short. Phases above `LARGE_PHASE` jobs (after coalescing, see `coalesce.rs`: the work
+/// scales with jobs) try only the middle one, without "all paired", and justify once with a
+/// bounded look-back, to stay within half a second on two cores. (A greedy's justification
+/// from cycle 0 costs 1.2-1.9 s per candidate on the 37,908-job re-gather of the SigLIP MLP,
+/// 0.2 s bounded.) The matching's pieces are few and long (sticky), so it is always
+/// justified in full: 0.15 s there, where it wins by 2 %.
 const CHUNKS: [u32; 2] = [96, 256];
 const LARGE_CHUNK: u32 = 192;
-const LARGE_PHASE: usize = 40_000;
+const LARGE_PHASE: usize = 30_000;
 const EFFORT: compact::Effort = compact::Effort { passes: 2, lookback: None };
 const LARGE_EFFORT: compact::Effort = compact::Effort { passes: 1, lookback: Some(2048) };
-/// matching-waves runs on phases up to this many transfers, or on any phase whose delays
+/// matching-waves runs on phases up to this many jobs, or on any phase whose delays
 /// spread by at most `UNIFORM_DELAY_SPREAD` cycles (where its block order is exact). On large
 /// phases with the chip's full delay spread its timing loses to the greedy and costs most.
 const MATCHING_PHASE: usize = 30_000;
@@ -127,26 +135,35 @@ fn best(built: Vec<Option<Built>>) -> Option<Built> {
 
 /// Schedule one phase: constructions, comparison of ordinary and paired, local search.
 pub fn schedule_phase(target: &Target, phase: &PhaseRequest) -> Result<Schedule, ExchangeError> {
-    let problem = problem::prepare(target, phase)?;
+    schedule_with(target, phase, true)
+}
+
+/// `schedule_phase`, with `coalescing` off for the tests that compare against it.
+fn schedule_with(target: &Target, phase: &PhaseRequest, coalescing: bool) -> Result<Schedule, ExchangeError> {
+    let original = problem::prepare(target, phase)?;
     info!(
         phase = phase.index,
         transfers = phase.transfers.len(),
-        maximum_identical_destinations = problem.maximum_identical_destinations(),
+        maximum_identical_destinations = original.maximum_identical_destinations(),
         "prepared large physical exchange phase"
     );
-    let bounds = bound::bounds(&problem);
+    let bounds = bound::bounds(&original);
+    let coalesced = if coalescing { coalesce::coalesce(&original) } else { None };
+    let problem = coalesced.as_ref().unwrap_or(&original);
+    debug!(phase = phase.index, transfers = phase.transfers.len(), jobs = problem.jobs.len(), "coalesced exchange transfers");
     if let Some((name, value)) = &bounds.stronger {
         info!(phase = phase.index, bound = name.as_str(), value = *value, endpoint_lower_bound = bounds.endpoint, "stronger exchange bound applies");
     }
     let mut candidates = Vec::new();
-    let matching_first = phase.transfers.len() <= MATCHING_PHASE || problem.delay_spread() <= UNIFORM_DELAY_SPREAD;
+    let matching_first = problem.jobs.len() <= MATCHING_PHASE || problem.delay_spread() <= UNIFORM_DELAY_SPREAD;
     if matching_first {
         candidates.push(Candidate::Matching);
     }
-    let large = phase.transfers.len() > LARGE_PHASE;
+    let large = problem.jobs.len() > LARGE_PHASE;
     let chunks: &[u32] = if large { &[LARGE_CHUNK] } else { &CHUNKS };
     let effort = if large { LARGE_EFFORT } else { EFFORT };
-    let eligible = problem.eligible_count();
+    // Counted on the request: the log reports transfers.
+    let eligible = original.eligible_count();
     let pairings: &[Pairing] = match (eligible > 0, large) {
         (false, _) => &[Pairing::Ordinary],
         (true, true) => &[Pairing::Ordinary, Pairing::Balanced],
@@ -155,12 +172,13 @@ pub fn schedule_phase(target: &Target, phase: &PhaseRequest) -> Result<Schedule,
     for &pairing in pairings {
         candidates.extend(chunks.iter().map(|&chunk| Candidate::Greedy { pairing, chunk }));
     }
-    let mut built: Vec<Option<Built>> = candidates.par_iter().map(|&c| build(&problem, c, effort)).collect();
+    let effort_of = |c: Candidate| if matches!(c, Candidate::Matching) { EFFORT } else { effort };
+    let mut built: Vec<Option<Built>> = candidates.par_iter().map(|&c| build(problem, c, effort_of(c))).collect();
     let unicast = problem.maximum_identical_destinations() <= 1;
-    if !matching_first && unicast && phase.transfers.len() <= MATCHING_UNICAST_PHASE {
+    if !matching_first && unicast && problem.jobs.len() <= MATCHING_UNICAST_PHASE {
         let greedy = built.iter().flatten().map(|b| b.horizon as u64).min();
         if greedy.is_none_or(|h| h * 100 > bounds.endpoint as u64 * (100 + MATCHING_FALLBACK_PERCENT)) {
-            built.push(build(&problem, Candidate::Matching, effort));
+            built.push(build(problem, Candidate::Matching, EFFORT));
         }
     }
     let (ordinary, paired): (Vec<_>, Vec<_>) = built.into_iter().partition(|b| b.as_ref().is_none_or(|b| !b.paired));
@@ -180,16 +198,20 @@ pub fn schedule_phase(target: &Target, phase: &PhaseRequest) -> Result<Schedule,
     let chosen = best(vec![ordinary, paired]);
     let Some(chosen) = chosen else {
         // Only an empty phase has no candidate at all.
-        return Ok(finish(phase, &bounds, Built { greedy: None, kind: ScheduleKind::Greedy, paired: false, pieces: greedy::in_request_order(&problem), horizon: 0 }, 0, 0));
+        return Ok(finish(phase, &bounds, Built { greedy: None, kind: ScheduleKind::Greedy, paired: false, pieces: greedy::in_request_order(problem), horizon: 0 }, 0, 0));
     };
     let initial = chosen.horizon;
     let floor = bounds.stronger.as_ref().map_or(bounds.endpoint, |s| s.1.max(bounds.endpoint));
     let (pieces, horizon, improvements) = match &chosen.greedy {
         Some((choice, chunk)) => {
-            let better = greedy::critical_neighborhood(&problem, choice, *chunk, chosen.pieces, floor, effort);
+            let better = greedy::critical_neighborhood(problem, choice, *chunk, chosen.pieces, floor, effort);
             (better.pieces, better.horizon, better.improvements)
         }
         None => (chosen.pieces, chosen.horizon, 0),
+    };
+    let pieces = match &coalesced {
+        Some(c) => coalesce::expand(c, &pieces),
+        None => pieces,
     };
     let kind = if improvements > 0 { ScheduleKind::CriticalNeighborhood } else { chosen.kind };
     let paired_used = pieces.iter().any(|p| p.paired);

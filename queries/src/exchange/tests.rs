@@ -195,3 +195,91 @@ fn gap_survey_over_synthetic_phases() {
     gaps.sort_by(f64::total_cmp);
     assert!(gaps[gaps.len() / 2] <= 2.0, "median gap {:.2}%", gaps[gaps.len() / 2]);
 }
+
+/// Row segments of blocks: every source sends `rows` segments of `words` words to the same
+/// `fanout` tiles, the request ordered row by row (a job's members are not adjacent).
+fn row_segments(sources: u32, rows: u32, words: u32, fanout: u32) -> PhaseRequest {
+    let mut transfers = Vec::new();
+    for r in 0..rows {
+        for s in 0..sources {
+            let source = 2 * s;
+            let destinations = (0..fanout)
+                .map(|k| Destination { tile: (source + 101 + 7 * k) % 1472, address: 0x8_0000 + (s * rows + r) * words * 4 })
+                .collect();
+            transfers.push(Transfer { source, source_address: 0x4_0000 + r * words * 4, words, destinations });
+        }
+    }
+    PhaseRequest { index: 3, transfers }
+}
+
+#[test]
+fn coalescing_groups_row_segments_in_request_order() {
+    let target = ipu21();
+    let phase = row_segments(20, 6, 40, 3);
+    let original = problem::prepare(&target, &phase).unwrap();
+    let merged = coalesce::coalesce(&original).expect("rows of one source to the same tiles merge");
+    assert_eq!(merged.jobs.len(), 20);
+    for (j, job) in merged.jobs.iter().enumerate() {
+        let members: Vec<u32> = merged.members_of(j).iter().map(|m| m.transfer).collect();
+        assert_eq!(members, (0..6).map(|r| r * 20 + j as u32).collect::<Vec<_>>());
+        assert_eq!(job.words, 240);
+        assert_eq!(merged.receive_ports(j, false), original.receive_ports(j, false));
+        assert_eq!(merged.receive_ports(j, true), original.receive_ports(j, true));
+    }
+    assert_eq!((merged.receiver_class.clone(), merged.class_sizes.clone()), (original.receiver_class.clone(), original.class_sizes.clone()));
+    // Chunks end at member boundaries, and cut a member only when it alone is too long.
+    assert_eq!(merged.chunk_end(0, 0, 96), 80);
+    assert_eq!(merged.chunk_end(0, 20, 96), 80);
+    assert_eq!(merged.chunk_end(0, 200, 96), 240);
+    assert_eq!(merged.chunk_end(0, 0, 30), 30);
+    assert_eq!(original.chunk_end(0, 0, 30), 30);
+    assert_eq!(original.chunk_end(0, 0, 96), 40);
+    // Transfers that differ in destinations or pairing stay apart.
+    assert!(coalesce::coalesce(&problem::prepare(&target, &row_segments(20, 1, 40, 3)).unwrap()).is_none());
+    let mut misaligned = phase.clone();
+    misaligned.transfers[20].source_address += 4;
+    let problem = problem::prepare(&target, &misaligned).unwrap();
+    assert_eq!(coalesce::coalesce(&problem).unwrap().jobs.len(), 21);
+}
+
+#[test]
+fn expanded_pieces_run_back_to_back_over_members() {
+    let target = ipu21();
+    let phase = row_segments(2, 3, 40, 2);
+    let merged = coalesce::coalesce(&problem::prepare(&target, &phase).unwrap()).unwrap();
+    // Job 1 is source 2: transfers 1, 3, 5.
+    let ordinary = Piece { transfer: 1, offset_words: 20, words: 80, send_cycle: 100, paired: false };
+    let paired = Piece { transfer: 1, offset_words: 20, words: 80, send_cycle: 500, paired: true };
+    let piece = |transfer, offset_words, words, send_cycle, paired| Piece { transfer, offset_words, words, send_cycle, paired };
+    assert_eq!(coalesce::expand(&merged, &[ordinary, paired]), vec![
+        piece(1, 20, 20, 100, false),
+        piece(3, 0, 40, 120, false),
+        piece(5, 0, 20, 160, false),
+        piece(1, 20, 20, 500, true),
+        piece(3, 0, 40, 510, true),
+        piece(5, 0, 20, 530, true),
+    ]);
+}
+
+#[test]
+fn coalesced_phases_validate_and_keep_their_horizons() {
+    let target = ipu21();
+    for (sources, rows, words, fanout) in [(300, 12, 64, 6), (700, 4, 50, 1), (100, 30, 36, 40)] {
+        let phase = row_segments(sources, rows, words, fanout);
+        let schedule = check(&target, &phase);
+        assert!(schedule.pieces.iter().all(|p| p.words > 0 && (!p.paired || (p.words % 2 == 0 && p.offset_words % 2 == 0))));
+        let apart = schedule_with(&target, &phase, false).unwrap();
+        validate(&target, &phase, &lower_to_tables(&target, &phase, &apart)).unwrap();
+        eprintln!(
+            "{sources}x{rows}x{words}->{fanout}: bound {} horizon {} pieces {}; transfers apart: horizon {} pieces {}",
+            schedule.endpoint_lower_bound,
+            schedule.horizon,
+            schedule.pieces.len(),
+            apart.horizon,
+            apart.pieces.len()
+        );
+        assert_eq!((schedule.endpoint_lower_bound, &schedule.stronger_bound), (apart.endpoint_lower_bound, &apart.stronger_bound));
+        // Coalescing makes the schedulers' chunks coarser; it may cost a little, not more.
+        assert!(schedule.horizon as u64 * 100 <= apart.horizon as u64 * 102, "{} against {}", schedule.horizon, apart.horizon);
+    }
+}
