@@ -24,7 +24,7 @@ use rayon::prelude::*;
 use crate::db::{digest_of, exchange_target, graph, lowering_target, memory_target, selection_target, target, CompileError, Database, Db, Sources, StageResult, Staged};
 use crate::emit::{assemble_package, build_tile, log_support_memory, tile_inputs, SupportMemory, TileBody};
 use crate::exchange::{self, Destination, PhaseRequest, Schedule};
-use crate::exchange_placement::{check_placement, search_exchange_placement};
+use crate::exchange_placement::{check_placement, search_exchange_placement, search_exchange_placement_from, Baseline};
 use crate::hash::{Digest, KeyHasher};
 use crate::lower::search;
 use crate::lower::select::{select_finalist, Selection};
@@ -104,10 +104,10 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
         // optimize_exchange_placement runs on), remembered for that stage (the searches of the
         // last round's finalists only).
         let memo = &db.placement_memo;
-        let optimize = |l: &Lowered, schedules: &[Schedule], digests: &[Digest], code: &[u32], baseline: &Placement| -> Result<(Placement, u64), String> {
+        let optimize = |l: &Lowered, schedules: &[Schedule], digests: &[Digest], code: &[u32], baseline: &Placement, tables: Baseline| -> Result<(Placement, u64), String> {
             let (program, code_digest, base) = (digest_of(l).map_err(|e| e.0)?, digest_of(&code.to_vec()).map_err(|e| e.0)?, digest_of(baseline).map_err(|e| e.0)?);
             let key = placement_search_key(lt.digest, program, digests, code_digest, base);
-            let found = Arc::new(search_exchange_placement(&lt.value, l, schedules, code, baseline).map_err(|e| e.0)?);
+            let found = Arc::new(search_exchange_placement_from(&lt.value, l, schedules, code, baseline, tables).map_err(|e| e.0)?);
             memo.lock().expect("placement memo lock").insert(key, found.clone());
             Ok((found.placement.clone(), found.conflicts))
         };
