@@ -78,7 +78,25 @@ pub fn placed_tables(target: &Target, lowered: &Lowered, schedules: &[Schedule],
     let addresses = &placement.addresses;
     let requests = requests(lowered, |buffer, offset| addresses[buffer as usize] + offset);
     let tables: Vec<Result<ExchangePhase, CompileError>> =
-        requests.par_iter().zip(schedules.par_iter()).map(|(r, s)| exchange::relocate(target, r, s, check).map_err(CompileError::from)).collect();
+        requests.par_iter().zip(schedules.par_iter()).map(|(r, s)| exchange::relocate(target, r, s, check, None).map_err(CompileError::from)).collect();
+    tables.into_iter().collect()
+}
+
+/// `placed_tables(…, true)` for tables `placed_tables(…, false)` already wrote under this
+/// placement: the same checks (schedule fit, validation) on the same tables, not written
+/// again; in parallel, the first failing phase's error.
+pub fn checked_tables(target: &Target, lowered: &Lowered, schedules: &[Schedule], placement: &Placement, written: Vec<ExchangePhase>) -> Result<Vec<ExchangePhase>, CompileError> {
+    let addresses = &placement.addresses;
+    let requests = requests(lowered, |buffer, offset| addresses[buffer as usize] + offset);
+    if written.len() != requests.len() || schedules.len() != requests.len() {
+        return Err(CompileError(format!("{} tables and {} schedules for {} exchange phases", written.len(), schedules.len(), requests.len())));
+    }
+    let tables: Vec<Result<ExchangePhase, CompileError>> = requests
+        .par_iter()
+        .zip(schedules.par_iter())
+        .zip(written.into_par_iter())
+        .map(|((r, s), t)| exchange::relocate(target, r, s, true, Some(t)).map_err(CompileError::from))
+        .collect();
     tables.into_iter().collect()
 }
 
@@ -247,8 +265,9 @@ fn search_from(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_
     // The winner's relocated rows must validate (its schedules are reused as they are).
     let mut validated = None;
     let accepted_any = best.is_some();
-    if let Some((f, _, _)) = &best {
-        match placed_tables(target, lowered, schedules, &f.placement, true) {
+    if let Some((f, _, _)) = best.as_mut() {
+        // Its tables as scored (written unchecked under its placement), checked as they are.
+        match checked_tables(target, lowered, schedules, &f.placement, std::mem::take(&mut f.tables.0)) {
             Ok(tables) => validated = Some(std::sync::Arc::new(tables)),
             Err(e) => {
                 warn!(offset = f.offset.unwrap_or(0), error = %e, "exchange placement finalist's relocated rows do not validate: keeping the baseline");
@@ -256,18 +275,25 @@ fn search_from(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_
             }
         }
     }
-    let (placement, tables, conflicts, cycles, exchange_cycles) = match best {
-        Some((f, c, x)) => (f.placement, f.tables, f.conflicts, c, x),
-        None => (baseline.clone(), (base_tables, base_stats), base_conflicts, base_cycles, base_exchange),
-    };
-    log_phases("final", &tables.0, &tables.1);
-    // The baseline kept (no candidate accepted, or the accepted one did not validate): its
-    // tables are validated when the caller validated them.
-    if validated.is_none() && base_validated {
-        if accepted_any {
-            debug!("keeping the baseline's validated tables after the accepted candidate failed validation");
+    let (placement, stats, conflicts, cycles, exchange_cycles) = match best {
+        Some((f, c, x)) => (f.placement, f.tables.1, f.conflicts, c, x),
+        None => {
+            // The baseline kept (no candidate accepted, or the accepted one did not
+            // validate): its tables are validated when the caller validated them.
+            if base_validated {
+                if accepted_any {
+                    debug!("keeping the baseline's validated tables after the accepted candidate failed validation");
+                }
+                validated = Some(std::sync::Arc::new(base_tables));
+            } else {
+                validated = None;
+                log_phases("final", &base_tables, &base_stats);
+            }
+            (baseline.clone(), base_stats, base_conflicts, base_cycles, base_exchange)
         }
-        validated = Some(std::sync::Arc::new(tables.0));
+    };
+    if let Some(tables) = &validated {
+        log_phases("final", tables, &stats);
     }
     if conflicts > 0 {
         warn!(conflicts, "memory-element conflicts remain after exchange placement (tile memory too full to separate send and receive buffers)");
