@@ -100,13 +100,15 @@ pub fn checked_tables(target: &Target, lowered: &Lowered, schedules: &[Schedule]
     tables.into_iter().collect()
 }
 
-/// The baseline placement's tables of every phase, relocated and validated by the caller
-/// (`select_finalist` validates them while costing a finalist), with each phase's
-/// memory-element conflicts: the search starts from them instead of relocating the baseline
-/// again.
+/// The baseline placement's tables of every phase, relocated by the caller (`select_finalist`
+/// writes them while costing a finalist), with each phase's memory-element conflicts: the
+/// search starts from them instead of relocating the baseline again. Unless `validated`, the
+/// search checks them (`checked_tables`) when it keeps the baseline, so that the placement it
+/// returns has validated tables whichever it is.
 pub struct Baseline {
     pub tables: Vec<ExchangePhase>,
     pub conflicts: Vec<Conflicts>,
+    pub validated: bool,
 }
 
 /// A scored placement: conflicting tile-cycles, forced cycles and the score.
@@ -177,9 +179,11 @@ pub fn search_exchange_placement_from(target: &Target, lowered: &Lowered, schedu
 }
 
 fn search_from(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_bytes: &[u32], baseline: &Placement, base: Option<Baseline>) -> Result<Searched, CompileError> {
-    let base_validated = base.is_some();
+    // None: the search was handed no tables (they are written here, unchecked, as before);
+    // Some(validated): the caller's, validated or not.
+    let base_validated = base.as_ref().map(|b| b.validated);
     let (base_tables, base_stats) = match base {
-        Some(Baseline { tables, conflicts }) => {
+        Some(Baseline { tables, conflicts, .. }) => {
             if tables.len() != schedules.len() || conflicts.len() != tables.len() {
                 return Err(CompileError(format!("exchange placement search: {} baseline tables and {} conflict counts for {} phases", tables.len(), conflicts.len(), schedules.len())));
             }
@@ -280,14 +284,16 @@ fn search_from(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_
         None => {
             // The baseline kept (no candidate accepted, or the accepted one did not
             // validate): its tables are validated when the caller validated them.
-            if base_validated {
-                if accepted_any {
-                    debug!("keeping the baseline's validated tables after the accepted candidate failed validation");
+            if accepted_any {
+                debug!("keeping the baseline after the accepted candidate failed validation");
+            }
+            match base_validated {
+                Some(true) => validated = Some(std::sync::Arc::new(base_tables)),
+                Some(false) => validated = Some(std::sync::Arc::new(checked_tables(target, lowered, schedules, baseline, base_tables)?)),
+                None => {
+                    validated = None;
+                    log_phases("final", &base_tables, &base_stats);
                 }
-                validated = Some(std::sync::Arc::new(base_tables));
-            } else {
-                validated = None;
-                log_phases("final", &base_tables, &base_stats);
             }
             (baseline.clone(), base_stats, base_conflicts, base_cycles, base_exchange)
         }

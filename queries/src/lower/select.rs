@@ -17,7 +17,7 @@ use crate::emit::vertex;
 use crate::exchange::{self, Schedule};
 use crate::pipeline::{provisional_bases, requests};
 use crate::elements::{phase_conflicts, Conflicts};
-use crate::exchange_placement::{placed_tables, Baseline};
+use crate::exchange_placement::{checked_tables, placed_tables, Baseline};
 use crate::package::ExchangePhase;
 use crate::hash::Digest;
 use crate::storage::{place_storage, Placement};
@@ -83,8 +83,8 @@ pub const EXACT_COST_MARGIN_PERCENT: u64 = 5;
 /// `optimize` is the exchange-placement search (`best_exchange_placement` over the lowering
 /// view), for a finalist whose baseline placement has memory-element conflicts: given the
 /// program, its schedules and their digests, the code bytes, the baseline placement and its
-/// tables as validated here (with each phase's conflicts), the placement it accepts and the
-/// conflicts left (the pipeline memoizes it, so that the stage
+/// tables as written here (with each phase's conflicts; the search checks them if it keeps
+/// the baseline), the placement it accepts and the conflicts left (the pipeline memoizes it, so that the stage
 /// `optimize_exchange_placement` finds the chosen finalist's search done).
 pub fn select_finalist(
     target: &Target,
@@ -190,22 +190,26 @@ fn cost_placed(
     let placed = requests(l, |buffer, offset| addresses[buffer as usize] + offset);
     let mut horizons = Vec::with_capacity(placed.len());
     let mut conflicts = 0u64;
-    // Phases relocate and validate independently: in parallel, taken in phase order (the
-    // first failing phase's error, as in sequence).
+    // Phases relocate independently: in parallel, taken in phase order (the first failing
+    // phase's error, as in sequence). The tables are checked (schedule fit and validation)
+    // where they are the placement kept: here when they have no conflicts, else by the
+    // exchange-placement search when it keeps the baseline (it checks the placement it
+    // accepts instead).
     let span = tracing::Span::current();
     let relocated: Vec<Result<(ExchangePhase, Conflicts), String>> = placed
         .par_iter()
         .zip(schedules.par_iter())
         .map(|(r, s)| {
             let _span = span.enter();
-            exchange::reuse(target, r, s).map(|phase| {
-                let c = phase_conflicts(target, &phase);
-                (phase, c)
-            })
-            .map_err(|e| e.to_string())
+            exchange::relocate(target, r, s, false, None)
+                .map(|phase| {
+                    let c = phase_conflicts(target, &phase);
+                    (phase, c)
+                })
+                .map_err(|e| e.to_string())
         })
         .collect();
-    let mut base = Baseline { tables: Vec::with_capacity(placed.len()), conflicts: Vec::with_capacity(placed.len()) };
+    let mut base = Baseline { tables: Vec::with_capacity(placed.len()), conflicts: Vec::with_capacity(placed.len()), validated: false };
     for r in relocated {
         let (phase, c) = r?;
         conflicts += c.tile_cycles;
@@ -213,8 +217,10 @@ fn cost_placed(
         base.tables.push(phase);
         base.conflicts.push(c);
     }
-    if conflicts > 0 {
-        // The search starts from these validated tables; the conflicts it reports are those
+    if conflicts == 0 {
+        checked_tables(target, l, schedules, &placement, base.tables).map_err(|e| e.0)?;
+    } else {
+        // The search starts from these tables; the conflicts it reports are those
         // of the placement it returns (summed over its phases), so only when some remain are
         // that placement's tables written again, to name the first phase at fault.
         let (optimized, left) = optimize(l, schedules, digests, &code, &placement, base)?;
