@@ -159,7 +159,7 @@ pub fn best_exchange_placement(target: &Target, lowered: &Lowered, schedules: &[
 /// What the search found: the accepted placement, the conflicting tile-cycles it leaves, and,
 /// when a candidate was accepted, its relocated tables of every phase as validated (the stage
 /// `lower_exchanges` would validate the same tables again); when the baseline is kept, its
-/// tables if the caller validated them (`search_exchange_placement_from`).
+/// tables as validated if the caller handed them over (`search_exchange_placement_from`).
 pub struct Searched {
     pub placement: Placement,
     pub conflicts: u64,
@@ -171,9 +171,10 @@ pub fn search_exchange_placement(target: &Target, lowered: &Lowered, schedules: 
     search_from(target, lowered, schedules, code_bytes, baseline, None)
 }
 
-/// `search_exchange_placement` from the baseline's tables as the caller validated them (the
-/// same tables `placed_tables` would write for `baseline`, see `Baseline`); when no candidate
-/// is accepted, they are the validated tables of the placement kept.
+/// `search_exchange_placement` from the baseline's tables as the caller wrote them (the same
+/// tables `placed_tables` would write for `baseline`, see `Baseline`); when the baseline is
+/// kept, they are (checked here unless the caller validated them) the validated tables of the
+/// placement returned.
 pub fn search_exchange_placement_from(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_bytes: &[u32], baseline: &Placement, base: Baseline) -> Result<Searched, CompileError> {
     search_from(target, lowered, schedules, code_bytes, baseline, Some(base))
 }

@@ -298,8 +298,9 @@ pub fn placed(db: &dyn Db, sources: Sources) -> StageResult<Placement> {
             None => Arc::new(search_exchange_placement(&t.value, &l.value, &s.value.phases, &c.value, &p.value)?),
         };
         let placement = check_placement(searched.placement.clone(), searched.conflicts)?;
-        // The accepted placement's tables, validated by the search (over the lowering view,
-        // whose grid and delays are the exchange view's), for lower_exchanges.
+        // The accepted placement's tables (or the baseline's, when select_finalist handed them
+        // over), validated by the search (over the lowering view, whose grid and delays are the
+        // exchange view's), for lower_exchanges.
         if let (Some(tables), false) = (&searched.validated, db.verifying()) {
             let key = validated_key(x.digest, l.digest, &s.value.digests, digest_of(&placement)?);
             *db.validated_memo.lock().expect("validated memo lock") = Some((key, tables.clone()));

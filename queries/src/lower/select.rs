@@ -84,8 +84,8 @@ pub const EXACT_COST_MARGIN_PERCENT: u64 = 5;
 /// view), for a finalist whose baseline placement has memory-element conflicts: given the
 /// program, its schedules and their digests, the code bytes, the baseline placement and its
 /// tables as written here (with each phase's conflicts; the search checks them if it keeps
-/// the baseline), the placement it accepts and the conflicts left (the pipeline memoizes it, so that the stage
-/// `optimize_exchange_placement` finds the chosen finalist's search done).
+/// the baseline), the placement it accepts and the conflicts left (the pipeline memoizes it,
+/// so that the stage `optimize_exchange_placement` finds the chosen finalist's search done).
 pub fn select_finalist(
     target: &Target,
     finalists: &[Lowered],
@@ -220,9 +220,9 @@ fn cost_placed(
     if conflicts == 0 {
         checked_tables(target, l, schedules, &placement, base.tables).map_err(|e| e.0)?;
     } else {
-        // The search starts from these tables; the conflicts it reports are those
-        // of the placement it returns (summed over its phases), so only when some remain are
-        // that placement's tables written again, to name the first phase at fault.
+        // The search starts from these tables; the conflicts it reports are those of the
+        // placement it returns (summed over its phases), so only when some remain are that
+        // placement's tables written again, to name the first phase at fault.
         let (optimized, left) = optimize(l, schedules, digests, &code, &placement, base)?;
         if left > 0 {
             let tables = placed_tables(target, l, schedules, &optimized, false).map_err(|e| e.0)?;
