@@ -94,38 +94,54 @@ fn tile_runs(target: &Target, phase: &ExchangePhase) -> Vec<(u32, Vec<ElementRun
 pub fn phase_conflicts(target: &Target, phase: &ExchangePhase) -> Conflicts {
     let mut out = Conflicts::default();
     for (tile, sends, receives) in tile_runs(target, phase) {
-        let mut by_element: BTreeMap<u32, (Vec<(u64, u64)>, Vec<(u64, u64)>)> = BTreeMap::new();
-        for r in &sends {
-            by_element.entry(r.element).or_default().0.push((r.start, r.end));
+        tile_conflicts(tile, &sends, &receives, &mut out);
+    }
+    out
+}
+
+/// `phase_conflicts` and `element_bound` of a phase, splitting its runs by element once.
+pub fn conflicts_and_bound(target: &Target, phase: &ExchangePhase) -> (Conflicts, u64) {
+    let mut out = Conflicts::default();
+    let mut bound = 0u64;
+    for (tile, sends, receives) in tile_runs(target, phase) {
+        tile_conflicts(tile, &sends, &receives, &mut out);
+        bound = bound.max(tile_bound(&sends, &receives));
+    }
+    (out, bound)
+}
+
+/// Add one tile's conflicting cycles (see `phase_conflicts`) to `out`.
+fn tile_conflicts(tile: u32, sends: &[ElementRun], receives: &[ElementRun], out: &mut Conflicts) {
+    let mut by_element: BTreeMap<u32, (Vec<(u64, u64)>, Vec<(u64, u64)>)> = BTreeMap::new();
+    for r in sends {
+        by_element.entry(r.element).or_default().0.push((r.start, r.end));
+    }
+    for r in receives {
+        by_element.entry(r.element).or_default().1.push((r.start, r.end));
+    }
+    let mut tile_total = 0u64;
+    let mut first: Option<(u64, u32)> = None;
+    for (element, (mut s, mut r)) in by_element {
+        if s.is_empty() || r.is_empty() {
+            continue;
         }
-        for r in &receives {
-            by_element.entry(r.element).or_default().1.push((r.start, r.end));
-        }
-        let mut tile_total = 0u64;
-        let mut first: Option<(u64, u32)> = None;
-        for (element, (mut s, mut r)) in by_element {
-            if s.is_empty() || r.is_empty() {
-                continue;
-            }
-            s.sort_unstable();
-            r.sort_unstable();
-            let (n, at) = overlap(&s, &r);
-            if n > 0 {
-                tile_total += n;
-                if first.is_none_or(|(c, _)| at < c) {
-                    first = Some((at, element));
-                }
-            }
-        }
-        if tile_total > 0 {
-            out.tile_cycles += tile_total;
-            out.tiles += 1;
-            if out.first.is_none() {
-                out.first = first.map(|(c, e)| (tile, c, e));
+        s.sort_unstable();
+        r.sort_unstable();
+        let (n, at) = overlap(&s, &r);
+        if n > 0 {
+            tile_total += n;
+            if first.is_none_or(|(c, _)| at < c) {
+                first = Some((at, element));
             }
         }
     }
-    out
+    if tile_total > 0 {
+        out.tile_cycles += tile_total;
+        out.tiles += 1;
+        if out.first.is_none() {
+            out.first = first.map(|(c, e)| (tile, c, e));
+        }
+    }
 }
 
 /// Total overlap of two sorted interval lists (each may overlap itself only through merged
@@ -166,15 +182,16 @@ fn merge(v: &[(u64, u64)]) -> Vec<(u64, u64)> {
 /// max over elements of (send cycles there + receive cycles there). Returns the largest
 /// such figure over tiles (compare with the endpoint bound: it binds when larger).
 pub fn element_bound(target: &Target, phase: &ExchangePhase) -> u64 {
-    let mut bound = 0u64;
-    for (_, sends, receives) in tile_runs(target, phase) {
-        let mut per: BTreeMap<u32, u64> = BTreeMap::new();
-        for r in sends.iter().chain(receives.iter()) {
-            *per.entry(r.element).or_default() += r.end - r.start;
-        }
-        bound = bound.max(per.values().copied().max().unwrap_or(0));
+    tile_runs(target, phase).iter().map(|(_, sends, receives)| tile_bound(sends, receives)).max().unwrap_or(0)
+}
+
+/// One tile's figure in `element_bound`.
+fn tile_bound(sends: &[ElementRun], receives: &[ElementRun]) -> u64 {
+    let mut per: BTreeMap<u32, u64> = BTreeMap::new();
+    for r in sends.iter().chain(receives.iter()) {
+        *per.entry(r.element).or_default() += r.end - r.start;
     }
-    bound
+    per.values().copied().max().unwrap_or(0)
 }
 
 /// [start, end) of the element (or interleaved element pair) holding `address`.

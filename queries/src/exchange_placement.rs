@@ -16,7 +16,7 @@ use rayon::prelude::*;
 use tracing::{debug, info, warn};
 
 use crate::db::CompileError;
-use crate::elements::{element_bound, phase_conflicts, Conflicts};
+use crate::elements::{conflicts_and_bound, element_bound, Conflicts};
 use crate::emit::estimate_cycles;
 use crate::exchange::{self, Schedule};
 use crate::lower::Lowered;
@@ -72,10 +72,43 @@ pub fn exchange_rules(lowered: &Lowered, receive_offset: u32) -> ExchangeRules {
 }
 
 /// Tables of every phase under a placement (`check`: validated, as the final tables are).
+/// Phases relocate independently: in parallel, taken in phase order (the first failing
+/// phase's error, as in sequence).
 pub fn placed_tables(target: &Target, lowered: &Lowered, schedules: &[Schedule], placement: &Placement, check: bool) -> Result<Vec<ExchangePhase>, CompileError> {
     let addresses = &placement.addresses;
     let requests = requests(lowered, |buffer, offset| addresses[buffer as usize] + offset);
-    requests.iter().zip(schedules).map(|(r, s)| exchange::relocate(target, r, s, check).map_err(CompileError::from)).collect()
+    let tables: Vec<Result<ExchangePhase, CompileError>> =
+        requests.par_iter().zip(schedules.par_iter()).map(|(r, s)| exchange::relocate(target, r, s, check, None).map_err(CompileError::from)).collect();
+    tables.into_iter().collect()
+}
+
+/// `placed_tables(…, true)` for tables `placed_tables(…, false)` already wrote under this
+/// placement: the same checks (schedule fit, validation) on the same tables, not written
+/// again; in parallel, the first failing phase's error.
+pub fn checked_tables(target: &Target, lowered: &Lowered, schedules: &[Schedule], placement: &Placement, written: Vec<ExchangePhase>) -> Result<Vec<ExchangePhase>, CompileError> {
+    let addresses = &placement.addresses;
+    let requests = requests(lowered, |buffer, offset| addresses[buffer as usize] + offset);
+    if written.len() != requests.len() || schedules.len() != requests.len() {
+        return Err(CompileError(format!("{} tables and {} schedules for {} exchange phases", written.len(), schedules.len(), requests.len())));
+    }
+    let tables: Vec<Result<ExchangePhase, CompileError>> = requests
+        .par_iter()
+        .zip(schedules.par_iter())
+        .zip(written.into_par_iter())
+        .map(|((r, s), t)| exchange::relocate(target, r, s, true, Some(t)).map_err(CompileError::from))
+        .collect();
+    tables.into_iter().collect()
+}
+
+/// The baseline placement's tables of every phase, relocated by the caller (`select_finalist`
+/// writes them while costing a finalist), with each phase's memory-element conflicts: the
+/// search starts from them instead of relocating the baseline again. Unless `validated`, the
+/// search checks them (`checked_tables`) when it keeps the baseline, so that the placement it
+/// returns has validated tables whichever it is.
+pub struct Baseline {
+    pub tables: Vec<ExchangePhase>,
+    pub conflicts: Vec<Conflicts>,
+    pub validated: bool,
 }
 
 /// A scored placement: conflicting tile-cycles, forced cycles and the score.
@@ -94,7 +127,7 @@ struct Scored {
 type PhaseStats = Vec<(Conflicts, u64)>;
 
 fn phase_stats(target: &Target, tables: &[ExchangePhase]) -> PhaseStats {
-    tables.iter().map(|phase| (phase_conflicts(target, phase), element_bound(target, phase))).collect()
+    tables.par_iter().map(|phase| conflicts_and_bound(target, phase)).collect()
 }
 
 fn score(tables: &[ExchangePhase], stats: &PhaseStats) -> (u64, u64) {
@@ -125,7 +158,8 @@ pub fn best_exchange_placement(target: &Target, lowered: &Lowered, schedules: &[
 
 /// What the search found: the accepted placement, the conflicting tile-cycles it leaves, and,
 /// when a candidate was accepted, its relocated tables of every phase as validated (the stage
-/// `lower_exchanges` would validate the same tables again).
+/// `lower_exchanges` would validate the same tables again); when the baseline is kept, its
+/// tables as validated if the caller handed them over (`search_exchange_placement_from`).
 pub struct Searched {
     pub placement: Placement,
     pub conflicts: u64,
@@ -134,8 +168,36 @@ pub struct Searched {
 
 /// `best_exchange_placement`, keeping the accepted candidate's validated tables.
 pub fn search_exchange_placement(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_bytes: &[u32], baseline: &Placement) -> Result<Searched, CompileError> {
-    let base_tables = placed_tables(target, lowered, schedules, baseline, false)?;
-    let base_stats = phase_stats(target, &base_tables);
+    search_from(target, lowered, schedules, code_bytes, baseline, None)
+}
+
+/// `search_exchange_placement` from the baseline's tables as the caller wrote them (the same
+/// tables `placed_tables` would write for `baseline`, see `Baseline`); when the baseline is
+/// kept, they are (checked here unless the caller validated them) the validated tables of the
+/// placement returned.
+pub fn search_exchange_placement_from(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_bytes: &[u32], baseline: &Placement, base: Baseline) -> Result<Searched, CompileError> {
+    search_from(target, lowered, schedules, code_bytes, baseline, Some(base))
+}
+
+fn search_from(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_bytes: &[u32], baseline: &Placement, base: Option<Baseline>) -> Result<Searched, CompileError> {
+    // None: the search was handed no tables (they are written here, unchecked, as before);
+    // Some(validated): the caller's, validated or not.
+    let base_validated = base.as_ref().map(|b| b.validated);
+    let (base_tables, base_stats) = match base {
+        Some(Baseline { tables, conflicts, .. }) => {
+            if tables.len() != schedules.len() || conflicts.len() != tables.len() {
+                return Err(CompileError(format!("exchange placement search: {} baseline tables and {} conflict counts for {} phases", tables.len(), conflicts.len(), schedules.len())));
+            }
+            let bounds: Vec<u64> = tables.par_iter().map(|phase| element_bound(target, phase)).collect();
+            let stats: PhaseStats = conflicts.into_iter().zip(bounds).collect();
+            (tables, stats)
+        }
+        None => {
+            let tables = placed_tables(target, lowered, schedules, baseline, false)?;
+            let stats = phase_stats(target, &tables);
+            (tables, stats)
+        }
+    };
     let (base_conflicts, base_score) = score(&base_tables, &base_stats);
     log_phases("baseline", &base_tables, &base_stats);
     info!(score = base_score, conflicts = base_conflicts, "scored baseline exchange placement");
@@ -207,8 +269,10 @@ pub fn search_exchange_placement(target: &Target, lowered: &Lowered, schedules: 
     }
     // The winner's relocated rows must validate (its schedules are reused as they are).
     let mut validated = None;
-    if let Some((f, _, _)) = &best {
-        match placed_tables(target, lowered, schedules, &f.placement, true) {
+    let accepted_any = best.is_some();
+    if let Some((f, _, _)) = best.as_mut() {
+        // Its tables as scored (written unchecked under its placement), checked as they are.
+        match checked_tables(target, lowered, schedules, &f.placement, std::mem::take(&mut f.tables.0)) {
             Ok(tables) => validated = Some(std::sync::Arc::new(tables)),
             Err(e) => {
                 warn!(offset = f.offset.unwrap_or(0), error = %e, "exchange placement finalist's relocated rows do not validate: keeping the baseline");
@@ -216,11 +280,28 @@ pub fn search_exchange_placement(target: &Target, lowered: &Lowered, schedules: 
             }
         }
     }
-    let (placement, tables, conflicts, cycles, exchange_cycles) = match best {
-        Some((f, c, x)) => (f.placement, f.tables, f.conflicts, c, x),
-        None => (baseline.clone(), (base_tables, base_stats), base_conflicts, base_cycles, base_exchange),
+    let (placement, stats, conflicts, cycles, exchange_cycles) = match best {
+        Some((f, c, x)) => (f.placement, f.tables.1, f.conflicts, c, x),
+        None => {
+            // The baseline kept (no candidate accepted, or the accepted one did not
+            // validate): its tables are validated when the caller validated them.
+            if accepted_any {
+                debug!("keeping the baseline after the accepted candidate failed validation");
+            }
+            match base_validated {
+                Some(true) => validated = Some(std::sync::Arc::new(base_tables)),
+                Some(false) => validated = Some(std::sync::Arc::new(checked_tables(target, lowered, schedules, baseline, base_tables)?)),
+                None => {
+                    validated = None;
+                    log_phases("final", &base_tables, &base_stats);
+                }
+            }
+            (baseline.clone(), base_stats, base_conflicts, base_cycles, base_exchange)
+        }
     };
-    log_phases("final", &tables.0, &tables.1);
+    if let Some(tables) = &validated {
+        log_phases("final", tables, &stats);
+    }
     if conflicts > 0 {
         warn!(conflicts, "memory-element conflicts remain after exchange placement (tile memory too full to separate send and receive buffers)");
     }

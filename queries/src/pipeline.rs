@@ -24,7 +24,7 @@ use rayon::prelude::*;
 use crate::db::{digest_of, exchange_target, graph, lowering_target, memory_target, selection_target, target, CompileError, Database, Db, Sources, StageResult, Staged};
 use crate::emit::{assemble_package, build_tile, log_support_memory, tile_inputs, SupportMemory, TileBody};
 use crate::exchange::{self, Destination, PhaseRequest, Schedule};
-use crate::exchange_placement::{check_placement, search_exchange_placement};
+use crate::exchange_placement::{check_placement, search_exchange_placement, search_exchange_placement_from, Baseline};
 use crate::hash::{Digest, KeyHasher};
 use crate::lower::search;
 use crate::lower::select::{select_finalist, Selection};
@@ -104,10 +104,10 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
         // optimize_exchange_placement runs on), remembered for that stage (the searches of the
         // last round's finalists only).
         let memo = &db.placement_memo;
-        let optimize = |l: &Lowered, schedules: &[Schedule], digests: &[Digest], code: &[u32], baseline: &Placement| -> Result<(Placement, u64), String> {
+        let optimize = |l: &Lowered, schedules: &[Schedule], digests: &[Digest], code: &[u32], baseline: &Placement, tables: Baseline| -> Result<(Placement, u64), String> {
             let (program, code_digest, base) = (digest_of(l).map_err(|e| e.0)?, digest_of(&code.to_vec()).map_err(|e| e.0)?, digest_of(baseline).map_err(|e| e.0)?);
             let key = placement_search_key(lt.digest, program, digests, code_digest, base);
-            let found = Arc::new(search_exchange_placement(&lt.value, l, schedules, code, baseline).map_err(|e| e.0)?);
+            let found = Arc::new(search_exchange_placement_from(&lt.value, l, schedules, code, baseline, tables).map_err(|e| e.0)?);
             memo.lock().expect("placement memo lock").insert(key, found.clone());
             Ok((found.placement.clone(), found.conflicts))
         };
@@ -298,8 +298,9 @@ pub fn placed(db: &dyn Db, sources: Sources) -> StageResult<Placement> {
             None => Arc::new(search_exchange_placement(&t.value, &l.value, &s.value.phases, &c.value, &p.value)?),
         };
         let placement = check_placement(searched.placement.clone(), searched.conflicts)?;
-        // The accepted placement's tables, validated by the search (over the lowering view,
-        // whose grid and delays are the exchange view's), for lower_exchanges.
+        // The accepted placement's tables (or the baseline's, when select_finalist handed them
+        // over), validated by the search (over the lowering view, whose grid and delays are the
+        // exchange view's), for lower_exchanges.
         if let (Some(tables), false) = (&searched.validated, db.verifying()) {
             let key = validated_key(x.digest, l.digest, &s.value.digests, digest_of(&placement)?);
             *db.validated_memo.lock().expect("validated memo lock") = Some((key, tables.clone()));

@@ -48,7 +48,7 @@ pub fn sizing_tables(target: &Target, lowered: &Lowered, schedules: &[Schedule])
     requests
         .par_iter()
         .zip(schedules.par_iter())
-        .map(|(r, schedule)| exchange::relocate(target, r, schedule, false).map(|p| pack_phase(&p)).map_err(|e| e.to_string()))
+        .map(|(r, schedule)| exchange::relocate(target, r, schedule, false, None).map(|p| pack_phase(&p)).map_err(|e| e.to_string()))
         .collect()
 }
 

@@ -154,12 +154,23 @@ pub(crate) fn check_fits(problem: &Problem, phase: &PhaseRequest, schedule: &Sch
 
 /// Patch this phase's addresses into a cached schedule without logging; `check` also
 /// validates the tables (placement candidates are scored unchecked, finalists checked).
-pub fn relocate(target: &Target, phase: &PhaseRequest, cached: &Schedule, check: bool) -> Result<ExchangePhase, ExchangeError> {
-    if check {
-        let problem = prepare(target, phase)?;
-        return relocate_checked(target, &problem, phase, cached);
+/// `written`: the tables an unchecked `relocate` already wrote for this phase and schedule,
+/// taken instead of writing them again (and with `check`, checked as written ones are).
+pub fn relocate(target: &Target, phase: &PhaseRequest, cached: &Schedule, check: bool, written: Option<ExchangePhase>) -> Result<ExchangePhase, ExchangeError> {
+    match (check, written) {
+        (true, None) => {
+            let problem = prepare(target, phase)?;
+            relocate_checked(target, &problem, phase, cached)
+        }
+        (true, Some(tables)) => {
+            let problem = prepare(target, phase)?;
+            check_fits(&problem, phase, cached)?;
+            validate(target, phase, &tables).map_err(|source| ExchangeError::Invalid { phase: phase.index, source })?;
+            Ok(tables)
+        }
+        (false, Some(tables)) => Ok(tables),
+        (false, None) => Ok(write_tables(target, phase, cached)),
     }
-    Ok(write_tables(target, phase, cached))
 }
 
 /// `relocate` with `check`, on the phase's already prepared problem.

@@ -28,7 +28,7 @@ fn cycles(words: u32, paired: bool) -> u32 {
 }
 
 /// A run of words: on `tile`, at `address`, from `source` at `source_address`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
 struct Run {
     tile: u32,
     address: u32,
@@ -43,8 +43,17 @@ pub fn validate(target: &Target, phase: &PhaseRequest, tables: &ExchangePhase) -
     check_shape(tables, tiles, &mut sends_of)?;
     check_ports(tables, target)?;
     // Receives against sends.
+    let receives: usize = tables.tiles.iter().map(|t| t.receives.len()).sum();
+    // A receive that hears a whole send entry marks it heard (`heard`, by source in order of
+    // `sends_of`); parts of send entries go to `cover`.
+    let mut first = Vec::with_capacity(sends_of.len() + 1);
+    first.push(0usize);
+    for sends in &sends_of {
+        first.push(first.last().copied().unwrap_or(0) + sends.len());
+    }
+    let mut heard = vec![false; first.last().copied().unwrap_or(0)];
     let mut cover: Vec<(u32, u32, u32, u32)> = Vec::new();
-    let mut received: Vec<Run> = Vec::new();
+    let mut received: Vec<Run> = Vec::with_capacity(receives);
     let mut horizon = 0;
     for t in &tables.tiles {
         for r in &t.receives {
@@ -52,7 +61,8 @@ pub fn validate(target: &Target, phase: &PhaseRequest, tables: &ExchangePhase) -
             if r.source >= tiles {
                 return Err(ValidationError::TileOutOfRange { tile: r.source });
             }
-            hear(target, t.tile, r, sends_of[r.source as usize], &mut cover, &mut received)?;
+            let source = r.source as usize;
+            hear(target, t.tile, r, sends_of[source], &mut heard[first[source]..first[source + 1]], &mut cover, &mut received)?;
         }
     }
     if horizon != tables.horizon {
@@ -60,7 +70,7 @@ pub fn validate(target: &Target, phase: &PhaseRequest, tables: &ExchangePhase) -
     }
     // Every send entry fully heard.
     cover.sort_unstable();
-    check_heard(&sends_of, &cover)?;
+    check_heard(&sends_of, &heard, &cover)?;
     // Sent volume per tile.
     let mut expected = vec![0u64; tiles as usize];
     for tr in &phase.transfers {
@@ -75,13 +85,13 @@ pub fn validate(target: &Target, phase: &PhaseRequest, tables: &ExchangePhase) -
         }
     }
     // Delivered mapping against the request.
-    let mut required: Vec<Run> = Vec::new();
-    for tr in &phase.transfers {
-        for d in &tr.destinations {
-            required.push(Run { tile: d.tile, address: d.address, source: tr.source, source_address: tr.source_address, words: tr.words });
-        }
-    }
-    compare(normalise(required), normalise(received))
+    // Runs are sorted by tile first: one tile's at a time (`received` comes in tile order).
+    let required_runs = || phase.transfers.iter().flat_map(|tr| tr.destinations.iter().map(|d| Run { tile: d.tile, address: d.address, source: tr.source, source_address: tr.source_address, words: tr.words }));
+    let mut required = sorted_by_bucket(required_runs, tiles as usize + 1, |r| r.tile.min(tiles) as usize);
+    sort_grouped(&mut received, |r| r.tile);
+    normalise(&mut required);
+    normalise(&mut received);
+    compare(&required, &received)
 }
 
 fn check_shape<'a>(tables: &'a ExchangePhase, tiles: u32, sends_of: &mut [&'a [SendEntry]]) -> Result<(), ValidationError> {
@@ -120,7 +130,8 @@ fn check_ports(tables: &ExchangePhase, target: &Target) -> Result<(), Validation
     // `share` = (source, delay): two of them overlapping on one port with the same share hear
     // the same words at the same cycles, which the hardware allows (partner receives).
     const ALONE: (u32, u32) = (u32::MAX, u32::MAX);
-    let mut busy: Vec<(u32, u32, u32, (u32, u32))> = Vec::new();
+    let entries: usize = tables.tiles.iter().map(|t| t.sends.len() + t.receives.len()).sum();
+    let mut busy: Vec<(u32, u32, u32, (u32, u32))> = Vec::with_capacity(entries);
     for t in &tables.tiles {
         for s in &t.sends {
             let end = s.cycle + cycles(s.words, s.paired);
@@ -140,7 +151,9 @@ fn check_ports(tables: &ExchangePhase, target: &Target) -> Result<(), Validation
             busy.push((2 * (t.tile ^ 1) + 1, r.cycle, end, share));
         }
     }
-    busy.sort_unstable();
+    // Tiles come in order and a paired entry holds its partner's port: entries come grouped
+    // by supertile pair (ports 4k to 4k + 3).
+    sort_grouped(&mut busy, |b| b.0 / 4);
     // Sweep each port, remembering the occupation that reaches furthest.
     let mut reach: Option<(u32, u32, (u32, u32))> = None;
     for &(port, start, end, share) in &busy {
@@ -159,7 +172,7 @@ fn check_ports(tables: &ExchangePhase, target: &Target) -> Result<(), Validation
 }
 
 /// Follow a receive through its source's send entries; record what it covers and delivers.
-fn hear(target: &Target, tile: u32, r: &ReceiveEntry, sends: &[SendEntry], cover: &mut Vec<(u32, u32, u32, u32)>, received: &mut Vec<Run>) -> Result<(), ValidationError> {
+fn hear(target: &Target, tile: u32, r: &ReceiveEntry, sends: &[SendEntry], heard: &mut [bool], cover: &mut Vec<(u32, u32, u32, u32)>, received: &mut Vec<Run>) -> Result<(), ValidationError> {
     let sent = r.cycle as i64 - target.delay(r.source, tile) as i64;
     let unmatched = || ValidationError::UnmatchedReceive { tile, cycle: r.cycle, source_tile: r.source, send_cycle: sent };
     if sent < 0 {
@@ -178,7 +191,11 @@ fn hear(target: &Target, tile: u32, r: &ReceiveEntry, sends: &[SendEntry], cover
         }
         let skip = position - s.cycle;
         let take = left.min(length - skip);
-        cover.push((r.source, index as u32, skip, skip + take));
+        if skip == 0 && take == length {
+            heard[index] = true;
+        } else {
+            cover.push((r.source, index as u32, skip, skip + take));
+        }
         received.push(Run { tile, address, source: r.source, source_address: s.address.wrapping_add(skip * width * 4), words: take * width });
         address = address.wrapping_add(take * width * 4);
         position += take;
@@ -188,10 +205,17 @@ fn hear(target: &Target, tile: u32, r: &ReceiveEntry, sends: &[SendEntry], cover
     Ok(())
 }
 
-fn check_heard(sends_of: &[&[SendEntry]], cover: &[(u32, u32, u32, u32)]) -> Result<(), ValidationError> {
+/// Every send entry is heard whole by one receive (`heard`, flat in the order of `sends_of`)
+/// or from its start to its end by parts (`cover`, sorted).
+fn check_heard(sends_of: &[&[SendEntry]], heard: &[bool], cover: &[(u32, u32, u32, u32)]) -> Result<(), ValidationError> {
     let mut c = 0;
+    let mut flat = 0;
     for (source, sends) in sends_of.iter().enumerate() {
         for (index, s) in sends.iter().enumerate() {
+            flat += 1;
+            if heard[flat - 1] {
+                continue;
+            }
             let key = (source as u32, index as u32);
             let mut reached = 0;
             while c < cover.len() && (cover[c].0, cover[c].1) < key {
@@ -212,13 +236,14 @@ fn check_heard(sends_of: &[&[SendEntry]], cover: &[(u32, u32, u32, u32)]) -> Res
     Ok(())
 }
 
-/// Sort runs and join those that continue each other (same tile and source, both addresses
+/// Join sorted runs that continue each other (same tile and source, both addresses
 /// contiguous), so that equal mappings compare equal however they were cut.
-fn normalise(mut runs: Vec<Run>) -> Vec<Run> {
-    runs.sort_unstable();
-    let mut out: Vec<Run> = Vec::with_capacity(runs.len());
-    for r in runs {
-        if let Some(last) = out.last_mut() {
+fn normalise(runs: &mut Vec<Run>) {
+    let mut kept = 0;
+    for i in 0..runs.len() {
+        let r = runs[i];
+        if kept > 0 {
+            let last = &mut runs[kept - 1];
             if last.tile == r.tile
                 && last.source == r.source
                 && last.address.wrapping_add(last.words * 4) == r.address
@@ -228,12 +253,13 @@ fn normalise(mut runs: Vec<Run>) -> Vec<Run> {
                 continue;
             }
         }
-        out.push(r);
+        runs[kept] = r;
+        kept += 1;
     }
-    out
+    runs.truncate(kept);
 }
 
-fn compare(required: Vec<Run>, received: Vec<Run>) -> Result<(), ValidationError> {
+fn compare(required: &[Run], received: &[Run]) -> Result<(), ValidationError> {
     for i in 0..required.len().max(received.len()) {
         match (required.get(i), received.get(i)) {
             (Some(a), Some(b)) if a == b => {}
@@ -250,4 +276,94 @@ fn compare(required: Vec<Run>, received: Vec<Run>) -> Result<(), ValidationError
         }
     }
     Ok(())
+}
+
+/// The items `items()` yields, sorted (what `sort_unstable` gives), where `bucket` (below
+/// `buckets`) orders them first: every item of a lower bucket is smaller. The items are
+/// counted, dealt into their buckets, and each bucket is sorted alone (small sorts, in
+/// cache, instead of one sort of a whole phase).
+fn sorted_by_bucket<T: Ord + Copy + Default, I: Iterator<Item = T>>(items: impl Fn() -> I, buckets: usize, bucket: impl Fn(&T) -> usize) -> Vec<T> {
+    let mut next = vec![0usize; buckets + 1];
+    for x in items() {
+        next[bucket(&x) + 1] += 1;
+    }
+    for b in 0..buckets {
+        next[b + 1] += next[b];
+    }
+    let bounds = next.clone();
+    let mut out = vec![T::default(); next[buckets]];
+    for x in items() {
+        let b = bucket(&x);
+        out[next[b]] = x;
+        next[b] += 1;
+    }
+    for w in bounds.windows(2) {
+        out[w[0]..w[1]].sort_unstable();
+    }
+    out
+}
+
+/// Sort `items` (what `sort_unstable` gives) that come in groups of equal `group`, groups in
+/// increasing order, where `group` orders items first: each group is sorted alone. Items not
+/// so grouped are sorted whole.
+fn sort_grouped<T: Ord>(items: &mut [T], group: impl Fn(&T) -> u32) {
+    let mut previous: Option<u32> = None;
+    for chunk in items.chunk_by_mut(|a, b| group(a) == group(b)) {
+        let g = group(&chunk[0]);
+        if previous.is_some_and(|p| p >= g) {
+            items.sort_unstable();
+            return;
+        }
+        previous = Some(g);
+        chunk.sort_unstable();
+    }
+}
+
+#[cfg(test)]
+mod bucket_tests {
+    use super::{sort_grouped, sorted_by_bucket};
+
+    type Item = (u32, u32, u32, (u32, u32));
+
+    /// A fixed pseudo-random sequence of tuples with many ties.
+    fn items(n: usize, seed: u64) -> Vec<Item> {
+        let mut x = seed;
+        let mut next = |m: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % m) as u32
+        };
+        (0..n).map(|_| (next(40), next(50), next(3), (next(2), next(2)))).collect()
+    }
+
+    #[test]
+    fn sorting_by_bucket_gives_the_plain_sort() {
+        for n in [0usize, 1, 2, 7, 1000, 20_000] {
+            let items = items(n, 0x2545_F491_4F6C_DD1D);
+            let mut plain = items.clone();
+            plain.sort_unstable();
+            // Bucket 32 collects everything at or past it, as the validator's out-of-range bucket does.
+            let bucketed = sorted_by_bucket(|| items.iter().copied(), 33, |t| t.0.min(32) as usize);
+            assert_eq!(bucketed, plain, "{n} items");
+        }
+    }
+
+    #[test]
+    fn sorting_groups_gives_the_plain_sort_grouped_or_not() {
+        for n in [0usize, 1, 2, 7, 1000, 20_000] {
+            let items = items(n, 0x9E37_79B9_7F4A_7C15);
+            let mut plain = items.clone();
+            plain.sort_unstable();
+            // Grouped by the first field (as the validator's runs come by tile), groups shuffled inside.
+            let mut grouped = items.clone();
+            grouped.sort_unstable_by_key(|t| t.0);
+            sort_grouped(&mut grouped, |t| t.0 / 4);
+            assert_eq!(grouped, plain, "{n} grouped items");
+            // Not grouped: sorted whole.
+            let mut loose = items.clone();
+            sort_grouped(&mut loose, |t| t.0 / 4);
+            assert_eq!(loose, plain, "{n} loose items");
+        }
+    }
 }

@@ -16,8 +16,9 @@ use crate::cost;
 use crate::emit::vertex;
 use crate::exchange::{self, Schedule};
 use crate::pipeline::{provisional_bases, requests};
-use crate::elements::phase_conflicts;
-use crate::exchange_placement::placed_tables;
+use crate::elements::{phase_conflicts, Conflicts};
+use crate::exchange_placement::{checked_tables, placed_tables, Baseline};
+use crate::package::ExchangePhase;
 use crate::hash::Digest;
 use crate::storage::{place_storage, Placement};
 use crate::target::Target;
@@ -81,16 +82,17 @@ pub const EXACT_COST_MARGIN_PERCENT: u64 = 5;
 /// replicas to exchange phases), so the exact cost counts every phase the simulator will.
 /// `optimize` is the exchange-placement search (`best_exchange_placement` over the lowering
 /// view), for a finalist whose baseline placement has memory-element conflicts: given the
-/// program, its schedules and their digests, the code bytes and the baseline placement, the
-/// placement it accepts and the conflicts left (the pipeline memoizes it, so that the stage
-/// `optimize_exchange_placement` finds the chosen finalist's search done).
+/// program, its schedules and their digests, the code bytes, the baseline placement and its
+/// tables as written here (with each phase's conflicts; the search checks them if it keeps
+/// the baseline), the placement it accepts and the conflicts left (the pipeline memoizes it,
+/// so that the stage `optimize_exchange_placement` finds the chosen finalist's search done).
 pub fn select_finalist(
     target: &Target,
     finalists: &[Lowered],
     table_budget: u32,
     prepare: impl Fn(Lowered) -> Lowered + Sync,
     schedule: impl FnOnce(&[exchange::PhaseRequest]) -> Result<Vec<(Schedule, Digest)>, String>,
-    optimize: impl Fn(&Lowered, &[Schedule], &[Digest], &[u32], &Placement) -> Result<(Placement, u64), String> + Sync,
+    optimize: impl Fn(&Lowered, &[Schedule], &[Digest], &[u32], &Placement, Baseline) -> Result<(Placement, u64), String> + Sync,
 ) -> Result<Selection, NoFinalist> {
     let prepared: Vec<Lowered> = finalists.par_iter().map(|l| prepare(l.clone())).collect();
     let finalists = &prepared[..];
@@ -175,7 +177,7 @@ fn cost_placed(
     schedules: &[Schedule],
     digests: &[Digest],
     table_budget: u32,
-    optimize: &(impl Fn(&Lowered, &[Schedule], &[Digest], &[u32], &Placement) -> Result<(Placement, u64), String> + Sync),
+    optimize: &(impl Fn(&Lowered, &[Schedule], &[Digest], &[u32], &Placement, Baseline) -> Result<(Placement, u64), String> + Sync),
 ) -> Result<Costed, Failure> {
     let blame = |phase: u32| l.phase_plans.get(phase as usize).copied();
     let support = match crate::sizing::support_checked(target, l, schedules, table_budget)? {
@@ -188,31 +190,49 @@ fn cost_placed(
     let placed = requests(l, |buffer, offset| addresses[buffer as usize] + offset);
     let mut horizons = Vec::with_capacity(placed.len());
     let mut conflicts = 0u64;
-    // Phases relocate and validate independently: in parallel, taken in phase order (the
-    // first failing phase's error, as in sequence).
+    // Phases relocate independently: in parallel, taken in phase order (the first failing
+    // phase's error, as in sequence). The tables are checked (schedule fit and validation)
+    // where they are the placement kept: here when they have no conflicts, else by the
+    // exchange-placement search when it keeps the baseline (it checks the placement it
+    // accepts instead).
     let span = tracing::Span::current();
-    let relocated: Vec<Result<(u32, u64), String>> = placed
+    let relocated: Vec<Result<(ExchangePhase, Conflicts), String>> = placed
         .par_iter()
         .zip(schedules.par_iter())
         .map(|(r, s)| {
             let _span = span.enter();
-            exchange::reuse(target, r, s).map(|phase| (phase.horizon, phase_conflicts(target, &phase).tile_cycles)).map_err(|e| e.to_string())
+            exchange::relocate(target, r, s, false, None)
+                .map(|phase| {
+                    let c = phase_conflicts(target, &phase);
+                    (phase, c)
+                })
+                .map_err(|e| e.to_string())
         })
         .collect();
+    let mut base = Baseline { tables: Vec::with_capacity(placed.len()), conflicts: Vec::with_capacity(placed.len()), validated: false };
     for r in relocated {
-        let (horizon, c) = r?;
-        conflicts += c;
-        horizons.push(horizon);
+        let (phase, c) = r?;
+        conflicts += c.tile_cycles;
+        horizons.push(phase.horizon);
+        base.tables.push(phase);
+        base.conflicts.push(c);
     }
-    if conflicts > 0 {
-        let (optimized, _) = optimize(l, schedules, digests, &code, &placement)?;
-        let tables = placed_tables(target, l, schedules, &optimized, false).map_err(|e| e.0)?;
-        if let Some((phase, c)) = tables.iter().map(|p| (p.index, phase_conflicts(target, p))).find(|(_, c)| c.tile_cycles > 0) {
-            let (tile, cycle, element) = c.first.unwrap_or((0, 0, 0));
-            return Err(Failure {
-                message: format!("memory-element conflicts remain after exchange placement: exchange phase {phase}, tile {tile} sends from and receives into element {element} in cycle {cycle} ({} tile-cycles on {} tiles)", c.tile_cycles, c.tiles),
-                blamed: blame(phase),
-            });
+    if conflicts == 0 {
+        checked_tables(target, l, schedules, &placement, base.tables).map_err(|e| e.0)?;
+    } else {
+        // The search starts from these tables; the conflicts it reports are those of the
+        // placement it returns (summed over its phases), so only when some remain are that
+        // placement's tables written again, to name the first phase at fault.
+        let (optimized, left) = optimize(l, schedules, digests, &code, &placement, base)?;
+        if left > 0 {
+            let tables = placed_tables(target, l, schedules, &optimized, false).map_err(|e| e.0)?;
+            if let Some((phase, c)) = tables.iter().map(|p| (p.index, phase_conflicts(target, p))).find(|(_, c)| c.tile_cycles > 0) {
+                let (tile, cycle, element) = c.first.unwrap_or((0, 0, 0));
+                return Err(Failure {
+                    message: format!("memory-element conflicts remain after exchange placement: exchange phase {phase}, tile {tile} sends from and receives into element {element} in cycle {cycle} ({} tile-cycles on {} tiles)", c.tile_cycles, c.tiles),
+                    blamed: blame(phase),
+                });
+            }
         }
     }
     let mut cycles = 0u64;
