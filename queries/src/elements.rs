@@ -110,9 +110,12 @@ pub fn conflicts_and_bound(target: &Target, phase: &ExchangePhase) -> (Conflicts
     (out, bound)
 }
 
+/// Busy cycle ranges [start, end) of one memory element: (sends, receives).
+type ElementCycles = (Vec<(u64, u64)>, Vec<(u64, u64)>);
+
 /// Add one tile's conflicting cycles (see `phase_conflicts`) to `out`.
 fn tile_conflicts(tile: u32, sends: &[ElementRun], receives: &[ElementRun], out: &mut Conflicts) {
-    let mut by_element: BTreeMap<u32, (Vec<(u64, u64)>, Vec<(u64, u64)>)> = BTreeMap::new();
+    let mut by_element: BTreeMap<u32, ElementCycles> = BTreeMap::new();
     for r in sends {
         by_element.entry(r.element).or_default().0.push((r.start, r.end));
     }

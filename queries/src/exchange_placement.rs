@@ -100,15 +100,14 @@ pub fn checked_tables(target: &Target, lowered: &Lowered, schedules: &[Schedule]
     tables.into_iter().collect()
 }
 
-/// The baseline placement's tables of every phase, relocated by the caller (`select_finalist`
-/// writes them while costing a finalist), with each phase's memory-element conflicts: the
-/// search starts from them instead of relocating the baseline again. Unless `validated`, the
-/// search checks them (`checked_tables`) when it keeps the baseline, so that the placement it
-/// returns has validated tables whichever it is.
+/// The baseline placement's tables of every phase, written unchecked by the caller
+/// (`select_finalist` writes them while costing a finalist), with each phase's memory-element
+/// conflicts: the search starts from them instead of relocating the baseline again, and checks
+/// them (`checked_tables`) when it keeps the baseline, so that the placement it returns has
+/// validated tables whichever it is.
 pub struct Baseline {
     pub tables: Vec<ExchangePhase>,
     pub conflicts: Vec<Conflicts>,
-    pub validated: bool,
 }
 
 /// A scored placement: conflicting tile-cycles, forced cycles and the score.
@@ -173,18 +172,16 @@ pub fn search_exchange_placement(target: &Target, lowered: &Lowered, schedules: 
 
 /// `search_exchange_placement` from the baseline's tables as the caller wrote them (the same
 /// tables `placed_tables` would write for `baseline`, see `Baseline`); when the baseline is
-/// kept, they are (checked here unless the caller validated them) the validated tables of the
-/// placement returned.
+/// kept, they are checked here and are the validated tables of the placement returned.
 pub fn search_exchange_placement_from(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_bytes: &[u32], baseline: &Placement, base: Baseline) -> Result<Searched, CompileError> {
     search_from(target, lowered, schedules, code_bytes, baseline, Some(base))
 }
 
 fn search_from(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_bytes: &[u32], baseline: &Placement, base: Option<Baseline>) -> Result<Searched, CompileError> {
-    // None: the search was handed no tables (they are written here, unchecked, as before);
-    // Some(validated): the caller's, validated or not.
-    let base_validated = base.as_ref().map(|b| b.validated);
+    // Whether the caller handed its tables over (else they are written here, unchecked).
+    let handed = base.is_some();
     let (base_tables, base_stats) = match base {
-        Some(Baseline { tables, conflicts, .. }) => {
+        Some(Baseline { tables, conflicts }) => {
             if tables.len() != schedules.len() || conflicts.len() != tables.len() {
                 return Err(CompileError(format!("exchange placement search: {} baseline tables and {} conflict counts for {} phases", tables.len(), conflicts.len(), schedules.len())));
             }
@@ -284,17 +281,15 @@ fn search_from(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_
         Some((f, c, x)) => (f.placement, f.tables.1, f.conflicts, c, x),
         None => {
             // The baseline kept (no candidate accepted, or the accepted one did not
-            // validate): its tables are validated when the caller validated them.
+            // validate): the caller's tables are checked here.
             if accepted_any {
                 debug!("keeping the baseline after the accepted candidate failed validation");
             }
-            match base_validated {
-                Some(true) => validated = Some(std::sync::Arc::new(base_tables)),
-                Some(false) => validated = Some(std::sync::Arc::new(checked_tables(target, lowered, schedules, baseline, base_tables)?)),
-                None => {
-                    validated = None;
-                    log_phases("final", &base_tables, &base_stats);
-                }
+            if handed {
+                validated = Some(std::sync::Arc::new(checked_tables(target, lowered, schedules, baseline, base_tables)?));
+            } else {
+                validated = None;
+                log_phases("final", &base_tables, &base_stats);
             }
             (baseline.clone(), base_stats, base_conflicts, base_cycles, base_exchange)
         }

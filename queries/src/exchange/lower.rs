@@ -157,26 +157,18 @@ pub(crate) fn check_fits(problem: &Problem, phase: &PhaseRequest, schedule: &Sch
 /// `written`: the tables an unchecked `relocate` already wrote for this phase and schedule,
 /// taken instead of writing them again (and with `check`, checked as written ones are).
 pub fn relocate(target: &Target, phase: &PhaseRequest, cached: &Schedule, check: bool, written: Option<ExchangePhase>) -> Result<ExchangePhase, ExchangeError> {
-    match (check, written) {
-        (true, None) => {
-            let problem = prepare(target, phase)?;
-            relocate_checked(target, &problem, phase, cached)
-        }
-        (true, Some(tables)) => {
-            let problem = prepare(target, phase)?;
-            check_fits(&problem, phase, cached)?;
-            validate(target, phase, &tables).map_err(|source| ExchangeError::Invalid { phase: phase.index, source })?;
-            Ok(tables)
-        }
-        (false, Some(tables)) => Ok(tables),
-        (false, None) => Ok(write_tables(target, phase, cached)),
+    if !check {
+        return Ok(written.unwrap_or_else(|| write_tables(target, phase, cached)));
     }
+    let problem = prepare(target, phase)?;
+    relocate_checked(target, &problem, phase, cached, written)
 }
 
-/// `relocate` with `check`, on the phase's already prepared problem.
-fn relocate_checked(target: &Target, problem: &Problem, phase: &PhaseRequest, cached: &Schedule) -> Result<ExchangePhase, ExchangeError> {
+/// `relocate` with `check`, on the phase's already prepared problem (tables written here
+/// unless `written` holds them).
+fn relocate_checked(target: &Target, problem: &Problem, phase: &PhaseRequest, cached: &Schedule, written: Option<ExchangePhase>) -> Result<ExchangePhase, ExchangeError> {
     check_fits(problem, phase, cached)?;
-    let tables = write_tables(target, phase, cached);
+    let tables = written.unwrap_or_else(|| write_tables(target, phase, cached));
     validate(target, phase, &tables).map_err(|source| ExchangeError::Invalid { phase: phase.index, source })?;
     Ok(tables)
 }
@@ -193,7 +185,7 @@ pub fn log_validated(phase: &PhaseRequest, cached: &Schedule, tables: &ExchangeP
 /// validate, and return the tables. Fails when the schedule does not fit (then schedule anew).
 pub fn reuse(target: &Target, phase: &PhaseRequest, cached: &Schedule) -> Result<ExchangePhase, ExchangeError> {
     let problem = prepare(target, phase)?;
-    let tables = relocate_checked(target, &problem, phase, cached)?;
+    let tables = relocate_checked(target, &problem, phase, cached, None)?;
     info!(phase = phase.index, "reused exchange optimization after validating relocated rows");
     info!(phase = phase.index, transfers = phase.transfers.len(), maximum_identical_destinations = problem.maximum_identical_destinations(), "prepared large physical exchange phase");
     super::log_optimized(phase.index, cached.horizon, tables.horizon, cached.endpoint_lower_bound, ScheduleKind::Reused, 0);

@@ -177,6 +177,9 @@ struct Builder<'a> {
     gathered: BTreeMap<GatherKey, (u32, DType, u32)>,
 }
 
+/// A source cell `gather` met: (cell, its block, the block as held there, its tile).
+type SourceCell = (usize, Vec<(u32, u32)>, Held, u32);
+
 /// (value, tile, block, panel width, prefers interleaved memory) of a gathered block.
 type GatherKey = (ValueId, u32, Vec<(u32, u32)>, u32, bool, bool);
 
@@ -498,7 +501,7 @@ impl<'a> Builder<'a> {
     fn gather(&mut self, value: ValueId, tile: u32, block: &[(u32, u32)], prefer_interleaved: bool, panel: u32, tight_last: bool) -> Result<Held, LowerError> {
         let chain = ViewChain::resolve(self.graph, value);
         let dtype = self.graph.value(value).dtype;
-        let base = self.graph.value(chain.base).clone();
+        let base = self.graph.value(chain.base);
         let is_stored = self.stored.contains_key(&chain.base);
         if let Some(stored) = self.stored.get(&chain.base) {
             if chain.is_identity() {
@@ -525,15 +528,7 @@ impl<'a> Builder<'a> {
             // (consecutive columns are base elements a base row apart).
             let Producer::Tensor { role, .. } = base.producer else { unreachable!("only host tensors are not stored") };
             let base_cols = chain.base_shape[1];
-            let entry = Arc::make_mut(self.host.entry(chain.base).or_insert_with(|| {
-                Arc::new(LHostTensor {
-                    name: base.name.clone(),
-                    shape: base.shape.clone(),
-                    dtype,
-                    role: if role == Role::Weight { HostRole::Weight } else { HostRole::Input },
-                    segments: Vec::new(),
-                })
-            }));
+            let entry = self.host_tensor(chain.base, base, role, dtype);
             // One segment: row r of the block is base column r, read `base_cols` apart and
             // written contiguously (the host transposes as it streams).
             let (r0, r1) = block[0];
@@ -553,7 +548,7 @@ impl<'a> Builder<'a> {
         // the last one used: a row's pieces mostly come from the cells the previous row's did,
         // in the same order, so the last one or the one after it holds the next piece.
         let mut source: usize = 0;
-        let mut sources: Vec<(usize, Vec<(u32, u32)>, Held, u32)> = Vec::new();
+        let mut sources: Vec<SourceCell> = Vec::new();
         for row in 0..row_count {
             let mut rest = row;
             for a in (0..rank - 1).rev() {
@@ -575,17 +570,8 @@ impl<'a> Builder<'a> {
                 let dst_offset = held.loc(&index).offset * dtype.bytes();
                 match (is_stored, &base.producer) {
                     (false, Producer::Tensor { role, .. }) => {
-                        let role = *role;
-                        let element = flatten(&base_index, &chain.base_shape);
-                        let entry = Arc::make_mut(self.host.entry(chain.base).or_insert_with(|| {
-                            Arc::new(LHostTensor {
-                                name: base.name.clone(),
-                                shape: base.shape.clone(),
-                                dtype,
-                                role: if role == Role::Weight { HostRole::Weight } else { HostRole::Input },
-                                segments: Vec::new(),
-                            })
-                        }));
+                        let element = flatten(base_index, &chain.base_shape);
+                        let entry = self.host_tensor(chain.base, base, *role, dtype);
                         push_segment(&mut entry.segments, LSegment { buffer, offset: dst_offset, element: element as u32, count: run, rows: 1, element_stride: 0, offset_stride: 0, element_step: 1 }, dtype.bytes());
                         c += run;
                     }
@@ -596,7 +582,7 @@ impl<'a> Builder<'a> {
                             Some(at) => at,
                             None => {
                                 let grid = &self.stored[&chain.base].grid;
-                                let cell = grid.cell_of(&base_index);
+                                let cell = grid.cell_of(base_index);
                                 match sources.iter().position(|s| s.0 == cell) {
                                     Some(at) => at,
                                     None => {
@@ -612,7 +598,7 @@ impl<'a> Builder<'a> {
                         let src_tile = *src_tile;
                         let last = cell_block.len() - 1;
                         let piece = run.min(cell_block[last].1 - base_index[last]);
-                        let src = src_held.loc(&base_index);
+                        let src = src_held.loc(base_index);
                         if src_tile == tile {
                             let dst = held.loc(&index);
                             self.local_copy(piece, src, dst);
@@ -1061,6 +1047,20 @@ impl<'a> Builder<'a> {
             p.operation = self.origin.get(index).copied().unwrap_or(index as u32);
         }
         Ok(())
+    }
+
+    /// The host tensor of host value `id` (`base` its value), made empty on first use; shared
+    /// with earlier partial programs until written (copy-on-write).
+    fn host_tensor(&mut self, id: ValueId, base: &Value, role: Role, dtype: DType) -> &mut LHostTensor {
+        Arc::make_mut(self.host.entry(id).or_insert_with(|| {
+            Arc::new(LHostTensor {
+                name: base.name.clone(),
+                shape: base.shape.clone(),
+                dtype,
+                role: if role == Role::Weight { HostRole::Weight } else { HostRole::Input },
+                segments: Vec::new(),
+            })
+        }))
     }
 
     /// Store each B block of a rank-2 weight once, on one tile of its (column, inner) group, the

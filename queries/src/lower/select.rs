@@ -209,7 +209,7 @@ fn cost_placed(
                 .map_err(|e| e.to_string())
         })
         .collect();
-    let mut base = Baseline { tables: Vec::with_capacity(placed.len()), conflicts: Vec::with_capacity(placed.len()), validated: false };
+    let mut base = Baseline { tables: Vec::with_capacity(placed.len()), conflicts: Vec::with_capacity(placed.len()) };
     for r in relocated {
         let (phase, c) = r?;
         conflicts += c.tile_cycles;
