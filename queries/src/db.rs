@@ -20,11 +20,24 @@ pub trait StageStore: Send + Sync {
     fn store(&self, stage: &str, key: &Digest, schema: u64, bytes: &[u8]);
 }
 
+/// Ranged results of one stage in this process (`Database::ranged`).
+pub(crate) type RangedMemo<T> = Arc<Mutex<Vec<(Digest, crate::lower::host::RateRange, Staged<T>)>>>;
+
+/// Ranged results a process keeps in memory, and ranges a disk index lists, per key.
+const RANGED_MEMO_ENTRIES: usize = 8;
+const RANGED_INDEX_ENTRIES: usize = 16;
+
 /// A stage output with the digest of its canonical bytes.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct Staged<T> {
     pub digest: Digest,
     pub value: Arc<T>,
+}
+
+impl<T> Clone for Staged<T> {
+    fn clone(&self) -> Self {
+        Staged { digest: self.digest, value: self.value.clone() }
+    }
 }
 
 impl<T> PartialEq for Staged<T> {
@@ -118,6 +131,9 @@ pub struct Database {
     /// the key of what they are made of (`pipeline::validated_key`): `lower_exchanges` packs
     /// them instead of validating the same tables again. Taken by the next `lower_exchanges`.
     pub(crate) validated_memo: Arc<std::sync::Mutex<Option<(Digest, Arc<Vec<crate::package::ExchangePhase>>)>>>,
+    /// Finalist selections of this process: (key without the host link rate, the rates they
+    /// hold for, the selection), the latest few (`Database::ranged`).
+    pub(crate) selection_memo: RangedMemo<crate::lower::select::Selection>,
     /// Tile images by key (`emit::TileInput`): an edit that leaves a tile's content unchanged
     /// reuses its image. In memory only, like the package they make.
     pub(crate) tile_memo: Arc<crate::phases::Memo<crate::emit::TileBody>>,
@@ -147,6 +163,7 @@ impl Database {
             tables_memo: Arc::default(),
             placement_memo: Arc::default(),
             validated_memo: Arc::default(),
+            selection_memo: Arc::default(),
             tile_memo: Arc::default(),
             tile_counts: Arc::default(),
             plan_finalists: crate::lower::search::DEFAULT_FINALISTS,
@@ -257,6 +274,90 @@ impl Database {
         }
         let value = compute()?;
         self.save(stage, version, key, value)
+    }
+
+    /// A stage output that reads one rate only through threshold decisions: `compute` returns
+    /// the value and the range of rates over which it decides alike, so the value holds for
+    /// every rate in that range. Found by the key of everything else it reads (`base`) and a
+    /// range holding `rate`: in this process's memo, else on disk, where an index entry under
+    /// `base` lists the ranges computed and each value is stored under `base` and its range.
+    /// (The host link rate and `select_finalist`: a link edit that flips no host-pass decision
+    /// re-selects nothing.)
+    pub(crate) fn ranged<T>(
+        &self,
+        stage: &'static str,
+        version: u32,
+        base: Digest,
+        rate: u64,
+        memo: &RangedMemo<T>,
+        compute: impl FnOnce() -> Result<(T, crate::lower::host::RateRange), CompileError>,
+    ) -> StageResult<T>
+    where
+        T: rkyv::Archive
+            + for<'a> rkyv::Serialize<rkyv::api::high::HighSerializer<rkyv::util::AlignedVec, rkyv::ser::allocator::ArenaHandle<'a>, rkyv::rancor::Error>>,
+        T::Archived: for<'a> rkyv::bytecheck::CheckBytes<rkyv::api::high::HighValidator<'a, rkyv::rancor::Error>>
+            + rkyv::Deserialize<T, rkyv::api::high::HighDeserializer<rkyv::rancor::Error>>,
+    {
+        use crate::lower::host::RateRange;
+        let keyed = |r: &RateRange| KeyHasher::new("ipuq rate range key v1").add(&base).add(&r.low).add(&r.high).finish();
+        let index_stage: &'static str = "rate_ranges";
+        if !self.verify_hits {
+            if let Some(hit) = memo.lock().expect("ranged memo lock").iter().find(|(k, r, _)| *k == base && r.contains(rate)) {
+                return Ok(hit.2.clone());
+            }
+        }
+        let load_index = || -> Vec<(u64, u64)> {
+            let Some(bytes) = self.store.as_ref().and_then(|s| s.load(index_stage, &base, schema(index_stage, version))) else { return Vec::new() };
+            rkyv::from_bytes::<Vec<(u64, u64)>, rkyv::rancor::Error>(&bytes).unwrap_or_else(|e| {
+                tracing::warn!(stage = index_stage, error = %e, "cache entry failed to decode; ignoring it");
+                Vec::new()
+            })
+        };
+        let remember = |found: &Staged<T>, range: RateRange| {
+            let mut m = memo.lock().expect("ranged memo lock");
+            m.retain(|(k, r, _)| !(*k == base && *r == range));
+            m.push((base, range, found.clone()));
+            let excess = m.len().saturating_sub(RANGED_MEMO_ENTRIES);
+            m.drain(..excess);
+        };
+        // (Verifying: every hit is recomputed and compared below.)
+        let index = if self.verify_hits { Vec::new() } else { load_index() };
+        for &(low, high) in &index {
+            let range = RateRange { low, high };
+            if !range.contains(rate) {
+                continue;
+            }
+            if let Some(found) = self.load::<T>(stage, version, &keyed(&range)) {
+                remember(&found, range);
+                return Ok(found);
+            }
+        }
+        let (value, range) = compute()?;
+        debug_assert!(range.contains(rate), "a computation's range holds the rate it read");
+        let key = keyed(&range);
+        if self.verify_hits {
+            // Verifying: an entry for the same range must hold the same bytes.
+            if let Some(bytes) = self.store.as_ref().and_then(|s| s.load(stage, &key, schema(stage, version))) {
+                let fresh = rkyv::to_bytes::<rkyv::rancor::Error>(&value).map_err(CompileError::from)?;
+                if fresh[..] != bytes[..] {
+                    return Err(CompileError(format!(
+                        "cache verification: stage '{stage}' v{version} recomputed to different bytes than its cache entry {key} holds (a stage changed without a version bump, or a key misses an input)"
+                    )));
+                }
+            }
+        }
+        let found = self.save(stage, version, key, value)?;
+        if let Some(store) = &self.store {
+            // The index lists the latest ranges (re-read: another build may have added some).
+            let mut ranges: Vec<(u64, u64)> = load_index().into_iter().filter(|&r| r != (range.low, range.high)).collect();
+            ranges.push((range.low, range.high));
+            let excess = ranges.len().saturating_sub(RANGED_INDEX_ENTRIES);
+            ranges.drain(..excess);
+            let bytes = rkyv::to_bytes::<rkyv::rancor::Error>(&ranges).map_err(CompileError::from)?;
+            store.store(index_stage, &base, schema(index_stage, version), &bytes);
+        }
+        remember(&found, range);
+        Ok(found)
     }
 
     /// Record a freshly computed value that is not worth a disk entry (the package: its one

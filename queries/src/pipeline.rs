@@ -91,10 +91,20 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
     let lt = lowering_target(db, sources)?;
     let g = graph(db, sources)?;
     let budget = db.ipuq().table_budget();
-    let key = db.ipuq().key("select_finalist", SELECT_VERSION, &[t.digest, x.digest, f.digest, lt.digest, g.digest, KeyHasher::new("table budget").add(&budget).finish()]);
+    // The key holds all it reads but the link rate; the rate is matched against the range of
+    // rates over which the host pass decides alike (`Database::ranged`), so a link edit that
+    // flips no decision selects nothing again.
+    let key = db.ipuq().key("select_finalist", SELECT_VERSION, &[x.digest, f.digest, lt.digest, g.digest, KeyHasher::new("table budget").add(&budget).finish()]);
     let k = db.ipuq().plan_finalists();
     let db = db.ipuq();
-    db.cached("select_finalist", SELECT_VERSION, key, || {
+    let range = std::sync::Mutex::new(crate::lower::host::RateRange::ALL);
+    let prepare = |l: Lowered| {
+        let (l, r) = crate::lower::host::replicate_in_range(l, &t.value);
+        let mut range = range.lock().expect("rate range lock");
+        *range = range.intersect(&r);
+        l
+    };
+    db.ranged("select_finalist", SELECT_VERSION, key, t.value.host.link_bytes_per_second, &db.selection_memo, || {
         let schedule = |requests: &[PhaseRequest]| -> Result<Vec<(Schedule, Digest)>, String> {
             let keys: Vec<Digest> = requests.par_iter().map(exchange::pattern_digest).collect::<Vec<_>>().iter().map(|p| db.key("exchange_schedule", SCHEDULE_VERSION, &[x.digest, *p])).collect();
             let entries = per_phase(db, "exchange_schedule", SCHEDULE_VERSION, &keys, &db.schedule_memo, |i| exchange::schedule_phase(&x.value, &requests[i]).map_err(CompileError::from)).map_err(|e| e.0)?;
@@ -115,10 +125,12 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
         let mut steered: Vec<crate::ir::PlanConstraint> = Vec::new();
         for round in 0..=REPLANS {
             memo.lock().expect("placement memo lock").clear();
-            let failure = match select_finalist(&t.value, &candidates, budget, |l| crate::lower::host::replicate(l, &t.value), schedule, optimize) {
+            let failure = match select_finalist(&t.value, &candidates, budget, prepare, schedule, optimize) {
                 Ok(mut s) => {
                     s.steered = steered.iter().map(|c| format!("{}: {}", c.operation, c.describe())).collect();
-                    return Ok(s);
+                    let range = *range.lock().expect("rate range lock");
+                    tracing::info!(lowest_link_bytes_per_second = range.low, highest_link_bytes_per_second = range.high, "the host pass decides alike over a range of host link rates: the selection holds for all of them");
+                    return Ok((s, range));
                 }
                 Err(e) => e,
             };

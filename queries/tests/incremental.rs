@@ -85,8 +85,9 @@ fn a_target_change_recomputes_only_the_stages_that_read_it() {
     // A runtime-only constant reaches only the package.
     assert_eq!(computed_after_target_edit("page_bytes = ", "page_bytes = 1"), vec!["build_tile_images"]);
     // The host link rate is a planning input of the host pass (`lower/host.rs` weighs input
-    // copies by exchange against the link), which select_finalist applies: it re-selects, but
-    // re-plans nothing.
+    // copies by exchange against the link), which select_finalist applies: a rate that flips
+    // a decision re-selects, but re-plans nothing; one that flips none reaches only the
+    // package (`a_link_rate_edit_that_flips_no_decision_reaches_only_the_package`).
     let runs = computed_after_target_edit("link_bytes_per_second = ", "link_bytes_per_second = 1");
     assert!(runs.contains(&"select_finalist") && !runs.contains(&"lower_mid"), "{runs:?}");
     // A cost constant re-plans but reschedules no exchange pattern.
@@ -138,6 +139,46 @@ fn a_runtime_constant_edit_hits_every_compile_stage_on_disk() {
     let warm = Database::new(Some(store.clone()));
     let sources = Sources::new(&warm, WORKLOAD.to_string(), "mlp.toml".into(), edited, "small16".into());
     assert_eq!(stages(&build_all(&warm, sources), Origin::Computed), vec!["build_tile_images"]);
+}
+
+/// The package of a cold build of the test workload on `target`, with no store.
+fn cold_package(target: &str) -> Vec<u8> {
+    let db = Database::default();
+    let sources = Sources::new(&db, WORKLOAD.to_string(), "mlp.toml".into(), target.to_string(), "small16".into());
+    build_all(&db, sources);
+    package(&db, sources).unwrap().value.to_bytes()
+}
+
+#[test]
+fn a_link_rate_edit_that_flips_no_decision_reaches_only_the_package() {
+    let link = |rate: &str| fixtures::SMALL16.replacen("link_bytes_per_second = 24000000000", &format!("link_bytes_per_second = {rate}"), 1);
+    assert_ne!(link("25000000000"), fixtures::SMALL16);
+    // In one process: the selection is found in the process's ranges; only the package (which
+    // embeds the target) is rebuilt, and it is the one a cold build at that rate makes.
+    assert_eq!(computed_after_target_edit("link_bytes_per_second = 24000000000", "link_bytes_per_second = 25000000000"), vec!["build_tile_images"]);
+    // Across processes, through the disk index of ranges.
+    let store = Arc::new(MemoryStore::default());
+    let cold = Database::new(Some(store.clone()));
+    let sources = Sources::new(&cold, WORKLOAD.to_string(), "mlp.toml".into(), fixtures::SMALL16.to_string(), "small16".into());
+    build_all(&cold, sources);
+    // (On this workload the host pass decides alike from 1 to about 25.5 GB/s, and again from
+    // there to about 29.4 GB/s.) A rate outside every range computed re-selects; a rate in one
+    // of them, the first or a later one, is a hit.
+    for (rate, reselects) in [("25000000000", false), ("26000000000", true), ("1", false), ("26500000000", false), ("124000000000", true)] {
+        let warm = Database::new(Some(store.clone()));
+        let sources = Sources::new(&warm, WORKLOAD.to_string(), "mlp.toml".into(), link(rate), "small16".into());
+        let runs = build_all(&warm, sources);
+        let computed = stages(&runs, Origin::Computed);
+        assert_eq!(computed.contains(&"select_finalist"), reselects, "rate {rate}: {runs:?}");
+        assert!(!computed.contains(&"lower_mid"), "rate {rate}: {runs:?}");
+        assert_eq!(package(&warm, sources).unwrap().value.to_bytes(), cold_package(&link(rate)), "rate {rate}");
+    }
+    // A verifying build recomputes the hit and finds the same bytes.
+    let verifying = Database::new(Some(store.clone())).verifying_hits(true);
+    let sources = Sources::new(&verifying, WORKLOAD.to_string(), "mlp.toml".into(), link("25000000000"), "small16".into());
+    for phase in PHASES {
+        run_phase(&verifying, sources, phase).unwrap();
+    }
 }
 
 #[test]

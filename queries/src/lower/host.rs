@@ -39,7 +39,51 @@ struct Plan {
 }
 
 /// Apply the pass (see the module header). Returns the program unchanged when nothing repeats.
-pub fn replicate(mut l: Lowered, target: &Target) -> Lowered {
+pub fn replicate(l: Lowered, target: &Target) -> Lowered {
+    replicate_in_range(l, target).0
+}
+
+/// Host link rates (bytes per second, at least 1) for which every decision of one or more
+/// host passes comes out the same: a pass reads the rate only through them (`take` below).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RateRange {
+    /// The lowest and highest rate, inclusive.
+    pub low: u64,
+    pub high: u64,
+}
+
+impl RateRange {
+    pub const ALL: RateRange = RateRange { low: 1, high: u64::MAX };
+
+    /// Whether the rate (as the pass reads it: at least 1) lies in the range.
+    pub fn contains(&self, rate: u64) -> bool {
+        (self.low..=self.high).contains(&rate.max(1))
+    }
+
+    /// The rates in both ranges.
+    pub fn intersect(&self, other: &RateRange) -> RateRange {
+        RateRange { low: self.low.max(other.low), high: self.high.min(other.high) }
+    }
+
+    /// The rates at which `host_cycles(bytes) > exchange_cycles` decides as it did: with
+    /// N = bytes * clock and E the exchange cycles, floor(N / r) > E holds exactly for
+    /// r <= floor(N / (E + 1)) (and never when E is the largest count).
+    fn of_decision(target: &Target, bytes: u64, exchange: u64, taken: bool) -> RateRange {
+        let Some(e1) = exchange.checked_add(1) else { return RateRange::ALL };
+        let threshold = (bytes as u128 * target.chip.clock_hz as u128 / e1 as u128).min(u64::MAX as u128) as u64;
+        if taken {
+            RateRange { low: 1, high: threshold }
+        } else {
+            RateRange { low: threshold.saturating_add(1), high: u64::MAX }
+        }
+    }
+}
+
+/// The pass, with the range of host link rates over which it gives this same program (the
+/// rate decides only whether an input's copies move by exchange): a result computed at one
+/// rate holds for every rate of the range (`pipeline::selection` caches so).
+pub fn replicate_in_range(mut l: Lowered, target: &Target) -> (Lowered, RateRange) {
+    let mut range = RateRange::ALL;
     let mut input_phase: Vec<Transfer> = Vec::new();
     let mut sends = vec![0u64; l.tiles as usize];
     for i in 0..l.inputs.len() {
@@ -49,7 +93,12 @@ pub fn replicate(mut l: Lowered, target: &Target) -> Lowered {
         }
         let take = match l.inputs[i].role {
             HostRole::Weight => true,
-            _ => host_cycles(target, plan.saved_bytes) > exchange_cycles(target, plan.bound_words),
+            _ => {
+                let exchange = exchange_cycles(target, plan.bound_words);
+                let take = host_cycles(target, plan.saved_bytes) > exchange;
+                range = range.intersect(&RateRange::of_decision(target, plan.saved_bytes, exchange, take));
+                take
+            }
         };
         if !take {
             continue;
@@ -71,7 +120,7 @@ pub fn replicate(mut l: Lowered, target: &Target) -> Lowered {
         shift_steps(&mut l);
         l.steps.insert(0, LStep::Exchange(phase));
     }
-    l
+    (l, range)
 }
 
 /// Cycles the host link needs for `bytes` at the target's rate.
@@ -194,4 +243,41 @@ fn plan_tensor(l: &Lowered, tensor: &LHostTensor, sends: &mut [u64]) -> Plan {
     let bound_words = receives.iter().chain(&group_sends).copied().max().unwrap_or(0);
     let host_segments = tensor.segments.iter().filter(|s| !replaced[s.buffer as usize]).copied().collect();
     Plan { host_segments, transfers, saved_bytes, bound_words }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::target::fixtures;
+
+    /// A decision's range holds exactly the rates that decide the same way.
+    #[test]
+    fn a_decisions_range_holds_exactly_the_rates_that_decide_alike() {
+        let mut target = Target::from_toml(fixtures::SMALL16, "small16.toml").unwrap();
+        let decide = |target: &mut Target, rate: u64, bytes: u64, exchange: u64| {
+            target.host.link_bytes_per_second = rate;
+            host_cycles(target, bytes) > exchange
+        };
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = |m: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % m
+        };
+        for _ in 0..2000 {
+            let (bytes, exchange) = (next(1 << 24), next(1 << 16));
+            let base = 1 + next(1 << 34);
+            let taken = decide(&mut target, base, bytes, exchange);
+            let range = RateRange::of_decision(&target, bytes, exchange, taken);
+            assert!(range.contains(base));
+            // The range's edges and their neighbours, and rates around the base.
+            let probes = [range.low, range.high, range.low.saturating_sub(1).max(1), range.high.saturating_add(1), base / 2 + 1, base.saturating_mul(2), 1, u64::MAX];
+            for r in probes {
+                assert_eq!(decide(&mut target, r, bytes, exchange) == taken, range.contains(r), "bytes {bytes} exchange {exchange} base {base} rate {r} range {range:?}");
+            }
+        }
+        // The largest exchange count is never beaten: every rate decides alike.
+        assert_eq!(RateRange::of_decision(&target, 10, u64::MAX, false), RateRange::ALL);
+    }
 }
