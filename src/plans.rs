@@ -21,7 +21,8 @@ pub fn run(workload: &Path, target: Option<&str>, keep: usize) -> Result<(), Str
     println!("workload={} finalists={} chosen={}", g.value.name, f.value.len(), chosen.value.chosen);
     if !chosen.value.steered.is_empty() {
         println!("no finalist below could be placed; planned again with {}", chosen.value.steered.join("; "));
-        println!("chosen after re-planning: {}", describe(&chosen.value.lowered));
+        let l = ipuq_queries::pipeline::lowered(&db, s).map_err(|e| e.to_string())?;
+        println!("chosen after re-planning: {}", describe(&l.value));
         return Ok(());
     }
     println!("{:>8} {:>6} {:>10} {:>10} {:>10} {:>10}  plans", "finalist", "chosen", "estimated", "scheduled", "standard", "interleaved");

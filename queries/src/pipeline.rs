@@ -38,7 +38,7 @@ use crate::storage::{place_storage, Placement};
 pub const PHASES: &[&str] = &["lower_mid", "select_finalist", "lower_exchanges_provisional", "size_tile_code", "place_storage", "optimize_exchange_placement", "lower_exchanges", "build_tile_images"];
 
 const LOWER_VERSION: u32 = 17;
-const SELECT_VERSION: u32 = 12;
+const SELECT_VERSION: u32 = 13;
 const SCHEDULE_VERSION: u32 = 7;
 const CODE_VERSION: u32 = 9;
 const PLACE_VERSION: u32 = 5;
@@ -128,6 +128,10 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
             let failure = match select_finalist(&t.value, &candidates, budget, prepare, schedule, optimize) {
                 Ok(mut s) => {
                     s.steered = steered.iter().map(|c| format!("{}: {}", c.operation, c.describe())).collect();
+                    if steered.is_empty() {
+                        // The host pass of lower_mid's finalist: `lowered` derives it again.
+                        s.lowered = None;
+                    }
                     let range = *range.lock().expect("rate range lock");
                     tracing::info!(lowest_link_bytes_per_second = range.low, highest_link_bytes_per_second = range.high, "the host pass decides alike over a range of host link rates: the selection holds for all of them");
                     return Ok((s, range));
@@ -167,7 +171,17 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
 #[salsa::tracked(returns(clone))]
 pub fn lowered(db: &dyn Db, sources: Sources) -> StageResult<Lowered> {
     let s = selection(db, sources)?;
-    Staged::of(s.value.lowered.clone())
+    match &s.value.lowered {
+        Some(l) => Staged::of(l.clone()),
+        None => {
+            // The program select_finalist costed: the host pass of the chosen finalist, at a
+            // link rate in the range the selection holds for (the same decisions).
+            let f = finalists(db, sources)?;
+            let t = selection_target(db, sources)?;
+            let Some(chosen) = f.value.get(s.value.chosen as usize) else { return Err(CompileError(format!("the selection chose finalist {} of {}", s.value.chosen, f.value.len()))) };
+            Staged::of(crate::lower::host::replicate(chosen.clone(), &t.value))
+        }
+    }
 }
 
 /// The exchange requests of every phase, with addresses from `address(buffer, offset)`.

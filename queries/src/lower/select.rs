@@ -39,7 +39,10 @@ pub struct Costed {
 #[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct Selection {
     pub chosen: u32,
-    pub lowered: Lowered,
+    /// The chosen program after the host pass, where it is not `prepare` of a finalist of
+    /// `lower_mid` (after a re-plan); else `None`, and the `lowered` query derives it (so the
+    /// stage's entry does not hold the program a second time).
+    pub lowered: Option<Lowered>,
     pub costed: Vec<Costed>,
     /// Per finalist: why it could not be placed, if it could not.
     pub failures: Vec<(u32, String)>,
@@ -161,7 +164,7 @@ pub fn select_finalist(
     }
     info!(finalist = best.finalist, estimated_cycles = best.estimated_cycles, scheduled_cycles = best.scheduled_cycles, "selected operator-plan finalist");
     let chosen = best.finalist as usize;
-    Ok(Selection { chosen: best.finalist, lowered: finalists[chosen].clone(), costed: ok, failures, steered: Vec::new() })
+    Ok(Selection { chosen: best.finalist, lowered: Some(finalists[chosen].clone()), costed: ok, failures, steered: Vec::new() })
 }
 
 /// Cycles of a finalist's placed program, computed as the package summary computes them.
