@@ -114,6 +114,11 @@ pub struct Database {
     /// the chosen finalist's search there instead of running it again. Holds the latest
     /// selection's searches only; not stored on disk.
     pub(crate) placement_memo: Arc<std::sync::Mutex<std::collections::HashMap<Digest, Arc<crate::exchange_placement::Searched>>>>,
+    /// Support memory per tile of every finalist `select_finalist` sized, by the key of what
+    /// sizing reads (`pipeline::sizing_key`): the stage `size_tile_code` finds the chosen
+    /// finalist's there instead of encoding its tables again. Holds the latest selection's
+    /// only; not stored on disk.
+    pub(crate) sizing_memo: Arc<std::sync::Mutex<std::collections::HashMap<Digest, Arc<Vec<crate::emit::SupportMemory>>>>>,
     /// The tables the exchange-placement search validated for the placement it accepted, by
     /// the key of what they are made of (`pipeline::validated_key`): `lower_exchanges` packs
     /// them instead of validating the same tables again. Taken by the next `lower_exchanges`.
@@ -146,6 +151,7 @@ impl Database {
             schedule_memo: Arc::default(),
             tables_memo: Arc::default(),
             placement_memo: Arc::default(),
+            sizing_memo: Arc::default(),
             validated_memo: Arc::default(),
             tile_memo: Arc::default(),
             tile_counts: Arc::default(),

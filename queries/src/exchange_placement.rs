@@ -202,12 +202,14 @@ fn search_from(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_
     // order, and stop once `FINALISTS` distinct placements score zero (no conflicts and no
     // forced cycles: later offsets could differ only in cost, which the finalists compare).
     let mut scored: Vec<Scored> = Vec::new();
+    // The opposites do not depend on the offset: found once, each candidate takes a copy.
+    let rules = exchange_rules(lowered, 0);
     for batch in (0..OFFSETS).collect::<Vec<_>>().chunks(FINALISTS) {
         let candidates: Vec<(u32, Result<Option<(Placement, (Vec<ExchangePhase>, PhaseStats), u64, u64)>, CompileError>)> = batch
             .par_iter()
             .map(|&k| {
                 let offset = k * OFFSET_STEP;
-                let rules = exchange_rules(lowered, offset);
+                let rules = ExchangeRules { receive_offset: offset, ..rules.clone() };
                 let result = match place_storage_with(target, lowered, code_bytes, &rules) {
                     Ok(placement) => placed_tables(target, lowered, schedules, &placement, false).map(|tables| {
                         let stats = phase_stats(target, &tables);
