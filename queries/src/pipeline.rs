@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use crate::db::{digest_of, exchange_target, graph, lowering_target, memory_target, selection_target, target, CompileError, Database, Db, Sources, StageResult, Staged};
+use crate::db::{digest_of, exchange_target, graph, lowering_target, memory_target, selection_target, target, CompileError, Database, Db, Sources, StageCache, StageResult, Staged};
 use crate::emit::{assemble_package, build_tile, log_support_memory, tile_inputs, SupportMemory, TileBody};
 use crate::exchange::{self, Destination, PhaseRequest, Schedule};
 use crate::exchange_placement::{check_placement, search_exchange_placement, search_exchange_placement_from, Baseline};
@@ -30,7 +30,7 @@ use crate::lower::search;
 use crate::lower::select::{select_finalist, Selection};
 use crate::lower::Lowered;
 use crate::phases::{combined, per_phase, per_tile};
-use crate::package::Package;
+use crate::package::{ExchangePhase, Package};
 use crate::tables::PackedPhase;
 use crate::storage::{place_storage, Placement};
 
@@ -104,10 +104,12 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
         // optimize_exchange_placement runs on), remembered for that stage (the searches of the
         // last round's finalists only).
         let memo = &db.placement_memo;
+        let (cache, validations): (&StageCache, &crate::phases::Memo<u32>) = (db, &db.validation_memo);
         let optimize = |l: &Lowered, program: Digest, schedules: &[Schedule], digests: &[Digest], code: &[u32], baseline: &Placement, tables: Baseline| -> Result<(Placement, u64), String> {
             let (code_digest, base) = (digest_of(&code.to_vec()).map_err(|e| e.0)?, digest_of(baseline).map_err(|e| e.0)?);
             let key = placement_search_key(lt.digest, program, digests, code_digest, base);
-            let found = Arc::new(search_exchange_placement_from(&lt.value, l, schedules, code, baseline, tables).map_err(|e| e.0)?);
+            let check = |placement: &Placement, written: Vec<ExchangePhase>| checked_tables_memoized((cache, validations), x.digest, &lt.value, l, (schedules, digests), placement, written);
+            let found = Arc::new(search_exchange_placement_from(&lt.value, l, schedules, code, baseline, tables, &check).map_err(|e| e.0)?);
             memo.lock().expect("placement memo lock").insert(key, found.clone());
             Ok((found.placement.clone(), found.conflicts))
         };
@@ -260,6 +262,33 @@ fn request_digest(request: &PhaseRequest) -> Digest {
         }
     }
     h.finish()
+}
+
+/// `exchange_placement::checked_tables` over the exchange view (`target` is a view holding its
+/// grid and delays, all the checks read of it; `exchange` is its digest), remembering per
+/// phase the tables that validated: a phase's key holds the exchange view, its schedule's
+/// digest and its request with addresses (what its tables are written from), so an edit
+/// re-validates only the phases whose addresses or schedule moved. The entry is the phase's
+/// horizon; the first failing phase's error is `checked_tables`'s.
+fn checked_tables_memoized(
+    (db, memo): (&StageCache, &crate::phases::Memo<u32>),
+    exchange: Digest,
+    target: &crate::target::Target,
+    lowered: &Lowered,
+    (schedules, digests): (&[Schedule], &[Digest]),
+    placement: &Placement,
+    written: Vec<ExchangePhase>,
+) -> Result<Vec<ExchangePhase>, CompileError> {
+    let addresses = &placement.addresses;
+    let requests = requests(lowered, |buffer, offset| addresses[buffer as usize] + offset);
+    if written.len() != requests.len() || schedules.len() != requests.len() || digests.len() != requests.len() {
+        return Err(CompileError(format!("{} tables and {} schedules for {} exchange phases", written.len(), schedules.len(), requests.len())));
+    }
+    let keys: Vec<Digest> = requests.par_iter().zip(digests.par_iter()).map(|(r, d)| db.key("exchange_validation", TABLES_VERSION, &[exchange, *d, request_digest(r)])).collect();
+    per_phase(db, "exchange_validation", TABLES_VERSION, &keys, memo, |i| {
+        exchange::check_relocated(target, &requests[i], &schedules[i], &written[i]).map(|()| written[i].horizon).map_err(CompileError::from)
+    })?;
+    Ok(written)
 }
 
 /// `size_tile_code`: support memory per tile with each tile's compact exchange tables encoded
@@ -533,5 +562,40 @@ mod tests {
         }
         drop(memo);
         assert_eq!(*code_sizes(&db, s).unwrap().value, totals);
+    }
+
+    #[test]
+    fn validations_are_remembered_per_phase_and_only_for_the_same_request_and_schedule() {
+        let db = Database::default();
+        let s = sources(&db, WORKLOAD.into(), "mlp.toml".into(), fixtures::SMALL16.into(), "small16".into());
+        let (x, l, sch, _) = sizing_inputs(&db, s);
+        let p = placed(&db, s).unwrap();
+        let (phases, digests) = (&sch.value.phases, &sch.value.digests);
+        let written = crate::exchange_placement::placed_tables(&x.value, &l.value, phases, &p.value, false).unwrap();
+        let plain = crate::exchange_placement::checked_tables(&x.value, &l.value, phases, &p.value, written.clone()).unwrap();
+        let check = |placement: &Placement, written: Vec<ExchangePhase>| checked_tables_memoized((&db, &db.validation_memo), x.digest, &x.value, &l.value, (phases, digests), placement, written);
+        let validated = |db: &Database| db.take_runs().iter().filter(|r| r.0 == "exchange_validation" && r.1 == crate::db::Origin::Computed).count();
+        db.validation_memo.lock().unwrap().clear();
+        db.take_runs();
+        // First: every distinct phase validated, and the tables are checked_tables'.
+        assert_eq!(check(&p.value, written.clone()).unwrap(), plain);
+        assert!(validated(&db) > 0);
+        // Again: every phase from the memo, the same tables.
+        assert_eq!(check(&p.value, written.clone()).unwrap(), plain);
+        assert_eq!(validated(&db), 0);
+        // A sent buffer moved by 8 bytes: the tables written for the old addresses are not
+        // taken as validated for the new ones (the phases that send it are checked again).
+        let first = l.value.phases.iter().flatten().next().expect("a transfer");
+        let mut moved = (*p.value).clone();
+        moved.addresses[first.source.0 as usize] += 8;
+        assert!(check(&moved, written.clone()).is_err());
+        db.take_runs();
+        // The tables written for the new addresses: only the phases whose request changed are validated.
+        let rewritten = crate::exchange_placement::placed_tables(&x.value, &l.value, phases, &moved, false).unwrap();
+        let changed = requests(&l.value, |b, o| p.value.addresses[b as usize] + o).iter().zip(requests(&l.value, |b, o| moved.addresses[b as usize] + o)).filter(|(a, b)| request_digest(a) != request_digest(b)).count();
+        // (Moving a buffer may make it overlap another: then the request itself is refused.)
+        if check(&moved, rewritten).is_ok() {
+            assert!(changed > 0 && validated(&db) <= changed, "{changed} phases changed");
+        }
     }
 }
