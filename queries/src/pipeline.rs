@@ -125,12 +125,15 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
             Ok(outcome)
         };
         let digest = |l: &Lowered| digest_of(l).map_err(|e| e.0);
-        let mut candidates: Vec<Lowered> = (*f.value).clone();
+        // The finalists of lower_mid, or of the last re-plan (not copied: select_finalist
+        // prepares its own copies).
+        let mut replanned: Option<Vec<Lowered>> = None;
         let mut steered: Vec<crate::ir::PlanConstraint> = Vec::new();
         for round in 0..=REPLANS {
+            let candidates: &[Lowered] = replanned.as_deref().unwrap_or(&f.value);
             memo.lock().expect("placement memo lock").clear();
             sized.lock().expect("sizing memo lock").clear();
-            let failure = match select_finalist(&t.value, &candidates, |l| crate::lower::host::replicate(l, &t.value), schedule, digest, size, optimize) {
+            let failure = match select_finalist(&t.value, candidates, |l| crate::lower::host::replicate(l, &t.value), schedule, digest, size, optimize) {
                 Ok(mut s) => {
                     s.steered = steered.iter().map(|c| format!("{}: {}", c.operation, c.describe())).collect();
                     return Ok(s);
@@ -159,7 +162,7 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
             let mut graph = (*g.value).clone();
             graph.file.constraints.retain(|c| !steered.iter().any(|s| s.operation == c.operation));
             graph.file.constraints.extend(steered.iter().cloned());
-            candidates = search::finalists(&graph, &lt.value, k).map_err(CompileError::from)?;
+            replanned = Some(search::finalists(&graph, &lt.value, k).map_err(CompileError::from)?);
         }
         Err(CompileError("no finalist can be placed".into()))
     })

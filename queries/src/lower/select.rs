@@ -169,8 +169,10 @@ pub fn select_finalist(
         info!(source_operation = %p.value, matching_plans = p.matching_plans, constraint = %p.constraint, "applied GEMM plan constraint");
     }
     info!(finalist = best.finalist, estimated_cycles = best.estimated_cycles, scheduled_cycles = best.scheduled_cycles, "selected operator-plan finalist");
-    let chosen = best.finalist as usize;
-    Ok(Selection { chosen: best.finalist, lowered: finalists[chosen].clone(), costed: ok, failures, steered: Vec::new() })
+    // The chosen program is moved out of the prepared finalists, not copied.
+    let mut prepared = prepared;
+    let lowered = prepared.swap_remove(best.finalist as usize);
+    Ok(Selection { chosen: best.finalist, lowered, costed: ok, failures, steered: Vec::new() })
 }
 
 /// Cycles of a finalist's placed program, computed as the package summary computes them.
