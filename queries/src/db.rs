@@ -99,22 +99,30 @@ pub struct Sources {
     pub target_origin: String,
 }
 
-#[salsa::db]
+/// The disk cache, the compiler fingerprint and the log of stage runs: the part of the
+/// database that per-phase entries need (`phases.rs`), shareable with rayon workers (the
+/// salsa storage is not). The database derefs to it.
 #[derive(Clone)]
-pub struct Database {
-    storage: salsa::Storage<Self>,
+pub struct StageCache {
     store: Option<Arc<dyn StageStore>>,
     /// Recompute every disk hit and compare digests (`IPUQ_VERIFY_CACHE=1` at the command line).
     verify_hits: bool,
     /// (stage, origin) each time a stage body runs: what re-ran, and whether from disk.
     runs: Arc<Mutex<Vec<(&'static str, Origin)>>>,
+    /// The compiler build, part of every stage key (`fingerprint.rs`; replaceable in tests).
+    fingerprint: Digest,
+}
+
+#[salsa::db]
+#[derive(Clone)]
+pub struct Database {
+    storage: salsa::Storage<Self>,
+    cache: StageCache,
     /// Operator-plan finalists `lower_mid` keeps for `select_finalist` (`--plan-finalists`).
     plan_finalists: usize,
     /// Exchange-table bytes a tile may hold (`--exchange-table-budget`; a compiler policy that
     /// tests lower to exercise re-planning at small sizes).
     table_budget: u32,
-    /// The compiler build, part of every stage key (`fingerprint.rs`; replaceable in tests).
-    fingerprint: Digest,
     /// Hand stages the whole target instead of their views (the test proving views complete).
     full_target_views: bool,
     /// Per-phase schedules of this process by key (`phases.rs`): an edit that re-runs the
@@ -127,6 +135,14 @@ pub struct Database {
     /// the chosen finalist's search there instead of running it again. Holds the latest
     /// selection's searches only; not stored on disk.
     pub(crate) placement_memo: Arc<std::sync::Mutex<std::collections::HashMap<Digest, Arc<crate::exchange_placement::Searched>>>>,
+    /// Per-phase validations of relocated exchange tables by key (`pipeline::checked_tables_memoized`):
+    /// an edit re-validates only the phases whose addresses or schedule moved.
+    pub(crate) validation_memo: Arc<crate::phases::Memo<u32>>,
+    /// Support memory per tile of every finalist `select_finalist` sized, by the key of what
+    /// sizing reads (`pipeline::sizing_key`): the stage `size_tile_code` finds the chosen
+    /// finalist's there instead of encoding its tables again. Holds the latest selection's
+    /// only; not stored on disk.
+    pub(crate) sizing_memo: Arc<std::sync::Mutex<std::collections::HashMap<Digest, Arc<Vec<crate::emit::SupportMemory>>>>>,
     /// The tables the exchange-placement search validated for the placement it accepted, by
     /// the key of what they are made of (`pipeline::validated_key`): `lower_exchanges` packs
     /// them instead of validating the same tables again. Taken by the next `lower_exchanges`.
@@ -154,14 +170,13 @@ impl Database {
     pub fn new(store: Option<Arc<dyn StageStore>>) -> Self {
         Database {
             storage: salsa::Storage::new(None),
-            store,
-            verify_hits: false,
-            runs: Arc::default(),
-            fingerprint: crate::fingerprint::compiler_fingerprint(),
+            cache: StageCache { store, verify_hits: false, runs: Arc::default(), fingerprint: crate::fingerprint::compiler_fingerprint() },
             full_target_views: false,
             schedule_memo: Arc::default(),
             tables_memo: Arc::default(),
             placement_memo: Arc::default(),
+            sizing_memo: Arc::default(),
+            validation_memo: Arc::default(),
             validated_memo: Arc::default(),
             selection_memo: Arc::default(),
             tile_memo: Arc::default(),
@@ -173,7 +188,7 @@ impl Database {
 
     /// Replace the compiler fingerprint (tests: entries written by another compiler build).
     pub fn with_fingerprint(mut self, fingerprint: Digest) -> Self {
-        self.fingerprint = fingerprint;
+        self.cache.fingerprint = fingerprint;
         self
     }
 
@@ -184,23 +199,10 @@ impl Database {
         self
     }
 
-    /// Key of a stage: its name and version, the cache format, the compiler fingerprint, and
-    /// the digests it read.
-    pub fn key(&self, stage: &str, version: u32, inputs: &[Digest]) -> Digest {
-        let mut all = Vec::with_capacity(inputs.len() + 1);
-        all.push(self.fingerprint);
-        all.extend_from_slice(inputs);
-        stage_key(stage, version, &all)
-    }
-
-    pub(crate) fn verifying(&self) -> bool {
-        self.verify_hits
-    }
-
     /// Recompute every disk-cache hit and compare its digest with the cached bytes': a
     /// mismatch means a stage whose output changed without a version bump, or a bad key.
     pub fn verifying_hits(mut self, verify: bool) -> Self {
-        self.verify_hits = verify;
+        self.cache.verify_hits = verify;
         self
     }
 
@@ -223,11 +225,6 @@ impl Database {
         self.plan_finalists
     }
 
-    /// Stage bodies that ran since the last call (for timings and event-log tests).
-    pub fn take_runs(&self) -> Vec<(&'static str, Origin)> {
-        std::mem::take(&mut *self.runs.lock().expect("run log lock"))
-    }
-
     /// How the last run of the package stage obtained its tile images: tiles, distinct
     /// images, reused from the previous build, computed (None before the first).
     pub fn tile_image_counts(&self) -> Option<crate::phases::EntryCounts> {
@@ -236,6 +233,33 @@ impl Database {
 
     pub(crate) fn note_tile_images(&self, counts: crate::phases::EntryCounts) {
         *self.tile_counts.lock().expect("tile counts lock") = Some(counts);
+    }
+}
+
+impl std::ops::Deref for Database {
+    type Target = StageCache;
+    fn deref(&self) -> &StageCache {
+        &self.cache
+    }
+}
+
+impl StageCache {
+    /// Key of a stage: its name and version, the cache format, the compiler fingerprint, and
+    /// the digests it read.
+    pub fn key(&self, stage: &str, version: u32, inputs: &[Digest]) -> Digest {
+        let mut all = Vec::with_capacity(inputs.len() + 1);
+        all.push(self.fingerprint);
+        all.extend_from_slice(inputs);
+        stage_key(stage, version, &all)
+    }
+
+    pub(crate) fn verifying(&self) -> bool {
+        self.verify_hits
+    }
+
+    /// Stage bodies that ran since the last call (for timings and event-log tests).
+    pub fn take_runs(&self) -> Vec<(&'static str, Origin)> {
+        std::mem::take(&mut *self.runs.lock().expect("run log lock"))
     }
 
     pub(crate) fn note(&self, stage: &'static str, origin: Origin) {

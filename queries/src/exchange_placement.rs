@@ -100,6 +100,10 @@ pub fn checked_tables(target: &Target, lowered: &Lowered, schedules: &[Schedule]
     tables.into_iter().collect()
 }
 
+/// Checks a placement's tables as `checked_tables` does, with the same result (the pipeline's
+/// remembers per phase which tables validated, `pipeline::checked_tables_memoized`).
+pub type Check<'a> = dyn Fn(&Placement, Vec<ExchangePhase>) -> Result<Vec<ExchangePhase>, CompileError> + Sync + 'a;
+
 /// The baseline placement's tables of every phase, written unchecked by the caller
 /// (`select_finalist` writes them while costing a finalist), with each phase's memory-element
 /// conflicts: the search starts from them instead of relocating the baseline again, and checks
@@ -167,17 +171,18 @@ pub struct Searched {
 
 /// `best_exchange_placement`, keeping the accepted candidate's validated tables.
 pub fn search_exchange_placement(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_bytes: &[u32], baseline: &Placement) -> Result<Searched, CompileError> {
-    search_from(target, lowered, schedules, code_bytes, baseline, None)
+    search_from(target, lowered, schedules, code_bytes, baseline, None, &|placement, written| checked_tables(target, lowered, schedules, placement, written))
 }
 
 /// `search_exchange_placement` from the baseline's tables as the caller wrote them (the same
 /// tables `placed_tables` would write for `baseline`, see `Baseline`); when the baseline is
 /// kept, they are checked here and are the validated tables of the placement returned.
-pub fn search_exchange_placement_from(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_bytes: &[u32], baseline: &Placement, base: Baseline) -> Result<Searched, CompileError> {
-    search_from(target, lowered, schedules, code_bytes, baseline, Some(base))
+/// Tables are checked by `check` (`checked_tables` or the same memoized).
+pub fn search_exchange_placement_from(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_bytes: &[u32], baseline: &Placement, base: Baseline, check: &Check) -> Result<Searched, CompileError> {
+    search_from(target, lowered, schedules, code_bytes, baseline, Some(base), check)
 }
 
-fn search_from(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_bytes: &[u32], baseline: &Placement, base: Option<Baseline>) -> Result<Searched, CompileError> {
+fn search_from(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_bytes: &[u32], baseline: &Placement, base: Option<Baseline>, check: &Check) -> Result<Searched, CompileError> {
     // Whether the caller handed its tables over (else they are written here, unchecked).
     let handed = base.is_some();
     let (base_tables, base_stats) = match base {
@@ -202,12 +207,14 @@ fn search_from(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_
     // order, and stop once `FINALISTS` distinct placements score zero (no conflicts and no
     // forced cycles: later offsets could differ only in cost, which the finalists compare).
     let mut scored: Vec<Scored> = Vec::new();
+    // The opposites do not depend on the offset: found once, each candidate takes a copy.
+    let rules = exchange_rules(lowered, 0);
     for batch in (0..OFFSETS).collect::<Vec<_>>().chunks(FINALISTS) {
         let candidates: Vec<(u32, Result<Option<(Placement, (Vec<ExchangePhase>, PhaseStats), u64, u64)>, CompileError>)> = batch
             .par_iter()
             .map(|&k| {
                 let offset = k * OFFSET_STEP;
-                let rules = exchange_rules(lowered, offset);
+                let rules = ExchangeRules { receive_offset: offset, ..rules.clone() };
                 let result = match place_storage_with(target, lowered, code_bytes, &rules) {
                     Ok(placement) => placed_tables(target, lowered, schedules, &placement, false).map(|tables| {
                         let stats = phase_stats(target, &tables);
@@ -269,7 +276,7 @@ fn search_from(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_
     let accepted_any = best.is_some();
     if let Some((f, _, _)) = best.as_mut() {
         // Its tables as scored (written unchecked under its placement), checked as they are.
-        match checked_tables(target, lowered, schedules, &f.placement, std::mem::take(&mut f.tables.0)) {
+        match check(&f.placement, std::mem::take(&mut f.tables.0)) {
             Ok(tables) => validated = Some(std::sync::Arc::new(tables)),
             Err(e) => {
                 warn!(offset = f.offset.unwrap_or(0), error = %e, "exchange placement finalist's relocated rows do not validate: keeping the baseline");
@@ -286,7 +293,7 @@ fn search_from(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_
                 debug!("keeping the baseline after the accepted candidate failed validation");
             }
             if handed {
-                validated = Some(std::sync::Arc::new(checked_tables(target, lowered, schedules, baseline, base_tables)?));
+                validated = Some(std::sync::Arc::new(check(baseline, base_tables)?));
             } else {
                 validated = None;
                 log_phases("final", &base_tables, &base_stats);

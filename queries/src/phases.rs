@@ -16,7 +16,7 @@ use std::sync::Mutex;
 
 use rayon::prelude::*;
 
-use crate::db::{CompileError, Database, Staged};
+use crate::db::{CompileError, StageCache, Staged};
 use crate::hash::{Digest, KeyHasher};
 
 /// An in-process memo of per-phase entries by key: holds the latest build's entries only.
@@ -67,7 +67,7 @@ enum Tier {
 
 /// The entry of every phase, in phase order; `keys[i]` is phase i's key, `compute(i)` makes it.
 pub(crate) fn per_phase<T>(
-    db: &Database,
+    db: &StageCache,
     stage: &'static str,
     version: u32,
     keys: &[Digest],
@@ -83,7 +83,7 @@ where
 /// The entry of every tile, in tile order, from the in-process memo or computed (never the
 /// disk store; see the module note), with how many were reused and computed.
 pub(crate) fn per_tile<T>(
-    db: &Database,
+    db: &StageCache,
     stage: &'static str,
     version: u32,
     keys: &[Digest],
@@ -97,7 +97,7 @@ where
 }
 
 fn memoized<T>(
-    db: &Database,
+    db: &StageCache,
     stage: &'static str,
     version: u32,
     keys: &[Digest],
@@ -119,7 +119,7 @@ where
 }
 
 fn collect<T>(
-    db: &Database,
+    db: &StageCache,
     stage: &'static str,
     version: u32,
     keys: &[Digest],

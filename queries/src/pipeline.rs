@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use crate::db::{digest_of, exchange_target, graph, lowering_target, memory_target, selection_target, target, CompileError, Database, Db, Sources, StageResult, Staged};
+use crate::db::{digest_of, exchange_target, graph, lowering_target, memory_target, selection_target, target, CompileError, Database, Db, Sources, StageCache, StageResult, Staged};
 use crate::emit::{assemble_package, build_tile, log_support_memory, tile_inputs, SupportMemory, TileBody};
 use crate::exchange::{self, Destination, PhaseRequest, Schedule};
 use crate::exchange_placement::{check_placement, search_exchange_placement, search_exchange_placement_from, Baseline};
@@ -30,7 +30,7 @@ use crate::lower::search;
 use crate::lower::select::{select_finalist, Selection};
 use crate::lower::Lowered;
 use crate::phases::{combined, per_phase, per_tile};
-use crate::package::Package;
+use crate::package::{ExchangePhase, Package};
 use crate::tables::PackedPhase;
 use crate::storage::{place_storage, Placement};
 
@@ -114,18 +114,36 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
         // optimize_exchange_placement runs on), remembered for that stage (the searches of the
         // last round's finalists only).
         let memo = &db.placement_memo;
-        let optimize = |l: &Lowered, schedules: &[Schedule], digests: &[Digest], code: &[u32], baseline: &Placement, tables: Baseline| -> Result<(Placement, u64), String> {
-            let (program, code_digest, base) = (digest_of(l).map_err(|e| e.0)?, digest_of(&code.to_vec()).map_err(|e| e.0)?, digest_of(baseline).map_err(|e| e.0)?);
+        let (cache, validations): (&StageCache, &crate::phases::Memo<u32>) = (db, &db.validation_memo);
+        let optimize = |l: &Lowered, program: Digest, schedules: &[Schedule], digests: &[Digest], code: &[u32], baseline: &Placement, tables: Baseline| -> Result<(Placement, u64), String> {
+            let (code_digest, base) = (digest_of(&code.to_vec()).map_err(|e| e.0)?, digest_of(baseline).map_err(|e| e.0)?);
             let key = placement_search_key(lt.digest, program, digests, code_digest, base);
-            let found = Arc::new(search_exchange_placement_from(&lt.value, l, schedules, code, baseline, tables).map_err(|e| e.0)?);
+            let check = |placement: &Placement, written: Vec<ExchangePhase>| checked_tables_memoized((cache, validations), x.digest, &lt.value, l, (schedules, digests), placement, written);
+            let found = Arc::new(search_exchange_placement_from(&lt.value, l, schedules, code, baseline, tables, &check).map_err(|e| e.0)?);
             memo.lock().expect("placement memo lock").insert(key, found.clone());
             Ok((found.placement.clone(), found.conflicts))
         };
-        let mut candidates: Vec<Lowered> = (*f.value).clone();
+        // A finalist's support memory (its tables encoded over sizing addresses), over the
+        // selection view (whose grid and delays, all sizing reads of it, are the exchange
+        // view's), remembered for the stage size_tile_code (the last round's finalists only).
+        let sized = &db.sizing_memo;
+        let size = |l: &Lowered, program: Digest, schedules: &[Schedule], digests: &[Digest]| -> Result<crate::lower::select::Sizing, String> {
+            let outcome = crate::sizing::support_checked(&t.value, l, schedules, budget)?;
+            if let Ok(support) = &outcome {
+                sized.lock().expect("sizing memo lock").insert(sizing_key(x.digest, program, digests, budget), Arc::new(support.clone()));
+            }
+            Ok(outcome)
+        };
+        let digest = |l: &Lowered| digest_of(l).map_err(|e| e.0);
+        // The finalists of lower_mid, or of the last re-plan (not copied: select_finalist
+        // prepares its own copies).
+        let mut replanned: Option<Vec<Lowered>> = None;
         let mut steered: Vec<crate::ir::PlanConstraint> = Vec::new();
         for round in 0..=REPLANS {
+            let candidates: &[Lowered] = replanned.as_deref().unwrap_or(&f.value);
             memo.lock().expect("placement memo lock").clear();
-            let failure = match select_finalist(&t.value, &candidates, budget, prepare, schedule, optimize) {
+            sized.lock().expect("sizing memo lock").clear();
+            let failure = match select_finalist(&t.value, candidates, prepare, schedule, digest, size, optimize) {
                 Ok(mut s) => {
                     s.steered = steered.iter().map(|c| format!("{}: {}", c.operation, c.describe())).collect();
                     if steered.is_empty() {
@@ -160,7 +178,7 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
             let mut graph = (*g.value).clone();
             graph.file.constraints.retain(|c| !steered.iter().any(|s| s.operation == c.operation));
             graph.file.constraints.extend(steered.iter().cloned());
-            candidates = search::finalists(&graph, &lt.value, k).map_err(CompileError::from)?;
+            replanned = Some(search::finalists(&graph, &lt.value, k).map_err(CompileError::from)?);
         }
         Err(CompileError("no finalist can be placed".into()))
     })
@@ -275,6 +293,33 @@ fn request_digest(request: &PhaseRequest) -> Digest {
     h.finish()
 }
 
+/// `exchange_placement::checked_tables` over the exchange view (`target` is a view holding its
+/// grid and delays, all the checks read of it; `exchange` is its digest), remembering per
+/// phase the tables that validated: a phase's key holds the exchange view, its schedule's
+/// digest and its request with addresses (what its tables are written from), so an edit
+/// re-validates only the phases whose addresses or schedule moved. The entry is the phase's
+/// horizon; the first failing phase's error is `checked_tables`'s.
+fn checked_tables_memoized(
+    (db, memo): (&StageCache, &crate::phases::Memo<u32>),
+    exchange: Digest,
+    target: &crate::target::Target,
+    lowered: &Lowered,
+    (schedules, digests): (&[Schedule], &[Digest]),
+    placement: &Placement,
+    written: Vec<ExchangePhase>,
+) -> Result<Vec<ExchangePhase>, CompileError> {
+    let addresses = &placement.addresses;
+    let requests = requests(lowered, |buffer, offset| addresses[buffer as usize] + offset);
+    if written.len() != requests.len() || schedules.len() != requests.len() || digests.len() != requests.len() {
+        return Err(CompileError(format!("{} tables and {} schedules for {} exchange phases", written.len(), schedules.len(), requests.len())));
+    }
+    let keys: Vec<Digest> = requests.par_iter().zip(digests.par_iter()).map(|(r, d)| db.key("exchange_validation", TABLES_VERSION, &[exchange, *d, request_digest(r)])).collect();
+    per_phase(db, "exchange_validation", TABLES_VERSION, &keys, memo, |i| {
+        exchange::check_relocated(target, &requests[i], &schedules[i], &written[i]).map(|()| written[i].horizon).map_err(CompileError::from)
+    })?;
+    Ok(written)
+}
+
 /// `size_tile_code`: support memory per tile with each tile's compact exchange tables encoded
 /// as its image will hold them (`sizing.rs`), within the per-tile table budget.
 #[salsa::tracked(returns(clone))]
@@ -285,8 +330,15 @@ pub fn code_sizes(db: &dyn Db, sources: Sources) -> StageResult<Vec<u32>> {
     let s = schedules(db, sources)?;
     let budget = db.ipuq().table_budget();
     let key = db.ipuq().key("size_tile_code", CODE_VERSION, &[t.digest, x.digest, l.digest, s.digest, KeyHasher::new("table budget").add(&budget).finish()]);
-    db.ipuq().cached("size_tile_code", CODE_VERSION, key, || {
-        let support = crate::sizing::support_with_tables(&x.value, &l.value, &s.value.phases, budget).map_err(CompileError)?;
+    let db = db.ipuq();
+    db.cached("size_tile_code", CODE_VERSION, key, || {
+        // select_finalist sized the chosen finalist (same exchange view, program, schedules
+        // and budget: same key) unless the selection came from the cache.
+        let found = if db.verifying() { None } else { db.sizing_memo.lock().expect("sizing memo lock").get(&sizing_key(x.digest, l.digest, &s.value.digests, budget)).cloned() };
+        let support = match found {
+            Some(support) => support,
+            None => Arc::new(crate::sizing::support_with_tables(&x.value, &l.value, &s.value.phases, budget).map_err(CompileError)?),
+        };
         log_support_memory(&t.value, &support);
         Ok(support.iter().map(SupportMemory::total).collect())
     })
@@ -339,6 +391,12 @@ pub fn placed(db: &dyn Db, sources: Sources) -> StageResult<Placement> {
 /// schedule and the final placement (what decides every table word).
 fn validated_key(exchange: Digest, lowered: Digest, schedules: &[Digest], placement: Digest) -> Digest {
     schedules_key("ipuq validated exchange tables v1", &[exchange, lowered], schedules, &[placement])
+}
+
+/// Key of a program's support memory (`sizing::support_checked` within `budget`): the exchange
+/// view (grid and delays), the program and each phase's schedule.
+fn sizing_key(exchange: Digest, lowered: Digest, schedules: &[Digest], budget: u32) -> Digest {
+    schedules_key("ipuq support memory sizing v1", &[exchange, lowered], schedules, &[KeyHasher::new("table budget").add(&budget).finish()])
 }
 
 /// Key of an exchange-placement search: digests of everything it reads (the lowering view of
@@ -473,5 +531,100 @@ pub fn store_build_record(db: &Database, workload_text: &str, target_text: &str,
     let key = build_record_key(db, workload_text, target_text);
     if let Ok(bytes) = rkyv::to_bytes::<rkyv::rancor::Error>(record) {
         store.store(BUILD_RECORD, &key, crate::db::schema(BUILD_RECORD, BUILD_RECORD_VERSION), &bytes);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::db::sources;
+    use crate::target::fixtures;
+
+    const WORKLOAD: &str = include_str!("../../fixtures/workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml");
+
+    /// A built program's sizing inputs: the exchange view's digest and value, the program, its
+    /// schedules, and the key `size_tile_code` looks its sizing up by.
+    fn sizing_inputs(db: &Database, s: Sources) -> (Staged<crate::target::Target>, Staged<Lowered>, Staged<Schedules>, Digest) {
+        let (x, l, sch) = (exchange_target(db, s).unwrap(), lowered(db, s).unwrap(), schedules(db, s).unwrap());
+        let key = sizing_key(x.digest, l.digest, &sch.value.digests, db.table_budget());
+        (x, l, sch, key)
+    }
+
+    #[test]
+    fn size_tile_code_takes_select_finalists_sizing_only_for_the_same_inputs() {
+        let db = Database::default();
+        let s = sources(&db, WORKLOAD.into(), "mlp.toml".into(), fixtures::SMALL16.into(), "small16".into());
+        let (x, l, sch, key) = sizing_inputs(&db, s);
+        // The chosen finalist's sizing is memoized under the key size_tile_code looks up, and
+        // is what sizing the program again gives.
+        let fresh = crate::sizing::support_with_tables(&x.value, &l.value, &sch.value.phases, db.table_budget()).unwrap();
+        let memoized = db.sizing_memo.lock().unwrap().get(&key).cloned().expect("the chosen finalist's sizing is memoized");
+        assert_eq!(*memoized, fresh);
+        let totals: Vec<u32> = fresh.iter().map(SupportMemory::total).collect();
+
+        // The stage takes the memoized sizing: an entry altered under that key is what it returns.
+        let mut altered = fresh.clone();
+        altered[0].runtime_bytes += 16;
+        db.sizing_memo.lock().unwrap().insert(key, Arc::new(altered.clone()));
+        assert_eq!(*code_sizes(&db, s).unwrap().value, altered.iter().map(SupportMemory::total).collect::<Vec<_>>());
+
+        // Any other input misses: altered entries under keys differing in the exchange view,
+        // the program, one phase's schedule or the budget are not taken.
+        let db = Database::default();
+        let s = sources(&db, WORKLOAD.into(), "mlp.toml".into(), fixtures::SMALL16.into(), "small16".into());
+        let (x, l, sch, key) = sizing_inputs(&db, s);
+        let other = Digest::of_bytes(b"another input");
+        let mut one_schedule = sch.value.digests.clone();
+        one_schedule[0] = other;
+        let budget = db.table_budget();
+        let keys = [
+            sizing_key(other, l.digest, &sch.value.digests, budget),
+            sizing_key(x.digest, other, &sch.value.digests, budget),
+            sizing_key(x.digest, l.digest, &one_schedule, budget),
+            sizing_key(x.digest, l.digest, &sch.value.digests, budget + 1),
+        ];
+        let mut memo = db.sizing_memo.lock().unwrap();
+        assert!(memo.remove(&key).is_some());
+        for k in keys {
+            assert_ne!(k, key);
+            memo.insert(k, Arc::new(altered.clone()));
+        }
+        drop(memo);
+        assert_eq!(*code_sizes(&db, s).unwrap().value, totals);
+    }
+
+    #[test]
+    fn validations_are_remembered_per_phase_and_only_for_the_same_request_and_schedule() {
+        let db = Database::default();
+        let s = sources(&db, WORKLOAD.into(), "mlp.toml".into(), fixtures::SMALL16.into(), "small16".into());
+        let (x, l, sch, _) = sizing_inputs(&db, s);
+        let p = placed(&db, s).unwrap();
+        let (phases, digests) = (&sch.value.phases, &sch.value.digests);
+        let written = crate::exchange_placement::placed_tables(&x.value, &l.value, phases, &p.value, false).unwrap();
+        let plain = crate::exchange_placement::checked_tables(&x.value, &l.value, phases, &p.value, written.clone()).unwrap();
+        let check = |placement: &Placement, written: Vec<ExchangePhase>| checked_tables_memoized((&db, &db.validation_memo), x.digest, &x.value, &l.value, (phases, digests), placement, written);
+        let validated = |db: &Database| db.take_runs().iter().filter(|r| r.0 == "exchange_validation" && r.1 == crate::db::Origin::Computed).count();
+        db.validation_memo.lock().unwrap().clear();
+        db.take_runs();
+        // First: every distinct phase validated, and the tables are checked_tables'.
+        assert_eq!(check(&p.value, written.clone()).unwrap(), plain);
+        assert!(validated(&db) > 0);
+        // Again: every phase from the memo, the same tables.
+        assert_eq!(check(&p.value, written.clone()).unwrap(), plain);
+        assert_eq!(validated(&db), 0);
+        // A sent buffer moved by 8 bytes: the tables written for the old addresses are not
+        // taken as validated for the new ones (the phases that send it are checked again).
+        let first = l.value.phases.iter().flatten().next().expect("a transfer");
+        let mut moved = (*p.value).clone();
+        moved.addresses[first.source.0 as usize] += 8;
+        assert!(check(&moved, written.clone()).is_err());
+        db.take_runs();
+        // The tables written for the new addresses: only the phases whose request changed are validated.
+        let rewritten = crate::exchange_placement::placed_tables(&x.value, &l.value, phases, &moved, false).unwrap();
+        let changed = requests(&l.value, |b, o| p.value.addresses[b as usize] + o).iter().zip(requests(&l.value, |b, o| moved.addresses[b as usize] + o)).filter(|(a, b)| request_digest(a) != request_digest(b)).count();
+        // (Moving a buffer may make it overlap another: then the request itself is refused.)
+        if check(&moved, rewritten).is_ok() {
+            assert!(changed > 0 && validated(&db) <= changed, "{changed} phases changed");
+        }
     }
 }

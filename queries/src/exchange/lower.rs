@@ -164,6 +164,15 @@ pub fn relocate(target: &Target, phase: &PhaseRequest, cached: &Schedule, check:
     relocate_checked(target, &problem, phase, cached, written)
 }
 
+/// The checks `relocate` with `check` makes (schedule fit, validation) on tables an unchecked
+/// `relocate` wrote for this phase and schedule, without taking them: `relocate(…, true,
+/// Some(tables))` returns `tables` exactly when this is `Ok`.
+pub fn check_relocated(target: &Target, phase: &PhaseRequest, cached: &Schedule, tables: &ExchangePhase) -> Result<(), ExchangeError> {
+    let problem = prepare(target, phase)?;
+    check_fits(&problem, phase, cached)?;
+    validate(target, phase, tables).map_err(|source| ExchangeError::Invalid { phase: phase.index, source })
+}
+
 /// `relocate` with `check`, on the phase's already prepared problem (tables written here
 /// unless `written` holds them).
 fn relocate_checked(target: &Target, problem: &Problem, phase: &PhaseRequest, cached: &Schedule, written: Option<ExchangePhase>) -> Result<ExchangePhase, ExchangeError> {

@@ -74,6 +74,10 @@ impl From<String> for Failure {
     }
 }
 
+/// A finalist's support memory per tile, or the tile whose exchange tables exceed the budget
+/// (`sizing::support_checked`).
+pub type Sizing = Result<Vec<crate::emit::SupportMemory>, crate::sizing::TableOverflow>;
+
 /// Finalists whose estimate exceeds the best estimate by more than this are not costed exactly.
 pub const EXACT_COST_MARGIN_PERCENT: u64 = 5;
 
@@ -89,13 +93,17 @@ pub const EXACT_COST_MARGIN_PERCENT: u64 = 5;
 /// tables as written here (with each phase's conflicts; the search checks them if it keeps
 /// the baseline), the placement it accepts and the conflicts left (the pipeline memoizes it,
 /// so that the stage `optimize_exchange_placement` finds the chosen finalist's search done).
+/// `size` is `sizing::support_checked` of a finalist over `target` (the pipeline memoizes its
+/// support memory, so that the stage `size_tile_code` finds the chosen finalist's sizing
+/// done). Both get the program's digest, from `digest` (computed once per finalist costed).
 pub fn select_finalist(
     target: &Target,
     finalists: &[Lowered],
-    table_budget: u32,
     prepare: impl Fn(Lowered) -> Lowered + Sync,
     schedule: impl FnOnce(&[exchange::PhaseRequest]) -> Result<Vec<(Schedule, Digest)>, String>,
-    optimize: impl Fn(&Lowered, &[Schedule], &[Digest], &[u32], &Placement, Baseline) -> Result<(Placement, u64), String> + Sync,
+    digest: impl Fn(&Lowered) -> Result<Digest, String> + Sync,
+    size: impl Fn(&Lowered, Digest, &[Schedule], &[Digest]) -> Result<Sizing, String> + Sync,
+    optimize: impl Fn(&Lowered, Digest, &[Schedule], &[Digest], &[u32], &Placement, Baseline) -> Result<(Placement, u64), String> + Sync,
 ) -> Result<Selection, NoFinalist> {
     let prepared: Vec<Lowered> = finalists.par_iter().map(|l| prepare(l.clone())).collect();
     let finalists = &prepared[..];
@@ -134,7 +142,8 @@ pub fn select_finalist(
             if per_finalist[f].len() != l.phases.len() {
                 return Err(Failure::from("exchange phases were not scheduled".to_string()));
             }
-            cost_placed(target, f as u32, l, &per_finalist[f], &digests[f], table_budget, &optimize)
+            let program = digest(l)?;
+            cost_placed(target, f as u32, (l, program), &per_finalist[f], &digests[f], &size, &optimize)
         })
         .collect();
     let mut ok: Vec<Costed> = Vec::new();
@@ -163,8 +172,10 @@ pub fn select_finalist(
         info!(source_operation = %p.value, matching_plans = p.matching_plans, constraint = %p.constraint, "applied GEMM plan constraint");
     }
     info!(finalist = best.finalist, estimated_cycles = best.estimated_cycles, scheduled_cycles = best.scheduled_cycles, "selected operator-plan finalist");
-    let chosen = best.finalist as usize;
-    Ok(Selection { chosen: best.finalist, lowered: Some(finalists[chosen].clone()), costed: ok, failures, steered: Vec::new() })
+    // The chosen program is moved out of the prepared finalists, not copied.
+    let mut prepared = prepared;
+    let lowered = prepared.swap_remove(best.finalist as usize);
+    Ok(Selection { chosen: best.finalist, lowered: Some(lowered), costed: ok, failures, steered: Vec::new() })
 }
 
 /// Cycles of a finalist's placed program, computed as the package summary computes them.
@@ -176,14 +187,14 @@ pub fn select_finalist(
 fn cost_placed(
     target: &Target,
     finalist: u32,
-    l: &Lowered,
+    (l, program): (&Lowered, Digest),
     schedules: &[Schedule],
     digests: &[Digest],
-    table_budget: u32,
-    optimize: &(impl Fn(&Lowered, &[Schedule], &[Digest], &[u32], &Placement, Baseline) -> Result<(Placement, u64), String> + Sync),
+    size: &(impl Fn(&Lowered, Digest, &[Schedule], &[Digest]) -> Result<Sizing, String> + Sync),
+    optimize: &(impl Fn(&Lowered, Digest, &[Schedule], &[Digest], &[u32], &Placement, Baseline) -> Result<(Placement, u64), String> + Sync),
 ) -> Result<Costed, Failure> {
     let blame = |phase: u32| l.phase_plans.get(phase as usize).copied();
-    let support = match crate::sizing::support_checked(target, l, schedules, table_budget)? {
+    let support = match size(l, program, schedules, digests)? {
         Ok(s) => s,
         Err(o) => return Err(Failure { message: o.to_string(), blamed: o.phase.and_then(blame) }),
     };
@@ -226,7 +237,7 @@ fn cost_placed(
         // The search starts from these tables; the conflicts it reports are those of the
         // placement it returns (summed over its phases), so only when some remain are that
         // placement's tables written again, to name the first phase at fault.
-        let (optimized, left) = optimize(l, schedules, digests, &code, &placement, base)?;
+        let (optimized, left) = optimize(l, program, schedules, digests, &code, &placement, base)?;
         if left > 0 {
             let tables = placed_tables(target, l, schedules, &optimized, false).map_err(|e| e.0)?;
             if let Some((phase, c)) = tables.iter().map(|p| (p.index, phase_conflicts(target, p))).find(|(_, c)| c.tile_cycles > 0) {
