@@ -1643,7 +1643,75 @@ fn unshare<T: Clone>(shared: Arc<T>) -> T {
 
 #[cfg(test)]
 mod tests {
-    use super::panel_width;
+    use super::{panel_width, Moves, Transfer};
+
+    /// A phase's moves become the transfers of the plain construction: all moves sorted by
+    /// (source, words, destination), one transfer per (source, words) with its destinations,
+    /// then transfers whose source and destinations continue the previous one's merged;
+    /// whatever order they were gathered in, over the gathering's spread of source buffers.
+    #[test]
+    fn moves_become_sorted_merged_transfers() {
+        // Rows of 8 words from sources 7 and 3 (and 12 words from 9), each row to one or two
+        // destinations, a shared row in the middle (not merged with its neighbours), gathered
+        // destination by destination, then the table twice over to check that it was emptied.
+        let mut gathered: Vec<((u32, u32), u32, (u32, u32))> = Vec::new();
+        for (to, rows) in [(20u32, 0..6u32), (21, 2..3), (22, 0..4)] {
+            for r in rows.clone() {
+                gathered.push(((7, r * 32), 8, (to, r * 32)));
+                gathered.push(((3, 64 + r * 32), 8, (to, 512 + r * 32)));
+            }
+            gathered.push(((9, 0), 12, (to, 1024)));
+        }
+        // An odd interleaving of the same moves.
+        let mut shuffled = gathered.clone();
+        shuffled.sort_by_key(|&((b, o), _, (t, a))| (a.wrapping_mul(2654435761) ^ o, b, t));
+        for moves in [&gathered, &shuffled] {
+            let mut expected: Vec<Transfer> = Vec::new();
+            let mut sorted = moves.clone();
+            sorted.sort();
+            for m in &sorted {
+                match expected.last_mut() {
+                    Some(t) if t.source == m.0 && t.words == m.1 => t.destinations.push(m.2),
+                    _ => expected.push(Transfer { source: m.0, words: m.1, destinations: vec![m.2] }),
+                }
+            }
+            let mut merged: Vec<Transfer> = Vec::new();
+            for t in expected {
+                if let Some(last) = merged.last_mut() {
+                    if last.source.0 == t.source.0
+                        && last.source.1 + last.words * 4 == t.source.1
+                        && last.destinations.len() == t.destinations.len()
+                        && last.destinations.iter().zip(&t.destinations).all(|(a, b)| a.0 == b.0 && a.1 + last.words * 4 == b.1)
+                    {
+                        last.words += t.words;
+                        continue;
+                    }
+                }
+                merged.push(t);
+            }
+            let mut table = Moves::default();
+            for round in 0..2 {
+                for &(source, words, destination) in moves.iter() {
+                    table.push(source, words, destination);
+                }
+                let mut touched = std::collections::BTreeSet::new();
+                let transfers = table.drain_into_transfers(|b| {
+                    touched.insert(b);
+                });
+                assert_eq!(transfers, merged, "round {round}");
+                assert!(table.is_empty());
+                assert_eq!(touched.into_iter().collect::<Vec<_>>(), vec![3, 7, 9, 20, 21, 22]);
+            }
+        }
+        // Rows 0-1 and 3 (of source 7) go to 20 and 22 and merge; row 2 also goes to 21.
+        let mut table = Moves::default();
+        for &(source, words, destination) in &gathered {
+            table.push(source, words, destination);
+        }
+        let transfers = table.drain_into_transfers(|_| {});
+        let from7: Vec<(u32, u32, usize)> = transfers.iter().filter(|t| t.source.0 == 7).map(|t| (t.source.1, t.words, t.destinations.len())).collect();
+        assert_eq!(from7, vec![(0, 16, 2), (64, 8, 3), (96, 8, 2), (128, 16, 1)]);
+    }
 
     #[test]
     fn a_row_consumer_reads_panels_one_cell_wide() {

@@ -615,7 +615,7 @@ mod tests {
             .filter_map(|start| {
                 let swapped: BTreeSet<usize> = products[start..].iter().copied().collect();
                 let o = orient(&graph, &swapped).ok()?;
-                lower_feasible(&o, &target, None, None).ok().filter(|r| r.1).map(|r| estimated_cycles(&r.0))
+                lower_feasible(&o, &target, None, None).ok().filter(|r| r.1.is_some()).map(|r| estimated_cycles(&r.0))
             })
             .min()
             .unwrap();
