@@ -1643,7 +1643,7 @@ fn unshare<T: Clone>(shared: Arc<T>) -> T {
 
 #[cfg(test)]
 mod tests {
-    use super::{panel_width, Moves, Transfer};
+    use super::{panel_width, Moves, Place, Transfer};
 
     /// A phase's moves become the transfers of the plain construction: all moves sorted by
     /// (source, words, destination), one transfer per (source, words) with its destinations,
@@ -1654,7 +1654,7 @@ mod tests {
         // Rows of 8 words from sources 7 and 3 (and 12 words from 9), each row to one or two
         // destinations, a shared row in the middle (not merged with its neighbours), gathered
         // destination by destination, then the table twice over to check that it was emptied.
-        let mut gathered: Vec<((u32, u32), u32, (u32, u32))> = Vec::new();
+        let mut gathered: Vec<(Place, u32, Place)> = Vec::new();
         for (to, rows) in [(20u32, 0..6u32), (21, 2..3), (22, 0..4)] {
             for r in rows.clone() {
                 gathered.push(((7, r * 32), 8, (to, r * 32)));

@@ -316,11 +316,10 @@ pub fn estimated_cycles(lowered: &Lowered) -> u64 {
 /// Up to `keep` feasible programs, best estimate first (ties: fewer swapped products, then
 /// candidate order). Fails with the first candidate's error when none lowers.
 pub fn finalists(graph: &Graph, target: &Target, keep: usize) -> Result<Vec<Lowered>, LowerError> {
-    #[allow(clippy::type_complexity)]
-    let mut found: Vec<(bool, u64, usize, usize, (Lowered, Option<(u64, u64)>))> = Vec::new();
+    let mut found: Vec<(bool, u64, usize, usize, Feasible)> = Vec::new();
     let (programs, mut first_error) = beam(graph, target, keep.max(DEFAULT_FINALISTS));
     // The beam's programs are made feasible in parallel; results are taken in beam order.
-    let feasible: Vec<Result<(Lowered, Option<(u64, u64)>), LowerError>> = programs.into_par_iter().map(|(oriented, first, memo)| lower_feasible(&oriented, target, first, memo.as_deref())).collect::<Vec<_>>();
+    let feasible: Vec<Result<Feasible, LowerError>> = programs.into_par_iter().map(|(oriented, first, memo)| lower_feasible(&oriented, target, first, memo.as_deref())).collect::<Vec<_>>();
     for (index, result) in feasible.into_iter().enumerate() {
         match result {
             Ok((l, peaks)) => {
@@ -367,6 +366,10 @@ pub fn finalists(graph: &Graph, target: &Target, keep: usize) -> Result<Vec<Lowe
     Ok(finalists)
 }
 
+/// A program `lower_feasible` made, and the peak standard and interleaved bytes per tile of
+/// the placement that found it feasible (none: it does not fit).
+type Feasible = (Lowered, Option<(u64, u64)>);
+
 /// Lower an oriented graph to a program whose buffers fit, whole-program. A program that fits
 /// but whose placement pushes weights the planner costed as interleaved into standard memory
 /// is planned once more with the other operations' resident bytes, so the estimate sees the
@@ -378,7 +381,7 @@ pub fn finalists(graph: &Graph, target: &Target, keep: usize) -> Result<Vec<Lowe
 /// `first`: the program already lowered with no reserves (and whether with home-tile
 /// weights), which stands for that first attempt. `memo`: a prefix of the program lowered
 /// with home-tile weights, which the first home-weights attempt extends.
-fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attempt, bool)>, memo: Option<&HomePrefix>) -> Result<(Lowered, Option<(u64, u64)>), LowerError> {
+fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attempt, bool)>, memo: Option<&HomePrefix>) -> Result<Feasible, LowerError> {
     let operations = oriented.graph.operations.len();
     let mut last: Option<Lowered> = None;
     let mut first_error: Option<LowerError> = None;
