@@ -5,6 +5,7 @@
 //! This file is long (about 600 lines) because gathering, planning glue and step bookkeeping
 //! share one builder state; each part is a method with one job.
 
+use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -668,30 +669,9 @@ impl<'a> Builder<'a> {
         if !self.pending.is_empty() {
             let step = self.steps.len() as u32;
             self.steps.push(LStep::Exchange(self.phases.len() as u32));
-            // Sorted moves: one transfer per (source, words), destinations in order.
-            let mut grouped: Vec<Transfer> = Vec::new();
-            let pending = &mut self.pending;
-            pending.sources.sort_unstable();
-            for &buffer in &pending.sources {
-                // Emptied in place: the capacity serves this lowering's later phases.
-                let moves = &mut pending.by_source[buffer as usize];
-                moves.sort_unstable_by_key(|&(offset, words, (to, at))| (offset as u128) << 96 | (words as u128) << 64 | (to as u128) << 32 | at as u128);
-                touch(&mut self.buffers, buffer, step);
-                let mut first = 0;
-                while first < moves.len() {
-                    let (offset, words, _) = moves[first];
-                    let end = first + moves[first..].iter().take_while(|m| m.0 == offset && m.1 == words).count();
-                    let destinations: Vec<Place> = moves[first..end].iter().map(|m| m.2).collect();
-                    for d in &destinations {
-                        touch(&mut self.buffers, d.0, step);
-                    }
-                    grouped.push(Transfer { source: (buffer, offset), words, destinations });
-                    first = end;
-                }
-                moves.clear();
-            }
-            pending.sources.clear();
-            let transfers = merge_rows(grouped.into_iter());
+            // Sorted moves, source buffer by source buffer: one transfer per (source, words),
+            // destinations in order, consecutive rows merged (`Moves::drain_into_transfers`).
+            let transfers = self.pending.drain_into_transfers(|buffer| touch(&mut self.buffers, buffer, step));
             self.phases.push(Arc::new(transfers));
             // The operation being built records its plan after its phases: its index is next.
             self.phase_plans.push(self.plans.len() as u32);
@@ -1542,29 +1522,116 @@ fn touch(buffers: &mut [BufferDecl], buffer: u32, step: u32) {
     b.last_step = b.last_step.max(step);
 }
 
-/// Word moves of an exchange phase being gathered, kept by source buffer so that they sort
-/// one source at a time: per source buffer, (source byte offset, words, destination (buffer,
-/// byte offset)), and the source buffers that have moves.
+/// A word move: (source buffer, source byte offset, words, destination (buffer, byte offset)).
+type Move = (u32, u32, u32, Place);
+
+
+thread_local! {
+    /// Storage a finished lowering's moves leave to the next lowering on the thread (phases
+    /// gather up to millions of moves: growing a fresh table each time costs more than sorting it).
+    static SPARE_MOVES: Cell<Vec<Move>> = const { Cell::new(Vec::new()) };
+    /// The bucket starts and bucketed moves of `Moves::drain_into_transfers`, kept likewise.
+    static SPARE_BUCKETS: Cell<(Vec<u32>, Vec<u128>)> = const { Cell::new((Vec::new(), Vec::new())) };
+}
+
+/// Word moves of an exchange phase being gathered, in the order gathered.
 #[derive(Clone, Default)]
 struct Moves {
-    by_source: Vec<Vec<(u32, u32, Place)>>,
-    sources: Vec<u32>,
+    moves: Vec<Move>,
+}
+
+impl Drop for Moves {
+    /// The table's storage (emptied) goes to the thread's spare when it is the larger.
+    fn drop(&mut self) {
+        if self.moves.capacity() > 0 {
+            self.moves.clear();
+            SPARE_MOVES.with(|spare| {
+                let kept = spare.take();
+                spare.set(if kept.capacity() >= self.moves.capacity() { kept } else { std::mem::take(&mut self.moves) });
+            });
+        }
+    }
 }
 
 impl Moves {
     fn push(&mut self, source: Place, words: u32, destination: Place) {
-        let b = source.0 as usize;
-        if self.by_source.len() <= b {
-            self.by_source.resize_with(b + 1, Vec::new);
+        if self.moves.capacity() == 0 {
+            self.moves = SPARE_MOVES.with(Cell::take);
         }
-        if self.by_source[b].is_empty() {
-            self.sources.push(source.0);
-        }
-        self.by_source[b].push((source.1, words, destination));
+        self.moves.push((source.0, source.1, words, destination));
     }
 
     fn is_empty(&self) -> bool {
-        self.sources.is_empty()
+        self.moves.is_empty()
+    }
+
+    /// The phase's transfers, and the moves emptied (their capacity serves this lowering's
+    /// later phases): source buffers in order, each one's moves sorted by (source offset,
+    /// words, destination); one transfer per (source, words), its destinations in order; a
+    /// transfer whose source and destinations continue the previous one's (consecutive rows)
+    /// extends it. `touch` sees each source buffer once, then each move's destination buffer.
+    fn drain_into_transfers(&mut self, mut touch: impl FnMut(u32)) -> Vec<Transfer> {
+        // Bucket the moves by source buffer (counting sort), each as its sort key: (source
+        // offset, words, destination buffer, destination offset) in one u128.
+        // Buckets are indexed from the lowest source buffer (a phase mostly reads the buffers
+        // of a few recent operations), positions as u32 (a phase holds fewer than 2^32 moves).
+        let low = self.moves.iter().map(|m| m.0).min().unwrap_or(0);
+        let buffers = self.moves.iter().map(|m| (m.0 - low) as usize + 1).max().unwrap_or(0);
+        let (mut starts, mut sorted) = SPARE_BUCKETS.with(Cell::take);
+        starts.clear();
+        starts.resize(buffers + 1, 0);
+        for m in &self.moves {
+            starts[(m.0 - low) as usize + 1] += 1;
+        }
+        for b in 0..buffers {
+            starts[b + 1] += starts[b];
+        }
+        // Every slot below the moves' count is written once below: no need to clear it.
+        if sorted.len() < self.moves.len() {
+            sorted.resize(self.moves.len(), 0);
+        }
+        // Each move to its bucket's next slot (`starts[b]` advances; bucket b then ends there).
+        for &(buffer, offset, words, (to, at)) in &self.moves {
+            let at_slot = &mut starts[(buffer - low) as usize];
+            sorted[*at_slot as usize] = (offset as u128) << 96 | (words as u128) << 64 | (to as u128) << 32 | at as u128;
+            *at_slot += 1;
+        }
+        self.moves.clear();
+        let mut out: Vec<Transfer> = Vec::new();
+        for bucket in 0..buffers {
+            let moves = &mut sorted[if bucket == 0 { 0 } else { starts[bucket - 1] as usize }..starts[bucket] as usize];
+            if moves.is_empty() {
+                continue;
+            }
+            let buffer = low as usize + bucket;
+            moves.sort_unstable();
+            touch(buffer as u32);
+            let mut first = 0;
+            while first < moves.len() {
+                let head = moves[first] >> 64;
+                let (offset, words) = ((head >> 32) as u32, head as u32);
+                let end = first + moves[first..].iter().take_while(|&&m| m >> 64 == head).count();
+                let group = &moves[first..end];
+                let destination = |m: u128| ((m >> 32) as u32, m as u32);
+                for &m in group {
+                    touch(destination(m).0);
+                }
+                first = end;
+                if let Some(last) = out.last_mut() {
+                    let continues = last.source.0 == buffer as u32
+                        && last.source.1 + last.words * 4 == offset
+                        && last.destinations.len() == group.len()
+                        && last.destinations.iter().zip(group).all(|(a, &m)| a.0 == destination(m).0 && a.1 + last.words * 4 == destination(m).1);
+                    if continues {
+                        last.words += words;
+                        continue;
+                    }
+                }
+                out.push(Transfer { source: (buffer as u32, offset), words, destinations: group.iter().map(|&m| destination(m)).collect() });
+            }
+        }
+        SPARE_BUCKETS.with(|spare| spare.set((starts, sorted)));
+        out
     }
 }
 
@@ -1574,28 +1641,77 @@ fn unshare<T: Clone>(shared: Arc<T>) -> T {
     Arc::try_unwrap(shared).unwrap_or_else(|shared| (*shared).clone())
 }
 
-/// Merge transfers whose source and destinations continue each other (consecutive rows).
-fn merge_rows(transfers: impl Iterator<Item = Transfer>) -> Vec<Transfer> {
-    let mut out: Vec<Transfer> = Vec::new();
-    for t in transfers {
-        if let Some(last) = out.last_mut() {
-            let continues = last.source.0 == t.source.0
-                && last.source.1 + last.words * 4 == t.source.1
-                && last.destinations.len() == t.destinations.len()
-                && last.destinations.iter().zip(&t.destinations).all(|(a, b)| a.0 == b.0 && a.1 + last.words * 4 == b.1);
-            if continues {
-                last.words += t.words;
-                continue;
-            }
-        }
-        out.push(t);
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
-    use super::panel_width;
+    use super::{panel_width, Moves, Place, Transfer};
+
+    /// A phase's moves become the transfers of the plain construction: all moves sorted by
+    /// (source, words, destination), one transfer per (source, words) with its destinations,
+    /// then transfers whose source and destinations continue the previous one's merged;
+    /// whatever order they were gathered in, over the gathering's spread of source buffers.
+    #[test]
+    fn moves_become_sorted_merged_transfers() {
+        // Rows of 8 words from sources 7 and 3 (and 12 words from 9), each row to one or two
+        // destinations, a shared row in the middle (not merged with its neighbours), gathered
+        // destination by destination, then the table twice over to check that it was emptied.
+        let mut gathered: Vec<(Place, u32, Place)> = Vec::new();
+        for (to, rows) in [(20u32, 0..6u32), (21, 2..3), (22, 0..4)] {
+            for r in rows.clone() {
+                gathered.push(((7, r * 32), 8, (to, r * 32)));
+                gathered.push(((3, 64 + r * 32), 8, (to, 512 + r * 32)));
+            }
+            gathered.push(((9, 0), 12, (to, 1024)));
+        }
+        // An odd interleaving of the same moves.
+        let mut shuffled = gathered.clone();
+        shuffled.sort_by_key(|&((b, o), _, (t, a))| (a.wrapping_mul(2654435761) ^ o, b, t));
+        for moves in [&gathered, &shuffled] {
+            let mut expected: Vec<Transfer> = Vec::new();
+            let mut sorted = moves.clone();
+            sorted.sort();
+            for m in &sorted {
+                match expected.last_mut() {
+                    Some(t) if t.source == m.0 && t.words == m.1 => t.destinations.push(m.2),
+                    _ => expected.push(Transfer { source: m.0, words: m.1, destinations: vec![m.2] }),
+                }
+            }
+            let mut merged: Vec<Transfer> = Vec::new();
+            for t in expected {
+                if let Some(last) = merged.last_mut() {
+                    if last.source.0 == t.source.0
+                        && last.source.1 + last.words * 4 == t.source.1
+                        && last.destinations.len() == t.destinations.len()
+                        && last.destinations.iter().zip(&t.destinations).all(|(a, b)| a.0 == b.0 && a.1 + last.words * 4 == b.1)
+                    {
+                        last.words += t.words;
+                        continue;
+                    }
+                }
+                merged.push(t);
+            }
+            let mut table = Moves::default();
+            for round in 0..2 {
+                for &(source, words, destination) in moves.iter() {
+                    table.push(source, words, destination);
+                }
+                let mut touched = std::collections::BTreeSet::new();
+                let transfers = table.drain_into_transfers(|b| {
+                    touched.insert(b);
+                });
+                assert_eq!(transfers, merged, "round {round}");
+                assert!(table.is_empty());
+                assert_eq!(touched.into_iter().collect::<Vec<_>>(), vec![3, 7, 9, 20, 21, 22]);
+            }
+        }
+        // Rows 0-1 and 3 (of source 7) go to 20 and 22 and merge; row 2 also goes to 21.
+        let mut table = Moves::default();
+        for &(source, words, destination) in &gathered {
+            table.push(source, words, destination);
+        }
+        let transfers = table.drain_into_transfers(|_| {});
+        let from7: Vec<(u32, u32, usize)> = transfers.iter().filter(|t| t.source.0 == 7).map(|t| (t.source.1, t.words, t.destinations.len())).collect();
+        assert_eq!(from7, vec![(0, 16, 2), (64, 8, 3), (96, 8, 2), (128, 16, 1)]);
+    }
 
     #[test]
     fn a_row_consumer_reads_panels_one_cell_wide() {

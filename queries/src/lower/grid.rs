@@ -54,14 +54,15 @@ impl Grid {
         Some(cell)
     }
     pub fn cell_block(&self, cell: usize) -> Vec<(u32, u32)> {
-        let per = self.cells_per_axis();
+        let mut block = vec![(0, 0); self.cuts.len()];
         let mut rest = cell;
-        let mut coords = vec![0; per.len()];
-        for a in (0..per.len()).rev() {
-            coords[a] = rest % per[a];
-            rest /= per[a];
+        for (a, cuts) in self.cuts.iter().enumerate().rev() {
+            let per = cuts.len() - 1;
+            let c = rest % per;
+            rest /= per;
+            block[a] = (cuts[c], cuts[c + 1]);
         }
-        coords.iter().enumerate().map(|(a, &c)| (self.cuts[a][c], self.cuts[a][c + 1])).collect()
+        block
     }
 }
 

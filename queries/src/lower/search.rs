@@ -110,23 +110,36 @@ fn score(partial: &Partial, tiles: u32) -> [u64; 5] {
 /// Peak live bytes per tile over the steps, in standard and interleaved memory (buffers that
 /// claim interleaved memory first: partials, and weights that prefer it) and in total.
 fn peaks(buffers: &[BufferDecl], host: &[bool], tiles: u32) -> (u64, u64, u64) {
-    let mut events: Vec<Vec<(u32, i64, i64)>> = vec![Vec::new(); tiles as usize];
-    for (i, b) in buffers.iter().enumerate() {
+    // Each buffer's start and end (step, standard bytes, interleaved bytes), by tile: counted
+    // first, then placed tile by tile in one table.
+    let mut starts = vec![0usize; tiles as usize + 1];
+    for b in buffers.iter().filter(|b| b.tile < tiles) {
+        starts[b.tile as usize + 1] += 2;
+    }
+    for t in 0..tiles as usize {
+        starts[t + 1] += starts[t];
+    }
+    let mut events: Vec<(u32, i64, i64)> = vec![(0, 0, 0); starts[tiles as usize]];
+    for (i, b) in buffers.iter().enumerate().filter(|(_, b)| b.tile < tiles) {
         let last = b.last_step.max(if b.first_step == u32::MAX { 0 } else { b.first_step });
         let first = if host[i] || b.first_step == u32::MAX { 0 } else { b.first_step };
         let bytes = b.bytes as i64;
         let (standard, interleaved) = if b.kind == AllocationKind::Partials || b.prefer_interleaved { (0, bytes) } else { (bytes, 0) };
-        if let Some(e) = events.get_mut(b.tile as usize) {
-            e.push((first, standard, interleaved));
-            e.push((last + 1, -standard, -interleaved));
-        }
+        let at = &mut starts[b.tile as usize];
+        events[*at] = (first, standard, interleaved);
+        events[*at + 1] = (last + 1, -standard, -interleaved);
+        *at += 2;
     }
     let (mut ps, mut pi, mut pt) = (0i64, 0i64, 0i64);
-    for mut e in events {
+    let mut from = 0;
+    // `starts[t]` now ends tile t's events.
+    for &to in &starts[..tiles as usize] {
+        let e = &mut events[from..to];
+        from = to;
         // Ends before starts at the same step: a buffer's range is inclusive.
         e.sort_unstable_by_key(|&(step, s, i)| (step, s + i));
         let (mut s, mut i) = (0i64, 0i64);
-        for (_, ds, di) in e {
+        for &(_, ds, di) in e.iter() {
             s += ds;
             i += di;
             ps = ps.max(s);
@@ -275,11 +288,20 @@ fn beam(graph: &Graph, target: &Target, width: usize) -> (Vec<(Arc<Oriented>, Op
         states = retain(scored, width);
         debug!(product, states = states.len(), "extended the plan beam");
     }
+    // The programs are completed in parallel; results (and errors) are taken in beam order.
+    #[allow(clippy::type_complexity)]
+    let completed: Vec<(Arc<Oriented>, Option<Arc<HomePrefix>>, Result<(Attempt, bool), LowerError>)> = states
+        .into_par_iter()
+        .map(|s| {
+            let home = s.partial.home_weights();
+            let attempt = complete(s.partial, &s.oriented, target, &[]).map(|a| (a, home));
+            (s.oriented, s.home, attempt)
+        })
+        .collect();
     let mut out = Vec::new();
-    for s in states {
-        let home = s.partial.home_weights();
-        match complete(s.partial, &s.oriented, target, &[]) {
-            Ok(a) => out.push((s.oriented, Some((a, home)), s.home)),
+    for (oriented, memo, attempt) in completed {
+        match attempt {
+            Ok(a) => out.push((oriented, Some(a), memo)),
             Err(e) => note(e, &mut first_error),
         }
     }
@@ -294,15 +316,15 @@ pub fn estimated_cycles(lowered: &Lowered) -> u64 {
 /// Up to `keep` feasible programs, best estimate first (ties: fewer swapped products, then
 /// candidate order). Fails with the first candidate's error when none lowers.
 pub fn finalists(graph: &Graph, target: &Target, keep: usize) -> Result<Vec<Lowered>, LowerError> {
-    let mut found: Vec<(bool, u64, usize, usize, Lowered)> = Vec::new();
+    let mut found: Vec<(bool, u64, usize, usize, Feasible)> = Vec::new();
     let (programs, mut first_error) = beam(graph, target, keep.max(DEFAULT_FINALISTS));
     // The beam's programs are made feasible in parallel; results are taken in beam order.
-    let feasible: Vec<Result<(Lowered, bool), LowerError>> = programs.into_par_iter().map(|(oriented, first, memo)| lower_feasible(&oriented, target, first, memo.as_deref())).collect::<Vec<_>>();
+    let feasible: Vec<Result<Feasible, LowerError>> = programs.into_par_iter().map(|(oriented, first, memo)| lower_feasible(&oriented, target, first, memo.as_deref())).collect::<Vec<_>>();
     for (index, result) in feasible.into_iter().enumerate() {
         match result {
-            Ok((l, fits)) => {
+            Ok((l, peaks)) => {
                 let swapped = l.plans.iter().filter(|p| p.orientation == "swapped").count();
-                found.push((!fits, estimated_cycles(&l), swapped, index, l))
+                found.push((peaks.is_none(), estimated_cycles(&l), swapped, index, (l, peaks)))
             }
             Err(e) => {
                 debug!(error = %e, "program does not lower");
@@ -322,17 +344,10 @@ pub fn finalists(graph: &Graph, target: &Target, keep: usize) -> Result<Vec<Lowe
         found.retain(|f| !f.0);
     }
     found.truncate(keep.max(1));
-    let finalists: Vec<Lowered> = found.into_iter().map(|f| f.4).collect();
-    let m = &target.memory;
-    for (i, l) in finalists.iter().enumerate() {
-        let code = vec![CODE_RESERVE_BYTES as u32; l.tiles as usize];
-        let (standard, interleaved) = match place_storage(target, l, &code) {
-            Ok(p) => (
-                p.peak_standard.iter().map(|&a| (a - m.base) as u64).max().unwrap_or(0),
-                p.peak_interleaved.iter().map(|&a| (a - m.interleaved_start) as u64).max().unwrap_or(0),
-            ),
-            Err(_) => (0, 0),
-        };
+    let (finalists, peaks): (Vec<Lowered>, Vec<Option<(u64, u64)>>) = found.into_iter().map(|f| f.4).unzip();
+    for (i, (l, peaks)) in finalists.iter().zip(peaks).enumerate() {
+        // The peaks of the placement that found the program feasible (none: it does not fit).
+        let (standard, interleaved) = peaks.unwrap_or((0, 0));
         let active: BTreeSet<u32> = l.plans.iter().map(|p| p.tiles).collect();
         info!(
             finalist = i,
@@ -351,17 +366,22 @@ pub fn finalists(graph: &Graph, target: &Target, keep: usize) -> Result<Vec<Lowe
     Ok(finalists)
 }
 
+/// A program `lower_feasible` made, and the peak standard and interleaved bytes per tile of
+/// the placement that found it feasible (none: it does not fit).
+type Feasible = (Lowered, Option<(u64, u64)>);
+
 /// Lower an oriented graph to a program whose buffers fit, whole-program. A program that fits
 /// but whose placement pushes weights the planner costed as interleaved into standard memory
 /// is planned once more with the other operations' resident bytes, so the estimate sees the
 /// region pressure (and may pick plans that avoid it).
-/// The flag says whether the program fits (false: nothing fit; the last attempt is returned so
-/// that placement can name the buffer that overflows).
+/// With the program, the peak standard and interleaved bytes per tile of the placement that
+/// found it feasible (none: nothing fit; the last attempt is returned so that placement can
+/// name the buffer that overflows).
 ///
 /// `first`: the program already lowered with no reserves (and whether with home-tile
 /// weights), which stands for that first attempt. `memo`: a prefix of the program lowered
 /// with home-tile weights, which the first home-weights attempt extends.
-fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attempt, bool)>, memo: Option<&HomePrefix>) -> Result<(Lowered, bool), LowerError> {
+fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attempt, bool)>, memo: Option<&HomePrefix>) -> Result<Feasible, LowerError> {
     let operations = oriented.graph.operations.len();
     let mut last: Option<Lowered> = None;
     let mut first_error: Option<LowerError> = None;
@@ -371,7 +391,7 @@ fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attem
     let modes: &[(bool, bool)] = if first.as_ref().is_some_and(|f| f.1) { &[(true, true), (true, false)] } else { &[(false, true), (true, true), (true, false)] };
     for &(home_weights, aligned) in modes {
         let mut reserves = vec![Reserve::default(); operations];
-        let mut fitting: Option<Lowered> = None;
+        let mut fitting: Option<(Lowered, (u64, u64))> = None;
         for round in 0..ROUNDS {
             let given = match first.take() {
                 Some((a, home)) if round == 0 && home == home_weights && aligned => Some(a),
@@ -395,17 +415,21 @@ fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attem
             let code = vec![CODE_RESERVE_BYTES as u32; attempt.lowered.tiles as usize];
             let placed = place_storage(target, &attempt.lowered, &code);
             let displaced = placed.as_ref().is_ok_and(|p| weights_displaced(&attempt, &p.addresses, target));
-            if placed.is_ok() && (!displaced || round + 1 == ROUNDS || fitting.is_some()) {
-                return Ok((attempt.lowered, true));
+            let peaks = placed.as_ref().ok().map(|p| {
+                let m = &target.memory;
+                (p.peak_standard.iter().map(|&a| (a - m.base) as u64).max().unwrap_or(0), p.peak_interleaved.iter().map(|&a| (a - m.interleaved_start) as u64).max().unwrap_or(0))
+            });
+            if let Some(peaks) = peaks.filter(|_| !displaced || round + 1 == ROUNDS || fitting.is_some()) {
+                return Ok((attempt.lowered, Some(peaks)));
             }
             let merged: Vec<Reserve> = reserves
                 .iter()
                 .zip(reserves_of(&attempt, operations))
                 .map(|(a, b)| Reserve { total: a.total.max(b.total), interleaved: a.interleaved.max(b.interleaved) })
                 .collect();
-            if placed.is_ok() {
+            if let Some(peaks) = peaks {
                 debug!("weights costed in interleaved memory were placed in standard memory; planning again with resident bytes");
-                fitting = Some(attempt.lowered);
+                fitting = Some((attempt.lowered, peaks));
             } else {
                 debug!(home_weights, aligned, "the program does not fit; planning again with other operations' resident bytes");
                 last = Some(attempt.lowered);
@@ -415,8 +439,8 @@ fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attem
             }
             reserves = merged;
         }
-        if let Some(l) = fitting {
-            return Ok((l, true));
+        if let Some((l, peaks)) = fitting {
+            return Ok((l, Some(peaks)));
         }
         if !home_weights {
             debug!("replicated weights do not fit in tile memory; keeping each weight block once on a home tile");
@@ -425,7 +449,7 @@ fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attem
         }
     }
     // Nothing fits: hand on the last program so placement names the buffer that overflows.
-    last.map(|l| (l, false)).ok_or_else(|| first_error.expect("an attempt either lowers or fails"))
+    last.map(|l| (l, None)).ok_or_else(|| first_error.expect("an attempt either lowers or fails"))
 }
 
 /// Whether placement put weights of a product planned with interleaved weights (buffers that
@@ -594,7 +618,7 @@ mod tests {
             .filter_map(|start| {
                 let swapped: BTreeSet<usize> = products[start..].iter().copied().collect();
                 let o = orient(&graph, &swapped).ok()?;
-                lower_feasible(&o, &target, None, None).ok().filter(|r| r.1).map(|r| estimated_cycles(&r.0))
+                lower_feasible(&o, &target, None, None).ok().filter(|r| r.1.is_some()).map(|r| estimated_cycles(&r.0))
             })
             .min()
             .unwrap();
