@@ -118,6 +118,10 @@ pub struct Database {
     /// the key of what they are made of (`pipeline::validated_key`): `lower_exchanges` packs
     /// them instead of validating the same tables again. Taken by the next `lower_exchanges`.
     pub(crate) validated_memo: Arc<std::sync::Mutex<Option<(Digest, Arc<Vec<crate::package::ExchangePhase>>)>>>,
+    /// Each tile's exchange-table bytes of the finalists `lower_mid`'s table screen kept, by
+    /// the key of the prepared program and its schedules (`pipeline::sizing_key`):
+    /// `select_finalist` takes them instead of encoding the same tables again.
+    pub(crate) sizing_memo: Arc<std::sync::Mutex<std::collections::HashMap<Digest, Arc<Vec<u32>>>>>,
     /// Tile images by key (`emit::TileInput`): an edit that leaves a tile's content unchanged
     /// reuses its image. In memory only, like the package they make.
     pub(crate) tile_memo: Arc<crate::phases::Memo<crate::emit::TileBody>>,
@@ -147,6 +151,7 @@ impl Database {
             tables_memo: Arc::default(),
             placement_memo: Arc::default(),
             validated_memo: Arc::default(),
+            sizing_memo: Arc::default(),
             tile_memo: Arc::default(),
             tile_counts: Arc::default(),
             plan_finalists: crate::lower::search::DEFAULT_FINALISTS,

@@ -37,7 +37,7 @@ use crate::storage::{place_storage, Placement};
 /// The phases in order, as the driver runs and logs them.
 pub const PHASES: &[&str] = &["lower_mid", "select_finalist", "lower_exchanges_provisional", "size_tile_code", "place_storage", "optimize_exchange_placement", "lower_exchanges", "build_tile_images"];
 
-const LOWER_VERSION: u32 = 17;
+const LOWER_VERSION: u32 = 18;
 const SELECT_VERSION: u32 = 12;
 const SCHEDULE_VERSION: u32 = 7;
 const CODE_VERSION: u32 = 9;
@@ -66,8 +66,42 @@ pub fn finalists(db: &dyn Db, sources: Sources) -> StageResult<Vec<Lowered>> {
     let t = lowering_target(db, sources)?;
     let g = graph(db, sources)?;
     let k = db.ipuq().plan_finalists();
-    let key = db.ipuq().key("lower_mid", LOWER_VERSION, &[t.digest, g.digest, KeyHasher::new("plan finalists").add(&(k as u64)).finish()]);
-    db.ipuq().cached("lower_mid", LOWER_VERSION, key, || search::finalists(&g.value, &t.value, k).map_err(CompileError::from))
+    let x = exchange_target(db, sources)?;
+    let budget = db.ipuq().table_budget();
+    let key = db.ipuq().key("lower_mid", LOWER_VERSION, &[t.digest, x.digest, g.digest, KeyHasher::new("plan finalists").add(&(k as u64)).finish(), KeyHasher::new("table budget").add(&budget).finish()]);
+    let db = db.ipuq();
+    db.cached("lower_mid", LOWER_VERSION, key, || {
+        let found = search::finalists(&g.value, &t.value, k).map_err(CompileError::from)?;
+        // Finalists whose exchange tables would exceed the budget are steered within it (or
+        // dropped) here, their phases scheduled through the memo select_finalist reads.
+        // The table bytes of the finalists kept go to select_finalist (`sizing_memo`).
+        let mut schedule = |requests: &[PhaseRequest]| schedule_through_memo(db, &x, requests);
+        let mut sized: Vec<(Digest, Arc<Vec<u32>>)> = Vec::new();
+        let mut remember = |prepared: &Lowered, digests: &[Digest], bytes: &[u32]| {
+            if let Ok(program) = digest_of(prepared) {
+                sized.push((sizing_key(t.digest, program, digests, budget), Arc::new(bytes.to_vec())));
+            }
+        };
+        let kept = crate::lower::screen::screen_tables(&g.value, &t.value, found, budget, &mut schedule, &mut remember).map_err(CompileError)?;
+        let mut memo = db.sizing_memo.lock().expect("sizing memo lock");
+        memo.clear();
+        memo.extend(sized);
+        Ok(kept)
+    })
+}
+
+/// Key of a prepared program's table sizing: the lowering view (the sizing reads its delays),
+/// the program, each phase's schedule and the budget.
+fn sizing_key(lowering: Digest, program: Digest, schedules: &[Digest], budget: u32) -> Digest {
+    schedules_key("ipuq table sizing v1", &[lowering, program], schedules, &[KeyHasher::new("table budget").add(&budget).finish()])
+}
+
+/// Schedule exchange phases through the per-phase memo (and disk cache), keyed by the
+/// exchange view and each phase's pattern; each schedule with its digest.
+fn schedule_through_memo(db: &Database, x: &Staged<crate::target::Target>, requests: &[PhaseRequest]) -> Result<Vec<(Schedule, Digest)>, String> {
+    let keys: Vec<Digest> = requests.par_iter().map(exchange::pattern_digest).collect::<Vec<_>>().iter().map(|p| db.key("exchange_schedule", SCHEDULE_VERSION, &[x.digest, *p])).collect();
+    let entries = per_phase(db, "exchange_schedule", SCHEDULE_VERSION, &keys, &db.schedule_memo, |i| exchange::schedule_phase(&x.value, &requests[i]).map_err(CompileError::from)).map_err(|e| e.0)?;
+    Ok(entries.iter().map(|e| ((*e.value).clone(), e.digest)).collect())
 }
 
 /// Re-plans `selection` may make when no finalist can be placed (each steers the operations
@@ -95,11 +129,7 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
     let k = db.ipuq().plan_finalists();
     let db = db.ipuq();
     db.cached("select_finalist", SELECT_VERSION, key, || {
-        let schedule = |requests: &[PhaseRequest]| -> Result<Vec<(Schedule, Digest)>, String> {
-            let keys: Vec<Digest> = requests.par_iter().map(exchange::pattern_digest).collect::<Vec<_>>().iter().map(|p| db.key("exchange_schedule", SCHEDULE_VERSION, &[x.digest, *p])).collect();
-            let entries = per_phase(db, "exchange_schedule", SCHEDULE_VERSION, &keys, &db.schedule_memo, |i| exchange::schedule_phase(&x.value, &requests[i]).map_err(CompileError::from)).map_err(|e| e.0)?;
-            Ok(entries.iter().map(|e| ((*e.value).clone(), e.digest)).collect())
-        };
+        let schedule = |requests: &[PhaseRequest]| schedule_through_memo(db, &x, requests);
         // The exchange-placement search of a finalist, over the lowering view (what the stage
         // optimize_exchange_placement runs on), remembered for that stage (the searches of the
         // last round's finalists only).
@@ -111,11 +141,24 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
             memo.lock().expect("placement memo lock").insert(key, found.clone());
             Ok((found.placement.clone(), found.conflicts))
         };
+        // Table bytes lower_mid's screen found for the programs it kept (only when it ran in
+        // this process), by the program's digest and its schedules'.
+        let sizing = std::mem::take(&mut *db.sizing_memo.lock().expect("sizing memo lock"));
+        let verifying = db.verifying();
+        let sized = |l: &Lowered, digests: &[Digest]| -> Option<Arc<Vec<u32>>> {
+            if sizing.is_empty() || verifying {
+                return None;
+            }
+            let key = sizing_key(lt.digest, digest_of(l).ok()?, digests, budget);
+            let found = sizing.get(&key).cloned();
+            tracing::debug!(found = found.is_some(), "exchange-table bytes from lower_mid's screen");
+            found
+        };
         let mut candidates: Vec<Lowered> = (*f.value).clone();
         let mut steered: Vec<crate::ir::PlanConstraint> = Vec::new();
         for round in 0..=REPLANS {
             memo.lock().expect("placement memo lock").clear();
-            let failure = match select_finalist(&t.value, &candidates, budget, |l| crate::lower::host::replicate(l, &t.value), schedule, optimize) {
+            let failure = match select_finalist(&t.value, &candidates, budget, |l| crate::lower::host::replicate(l, &t.value), schedule, &sized, optimize) {
                 Ok(mut s) => {
                     s.steered = steered.iter().map(|c| format!("{}: {}", c.operation, c.describe())).collect();
                     return Ok(s);

@@ -76,6 +76,22 @@ impl std::fmt::Display for TableOverflow {
 /// Support memory per tile with compact tables, or the first tile (lowest) whose tables
 /// exceed `budget` bytes (inner error) with the phase holding most of its table bytes.
 pub fn support_checked(target: &Target, lowered: &Lowered, schedules: &[Schedule], budget: u32) -> Result<Result<Vec<SupportMemory>, TableOverflow>, String> {
+    Ok(table_bytes_checked(target, lowered, schedules, budget)?.map(|bytes| support_memory(lowered, &bytes)))
+}
+
+/// `support_checked` given each tile's table bytes as an earlier sizing of this program over
+/// these schedules found them (`known`, when at hand and within `budget`), else sized here.
+pub fn support_checked_known(target: &Target, lowered: &Lowered, schedules: &[Schedule], budget: u32, known: Option<&[u32]>) -> Result<Result<Vec<SupportMemory>, TableOverflow>, String> {
+    match known {
+        Some(bytes) if bytes.len() == lowered.tiles as usize && bytes.iter().all(|&b| b <= budget) => Ok(Ok(support_memory(lowered, bytes))),
+        _ => support_checked(target, lowered, schedules, budget),
+    }
+}
+
+/// Each tile's exchange-table bytes over sizing addresses (as `size_tile_code` encodes them),
+/// or the first tile (lowest) whose tables exceed `budget` bytes, with the phase holding most
+/// of its table bytes.
+pub fn table_bytes_checked(target: &Target, lowered: &Lowered, schedules: &[Schedule], budget: u32) -> Result<Result<Vec<u32>, TableOverflow>, String> {
     let packed = sizing_tables(target, lowered, schedules)?;
     let table_bytes: Vec<u32> = tile_tables(lowered.tiles as usize, &packed).iter().map(|b| b.len() as u32).collect();
     if let Some((tile, &bytes)) = table_bytes.iter().enumerate().find(|(_, b)| **b > budget) {
@@ -91,7 +107,7 @@ pub fn support_checked(target: &Target, lowered: &Lowered, schedules: &[Schedule
         }
         return Ok(Err(TableOverflow { tile: tile as u32, bytes, budget, phase: worst.map(|w| w.0), phase_bytes: worst.map_or(0, |w| w.1) }));
     }
-    Ok(Ok(support_memory(lowered, &table_bytes)))
+    Ok(Ok(table_bytes))
 }
 
 /// Support memory per tile with compact tables; an error names the first tile (lowest) whose

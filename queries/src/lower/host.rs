@@ -39,7 +39,19 @@ struct Plan {
 }
 
 /// Apply the pass (see the module header). Returns the program unchanged when nothing repeats.
-pub fn replicate(mut l: Lowered, target: &Target) -> Lowered {
+pub fn replicate(l: Lowered, target: &Target) -> Lowered {
+    replicate_with(l, target, false)
+}
+
+/// The pass with every input that repeats replicated by exchange, whatever the host link
+/// rate: the most exchange phases and table entries the pass can give a program (each input
+/// taken adds its transfers, and removes none), for `lower_mid`'s table screen, which does
+/// not read the link rate.
+pub fn replicate_every_input(l: Lowered, target: &Target) -> Lowered {
+    replicate_with(l, target, true)
+}
+
+fn replicate_with(mut l: Lowered, target: &Target, every_input: bool) -> Lowered {
     let mut input_phase: Vec<Transfer> = Vec::new();
     let mut sends = vec![0u64; l.tiles as usize];
     for i in 0..l.inputs.len() {
@@ -49,7 +61,7 @@ pub fn replicate(mut l: Lowered, target: &Target) -> Lowered {
         }
         let take = match l.inputs[i].role {
             HostRole::Weight => true,
-            _ => host_cycles(target, plan.saved_bytes) > exchange_cycles(target, plan.bound_words),
+            _ => every_input || host_cycles(target, plan.saved_bytes) > exchange_cycles(target, plan.bound_words),
         };
         if !take {
             continue;

@@ -80,6 +80,8 @@ pub const EXACT_COST_MARGIN_PERCENT: u64 = 5;
 ///
 /// `prepare` turns each finalist into the program that will run (`lower/host.rs` moves host
 /// replicas to exchange phases), so the exact cost counts every phase the simulator will.
+/// `sized` gives each tile's exchange-table bytes of a prepared finalist (given its schedule
+/// digests) when they were sized before (`lower/screen.rs`), so they are not encoded again.
 /// `optimize` is the exchange-placement search (`best_exchange_placement` over the lowering
 /// view), for a finalist whose baseline placement has memory-element conflicts: given the
 /// program, its schedules and their digests, the code bytes, the baseline placement and its
@@ -92,6 +94,7 @@ pub fn select_finalist(
     table_budget: u32,
     prepare: impl Fn(Lowered) -> Lowered + Sync,
     schedule: impl FnOnce(&[exchange::PhaseRequest]) -> Result<Vec<(Schedule, Digest)>, String>,
+    sized: &(dyn Fn(&Lowered, &[Digest]) -> Option<std::sync::Arc<Vec<u32>>> + Sync),
     optimize: impl Fn(&Lowered, &[Schedule], &[Digest], &[u32], &Placement, Baseline) -> Result<(Placement, u64), String> + Sync,
 ) -> Result<Selection, NoFinalist> {
     let prepared: Vec<Lowered> = finalists.par_iter().map(|l| prepare(l.clone())).collect();
@@ -131,7 +134,8 @@ pub fn select_finalist(
             if per_finalist[f].len() != l.phases.len() {
                 return Err(Failure::from("exchange phases were not scheduled".to_string()));
             }
-            cost_placed(target, f as u32, l, &per_finalist[f], &digests[f], table_budget, &optimize)
+            let known = sized(l, &digests[f]);
+            cost_placed(target, f as u32, l, &per_finalist[f], &digests[f], table_budget, known.as_deref().map(|v| &v[..]), &optimize)
         })
         .collect();
     let mut ok: Vec<Costed> = Vec::new();
@@ -177,10 +181,11 @@ fn cost_placed(
     schedules: &[Schedule],
     digests: &[Digest],
     table_budget: u32,
+    known_tables: Option<&[u32]>,
     optimize: &(impl Fn(&Lowered, &[Schedule], &[Digest], &[u32], &Placement, Baseline) -> Result<(Placement, u64), String> + Sync),
 ) -> Result<Costed, Failure> {
     let blame = |phase: u32| l.phase_plans.get(phase as usize).copied();
-    let support = match crate::sizing::support_checked(target, l, schedules, table_budget)? {
+    let support = match crate::sizing::support_checked_known(target, l, schedules, table_budget, known_tables)? {
         Ok(s) => s,
         Err(o) => return Err(Failure { message: o.to_string(), blamed: o.phase.and_then(blame) }),
     };
