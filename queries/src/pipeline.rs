@@ -78,9 +78,7 @@ pub fn finalists(db: &dyn Db, sources: Sources) -> StageResult<Vec<Lowered>> {
         let mut schedule = |requests: &[PhaseRequest]| schedule_through_memo(db, &x, requests);
         let mut sized: Vec<(Digest, Arc<Vec<u32>>)> = Vec::new();
         let mut remember = |prepared: &Lowered, digests: &[Digest], bytes: &[u32]| {
-            if let Ok(program) = digest_of(prepared) {
-                sized.push((sizing_key(t.digest, program, digests, budget), Arc::new(bytes.to_vec())));
-            }
+            sized.push((sizing_key(t.digest, crate::sizing::sizing_digest(prepared), digests, budget), Arc::new(bytes.to_vec())));
         };
         let kept = crate::lower::screen::screen_tables(&g.value, &t.value, found, budget, &mut schedule, &mut remember).map_err(CompileError)?;
         let mut memo = db.sizing_memo.lock().expect("sizing memo lock");
@@ -91,7 +89,8 @@ pub fn finalists(db: &dyn Db, sources: Sources) -> StageResult<Vec<Lowered>> {
 }
 
 /// Key of a prepared program's table sizing: the lowering view (the sizing reads its delays),
-/// the program, each phase's schedule and the budget.
+/// what the sizing reads of the program (`sizing::sizing_digest`), each phase's schedule and
+/// the budget.
 fn sizing_key(lowering: Digest, program: Digest, schedules: &[Digest], budget: u32) -> Digest {
     schedules_key("ipuq table sizing v1", &[lowering, program], schedules, &[KeyHasher::new("table budget").add(&budget).finish()])
 }
@@ -149,7 +148,7 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
             if sizing.is_empty() || verifying {
                 return None;
             }
-            let key = sizing_key(lt.digest, digest_of(l).ok()?, digests, budget);
+            let key = sizing_key(lt.digest, crate::sizing::sizing_digest(l), digests, budget);
             let found = sizing.get(&key).cloned();
             tracing::debug!(found = found.is_some(), "exchange-table bytes from lower_mid's screen");
             found

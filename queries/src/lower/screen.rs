@@ -69,7 +69,7 @@ pub struct Sized {
 /// the tables encoded over sizing addresses.
 pub fn size_tables(target: &Target, lowered: &Lowered, budget: u32, schedule: &mut ScheduleFn) -> Result<Sized, String> {
     let start = std::time::Instant::now();
-    let prepared = super::host::replicate_every_input(lowered.clone(), target);
+    let prepared = super::host::replicate_every_input(sizing_view(lowered), target);
     let bases = provisional_bases(&prepared);
     let phases = requests(&prepared, |buffer, offset| bases[buffer as usize] + offset);
     let prepared_ms = start.elapsed().as_millis() as u64;
@@ -78,6 +78,28 @@ pub fn size_tables(target: &Target, lowered: &Lowered, budget: u32, schedule: &m
     let tables = table_bytes_checked(target, &prepared, &schedules, budget)?;
     debug!(prepared_ms, scheduled_ms, sized_ms = start.elapsed().as_millis() as u64, "exchange tables sized");
     Ok(Sized { prepared, digests, tables })
+}
+
+/// What the host pass and the table sizing read of a program (tiles, buffers, steps, phases
+/// and their owners, host tensors), without its compute sets, checkpoints and plans, which
+/// neither reads: a far smaller copy to prepare.
+fn sizing_view(l: &Lowered) -> Lowered {
+    Lowered {
+        tiles: l.tiles,
+        labels: Vec::new(),
+        buffers: l.buffers.clone(),
+        steps: l.steps.clone(),
+        compute_sets: Vec::new(),
+        phases: l.phases.clone(),
+        phase_plans: l.phase_plans.clone(),
+        initialize: l.initialize.clone(),
+        inputs: l.inputs.clone(),
+        outputs: Vec::new(),
+        checkpoints: Vec::new(),
+        plans: Vec::new(),
+        gemm_flops: l.gemm_flops,
+        logical_shards: l.logical_shards,
+    }
 }
 
 /// The finalists with the best one over the table budget steered within it, and later ones
@@ -146,16 +168,21 @@ pub fn screen_tables(graph: &Graph, target: &Target, finalists: Vec<Lowered>, bu
 /// the search planned it when at most `steers` steers cannot bring it within (Err).
 #[allow(clippy::too_many_arguments)]
 fn steer_within(graph: &Graph, target: &Target, index: usize, finalist: Lowered, budget: u32, steers: usize, schedule: &mut ScheduleFn, remember: &mut RememberFn) -> Result<Result<(Lowered, bool), Lowered>, String> {
-    let mut l = finalist.clone();
+    // The finalist steered so far (None: as planned).
+    let mut current: Option<Lowered> = None;
     let mut steered = graph.clone();
     for round in 0..=steers {
+        let l = current.as_ref().unwrap_or(&finalist);
         let start = std::time::Instant::now();
-        let sized = size_tables(target, &l, budget, schedule)?;
+        let sized = size_tables(target, l, budget, schedule)?;
         debug!(finalist = index, round, elapsed_ms = start.elapsed().as_millis() as u64, "sized the finalist's exchange tables");
         let overflow = match sized.tables {
             Ok(bytes) => {
                 remember(&sized.prepared, &sized.digests, &bytes);
-                return Ok(Ok((l, round > 0)));
+                return Ok(Ok(match current {
+                    Some(l) => (l, true),
+                    None => (finalist, false),
+                }));
             }
             Err(o) => o,
         };
@@ -190,7 +217,7 @@ fn steer_within(graph: &Graph, target: &Target, index: usize, finalist: Lowered,
         let lowered = lower_feasible_alone(&oriented, target, home_weights(&l));
         debug!(finalist = index, home_weights = home_weights(&l), elapsed_ms = start.elapsed().as_millis() as u64, "lowered the steered finalist");
         match lowered {
-            Ok((next, true)) => l = next,
+            Ok((next, true)) => current = Some(next),
             Ok((_, false)) => {
                 debug!(finalist = index, "steered finalist does not fit tile memory");
                 break;
