@@ -17,6 +17,7 @@
 //! memory view, build_tile_images the whole target (it embeds it). Every key also holds the
 //! compiler fingerprint (`Database::key`).
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use rayon::prelude::*;
@@ -74,13 +75,23 @@ pub fn finalists(db: &dyn Db, sources: Sources) -> StageResult<Vec<Lowered>> {
         let found = search::finalists(&g.value, &t.value, k).map_err(CompileError::from)?;
         // Finalists whose exchange tables would exceed the budget are steered within it (or
         // dropped) here, their phases scheduled through the memo select_finalist reads.
-        // The table bytes of the finalists kept go to select_finalist (`sizing_memo`).
-        let mut schedule = |requests: &[PhaseRequest]| schedule_through_memo(db, &x, requests);
+        // The table bytes of the finalists kept go to select_finalist (`sizing_memo`). The
+        // per-phase memo holds the latest call's entries only: every call of the screen starts
+        // from all the entries it scheduled so far, and leaves them all for select_finalist.
+        let screened: std::cell::RefCell<HashMap<Digest, Staged<Schedule>>> = std::cell::RefCell::new(std::mem::take(&mut *db.schedule_memo.lock().expect("phase memo lock")));
+        let mut schedule = |requests: &[PhaseRequest]| {
+            *db.schedule_memo.lock().expect("phase memo lock") = screened.borrow().clone();
+            let out = schedule_through_memo(db, &x, requests);
+            screened.borrow_mut().extend(db.schedule_memo.lock().expect("phase memo lock").drain());
+            out
+        };
         let mut sized: Vec<(Digest, Arc<Vec<u32>>)> = Vec::new();
         let mut remember = |prepared: &Lowered, digests: &[Digest], bytes: &[u32]| {
             sized.push((sizing_key(t.digest, crate::sizing::sizing_digest(prepared), digests, budget), Arc::new(bytes.to_vec())));
         };
-        let kept = crate::lower::screen::screen_tables(&g.value, &t.value, found, budget, &mut schedule, &mut remember).map_err(CompileError)?;
+        let kept = crate::lower::screen::screen_tables(&g.value, &t.value, found, budget, &mut schedule, &mut remember);
+        *db.schedule_memo.lock().expect("phase memo lock") = screened.into_inner();
+        let kept = kept.map_err(CompileError)?;
         let mut memo = db.sizing_memo.lock().expect("sizing memo lock");
         memo.clear();
         memo.extend(sized);
