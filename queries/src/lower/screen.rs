@@ -214,8 +214,8 @@ fn steer_within(graph: &Graph, target: &Target, index: usize, finalist: Lowered,
             }
         };
         let start = std::time::Instant::now();
-        let lowered = lower_feasible_alone(&oriented, target, home_weights(&l));
-        debug!(finalist = index, home_weights = home_weights(&l), elapsed_ms = start.elapsed().as_millis() as u64, "lowered the steered finalist");
+        let lowered = lower_feasible_alone(&oriented, target, home_weights(l));
+        debug!(finalist = index, home_weights = home_weights(l), elapsed_ms = start.elapsed().as_millis() as u64, "lowered the steered finalist");
         match lowered {
             Ok((next, true)) => current = Some(next),
             Ok((_, false)) => {

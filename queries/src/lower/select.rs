@@ -71,6 +71,10 @@ impl From<String> for Failure {
     }
 }
 
+/// Each tile's exchange-table bytes of a prepared finalist, given its schedule digests, when
+/// they were sized before (`lower/screen.rs`).
+pub type SizedFn<'a> = dyn Fn(&Lowered, &[Digest]) -> Option<std::sync::Arc<Vec<u32>>> + Sync + 'a;
+
 /// Finalists whose estimate exceeds the best estimate by more than this are not costed exactly.
 pub const EXACT_COST_MARGIN_PERCENT: u64 = 5;
 
@@ -94,7 +98,7 @@ pub fn select_finalist(
     table_budget: u32,
     prepare: impl Fn(Lowered) -> Lowered + Sync,
     schedule: impl FnOnce(&[exchange::PhaseRequest]) -> Result<Vec<(Schedule, Digest)>, String>,
-    sized: &(dyn Fn(&Lowered, &[Digest]) -> Option<std::sync::Arc<Vec<u32>>> + Sync),
+    sized: &SizedFn,
     optimize: impl Fn(&Lowered, &[Schedule], &[Digest], &[u32], &Placement, Baseline) -> Result<(Placement, u64), String> + Sync,
 ) -> Result<Selection, NoFinalist> {
     let prepared: Vec<Lowered> = finalists.par_iter().map(|l| prepare(l.clone())).collect();
@@ -174,6 +178,7 @@ pub fn select_finalist(
 /// exchange tables exceed the budget, or when memory-element conflicts remain after the
 /// exchange-placement stage's own search (run here only where the placement has conflicts),
 /// since the device rejects a tile sending from and receiving into one element in a cycle.
+#[allow(clippy::too_many_arguments)]
 fn cost_placed(
     target: &Target,
     finalist: u32,
