@@ -150,6 +150,10 @@ pub struct Database {
     /// Finalist selections of this process: (key without the host link rate, the rates they
     /// hold for, the selection), the latest few (`Database::ranged`).
     pub(crate) selection_memo: RangedMemo<crate::lower::select::Selection>,
+    /// Each tile's exchange-table bytes of the finalists `lower_mid`'s table screen kept, by
+    /// the key of the prepared program and its schedules (`pipeline::screen_key`):
+    /// `select_finalist` takes them instead of encoding the same tables again.
+    pub(crate) screen_memo: Arc<std::sync::Mutex<std::collections::HashMap<Digest, Arc<Vec<u32>>>>>,
     /// Tile images by key (`emit::TileInput`): an edit that leaves a tile's content unchanged
     /// reuses its image. In memory only, like the package they make.
     pub(crate) tile_memo: Arc<crate::phases::Memo<crate::emit::TileBody>>,
@@ -179,6 +183,7 @@ impl Database {
             validation_memo: Arc::default(),
             validated_memo: Arc::default(),
             selection_memo: Arc::default(),
+            screen_memo: Arc::default(),
             tile_memo: Arc::default(),
             tile_counts: Arc::default(),
             plan_finalists: crate::lower::search::DEFAULT_FINALISTS,

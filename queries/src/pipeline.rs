@@ -17,6 +17,7 @@
 //! memory view, build_tile_images the whole target (it embeds it). Every key also holds the
 //! compiler fingerprint (`Database::key`).
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use rayon::prelude::*;
@@ -37,7 +38,7 @@ use crate::storage::{place_storage, Placement};
 /// The phases in order, as the driver runs and logs them.
 pub const PHASES: &[&str] = &["lower_mid", "select_finalist", "lower_exchanges_provisional", "size_tile_code", "place_storage", "optimize_exchange_placement", "lower_exchanges", "build_tile_images"];
 
-const LOWER_VERSION: u32 = 17;
+const LOWER_VERSION: u32 = 18;
 const SELECT_VERSION: u32 = 13;
 const SCHEDULE_VERSION: u32 = 7;
 const CODE_VERSION: u32 = 9;
@@ -66,8 +67,51 @@ pub fn finalists(db: &dyn Db, sources: Sources) -> StageResult<Vec<Lowered>> {
     let t = lowering_target(db, sources)?;
     let g = graph(db, sources)?;
     let k = db.ipuq().plan_finalists();
-    let key = db.ipuq().key("lower_mid", LOWER_VERSION, &[t.digest, g.digest, KeyHasher::new("plan finalists").add(&(k as u64)).finish()]);
-    db.ipuq().cached("lower_mid", LOWER_VERSION, key, || search::finalists(&g.value, &t.value, k).map_err(CompileError::from))
+    let x = exchange_target(db, sources)?;
+    let budget = db.ipuq().table_budget();
+    let key = db.ipuq().key("lower_mid", LOWER_VERSION, &[t.digest, x.digest, g.digest, KeyHasher::new("plan finalists").add(&(k as u64)).finish(), KeyHasher::new("table budget").add(&budget).finish()]);
+    let db = db.ipuq();
+    db.cached("lower_mid", LOWER_VERSION, key, || {
+        let found = search::finalists(&g.value, &t.value, k).map_err(CompileError::from)?;
+        // Finalists whose exchange tables would exceed the budget are steered within it (or
+        // dropped) here, their phases scheduled through the memo select_finalist reads.
+        // The table bytes of the finalists kept go to select_finalist (`screen_memo`). The
+        // per-phase memo holds the latest call's entries only: every call of the screen starts
+        // from all the entries it scheduled so far, and leaves them all for select_finalist.
+        let screened: std::cell::RefCell<HashMap<Digest, Staged<Schedule>>> = std::cell::RefCell::new(std::mem::take(&mut *db.schedule_memo.lock().expect("phase memo lock")));
+        let mut schedule = |requests: &[PhaseRequest]| {
+            *db.schedule_memo.lock().expect("phase memo lock") = screened.borrow().clone();
+            let out = schedule_through_memo(db, &x, requests);
+            screened.borrow_mut().extend(db.schedule_memo.lock().expect("phase memo lock").drain());
+            out
+        };
+        let mut sized: Vec<(Digest, Arc<Vec<u32>>)> = Vec::new();
+        let mut remember = |prepared: &Lowered, digests: &[Digest], bytes: &[u32]| {
+            sized.push((screen_key(t.digest, crate::sizing::sizing_digest(prepared), digests, budget), Arc::new(bytes.to_vec())));
+        };
+        let kept = crate::lower::screen::screen_tables(&g.value, &t.value, found, budget, &mut schedule, &mut remember);
+        *db.schedule_memo.lock().expect("phase memo lock") = screened.into_inner();
+        let kept = kept.map_err(CompileError)?;
+        let mut memo = db.screen_memo.lock().expect("screen memo lock");
+        memo.clear();
+        memo.extend(sized);
+        Ok(kept)
+    })
+}
+
+/// Key of a prepared program's table sizing in lower_mid's screen: the lowering view (the
+/// sizing reads its delays), what the sizing reads of the program (`sizing::sizing_digest`),
+/// each phase's schedule and the budget.
+fn screen_key(lowering: Digest, program: Digest, schedules: &[Digest], budget: u32) -> Digest {
+    schedules_key("ipuq table sizing v1", &[lowering, program], schedules, &[KeyHasher::new("table budget").add(&budget).finish()])
+}
+
+/// Schedule exchange phases through the per-phase memo (and disk cache), keyed by the
+/// exchange view and each phase's pattern; each schedule with its digest.
+fn schedule_through_memo(db: &Database, x: &Staged<crate::target::Target>, requests: &[PhaseRequest]) -> Result<Vec<(Schedule, Digest)>, String> {
+    let keys: Vec<Digest> = requests.par_iter().map(exchange::pattern_digest).collect::<Vec<_>>().iter().map(|p| db.key("exchange_schedule", SCHEDULE_VERSION, &[x.digest, *p])).collect();
+    let entries = per_phase(db, "exchange_schedule", SCHEDULE_VERSION, &keys, &db.schedule_memo, |i| exchange::schedule_phase(&x.value, &requests[i]).map_err(CompileError::from)).map_err(|e| e.0)?;
+    Ok(entries.iter().map(|e| ((*e.value).clone(), e.digest)).collect())
 }
 
 /// Re-plans `selection` may make when no finalist can be placed (each steers the operations
@@ -105,11 +149,7 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
         l
     };
     db.ranged("select_finalist", SELECT_VERSION, key, t.value.host.link_bytes_per_second, &db.selection_memo, || {
-        let schedule = |requests: &[PhaseRequest]| -> Result<Vec<(Schedule, Digest)>, String> {
-            let keys: Vec<Digest> = requests.par_iter().map(exchange::pattern_digest).collect::<Vec<_>>().iter().map(|p| db.key("exchange_schedule", SCHEDULE_VERSION, &[x.digest, *p])).collect();
-            let entries = per_phase(db, "exchange_schedule", SCHEDULE_VERSION, &keys, &db.schedule_memo, |i| exchange::schedule_phase(&x.value, &requests[i]).map_err(CompileError::from)).map_err(|e| e.0)?;
-            Ok(entries.iter().map(|e| ((*e.value).clone(), e.digest)).collect())
-        };
+        let schedule = |requests: &[PhaseRequest]| schedule_through_memo(db, &x, requests);
         // The exchange-placement search of a finalist, over the lowering view (what the stage
         // optimize_exchange_placement runs on), remembered for that stage (the searches of the
         // last round's finalists only).
@@ -126,9 +166,23 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
         // A finalist's support memory (its tables encoded over sizing addresses), over the
         // selection view (whose grid and delays, all sizing reads of it, are the exchange
         // view's), remembered for the stage size_tile_code (the last round's finalists only).
+        // Table bytes lower_mid's screen found for the programs it kept (only when it ran in
+        // this process), by what the sizing reads of the program and its schedules: they are
+        // not encoded again.
+        let screened = std::mem::take(&mut *db.screen_memo.lock().expect("screen memo lock"));
+        let verifying = db.verifying();
+        let known = |l: &Lowered, digests: &[Digest]| -> Option<Arc<Vec<u32>>> {
+            if screened.is_empty() || verifying {
+                return None;
+            }
+            let found = screened.get(&screen_key(lt.digest, crate::sizing::sizing_digest(l), digests, budget)).cloned();
+            tracing::debug!(found = found.is_some(), "exchange-table bytes from lower_mid's screen");
+            found
+        };
         let sized = &db.sizing_memo;
         let size = |l: &Lowered, program: Digest, schedules: &[Schedule], digests: &[Digest]| -> Result<crate::lower::select::Sizing, String> {
-            let outcome = crate::sizing::support_checked(&t.value, l, schedules, budget)?;
+            let known = known(l, digests);
+            let outcome = crate::sizing::support_checked_known(&t.value, l, schedules, budget, known.as_deref().map(|v| &v[..]))?;
             if let Ok(support) = &outcome {
                 sized.lock().expect("sizing memo lock").insert(sizing_key(x.digest, program, digests, budget), Arc::new(support.clone()));
             }

@@ -52,6 +52,30 @@ pub fn sizing_tables(target: &Target, lowered: &Lowered, schedules: &[Schedule])
         .collect()
 }
 
+/// Digest of what [`table_bytes_checked`] reads of a program besides the target and the
+/// schedules: the tile count, each buffer's tile and size (its sizing address) and every
+/// phase's transfers (the requests). Far cheaper than the digest of the whole program.
+pub fn sizing_digest(lowered: &Lowered) -> crate::hash::Digest {
+    let mut words: Vec<u32> = Vec::with_capacity(2 + 2 * lowered.buffers.len());
+    words.push(lowered.tiles);
+    words.push(lowered.buffers.len() as u32);
+    for b in &lowered.buffers {
+        words.extend([b.tile, b.bytes]);
+    }
+    words.push(lowered.phases.len() as u32);
+    for phase in &lowered.phases {
+        words.push(phase.len() as u32);
+        for t in phase {
+            words.extend([t.source.0, t.source.1, t.words, t.destinations.len() as u32]);
+            for d in &t.destinations {
+                words.extend([d.0, d.1]);
+            }
+        }
+    }
+    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+    crate::hash::KeyHasher::new("ipuq table sizing input v1").bytes(&bytes).finish()
+}
+
 /// A tile whose exchange tables exceed the budget, and the phase contributing most of them.
 #[derive(Clone, Debug)]
 pub struct TableOverflow {
@@ -76,6 +100,22 @@ impl std::fmt::Display for TableOverflow {
 /// Support memory per tile with compact tables, or the first tile (lowest) whose tables
 /// exceed `budget` bytes (inner error) with the phase holding most of its table bytes.
 pub fn support_checked(target: &Target, lowered: &Lowered, schedules: &[Schedule], budget: u32) -> Result<Result<Vec<SupportMemory>, TableOverflow>, String> {
+    Ok(table_bytes_checked(target, lowered, schedules, budget)?.map(|bytes| support_memory(lowered, &bytes)))
+}
+
+/// `support_checked` given each tile's table bytes as an earlier sizing of this program over
+/// these schedules found them (`known`, when at hand and within `budget`), else sized here.
+pub fn support_checked_known(target: &Target, lowered: &Lowered, schedules: &[Schedule], budget: u32, known: Option<&[u32]>) -> Result<Result<Vec<SupportMemory>, TableOverflow>, String> {
+    match known {
+        Some(bytes) if bytes.len() == lowered.tiles as usize && bytes.iter().all(|&b| b <= budget) => Ok(Ok(support_memory(lowered, bytes))),
+        _ => support_checked(target, lowered, schedules, budget),
+    }
+}
+
+/// Each tile's exchange-table bytes over sizing addresses (as `size_tile_code` encodes them),
+/// or the first tile (lowest) whose tables exceed `budget` bytes, with the phase holding most
+/// of its table bytes.
+pub fn table_bytes_checked(target: &Target, lowered: &Lowered, schedules: &[Schedule], budget: u32) -> Result<Result<Vec<u32>, TableOverflow>, String> {
     let packed = sizing_tables(target, lowered, schedules)?;
     let table_bytes: Vec<u32> = tile_tables(lowered.tiles as usize, &packed).iter().map(|b| b.len() as u32).collect();
     if let Some((tile, &bytes)) = table_bytes.iter().enumerate().find(|(_, b)| **b > budget) {
@@ -91,7 +131,7 @@ pub fn support_checked(target: &Target, lowered: &Lowered, schedules: &[Schedule
         }
         return Ok(Err(TableOverflow { tile: tile as u32, bytes, budget, phase: worst.map(|w| w.0), phase_bytes: worst.map_or(0, |w| w.1) }));
     }
-    Ok(Ok(support_memory(lowered, &table_bytes)))
+    Ok(Ok(table_bytes))
 }
 
 /// Support memory per tile with compact tables; an error names the first tile (lowest) whose

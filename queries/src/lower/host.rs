@@ -43,6 +43,14 @@ pub fn replicate(l: Lowered, target: &Target) -> Lowered {
     replicate_in_range(l, target).0
 }
 
+/// The pass with every input that repeats replicated by exchange, whatever the host link
+/// rate: the most exchange phases and table entries the pass can give a program (each input
+/// taken adds its transfers, and removes none), for `lower_mid`'s table screen, which does
+/// not read the link rate.
+pub fn replicate_every_input(l: Lowered, target: &Target) -> Lowered {
+    replicate_with(l, target, true).0
+}
+
 /// Host link rates (bytes per second, at least 1) for which every decision of one or more
 /// host passes comes out the same: a pass reads the rate only through them (`take` below).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -82,7 +90,11 @@ impl RateRange {
 /// The pass, with the range of host link rates over which it gives this same program (the
 /// rate decides only whether an input's copies move by exchange): a result computed at one
 /// rate holds for every rate of the range (`pipeline::selection` caches so).
-pub fn replicate_in_range(mut l: Lowered, target: &Target) -> (Lowered, RateRange) {
+pub fn replicate_in_range(l: Lowered, target: &Target) -> (Lowered, RateRange) {
+    replicate_with(l, target, false)
+}
+
+fn replicate_with(mut l: Lowered, target: &Target, every_input: bool) -> (Lowered, RateRange) {
     let mut range = RateRange::ALL;
     let mut input_phase: Vec<Transfer> = Vec::new();
     let mut sends = vec![0u64; l.tiles as usize];
@@ -93,6 +105,7 @@ pub fn replicate_in_range(mut l: Lowered, target: &Target) -> (Lowered, RateRang
         }
         let take = match l.inputs[i].role {
             HostRole::Weight => true,
+            _ if every_input => true,
             _ => {
                 let exchange = exchange_cycles(target, plan.bound_words);
                 let take = host_cycles(target, plan.saved_bytes) > exchange;

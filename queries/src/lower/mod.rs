@@ -13,6 +13,7 @@ pub mod grid;
 pub mod host;
 pub mod plan;
 pub mod orient;
+pub mod screen;
 pub mod search;
 pub mod select;
 

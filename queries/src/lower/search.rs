@@ -452,6 +452,14 @@ fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attem
     last.map(|l| (l, None)).ok_or_else(|| first_error.expect("an attempt either lowers or fails"))
 }
 
+/// [`lower_feasible`] with no beam attempt at hand, for the table screen's steered finalists
+/// (`screen.rs`): with `home_weights`, from the program lowered with home-tile weights (as the
+/// beam hands on a program it switched to them), else from replicated weights.
+pub(crate) fn lower_feasible_alone(oriented: &Oriented, target: &Target, home_weights: bool) -> Result<(Lowered, bool), LowerError> {
+    let first = if home_weights { Some((lower_with(oriented, target, true, &[])?, true)) } else { None };
+    lower_feasible(oriented, target, first, None).map(|(l, peaks)| (l, peaks.is_some()))
+}
+
 /// Whether placement put weights of a product planned with interleaved weights (buffers that
 /// prefer interleaved memory) into standard memory.
 fn weights_displaced(attempt: &Attempt, addresses: &[u32], target: &Target) -> bool {

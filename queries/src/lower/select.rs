@@ -87,6 +87,8 @@ pub const EXACT_COST_MARGIN_PERCENT: u64 = 5;
 ///
 /// `prepare` turns each finalist into the program that will run (`lower/host.rs` moves host
 /// replicas to exchange phases), so the exact cost counts every phase the simulator will.
+/// `sized` gives each tile's exchange-table bytes of a prepared finalist (given its schedule
+/// digests) when they were sized before (`lower/screen.rs`), so they are not encoded again.
 /// `optimize` is the exchange-placement search (`best_exchange_placement` over the lowering
 /// view), for a finalist whose baseline placement has memory-element conflicts: given the
 /// program, its schedules and their digests, the code bytes, the baseline placement and its
@@ -184,6 +186,7 @@ pub fn select_finalist(
 /// exchange tables exceed the budget, or when memory-element conflicts remain after the
 /// exchange-placement stage's own search (run here only where the placement has conflicts),
 /// since the device rejects a tile sending from and receiving into one element in a cycle.
+#[allow(clippy::too_many_arguments)]
 fn cost_placed(
     target: &Target,
     finalist: u32,

@@ -1,0 +1,321 @@
+//! `lower_mid`'s exchange-table screen: a finalist whose exchange tables would exceed the
+//! per-tile table budget is steered and lowered again here, before `select_finalist`
+//! schedules, places and costs the finalists.
+//!
+//! A tile's table bytes are the sum over every exchange phase it takes part in (a binding per
+//! phase, plus each distinct segment once), so a program of repeated layers can outgrow the
+//! budget on a tile although each operation's plan alone is small: the bytes are a
+//! whole-program quantity, and they depend on how the scheduler cuts and times each transfer
+//! (runs form only where entries are regular in cycle and address). The screen therefore
+//! computes them as `size_tile_code` will, not from a model: each phase of the program (with
+//! the host pass applied as `select_finalist` prepares it, every repeated input replicated,
+//! the most phases that pass can add) is scheduled by the exchange scheduler (through the
+//! per-phase memo, so `select_finalist` finds these schedules done), and its tables are
+//! encoded over sizing addresses in the table format (`sizing.rs`, `tables.rs`).
+//!
+//! When the best finalist's tables overflow, the operation whose phase holds most of the
+//! bytes on the overflowing tile is steered away from its plan (`select::steer_away`: half
+//! the pieces along one free axis) and only that finalist's program is lowered again, in its
+//! own orientation (`search::lower_feasible`, which makes it fit tile memory), instead of
+//! planning the whole program again; repeated until it fits or nothing is left to steer.
+//! Once a finalist is kept, a later one over the budget is dropped rather than steered (each
+//! steer lowers a whole program again; select_finalist would drop it unsteered). When no
+//! finalist can be brought within the budget, the best one is handed on as planned
+//! (`select_finalist` then reports the overflow, and may still re-plan the whole program).
+//!
+//! The table bytes of each finalist kept are handed to `select_finalist` (`remember`), which
+//! sizes the same program over the same schedules and so need not encode its tables again.
+
+use std::collections::BTreeSet;
+
+use tracing::{debug, info};
+
+use super::orient::orient;
+use super::search::{estimated_cycles, lower_feasible_alone};
+use super::select::{steer_away, EXACT_COST_MARGIN_PERCENT};
+use super::Lowered;
+use crate::exchange::{PhaseRequest, Schedule};
+use crate::hash::Digest;
+use crate::ir::Graph;
+use crate::package::HostRole;
+use crate::pipeline::{provisional_bases, requests};
+use crate::sizing::{table_bytes_checked, TableOverflow};
+use crate::target::Target;
+
+/// Steered lowerings the screen may make for one finalist (each halves one axis of one
+/// product's plan, so this bounds the work, not the result).
+pub const STEERS: usize = 8;
+
+/// Schedules for a list of exchange phases, in order, each with its digest (the pipeline's
+/// per-phase memo).
+pub type ScheduleFn<'a> = dyn FnMut(&[PhaseRequest]) -> Result<Vec<(Schedule, Digest)>, String> + 'a;
+
+/// Told of each finalist kept: the program as select_finalist prepares it, its schedules'
+/// digests and every tile's exchange-table bytes.
+pub type RememberFn<'a> = dyn FnMut(&Lowered, &[Digest], &[u32]) + 'a;
+
+/// A finalist's tables, sized: the prepared program, its schedule digests, and each tile's
+/// table bytes or the first tile over the budget.
+pub struct Sized {
+    pub prepared: Lowered,
+    pub digests: Vec<Digest>,
+    pub tables: Result<Vec<u32>, TableOverflow>,
+}
+
+/// `lowered`'s exchange tables as `select_finalist` will size them: the program prepared by
+/// the host pass with every repeated input replicated (the most phases the pass can add, so
+/// never fewer table bytes than the link rate's choice gives), each phase scheduled over the
+/// provisional addresses select_finalist uses (the same patterns, so the same memo entries),
+/// the tables encoded over sizing addresses.
+pub fn size_tables(target: &Target, lowered: &Lowered, budget: u32, schedule: &mut ScheduleFn) -> Result<Sized, String> {
+    let start = std::time::Instant::now();
+    let prepared = super::host::replicate_every_input(sizing_view(lowered), target);
+    let bases = provisional_bases(&prepared);
+    let phases = requests(&prepared, |buffer, offset| bases[buffer as usize] + offset);
+    let prepared_ms = start.elapsed().as_millis() as u64;
+    let (schedules, digests): (Vec<Schedule>, Vec<Digest>) = schedule(&phases)?.into_iter().unzip();
+    let scheduled_ms = start.elapsed().as_millis() as u64;
+    let tables = table_bytes_checked(target, &prepared, &schedules, budget)?;
+    debug!(prepared_ms, scheduled_ms, sized_ms = start.elapsed().as_millis() as u64, "exchange tables sized");
+    Ok(Sized { prepared, digests, tables })
+}
+
+/// What the host pass and the table sizing read of a program (tiles, buffers, steps, phases
+/// and their owners, host tensors), without its compute sets, checkpoints and plans, which
+/// neither reads: a far smaller copy to prepare.
+fn sizing_view(l: &Lowered) -> Lowered {
+    Lowered {
+        tiles: l.tiles,
+        labels: Vec::new(),
+        buffers: l.buffers.clone(),
+        steps: l.steps.clone(),
+        compute_sets: Vec::new(),
+        phases: l.phases.clone(),
+        phase_plans: l.phase_plans.clone(),
+        initialize: l.initialize.clone(),
+        inputs: l.inputs.clone(),
+        outputs: Vec::new(),
+        checkpoints: Vec::new(),
+        plans: Vec::new(),
+        gemm_flops: l.gemm_flops,
+        logical_shards: l.logical_shards,
+    }
+}
+
+/// The finalists with the best one over the table budget steered within it, and later ones
+/// over it dropped (module docs), best estimate first (ties: the search's order). `graph` is
+/// the graph the finalists were planned from (the user's constraints are kept when steering).
+pub fn screen_tables(graph: &Graph, target: &Target, finalists: Vec<Lowered>, budget: u32, schedule: &mut ScheduleFn, remember: &mut RememberFn) -> Result<Vec<Lowered>, String> {
+    let mut kept: Vec<Lowered> = Vec::with_capacity(finalists.len());
+    let mut first_failure: Option<Lowered> = None;
+    let mut steered_any = false;
+    // select_finalist does not cost a finalist far above the best estimate (more than its
+    // margin): such a finalist is handed on unsized, unless steering raised the best estimate
+    // so far that it is in the margin (then it is sized after the others).
+    let in_margin = |l: &Lowered, best: u64| estimated_cycles(l) * 100 <= best * (100 + EXACT_COST_MARGIN_PERCENT);
+    let best_planned = finalists.first().map(estimated_cycles).unwrap_or(0);
+    let mut far: Vec<(usize, Lowered)> = Vec::new();
+    for (index, finalist) in finalists.into_iter().enumerate() {
+        if !in_margin(&finalist, best_planned) {
+            far.push((index, finalist));
+            continue;
+        }
+        let steers = if kept.is_empty() { STEERS } else { 0 };
+        match steer_within(graph, target, index, finalist, budget, steers, schedule, remember)? {
+            // A steered finalist may come out as one already kept.
+            Ok((l, steered)) => {
+                if !steered || !kept.contains(&l) {
+                    kept.push(l);
+                }
+                steered_any |= steered;
+            }
+            Err(l) => {
+                first_failure.get_or_insert(l);
+            }
+        }
+    }
+    // The far finalists in estimate order: each is sized when in the margin of the best
+    // estimate select_finalist would get (the kept finalists' and its own).
+    for (index, finalist) in far {
+        let best = kept.iter().map(estimated_cycles).chain([estimated_cycles(&finalist)]).min().unwrap_or(0);
+        if !in_margin(&finalist, best) {
+            kept.push(finalist);
+            continue;
+        }
+        let steers = if kept.is_empty() { STEERS } else { 0 };
+        match steer_within(graph, target, index, finalist, budget, steers, schedule, remember)? {
+            Ok((l, steered)) => {
+                kept.push(l);
+                steered_any |= steered;
+            }
+            Err(l) => {
+                first_failure.get_or_insert(l);
+            }
+        }
+    }
+    if kept.is_empty() {
+        // Nothing fits the budget: hand on the best finalist, whose overflow select_finalist
+        // names (and may still plan the program again around).
+        kept.extend(first_failure);
+    }
+    if steered_any {
+        kept.sort_by_key(estimated_cycles);
+    }
+    Ok(kept)
+}
+
+/// One finalist within the table budget, and whether it was steered (Ok), or the finalist as
+/// the search planned it when at most `steers` steers cannot bring it within (Err).
+#[allow(clippy::too_many_arguments)]
+fn steer_within(graph: &Graph, target: &Target, index: usize, finalist: Lowered, budget: u32, steers: usize, schedule: &mut ScheduleFn, remember: &mut RememberFn) -> Result<Result<(Lowered, bool), Lowered>, String> {
+    // The finalist steered so far (None: as planned).
+    let mut current: Option<Lowered> = None;
+    let mut steered = graph.clone();
+    for round in 0..=steers {
+        let l = current.as_ref().unwrap_or(&finalist);
+        let start = std::time::Instant::now();
+        let sized = size_tables(target, l, budget, schedule)?;
+        debug!(finalist = index, round, elapsed_ms = start.elapsed().as_millis() as u64, "sized the finalist's exchange tables");
+        let overflow = match sized.tables {
+            Ok(bytes) => {
+                remember(&sized.prepared, &sized.digests, &bytes);
+                return Ok(Ok(match current {
+                    Some(l) => (l, true),
+                    None => (finalist, false),
+                }));
+            }
+            Err(o) => o,
+        };
+        if round == steers {
+            debug!(finalist = index, %overflow, "exchange tables over the budget: finalist dropped");
+            break;
+        }
+        // The plan blamed: the operation whose gathers (or reduction) the phase carries.
+        let Some(plan) = overflow.phase.and_then(|p| sized.prepared.phase_plans.get(p as usize)).and_then(|&i| l.plans.get(i as usize)) else {
+            debug!(finalist = index, %overflow, "exchange tables over the budget in a phase no operation's plan owns");
+            break;
+        };
+        let user = steered.file.constraints.iter().find(|c| c.operation == plan.value);
+        let Some(constraint) = steer_away(plan, user) else {
+            debug!(finalist = index, operation = %plan.value, %overflow, "exchange tables over the budget: nothing left to steer");
+            break;
+        };
+        let [b, r, c, i] = plan.partitions;
+        info!(finalist = index, operation = %plan.value, partitions = %format!("[{b},{r},{c},{i}]"), reason = %overflow, constraint = %constraint.describe(), "exchange tables over the budget: lowering the finalist again, steered away from the plan");
+        steered.file.constraints.retain(|c| c.operation != constraint.operation);
+        steered.file.constraints.push(constraint);
+        // The finalist's own orientation, lowered again under the constraint.
+        let swapped: BTreeSet<usize> = l.plans.iter().filter(|p| p.orientation == "swapped").map(|p| p.operation as usize).collect();
+        let oriented = match orient(&steered, &swapped) {
+            Ok(o) => o,
+            Err(message) => {
+                debug!(finalist = index, %message, "steered finalist cannot be oriented");
+                break;
+            }
+        };
+        let start = std::time::Instant::now();
+        let lowered = lower_feasible_alone(&oriented, target, home_weights(l));
+        debug!(finalist = index, home_weights = home_weights(l), elapsed_ms = start.elapsed().as_millis() as u64, "lowered the steered finalist");
+        match lowered {
+            Ok((next, true)) => current = Some(next),
+            Ok((_, false)) => {
+                debug!(finalist = index, "steered finalist does not fit tile memory");
+                break;
+            }
+            Err(e) => {
+                debug!(finalist = index, error = %e, "steered finalist does not lower");
+                break;
+            }
+        }
+    }
+    Ok(Err(finalist))
+}
+
+/// Whether a program keeps each weight block once on a home tile: the host writes every
+/// element of every weight once (a program with replicated weights writes the replicas).
+fn home_weights(l: &Lowered) -> bool {
+    let mut weights = l.inputs.iter().filter(|t| t.role == HostRole::Weight).peekable();
+    weights.peek().is_some() && weights.all(|t| t.segments.iter().map(|s| s.count as u64 * s.rows as u64).sum::<u64>() == t.shape.iter().map(|&d| d as u64).product::<u64>())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::exchange::pattern_digest;
+    use crate::lower::search::finalists;
+    use crate::target::fixtures;
+
+    const MLP: &str = include_str!("../../../fixtures/workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml");
+    const ATTENTION: &str = include_str!("../../../fixtures/workloads/attention-grouped-materialized-gaussian-f16-b1-t29-h4-kv2-d8.toml");
+
+    fn small16() -> Target {
+        Target::from_toml(fixtures::SMALL16, "small16.toml").unwrap()
+    }
+
+    /// The exchange scheduler itself, unmemoized.
+    fn schedule(target: &Target) -> impl FnMut(&[PhaseRequest]) -> Result<Vec<(Schedule, Digest)>, String> + '_ {
+        move |phases| phases.iter().map(|p| crate::exchange::schedule_phase(target, p).map(|s| (s, pattern_digest(p))).map_err(|e| e.to_string())).collect()
+    }
+
+    /// Each tile's table bytes of a finalist as select_finalist prepares it at this link rate.
+    fn prepared_bytes(target: &Target, l: &Lowered, link_bytes_per_second: u64) -> Vec<u32> {
+        let mut at_rate = target.clone();
+        at_rate.host.link_bytes_per_second = link_bytes_per_second;
+        let prepared = crate::lower::host::replicate(l.clone(), &at_rate);
+        let bases = provisional_bases(&prepared);
+        let phases = requests(&prepared, |buffer, offset| bases[buffer as usize] + offset);
+        let schedules: Vec<Schedule> = schedule(target)(&phases).unwrap().into_iter().map(|s| s.0).collect();
+        table_bytes_checked(target, &prepared, &schedules, u32::MAX).unwrap().unwrap()
+    }
+
+    /// The screen's table bytes are those size_tile_code encodes for the program
+    /// select_finalist prepares when the host link is slow enough that every repeated input is
+    /// replicated, and bound them on every tile at any link rate (a fast link keeps inputs on
+    /// the host: fewer phases, never more bytes).
+    #[test]
+    fn screened_bytes_bound_the_tables_of_the_prepared_program() {
+        let target = small16();
+        for (name, text) in [("mlp", MLP), ("attention", ATTENTION)] {
+            let graph = Graph::parse(text, name).unwrap();
+            for (f, l) in finalists(&graph, &target, 4).unwrap().iter().enumerate() {
+                let sized = size_tables(&target, l, u32::MAX, &mut schedule(&target)).unwrap();
+                let bound = sized.tables.unwrap();
+                assert!(bound.iter().any(|&b| b > 0), "{name} finalist {f}: no tables");
+                assert_eq!(prepared_bytes(&target, l, 1), bound, "{name} finalist {f}");
+                let fast = prepared_bytes(&target, l, u64::MAX);
+                assert!(fast.iter().zip(&bound).all(|(a, b)| a <= b), "{name} finalist {f}: {fast:?} over {bound:?}");
+            }
+        }
+    }
+
+    /// At the budget the best finalist needs, the screen changes nothing; one byte under it,
+    /// every finalist it keeps sizes within the budget (the best one steered, later ones over
+    /// it dropped), or only the best finalist is handed on as planned, over the budget, when
+    /// no steering helps; what it remembers for select_finalist is within the budget.
+    #[test]
+    fn finalists_over_the_table_budget_are_steered_or_dropped() {
+        let target = small16();
+        let graph = Graph::parse(MLP, "mlp").unwrap();
+        let found = finalists(&graph, &target, 4).unwrap();
+        let need = size_tables(&target, &found[0], u32::MAX, &mut schedule(&target)).unwrap().tables.unwrap().into_iter().max().unwrap();
+        let mut remembered: Vec<u32> = Vec::new();
+        let kept = screen_tables(&graph, &target, found.clone(), need, &mut schedule(&target), &mut |_, _, b| remembered.push(b.iter().copied().max().unwrap_or(0))).unwrap();
+        assert_eq!(kept[0], found[0]);
+        assert!(remembered.iter().all(|&b| b <= need) && remembered.contains(&need), "{remembered:?}");
+        let budget = need - 1;
+        remembered.clear();
+        let kept = screen_tables(&graph, &target, found.clone(), budget, &mut schedule(&target), &mut |_, _, b| remembered.push(b.iter().copied().max().unwrap_or(0))).unwrap();
+        assert!(!kept.is_empty());
+        assert!(remembered.iter().all(|&b| b <= budget), "{remembered:?}");
+        let best = estimated_cycles(&kept[0]);
+        let over = |l: &Lowered| size_tables(&target, l, budget, &mut schedule(&target)).unwrap().tables.is_err();
+        if kept.len() == 1 && kept[0] == found[0] {
+            assert!(over(&kept[0]), "the best finalist was handed on although it fits");
+        } else {
+            assert!(!kept.contains(&found[0]), "the best finalist is over the budget");
+            for l in kept.iter().filter(|l| estimated_cycles(l) * 100 <= best * (100 + EXACT_COST_MARGIN_PERCENT)) {
+                assert!(!over(l), "a finalist over the budget was kept: {:?} {:?} {}", found.iter().map(estimated_cycles).collect::<Vec<_>>(), kept.iter().map(|k| (estimated_cycles(k), found.iter().position(|f| f == k))).collect::<Vec<_>>(), estimated_cycles(l));
+            }
+        }
+    }
+}
