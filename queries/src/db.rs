@@ -150,6 +150,10 @@ pub struct Database {
     /// Finalist selections of this process: (key without the host link rate, the rates they
     /// hold for, the selection), the latest few (`Database::ranged`).
     pub(crate) selection_memo: RangedMemo<crate::lower::select::Selection>,
+    /// The program select_finalist just costed and chose, when it is the host pass of a
+    /// lower_mid finalist (`pipeline::chosen_key`): the `lowered` query takes it instead of
+    /// running the host pass again. Taken by that query.
+    pub(crate) chosen_memo: Arc<Mutex<Option<(Digest, Arc<crate::lower::Lowered>)>>>,
     /// Each tile's exchange-table bytes of the finalists `lower_mid`'s table screen kept, by
     /// the key of the prepared program and its schedules (`pipeline::screen_key`):
     /// `select_finalist` takes them instead of encoding the same tables again.
@@ -183,6 +187,7 @@ impl Database {
             validation_memo: Arc::default(),
             validated_memo: Arc::default(),
             selection_memo: Arc::default(),
+            chosen_memo: Arc::default(),
             screen_memo: Arc::default(),
             tile_memo: Arc::default(),
             tile_counts: Arc::default(),

@@ -201,8 +201,11 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
                 Ok(mut s) => {
                     s.steered = steered.iter().map(|c| format!("{}: {}", c.operation, c.describe())).collect();
                     if steered.is_empty() {
-                        // The host pass of lower_mid's finalist: `lowered` derives it again.
-                        s.lowered = None;
+                        // The host pass of lower_mid's finalist: not stored again; `lowered`
+                        // takes it from this process's memo, or derives it again.
+                        if let Some(l) = s.lowered.take() {
+                            *db.chosen_memo.lock().expect("chosen memo lock") = Some((chosen_key(f.digest, s.chosen, t.digest), Arc::new(l)));
+                        }
                     }
                     let range = *range.lock().expect("rate range lock");
                     tracing::info!(lowest_link_bytes_per_second = range.low, highest_link_bytes_per_second = range.high, "the host pass decides alike over a range of host link rates: the selection holds for all of them");
@@ -247,13 +250,25 @@ pub fn lowered(db: &dyn Db, sources: Sources) -> StageResult<Lowered> {
         Some(l) => Staged::of(l.clone()),
         None => {
             // The program select_finalist costed: the host pass of the chosen finalist, at a
-            // link rate in the range the selection holds for (the same decisions).
+            // link rate in the range the selection holds for (the same decisions); the one
+            // select_finalist prepared, when it ran in this process for these inputs.
             let f = finalists(db, sources)?;
             let t = selection_target(db, sources)?;
+            let key = chosen_key(f.digest, s.value.chosen, t.digest);
+            let taken = db.ipuq().chosen_memo.lock().expect("chosen memo lock").take();
+            if let Some((_, l)) = taken.filter(|(k, _)| *k == key && !db.ipuq().verifying()) {
+                return Ok(Staged { digest: digest_of(&*l)?, value: l });
+            }
             let Some(chosen) = f.value.get(s.value.chosen as usize) else { return Err(CompileError(format!("the selection chose finalist {} of {}", s.value.chosen, f.value.len()))) };
             Staged::of(crate::lower::host::replicate(chosen.clone(), &t.value))
         }
     }
+}
+
+/// Key of the chosen program select_finalist prepared: the finalists, the one chosen, and the
+/// selection view its host pass read.
+fn chosen_key(finalists: Digest, chosen: u32, selection_view: Digest) -> Digest {
+    KeyHasher::new("ipuq chosen program v1").add(&finalists).add(&chosen).add(&selection_view).finish()
 }
 
 /// The exchange requests of every phase, with addresses from `address(buffer, offset)`.
