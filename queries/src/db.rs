@@ -20,6 +20,9 @@ pub trait StageStore: Send + Sync {
     fn store(&self, stage: &str, key: &Digest, schema: u64, bytes: &[u8]);
 }
 
+/// One value of this process under the key it was made for, taken by its one reader.
+pub(crate) type KeyedSlot<T> = Arc<Mutex<Option<(Digest, Arc<T>)>>>;
+
 /// Ranged results of one stage in this process (`Database::ranged`).
 pub(crate) type RangedMemo<T> = Arc<Mutex<Vec<(Digest, crate::lower::host::RateRange, Staged<T>)>>>;
 
@@ -153,7 +156,7 @@ pub struct Database {
     /// The program select_finalist just costed and chose, when it is the host pass of a
     /// lower_mid finalist (`pipeline::chosen_key`): the `lowered` query takes it instead of
     /// running the host pass again. Taken by that query.
-    pub(crate) chosen_memo: Arc<Mutex<Option<(Digest, Arc<crate::lower::Lowered>)>>>,
+    pub(crate) chosen_memo: KeyedSlot<crate::lower::Lowered>,
     /// Each tile's exchange-table bytes of the finalists `lower_mid`'s table screen kept, by
     /// the key of the prepared program and its schedules (`pipeline::screen_key`):
     /// `select_finalist` takes them instead of encoding the same tables again.
