@@ -39,13 +39,13 @@ use crate::storage::{place_storage, Placement};
 pub const PHASES: &[&str] = &["lower_mid", "select_finalist", "lower_exchanges_provisional", "size_tile_code", "place_storage", "optimize_exchange_placement", "lower_exchanges", "build_tile_images"];
 
 const LOWER_VERSION: u32 = 18;
-const SELECT_VERSION: u32 = 13;
+const SELECT_VERSION: u32 = 14;
 const SCHEDULE_VERSION: u32 = 7;
 const CODE_VERSION: u32 = 9;
-const PLACE_VERSION: u32 = 5;
-const OPTIMIZE_PLACEMENT_VERSION: u32 = 6;
-const TABLES_VERSION: u32 = 6;
-const PACKAGE_VERSION: u32 = 13;
+const PLACE_VERSION: u32 = 6;
+const OPTIMIZE_PLACEMENT_VERSION: u32 = 7;
+const TABLES_VERSION: u32 = 7;
+const PACKAGE_VERSION: u32 = 14;
 
 /// Run one phase by name (the driver's entry point); returns the digest of its output.
 pub fn run_phase(db: &dyn Db, sources: Sources, phase: &str) -> Result<Digest, CompileError> {

@@ -73,7 +73,8 @@ pub fn place_storage_with(target: &Target, lowered: &Lowered, code_bytes: &[u32]
         .par_iter()
         .enumerate()
         .map(|(tile, ids)| {
-            let code_end = align(m.base + code_bytes.get(tile).copied().unwrap_or(0), 16);
+            let code = code_bytes.get(tile).copied().unwrap_or(0);
+            let code_end = data_start(m.base, code);
             let standard = (code_end, m.interleaved_start);
             let interleaved = (m.interleaved_start, m.loader_limit);
             let mut order = ids.clone();
@@ -136,7 +137,8 @@ pub fn place_storage_with(target: &Target, lowered: &Lowered, code_bytes: &[u32]
                     });
                 }
             }
-            Ok((out, (m.base, code_end), peak_s, peak_i))
+            // The code range is the code itself; what lies between it and the data start is free.
+            Ok((out, (m.base, align(m.base.saturating_add(code), 16)), peak_s, peak_i))
         })
         .collect();
     let mut placement = Placement { addresses: vec![0; lowered.buffers.len()], code: Vec::new(), peak_standard: Vec::new(), peak_interleaved: Vec::new() };
@@ -150,6 +152,25 @@ pub fn place_storage_with(target: &Target, lowered: &Lowered, code_bytes: &[u32]
         placement.peak_interleaved.push(pi);
     }
     Ok(placement)
+}
+
+/// Data starts at the code's end rounded up to this many bytes, as long as that stays within
+/// the code reserve the planner assumed for every tile (`CODE_RESERVE_BYTES`): an edit that
+/// changes a tile's code by a few bytes then moves none of its buffers, so the exchange phases
+/// it does not touch keep their addresses, and with them their validation and table entries
+/// and the tile images. Past the reserve, data starts at the code's end rounded to 16 bytes.
+/// A compiler policy (memory the planner already set aside), not a machine constant.
+pub const DATA_START_GRANULE: u32 = 8192;
+
+/// Where a tile's data may start after `code` bytes of code (see `DATA_START_GRANULE`).
+fn data_start(base: u32, code: u32) -> u32 {
+    let coarse = align(base.saturating_add(code), DATA_START_GRANULE);
+    let reserve = base.saturating_add(crate::lower::build::CODE_RESERVE_BYTES as u32);
+    if coarse <= reserve {
+        coarse
+    } else {
+        align(base.saturating_add(code), 16)
+    }
 }
 
 fn align(x: u32, a: u32) -> u32 {
