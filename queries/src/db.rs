@@ -297,11 +297,7 @@ impl StageCache {
                     }
                     Ok(_) => {
                         let fresh = rkyv::to_bytes::<rkyv::rancor::Error>(&compute()?).map_err(CompileError::from)?;
-                        if fresh[..] != bytes[..] {
-                            return Err(CompileError(format!(
-                                "cache verification: stage '{stage}' v{version} recomputed to different bytes than its cache entry {key} holds (a stage changed without a version bump, or a key misses an input)"
-                            )));
-                        }
+                        same_as_entry(stage, version, &key, &bytes, &fresh)?;
                         self.note(stage, Origin::DiskHit);
                         return Ok(Staged { digest: Digest::of_bytes(&bytes), value: Arc::new(value_from(&fresh)?) });
                     }
@@ -376,11 +372,7 @@ impl StageCache {
             // Verifying: an entry for the same range must hold the same bytes.
             if let Some(bytes) = self.store.as_ref().and_then(|s| s.load(stage, &key, schema(stage, version))) {
                 let fresh = rkyv::to_bytes::<rkyv::rancor::Error>(&value).map_err(CompileError::from)?;
-                if fresh[..] != bytes[..] {
-                    return Err(CompileError(format!(
-                        "cache verification: stage '{stage}' v{version} recomputed to different bytes than its cache entry {key} holds (a stage changed without a version bump, or a key misses an input)"
-                    )));
-                }
+                same_as_entry(stage, version, &key, &bytes, &fresh)?;
             }
         }
         let found = self.save(stage, version, key, value)?;
@@ -445,6 +437,16 @@ impl StageCache {
         }
         Ok(Staged { digest: Digest::of_bytes(&bytes), value: Arc::new(value) })
     }
+}
+
+/// Verifying a cache hit: the recomputed bytes must be the entry's.
+fn same_as_entry(stage: &str, version: u32, key: &Digest, entry: &[u8], fresh: &[u8]) -> Result<(), CompileError> {
+    if fresh != entry {
+        return Err(CompileError(format!(
+            "cache verification: stage '{stage}' v{version} recomputed to different bytes than its cache entry {key} holds (a stage changed without a version bump, or a key misses an input)"
+        )));
+    }
+    Ok(())
 }
 
 fn value_from<T>(bytes: &rkyv::util::AlignedVec) -> Result<T, CompileError>

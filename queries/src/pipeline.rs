@@ -163,9 +163,6 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
             memo.lock().expect("placement memo lock").insert(key, found.clone());
             Ok((found.placement.clone(), found.conflicts))
         };
-        // A finalist's support memory (its tables encoded over sizing addresses), over the
-        // selection view (whose grid and delays, all sizing reads of it, are the exchange
-        // view's), remembered for the stage size_tile_code (the last round's finalists only).
         // Table bytes lower_mid's screen found for the programs it kept (only when it ran in
         // this process), by what the sizing reads of the program and its schedules: they are
         // not encoded again.
@@ -179,6 +176,9 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
             tracing::debug!(found = found.is_some(), "exchange-table bytes from lower_mid's screen");
             found
         };
+        // A finalist's support memory (its tables encoded over sizing addresses), over the
+        // selection view (whose grid and delays, all sizing reads of it, are the exchange
+        // view's), remembered for the stage size_tile_code (the last round's finalists only).
         let sized = &db.sizing_memo;
         let size = |l: &Lowered, program: Digest, schedules: &[Schedule], digests: &[Digest]| -> Result<crate::lower::select::Sizing, String> {
             let known = known(l, digests);

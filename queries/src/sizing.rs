@@ -56,23 +56,23 @@ pub fn sizing_tables(target: &Target, lowered: &Lowered, schedules: &[Schedule])
 /// schedules: the tile count, each buffer's tile and size (its sizing address) and every
 /// phase's transfers (the requests). Far cheaper than the digest of the whole program.
 pub fn sizing_digest(lowered: &Lowered) -> crate::hash::Digest {
-    let mut words: Vec<u32> = Vec::with_capacity(2 + 2 * lowered.buffers.len());
-    words.push(lowered.tiles);
-    words.push(lowered.buffers.len() as u32);
+    // Little-endian words, written straight into one buffer (no intermediate word list).
+    let mut bytes: Vec<u8> = Vec::with_capacity(4 * (3 + 2 * lowered.buffers.len()));
+    let mut put = |words: &[u32]| words.iter().for_each(|w| bytes.extend_from_slice(&w.to_le_bytes()));
+    put(&[lowered.tiles, lowered.buffers.len() as u32]);
     for b in &lowered.buffers {
-        words.extend([b.tile, b.bytes]);
+        put(&[b.tile, b.bytes]);
     }
-    words.push(lowered.phases.len() as u32);
+    put(&[lowered.phases.len() as u32]);
     for phase in &lowered.phases {
-        words.push(phase.len() as u32);
+        put(&[phase.len() as u32]);
         for t in phase {
-            words.extend([t.source.0, t.source.1, t.words, t.destinations.len() as u32]);
+            put(&[t.source.0, t.source.1, t.words, t.destinations.len() as u32]);
             for d in &t.destinations {
-                words.extend([d.0, d.1]);
+                put(&[d.0, d.1]);
             }
         }
     }
-    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
     crate::hash::KeyHasher::new("ipuq table sizing input v1").bytes(&bytes).finish()
 }
 

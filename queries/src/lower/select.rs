@@ -87,17 +87,15 @@ pub const EXACT_COST_MARGIN_PERCENT: u64 = 5;
 ///
 /// `prepare` turns each finalist into the program that will run (`lower/host.rs` moves host
 /// replicas to exchange phases), so the exact cost counts every phase the simulator will.
-/// `sized` gives each tile's exchange-table bytes of a prepared finalist (given its schedule
-/// digests) when they were sized before (`lower/screen.rs`), so they are not encoded again.
 /// `optimize` is the exchange-placement search (`best_exchange_placement` over the lowering
 /// view), for a finalist whose baseline placement has memory-element conflicts: given the
 /// program, its schedules and their digests, the code bytes, the baseline placement and its
 /// tables as written here (with each phase's conflicts; the search checks them if it keeps
 /// the baseline), the placement it accepts and the conflicts left (the pipeline memoizes it,
 /// so that the stage `optimize_exchange_placement` finds the chosen finalist's search done).
-/// `size` is `sizing::support_checked` of a finalist over `target` (the pipeline memoizes its
-/// support memory, so that the stage `size_tile_code` finds the chosen finalist's sizing
-/// done). Both get the program's digest, from `digest` (computed once per finalist costed).
+/// `size` is `sizing::support_checked` of a finalist over `target` (the pipeline takes the
+/// table bytes `lower_mid`'s screen found when it has them, and memoizes the support memory,
+/// so that the stage `size_tile_code` finds the chosen finalist's sizing done). Both get the program's digest, from `digest` (computed once per finalist costed).
 pub fn select_finalist(
     target: &Target,
     finalists: &[Lowered],
