@@ -52,6 +52,11 @@ pub fn describe(p: &Package) -> Result<String, String> {
         calls += program.compute_sets.iter().map(|s| s.calls.len()).sum::<usize>();
     }
     line(format!("memory largestAllocatedBytes={} onTile={} largestCodeBytes={} vertexCalls={calls}", peak.0, peak.1, code));
+    // Exchange-table bytes per tile, as the runtime headers state them (shared copies count per tile).
+    let table_bytes: Vec<(u32, u32)> = p.tiles.iter().filter_map(|t| image::header_of(&p.shared_segments, t).map(|h| (h.table_bytes, t.tile))).collect();
+    let (largest, on) = table_bytes.iter().map(|&(b, t)| (b, std::cmp::Reverse(t))).max().map_or((0, 0), |(b, t)| (b, t.0));
+    let total: u64 = table_bytes.iter().map(|&(b, _)| b as u64).sum();
+    line(format!("exchangeTables totalBytes={total} largestBytes={largest} onTile={on}"));
     let mut per_phase: BTreeMap<u32, Vec<&PackedTile>> = BTreeMap::new();
     for program in &programs {
         for (phase, t) in &program.tables {
