@@ -7,7 +7,7 @@ mod common;
 use common::ipuq;
 use ipuq_queries::package::*;
 use ipuq_queries::image::{self, Programs};
-use ipuq_queries::tables::BINDING_BYTES;
+use ipuq_queries::tables::{BASE_BYTES, BINDING_BYTES};
 
 fn built(dir: &std::path::Path) -> Package {
     let w = dir.join("mlp3.toml");
@@ -57,8 +57,9 @@ fn identical_tiles_share_image_segments_and_zero_fill_replaces_bytes() {
     assert!(filled > 0, "the reserve past the written bytes is zero fill, not bytes");
 
     // Three identical blocks: on some tile two phases bind the same table segment (at the same
-    // offset), patched only by their base addresses.
-    let mut shared_tables = 0;
+    // offset), patched only by their base lists, which differ (each block's buffers lie
+    // elsewhere).
+    let (mut shared_tables, mut moved_buffers) = (0, 0);
     for t in &p.tiles {
         let phases = image::header_of(&p.shared_segments, t).expect("a runtime header").bindings as usize;
         let Some(last) = t.shared.last() else { continue };
@@ -73,8 +74,19 @@ fn identical_tiles_share_image_segments_and_zero_fill_replaces_bytes() {
         if distinct.len() < offsets.len() {
             shared_tables += 1;
         }
+        // (segment offset, bases) per binding: the same segment under different bases.
+        let bound: Vec<(u32, Vec<u32>)> = (0..phases)
+            .map(|i| {
+                let (list, count) = (u32_at(bytes, i * BINDING_BYTES as usize + 8) as usize, u32_at(bytes, i * BINDING_BYTES as usize + 12) as usize);
+                (offsets[i], (0..count).map(|k| u32_at(bytes, list + k * BASE_BYTES as usize)).collect())
+            })
+            .collect();
+        if bound.iter().any(|a| bound.iter().any(|b| a.0 == b.0 && a.1 != b.1)) {
+            moved_buffers += 1;
+        }
     }
     assert!(shared_tables > 0, "repeated blocks reuse table segments on some tile");
+    assert!(moved_buffers > 0, "a shared segment serves buffers placed at different addresses");
 
     // The images are the program: every tile's calls and tables decode from its bytes, each
     // phase the package lists is bound by some tile, and writing the decoded programs back

@@ -86,7 +86,7 @@ fn programs(p: &mut Package, f: impl FnOnce(&mut Programs)) {
         let (start, end) = image::code_range(image).unwrap();
         let (_, old) = image::code_bytes(&p.shared_segments, image).unwrap();
         let host = Header::decode(&old, start).unwrap().host_records * ipuq_queries::emit::HOST_RECORD_BYTES;
-        let needed = image::program_bytes(&program) + host;
+        let needed = image::program_bytes(&program).unwrap() + host;
         if needed > end - start {
             let at = (limit - needed) / 16 * 16;
             assert!(image.allocations.iter().all(|a| a.kind == AllocationKind::Code || a.end <= at || a.start >= limit), "tile {}: no room to move its code", image.tile);
@@ -448,6 +448,34 @@ fn every_mutation_is_caught() {
         true
     });
     assert_error(&run(d, "corrupt-descriptor-count", &p, &[]), "does not fit in the tables");
+    // A descriptor naming a base slot its binding does not supply, and a binding's base list
+    // running past the end of the tables.
+    let mut p = base.clone();
+    let tile = patch_code(&mut p, |h, code| {
+        if h.bindings == 0 {
+            return false;
+        }
+        let binding = h.table_offset() as usize;
+        let address_word = binding + word(code, binding + 4) as usize + tables::SEGMENT_HEADER_BYTES as usize + 4;
+        let patched = word(code, address_word) | (tables::MAX_SLOTS - 1) << tables::OFFSET_BITS;
+        code[address_word..address_word + 4].copy_from_slice(&patched.to_le_bytes());
+        true
+    });
+    let out = run(d, "corrupt-base-slot", &p, &[]);
+    assert_error(&out, &format!("names base slot {}", tables::MAX_SLOTS - 1));
+    assert!(out.stderr.contains(&format!("tile {tile}")) && out.stderr.contains("exchange-table binding 0"), "{}", out.stderr);
+    let mut p = base.clone();
+    let tile = patch_code(&mut p, |h, code| {
+        if h.bindings == 0 {
+            return false;
+        }
+        let binding = h.table_offset() as usize;
+        code[binding + 8..binding + 12].copy_from_slice(&(h.table_bytes - 2).to_le_bytes());
+        true
+    });
+    let out = run(d, "corrupt-base-list", &p, &[]);
+    assert_error(&out, "runs past the end of the");
+    assert!(out.stderr.contains(&format!("tile {tile}")) && out.stderr.contains("exchange-table binding 0") && out.stderr.contains("base list"), "{}", out.stderr);
     let mut p = base.clone();
     patch_code(&mut p, |_, code| {
         code[0] ^= 0x10;

@@ -75,7 +75,7 @@ impl Build {
         for tile in self.tiles.keys().copied().collect::<Vec<_>>() {
             let tables = packed.iter().flat_map(|x| x.tiles.iter().filter(|t| t.tile == tile).map(|t| (x.index, t.clone()))).collect();
             let program = TileProgram { compute_sets: self.sets.remove(&tile).unwrap_or_default(), tables };
-            let bytes = image::program_bytes(&program).max(1024).div_ceil(16) * 16;
+            let bytes = image::program_bytes(&program).unwrap().max(1024).div_ceil(16) * 16;
             if !self.tiles[&tile].allocations.iter().any(|a| a.kind == AllocationKind::Code) {
                 self.alloc(tile, "code", 0x4C000, bytes, AllocationKind::Code);
             }
@@ -334,10 +334,13 @@ fn overlapping_receives_on_one_tile_are_rejected_with_tile_phase_and_cycle() {
     let arrival = t.delay(0, 9) + 5;
     edit(&mut package, |x| {
         let phase = &mut x.exchanges[1];
-        phase.tiles.push(ipuq_queries::tables::pack_tile(&table(1, vec![send(arrival - t.delay(1, 9), IL + 0x1000, 4, false)], vec![])));
+        let buffer = |address: u32| vec![(address, 16u64)];
+        phase.tiles.push(ipuq_queries::tables::pack_tile(&table(1, vec![send(arrival - t.delay(1, 9), IL + 0x1000, 4, false)], vec![]), &buffer(IL + 0x1000)).unwrap());
         phase.tiles.sort_by_key(|x| x.tile);
-        let extra = ipuq_queries::tables::pack_tile(&table(9, vec![], vec![receive(arrival, 1, IL + 0x3000, 4, false)]));
-        phase.tiles.iter_mut().find(|x| x.tile == 9).unwrap().receives.push(extra.receives[0]);
+        let extra = ipuq_queries::tables::pack_tile(&table(9, vec![], vec![receive(arrival, 1, IL + 0x3000, 4, false)]), &buffer(IL + 0x3000)).unwrap();
+        let nine = phase.tiles.iter_mut().find(|x| x.tile == 9).unwrap();
+        nine.receives.push(ipuq_queries::tables::ReceiveRun { slot: nine.bases.len() as u32, ..extra.receives[0] });
+        nine.bases.push(IL + 0x3000);
     });
     let err = load(&package).err().expect("a double-booked receive port must be rejected");
     assert!(matches!(err, DeviceError::Exchange { phase: 1, tile: 9, cycle, .. } if cycle == arrival as u64), "{err}");

@@ -3,7 +3,8 @@
 //!
 //! Each tile's code holds its runtime header, its host-exchange records (one per host
 //! segment), its vertex state (one variable-length record per call, `image.rs`) and its
-//! exchange tables (compact run descriptors with per-phase bindings, `tables.rs`), encoded
+//! exchange tables (compact run descriptors relative to their buffers, with per-phase bindings
+//! supplying the buffers' bases, `tables.rs`), encoded
 //! little-endian: the image is the program. Vertex state and tables that
 //! several tiles hold are stored once in the package (`Package::shared_segments`); the rest of
 //! the code reserve is a load-time zero fill, not bytes. Host-streamed inputs and weights are
@@ -176,7 +177,7 @@ pub struct TileInput {
     /// The tile's compute sets with placed operands, in program order.
     pub sets: Vec<ComputeSet>,
     /// The tile's exchange tables as its image holds them (`tile_tables`: a binding per phase
-    /// it takes part in, then the distinct segments).
+    /// it takes part in, then the distinct base lists and segments).
     pub tables: Vec<u8>,
     /// Bindings in `tables` (phases the tile takes part in).
     pub bindings: u32,
@@ -207,8 +208,9 @@ pub struct TileBody {
     pub zero_fill: Vec<AddressRange>,
 }
 
-/// Every tile's input, in tile order, from the placed program and the final exchange tables.
-pub fn tile_inputs(lowered: &Lowered, placement: &Placement, exchanges: &[PackedPhase]) -> Vec<TileInput> {
+/// Every tile's input, in tile order, from the placed program and the final exchange tables
+/// (an error when a tile's tables do not encode).
+pub fn tile_inputs(lowered: &Lowered, placement: &Placement, exchanges: &[PackedPhase]) -> Result<Vec<TileInput>, CompileError> {
     let tiles = lowered.tiles as usize;
     let steps = lowered.steps.len() as u32;
     let mut inputs: Vec<TileInput> = placement.code[..tiles]
@@ -250,10 +252,10 @@ pub fn tile_inputs(lowered: &Lowered, placement: &Placement, exchanges: &[Packed
             }
         }
     }
-    for (input, tables) in inputs.iter_mut().zip(tile_tables(tiles, exchanges)) {
+    for (input, tables) in inputs.iter_mut().zip(tile_tables(tiles, exchanges).map_err(CompileError)?) {
         input.tables = tables;
     }
-    inputs
+    Ok(inputs)
 }
 
 /// Build one tile's image from its input; `tile` (the first tile with this content) only
@@ -376,9 +378,10 @@ pub fn assemble_package(
     })
 }
 
-/// Each tile's encoded exchange tables over all phases (bindings and shared segments), encoded
-/// in parallel over tiles (plain data), in tile order.
-pub fn tile_tables(tiles: usize, exchanges: &[PackedPhase]) -> Vec<Vec<u8>> {
+/// Each tile's encoded exchange tables over all phases (bindings, base lists and shared
+/// segments), encoded in parallel over tiles (plain data), in tile order; an error names the
+/// tile and phase whose offsets or slots do not fit a descriptor.
+pub fn tile_tables(tiles: usize, exchanges: &[PackedPhase]) -> Result<Vec<Vec<u8>>, String> {
     let mut per_tile: Vec<Vec<(u32, &PackedTile)>> = vec![Vec::new(); tiles];
     for phase in exchanges {
         for t in &phase.tiles {
@@ -387,5 +390,5 @@ pub fn tile_tables(tiles: usize, exchanges: &[PackedPhase]) -> Vec<Vec<u8>> {
             }
         }
     }
-    per_tile.par_iter().map(|v| if v.is_empty() { Vec::new() } else { tables::encode_tile(v) }).collect()
+    per_tile.par_iter().map(|v| if v.is_empty() { Ok(Vec::new()) } else { tables::encode_tile(v) }).collect()
 }

@@ -10,7 +10,8 @@
 //!   one variable-length record per call: `kind | scalars << 8 | operands << 16`, the scalar
 //!   words (shapes, flags, f32 bits of factors), then `address, row stride` per operand in the
 //!   order of `VertexCall::operands`;
-//! - the exchange tables (`tables::encode_tile`: bindings, then run-descriptor segments).
+//! - the exchange tables (`tables::encode_tile`: bindings, then base lists, then run-descriptor
+//!   segments with addresses relative to their buffers' bases).
 //!
 //! The device decodes all of it from tile memory once per load (`decode_program`); any
 //! malformed byte is an error naming the tile, the address and the record, never a panic.
@@ -402,11 +403,11 @@ pub fn decode_package(p: &Package) -> Result<Vec<TileProgram>, String> {
 }
 
 /// Bytes a program takes in a code allocation (header, vertex state, tables), without host
-/// records.
-pub fn program_bytes(program: &TileProgram) -> u32 {
+/// records; an error when its tables do not encode (`tables::encode_tile`).
+pub fn program_bytes(program: &TileProgram) -> Result<u32, String> {
     let refs: Vec<(u32, &PackedTile)> = program.tables.iter().map(|(p, t)| (*p, t)).collect();
-    let tables = if refs.is_empty() { 0 } else { tables::encode_tile(&refs).len() as u32 };
-    RUNTIME_HEADER_BYTES + encode_vertex_state(&program.compute_sets).len() as u32 + tables
+    let tables = if refs.is_empty() { 0 } else { tables::encode_tile(&refs)?.len() as u32 };
+    Ok(RUNTIME_HEADER_BYTES + encode_vertex_state(&program.compute_sets).len() as u32 + tables)
 }
 
 /// Write `program` into `image`'s code allocation (for tests and tools that build or edit
@@ -420,7 +421,7 @@ pub fn write_program(shared: &[Vec<u8>], image: &mut TileImage, steps: u32, prog
         _ => Vec::new(),
     };
     let refs: Vec<(u32, &PackedTile)> = program.tables.iter().map(|(p, t)| (*p, t)).collect();
-    let tables = if refs.is_empty() { Vec::new() } else { tables::encode_tile(&refs) };
+    let tables = if refs.is_empty() { Vec::new() } else { tables::encode_tile(&refs).map_err(|m| format!("tile {}: {m}", image.tile))? };
     let (mut code, vertex, tables) = encode_code(image.tile, steps, &host, &program.compute_sets, &tables, refs.len() as u32);
     code.extend_from_slice(&vertex);
     code.extend_from_slice(&tables);
@@ -535,17 +536,27 @@ mod tests {
     fn a_program_round_trips_through_its_code_bytes() {
         let run = PackedTile {
             tile: 5,
-            sends: vec![SendRun { cycle: 3, address: 0x60000, words: 4, paired: false, count: 3, cycle_stride: 4, address_stride: 16 }],
-            receives: vec![ReceiveRun { cycle: 9, source: 2, address: 0x61000, words: 2, paired: true, count: 1, cycle_stride: 0, address_stride: 0 }],
+            bases: vec![0x60000, 0x61000],
+            sends: vec![SendRun { cycle: 3, slot: 0, address: 0x60000, words: 4, paired: false, count: 3, cycle_stride: 4, address_stride: 16 }],
+            receives: vec![ReceiveRun { cycle: 9, source: 2, slot: 1, address: 0x61000, words: 2, paired: true, count: 1, cycle_stride: 0, address_stride: 0 }],
         };
-        let program = TileProgram { compute_sets: vec![ComputeSet { index: 1, calls: every_kind() }], tables: vec![(0, run.clone()), (3, run)] };
+        // Phase 3's buffers lie elsewhere: the same segment, its own base list.
+        let moved = PackedTile {
+            bases: vec![0x70000, 0x50000],
+            sends: vec![SendRun { address: 0x70000, ..run.sends[0] }],
+            receives: vec![ReceiveRun { address: 0x50000, ..run.receives[0] }],
+            ..run.clone()
+        };
+        let program = TileProgram { compute_sets: vec![ComputeSet { index: 1, calls: every_kind() }], tables: vec![(0, run.clone()), (3, moved)] };
         let refs: Vec<(u32, &PackedTile)> = program.tables.iter().map(|(p, t)| (*p, t)).collect();
-        let tables = tables::encode_tile(&refs);
+        let tables = tables::encode_tile(&refs).unwrap();
+        let segment = tables::encode_segment(&run).unwrap();
+        assert_eq!(tables.len() as u32, 2 * tables::BINDING_BYTES + 4 * tables::BASE_BYTES + segment.len() as u32);
         let host = vec![7u8; HOST_RECORD_BYTES as usize * 2];
         let (mut code, vertex, tables) = encode_code(5, 11, &host, &program.compute_sets, &tables, 2);
         code.extend_from_slice(&vertex);
         code.extend_from_slice(&tables);
-        assert_eq!(code.len() as u32, program_bytes(&program) + 2 * HOST_RECORD_BYTES);
+        assert_eq!(code.len() as u32, program_bytes(&program).unwrap() + 2 * HOST_RECORD_BYTES);
         let (header, decoded) = decode_program(&code, 0x4C000, 5, 11).unwrap();
         assert_eq!((header.host_records, header.bindings), (2, 2));
         assert_eq!(decoded, program);

@@ -44,8 +44,8 @@ const SCHEDULE_VERSION: u32 = 7;
 const CODE_VERSION: u32 = 9;
 const PLACE_VERSION: u32 = 6;
 const OPTIMIZE_PLACEMENT_VERSION: u32 = 7;
-const TABLES_VERSION: u32 = 7;
-const PACKAGE_VERSION: u32 = 14;
+const TABLES_VERSION: u32 = 8;
+const PACKAGE_VERSION: u32 = 15;
 
 /// Run one phase by name (the driver's entry point); returns the digest of its output.
 pub fn run_phase(db: &dyn Db, sources: Sources, phase: &str) -> Result<Digest, CompileError> {
@@ -350,6 +350,19 @@ pub fn schedules(db: &dyn Db, sources: Sources) -> StageResult<Schedules> {
 }
 
 /// Digest of a phase request with its addresses (what lower_exchanges reads of it).
+/// Digest of a phase's buffers per tile (`sizing::phase_buffers`).
+fn buffers_digest(buffers: &crate::tables::PhaseBuffers) -> Digest {
+    let mut h = KeyHasher::new("ipuq phase buffers v1");
+    h.add(&buffers.len());
+    for (tile, list) in buffers {
+        h.add(tile).add(&list.len());
+        for (start, bytes) in list {
+            h.add(start).add(bytes);
+        }
+    }
+    h.finish()
+}
+
 fn request_digest(request: &PhaseRequest) -> Digest {
     let mut h = KeyHasher::new("ipuq exchange request v1");
     h.add(&request.index).add(&request.transfers.len());
@@ -500,7 +513,14 @@ pub fn tables(db: &dyn Db, sources: Sources) -> StageResult<Vec<PackedPhase>> {
     let requests = requests(&l.value, |buffer, offset| addresses[buffer as usize] + offset);
     let db = db.ipuq();
     let digests: Vec<Digest> = requests.par_iter().map(request_digest).collect();
-    let keys: Vec<Digest> = digests.iter().zip(&s.value.digests).map(|(r, sd)| db.key("lower_exchanges", TABLES_VERSION, &[t.digest, *sd, *r])).collect();
+    // Each phase's buffers per tile (its tables' base slots and the bounds its runs are cut at).
+    let buffers: Vec<crate::tables::PhaseBuffers> = (0..requests.len()).into_par_iter().map(|i| crate::sizing::phase_buffers(&l.value, i, addresses)).collect();
+    let keys: Vec<Digest> = digests
+        .iter()
+        .zip(&s.value.digests)
+        .zip(&buffers)
+        .map(|((r, sd), b)| db.key("lower_exchanges", TABLES_VERSION, &[t.digest, *sd, *r, buffers_digest(b)]))
+        .collect();
     let (target, schedules) = (&t.value, &s.value.phases);
     // Tables optimize_exchange_placement's search already validated for these addresses.
     let validated = match db.verifying() {
@@ -513,9 +533,9 @@ pub fn tables(db: &dyn Db, sources: Sources) -> StageResult<Vec<PackedPhase>> {
     let entries = per_phase(db, "lower_exchanges", TABLES_VERSION, &keys, &db.tables_memo, |i| match validated.as_ref() {
         Some(tables) => {
             exchange::log_validated(&requests[i], &schedules[i], &tables[i]);
-            Ok(crate::tables::pack_phase(&tables[i]))
+            crate::tables::pack_phase(&tables[i], &buffers[i]).map_err(CompileError)
         }
-        None => exchange::reuse(target, &requests[i], &schedules[i]).map(|p| crate::tables::pack_phase(&p)).map_err(CompileError::from),
+        None => exchange::reuse(target, &requests[i], &schedules[i]).map_err(CompileError::from).and_then(|p| crate::tables::pack_phase(&p, &buffers[i]).map_err(CompileError)),
     })?;
     Ok(Staged { digest: combined("ipuq exchange tables v3", &entries), value: Arc::new(entries.iter().map(|e| (*e.value).clone()).collect()) })
 }
@@ -540,7 +560,7 @@ pub fn package(db: &dyn Db, sources: Sources) -> StageResult<Package> {
     // load-time SRAM initialisation made redundant. ipuq's matrix-product splits are exact
     // (no padded rows or columns), so it emits no padding clear to remove.
     tracing::info!(removed = 0u32, "eliminated finite GEMM padding clears using load-time SRAM initialization");
-    let inputs = tile_inputs(&l.value, &p.value, &x.value);
+    let inputs = tile_inputs(&l.value, &p.value, &x.value)?;
     let digests: Vec<Digest> = inputs.par_iter().map(|i| i.digest()).collect::<Result<_, _>>()?;
     let keys: Vec<Digest> = digests.iter().map(|d| db.key("tile_image", PACKAGE_VERSION, &[*d])).collect();
     let (images, counts) = per_tile(db, "tile_image", PACKAGE_VERSION, &keys, &db.tile_memo, |i| build_tile(i, &inputs[i]))?;

@@ -2,10 +2,12 @@
 //! in its image (`tables.rs`), over sizing addresses, and the per-tile exchange-table budget.
 //!
 //! Sizing runs before storage is placed, so it encodes the tables over sizing addresses: per
-//! tile, each buffer after the previous one plus an irregular gap. Runs within a buffer keep
-//! their strides wherever the buffer lands, and buffers sit at irregular distances, so no run
-//! or shared segment is counted that only a coincidence of these addresses would make. The
-//! package stage checks that the final tables fit what was sized (an error otherwise).
+//! tile, each buffer after the previous one plus an irregular gap. Runs are cut per buffer and
+//! descriptors hold offsets from their buffer's start (`tables.rs`), so a phase's segments do
+//! not depend on where its buffers lie: the same phase of repeated layers shares one segment
+//! here as it will in the image. Only base lists could coincide by placement (buffers of two
+//! phases at the same final addresses), which makes the final tables smaller, never larger.
+//! The package stage checks that the final tables fit what was sized (an error otherwise).
 //!
 //! The budget is a planner input: a program whose tables exceed it on some tile is infeasible
 //! (`select_finalist` drops such a finalist; when none is left, the operation whose phase
@@ -17,7 +19,7 @@ use crate::emit::{support_memory, tile_tables, SupportMemory};
 use crate::exchange::{self, Schedule};
 use crate::lower::Lowered;
 use crate::pipeline::requests;
-use crate::tables::{encode_tile, pack_phase, PackedPhase};
+use crate::tables::{encode_tile, pack_phase, PackedPhase, PhaseBuffers};
 use crate::target::Target;
 
 /// Exchange-table bytes one tile may hold: a compiler policy, not a machine constant (the
@@ -41,6 +43,31 @@ pub fn sizing_bases(lowered: &Lowered) -> Vec<u32> {
         .collect()
 }
 
+/// The buffers phase `phase` of `lowered` touches on each tile, by tile: (start, bytes) with
+/// starts from `starts` (per buffer), in order of first use among the phase's transfers (each
+/// transfer's source, then its destinations): the base slots of its tables (`tables::pack_phase`).
+pub fn phase_buffers(lowered: &Lowered, phase: usize, starts: &[u32]) -> PhaseBuffers {
+    let mut seen = std::collections::HashSet::new();
+    let mut order: Vec<(u32, u32)> = Vec::new();
+    for t in &lowered.phases[phase] {
+        for b in std::iter::once(t.source.0).chain(t.destinations.iter().map(|d| d.0)) {
+            if seen.insert(b) {
+                order.push((lowered.buffers[b as usize].tile, b));
+            }
+        }
+    }
+    // Stable: first-use order within each tile.
+    order.sort_by_key(|&(tile, _)| tile);
+    let mut out: PhaseBuffers = Vec::new();
+    for (tile, b) in order {
+        if out.last().is_none_or(|l| l.0 != tile) {
+            out.push((tile, Vec::new()));
+        }
+        out.last_mut().expect("a tile was just pushed").1.push((starts[b as usize], lowered.buffers[b as usize].bytes as u64));
+    }
+    out
+}
+
 /// Every phase's compact tables over sizing addresses.
 pub fn sizing_tables(target: &Target, lowered: &Lowered, schedules: &[Schedule]) -> Result<Vec<PackedPhase>, String> {
     let bases = sizing_bases(lowered);
@@ -48,7 +75,11 @@ pub fn sizing_tables(target: &Target, lowered: &Lowered, schedules: &[Schedule])
     requests
         .par_iter()
         .zip(schedules.par_iter())
-        .map(|(r, schedule)| exchange::relocate(target, r, schedule, false, None).map(|p| pack_phase(&p)).map_err(|e| e.to_string()))
+        .enumerate()
+        .map(|(i, (r, schedule))| {
+            let p = exchange::relocate(target, r, schedule, false, None).map_err(|e| e.to_string())?;
+            pack_phase(&p, &phase_buffers(lowered, i, &bases))
+        })
         .collect()
 }
 
@@ -117,13 +148,13 @@ pub fn support_checked_known(target: &Target, lowered: &Lowered, schedules: &[Sc
 /// of its table bytes.
 pub fn table_bytes_checked(target: &Target, lowered: &Lowered, schedules: &[Schedule], budget: u32) -> Result<Result<Vec<u32>, TableOverflow>, String> {
     let packed = sizing_tables(target, lowered, schedules)?;
-    let table_bytes: Vec<u32> = tile_tables(lowered.tiles as usize, &packed).iter().map(|b| b.len() as u32).collect();
+    let table_bytes: Vec<u32> = tile_tables(lowered.tiles as usize, &packed)?.iter().map(|b| b.len() as u32).collect();
     if let Some((tile, &bytes)) = table_bytes.iter().enumerate().find(|(_, b)| **b > budget) {
         // Each phase's share: its tables on that tile encoded alone (largest first, lowest index on ties).
         let mut worst: Option<(u32, u32)> = None;
         for phase in &packed {
             for t in phase.tiles.iter().filter(|t| t.tile as usize == tile) {
-                let b = encode_tile(&[(phase.index, t)]).len() as u32;
+                let b = encode_tile(&[(phase.index, t)])?.len() as u32;
                 if worst.is_none_or(|w| b > w.1) {
                     worst = Some((phase.index, b));
                 }

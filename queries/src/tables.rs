@@ -1,33 +1,50 @@
 //! Compact exchange tables: the form the package and the tile images carry.
 //!
 //! A tile's table for one phase is a list of run descriptors, sends and receives apart, each
-//! list grouped by entry shape (width, source, pairing) and in cycle order within a group,
-//! so one stream's rows interleaved with another's still form a run. A run is `count` entries of the same width (and, for receives, the same source), entry i at
+//! list grouped by entry shape (width, source, pairing, buffer) and in cycle order within a
+//! group, so one stream's rows interleaved with another's still form a run. A run is `count`
+//! entries of the same width (and, for receives, the same source) in one buffer, entry i at
 //! `cycle + i * cycle_stride` and `address + i * address_stride` (wrapping): contiguous and
 //! strided rows are one descriptor, not one entry each. Runs are chosen by an exact dynamic
 //! program (fewest encoded bytes for a sorted entry list cut into arithmetic runs), so equal
 //! tables always give equal runs.
 //!
+//! Runs never span two buffers, and a descriptor's address is relative to the start of the
+//! buffer it addresses (the run's base slot): a phase's runs on a tile, hence its encoded
+//! segment, depend on what it moves where within its buffers, never on where the buffers
+//! were placed. Slots are numbered in order of first use among the phase's transfers (the
+//! lowering's order, the same for repeated layers), so the same phase of repeated layers and
+//! blocks has the same segment wherever their buffers land.
+//!
 //! The device executes runs: it decodes them from the tile's image (`decode_tile`) and
 //! expands each descriptor itself (`unpack_phase`), with a limit on the entries it will expand
 //! and no arithmetic that can panic on hostile values.
 //!
-//! Encoded in a tile image (`encode_tile`), a single entry is 3 words (cycle, address,
-//! `words | source << 20 | paired << 31`) and a run 6 (the same with bit 19 set, then count,
-//! cycle stride, address stride; any count but 1 is written as a run, and the decoder refuses
-//! runs of fewer than 2). Phases whose tables on a tile differ only by one address
-//! offset for the sends and one for the receives share one segment there, patched by its
-//! binding (`TileTables`): repeated layers and blocks reuse table segments.
+//! Encoded in a tile image (`encode_tile`), a single entry is 3 words (cycle,
+//! `offset | slot << 20`, `words | source << 20 | paired << 31`) and a run 6 (the same with
+//! bit 19 set, then count, cycle stride, address stride; any count but 1 is written as a run,
+//! and the decoder refuses runs of fewer than 2). The offset (from the slot's buffer start)
+//! must fit 20 bits and the slot 12 (an encoding error otherwise). A tile's tables are a
+//! binding per phase (phase, segment offset, base-list offset, base count), then the distinct
+//! base lists (each base a buffer's start address, one word per slot), then the distinct
+//! segments (send and receive descriptor counts, then the descriptors); phases with equal
+//! segments share one, each binding supplying its own buffers' bases.
 
 use crate::package::{ExchangePhase, ReceiveEntry, SendEntry, TileExchange};
 
 /// Bytes of an encoded single entry and of an encoded run.
 pub const ENTRY_BYTES: u32 = 12;
 pub const RUN_BYTES: u32 = 24;
-/// Bytes of one binding (phase, segment offset, send base, receive base) and of a segment
-/// header (send and receive descriptor counts).
+/// Bytes of one binding (phase, segment offset, base-list offset, base count), of one base in
+/// a base list, and of a segment header (send and receive descriptor counts).
 pub const BINDING_BYTES: u32 = 16;
+pub const BASE_BYTES: u32 = 4;
 pub const SEGMENT_HEADER_BYTES: u32 = 8;
+/// A descriptor's address word: the offset from its buffer's start in the low `OFFSET_BITS`,
+/// the base slot above.
+pub const OFFSET_BITS: u32 = 20;
+pub const MAX_SLOTS: u32 = 1 << (32 - OFFSET_BITS);
+const OFFSET_MASK: u32 = (1 << OFFSET_BITS) - 1;
 /// Bit 19 of the third word marks a run (entry widths stay below 2^19 words).
 /// The most entries a device expands one phase into (about ten times the largest phase of the
 /// seed workloads); a package asking for more is refused rather than exhausting memory.
@@ -36,10 +53,11 @@ const RUN_FLAG: u32 = 1 << 19;
 const WORDS_MASK: u32 = RUN_FLAG - 1;
 
 /// `count` sends: entry i sends `words` words from `address + i * address_stride` at
-/// `cycle + i * cycle_stride`.
+/// `cycle + i * cycle_stride`, all within the buffer of base slot `slot`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct SendRun {
     pub cycle: u32,
+    pub slot: u32,
     pub address: u32,
     pub words: u32,
     pub paired: bool,
@@ -49,11 +67,12 @@ pub struct SendRun {
 }
 
 /// `count` receives from `source`, entry i at `cycle + i * cycle_stride` into
-/// `address + i * address_stride`.
+/// `address + i * address_stride`, all within the buffer of base slot `slot`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct ReceiveRun {
     pub cycle: u32,
     pub source: u32,
+    pub slot: u32,
     pub address: u32,
     pub words: u32,
     pub paired: bool,
@@ -65,6 +84,8 @@ pub struct ReceiveRun {
 #[derive(Clone, Debug, PartialEq, Eq, Hash, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct PackedTile {
     pub tile: u32,
+    /// Start address of each base slot's buffer (slot order).
+    pub bases: Vec<u32>,
     pub sends: Vec<SendRun>,
     pub receives: Vec<ReceiveRun>,
 }
@@ -80,34 +101,35 @@ pub struct PackedPhase {
     pub endpoint_lower_bound: u32,
 }
 
-/// What makes two entries members of one run: everything but cycle and address.
+/// What makes two entries members of one run: everything but cycle and address (an entry
+/// with its base slot).
 trait Row: Copy {
     fn cycle(&self) -> u32;
     fn address(&self) -> u32;
-    fn shape(&self) -> (u32, u32, bool);
+    fn shape(&self) -> (u32, u32, bool, u32);
 }
 
-impl Row for SendEntry {
+impl Row for (u32, SendEntry) {
     fn cycle(&self) -> u32 {
-        self.cycle
+        self.1.cycle
     }
     fn address(&self) -> u32 {
-        self.address
+        self.1.address
     }
-    fn shape(&self) -> (u32, u32, bool) {
-        (self.words, 0, self.paired)
+    fn shape(&self) -> (u32, u32, bool, u32) {
+        (self.1.words, 0, self.1.paired, self.0)
     }
 }
 
-impl Row for ReceiveEntry {
+impl Row for (u32, ReceiveEntry) {
     fn cycle(&self) -> u32 {
-        self.cycle
+        self.1.cycle
     }
     fn address(&self) -> u32 {
-        self.address
+        self.1.address
     }
-    fn shape(&self) -> (u32, u32, bool) {
-        (self.words, self.source, self.paired)
+    fn shape(&self) -> (u32, u32, bool, u32) {
+        (self.1.words, self.1.source, self.1.paired, self.0)
     }
 }
 
@@ -160,40 +182,114 @@ fn runs_of<R: Row>(entries: &[R]) -> Vec<(usize, u32, u32, u32)> {
     out
 }
 
-/// Entries grouped by shape (width, source, pairing), each group in cycle order: rows of one
-/// stream interleaved with others' become neighbours, so their strides show.
-fn grouped<R: Row>(entries: &[R]) -> Vec<R> {
-    let mut v = entries.to_vec();
+/// Entries grouped by shape (width, source, pairing, slot), each group in cycle order: rows of
+/// one stream interleaved with others' become neighbours, so their strides show. Within a
+/// slot, address order is offset order, wherever the buffer lies.
+fn grouped<R: Row>(mut v: Vec<R>) -> Vec<R> {
     v.sort_by_key(|e| (e.shape(), e.cycle(), e.address()));
     v
 }
 
-/// The runs of one tile's table.
-pub fn pack_tile(t: &TileExchange) -> PackedTile {
-    let (sends_in, receives_in) = (grouped(&t.sends), grouped(&t.receives));
+/// The buffers (start address, bytes) one phase touches on each tile, candidate base slots in
+/// slot order (the order of first use among the phase's transfers), by tile (sorted).
+pub type PhaseBuffers = Vec<(u32, Vec<(u32, u64)>)>;
+
+/// Buffers for tables that come without theirs (tools and tests that write tables by hand):
+/// per tile, windows of 2^OFFSET_BITS bytes, each from the lowest address the ones before do
+/// not cover, so every address encodes.
+pub fn address_windows(p: &ExchangePhase) -> PhaseBuffers {
+    p.tiles
+        .iter()
+        .map(|t| {
+            let mut addresses: Vec<u32> = t.sends.iter().map(|e| e.address).chain(t.receives.iter().map(|e| e.address)).collect();
+            addresses.sort_unstable();
+            let mut windows: Vec<(u32, u64)> = Vec::new();
+            for a in addresses {
+                if windows.last().is_none_or(|&(start, bytes)| (a - start) as u64 >= bytes) {
+                    windows.push((a, 1 << OFFSET_BITS));
+                }
+            }
+            (t.tile, windows)
+        })
+        .collect()
+}
+
+/// The slot (index into `buffers`) of the buffer holding `address`, or an error.
+fn slot_of(by_start: &[(u32, u64, u32)], address: u32, tile: u32, what: &str) -> Result<u32, String> {
+    let inside = |&&(start, bytes, _): &&(u32, u64, u32)| address >= start && ((address - start) as u64) < bytes;
+    let i = by_start.partition_point(|b| b.0 <= address);
+    match by_start[..i].last().filter(inside).or_else(|| by_start.iter().find(inside)) {
+        Some(b) => Ok(b.2),
+        None => Err(format!("tile {tile}: a {what} at {address:#x} lies in none of the phase's buffers on the tile")),
+    }
+}
+
+/// The runs of one tile's table, cut per buffer (`buffers`: candidate slots, in slot order;
+/// the slots used are renumbered in that order). An error when an entry lies in no buffer.
+pub fn pack_tile(t: &TileExchange, buffers: &[(u32, u64)]) -> Result<PackedTile, String> {
+    let mut by_start: Vec<(u32, u64, u32)> = buffers.iter().enumerate().map(|(i, &(start, bytes))| (start, bytes, i as u32)).collect();
+    by_start.sort_unstable();
+    let mut used = vec![false; buffers.len()];
+    let mut sends = Vec::with_capacity(t.sends.len());
+    for e in &t.sends {
+        let slot = slot_of(&by_start, e.address, t.tile, "send")?;
+        used[slot as usize] = true;
+        sends.push((slot, *e));
+    }
+    let mut receives = Vec::with_capacity(t.receives.len());
+    for e in &t.receives {
+        let slot = slot_of(&by_start, e.address, t.tile, "receive")?;
+        used[slot as usize] = true;
+        receives.push((slot, *e));
+    }
+    // Slots the entries use, renumbered in candidate order.
+    let mut renumber = vec![0u32; buffers.len()];
+    let mut bases = Vec::new();
+    for (i, &(start, _)) in buffers.iter().enumerate() {
+        if used[i] {
+            renumber[i] = bases.len() as u32;
+            bases.push(start);
+        }
+    }
+    sends.iter_mut().for_each(|e| e.0 = renumber[e.0 as usize]);
+    receives.iter_mut().for_each(|e| e.0 = renumber[e.0 as usize]);
+    let (sends_in, receives_in) = (grouped(sends), grouped(receives));
     let sends = runs_of(&sends_in)
         .into_iter()
         .map(|(s, count, cycle_stride, address_stride)| {
-            let e = sends_in[s];
-            SendRun { cycle: e.cycle, address: e.address, words: e.words, paired: e.paired, count, cycle_stride, address_stride }
+            let (slot, e) = sends_in[s];
+            SendRun { cycle: e.cycle, slot, address: e.address, words: e.words, paired: e.paired, count, cycle_stride, address_stride }
         })
         .collect();
     let receives = runs_of(&receives_in)
         .into_iter()
         .map(|(s, count, cycle_stride, address_stride)| {
-            let e = receives_in[s];
-            ReceiveRun { cycle: e.cycle, source: e.source, address: e.address, words: e.words, paired: e.paired, count, cycle_stride, address_stride }
+            let (slot, e) = receives_in[s];
+            ReceiveRun { cycle: e.cycle, source: e.source, slot, address: e.address, words: e.words, paired: e.paired, count, cycle_stride, address_stride }
         })
         .collect();
-    PackedTile { tile: t.tile, sends, receives }
+    Ok(PackedTile { tile: t.tile, bases, sends, receives })
 }
 
-pub fn pack_phase(p: &ExchangePhase) -> PackedPhase {
-    PackedPhase { index: p.index, tiles: p.tiles.iter().map(pack_tile).collect(), horizon: p.horizon, endpoint_lower_bound: p.endpoint_lower_bound }
+/// A phase's runs, each tile's cut per the buffers the phase touches there (`buffers`, by
+/// tile); an error names the tile whose entries lie outside them.
+pub fn pack_phase(p: &ExchangePhase, buffers: &PhaseBuffers) -> Result<PackedPhase, String> {
+    let tiles = p
+        .tiles
+        .iter()
+        .map(|t| match buffers.binary_search_by_key(&t.tile, |b| b.0) {
+            Ok(i) => pack_tile(t, &buffers[i].1),
+            Err(_) => Err(format!("tile {}: exchange phase {} has tables there but touches no buffer on it", t.tile, p.index)),
+        })
+        .collect::<Result<Vec<_>, String>>()
+        .map_err(|m| format!("exchange phase {}: {m}", p.index))?;
+    Ok(PackedPhase { index: p.index, tiles, horizon: p.horizon, endpoint_lower_bound: p.endpoint_lower_bound })
 }
 
+/// Phases packed without their buffers (`address_windows`), for tools and tests that write
+/// tables by hand.
 pub fn pack(phases: &[ExchangePhase]) -> Vec<PackedPhase> {
-    phases.iter().map(pack_phase).collect()
+    phases.iter().map(|p| pack_phase(p, &address_windows(p)).expect("address windows cover every entry")).collect()
 }
 
 /// Entries of one run, or an error naming the run when it is empty or its arithmetic
@@ -258,59 +354,97 @@ fn record(out: &mut Vec<u8>, cycle: u32, address: u32, words: u32, source: u32, 
     }
 }
 
-/// One segment's bytes: the send and receive descriptor counts, then the descriptors with
-/// addresses relative to the bases (`send_base`, `receive_base`).
-pub fn encode_segment(t: &PackedTile, send_base: u32, receive_base: u32) -> Vec<u8> {
-    let mut out = Vec::new();
+/// A descriptor's address word: its offset from its slot's base, and the slot; an error when
+/// either does not fit its bits.
+fn address_word(t: &PackedTile, slot: u32, address: u32) -> Result<u32, String> {
+    let Some(&base) = t.bases.get(slot as usize) else {
+        return Err(format!("tile {}: a run at {address:#x} names base slot {slot}, the tile's tables have {} bases", t.tile, t.bases.len()));
+    };
+    if slot >= MAX_SLOTS {
+        return Err(format!("tile {}: base slot {slot} does not fit the {} slot bits of a descriptor", t.tile, 32 - OFFSET_BITS));
+    }
+    let offset = address.wrapping_sub(base);
+    if offset > OFFSET_MASK {
+        return Err(format!("tile {}: a run at {address:#x} lies {offset:#x} bytes past its buffer's start {base:#x}, beyond the {OFFSET_BITS}-bit offsets of a descriptor", t.tile));
+    }
+    Ok(offset | slot << OFFSET_BITS)
+}
+
+/// One segment's bytes: the send and receive descriptor counts, then the descriptors, each
+/// address an offset from its slot's base (`t.bases`) with the slot above it. An error when
+/// an offset or a slot does not fit.
+pub fn encode_segment(t: &PackedTile) -> Result<Vec<u8>, String> {
+    let mut out = Vec::with_capacity((SEGMENT_HEADER_BYTES + RUN_BYTES * (t.sends.len() + t.receives.len()) as u32) as usize);
     out.extend_from_slice(&(t.sends.len() as u32).to_le_bytes());
     out.extend_from_slice(&(t.receives.len() as u32).to_le_bytes());
     for r in &t.sends {
-        record(&mut out, r.cycle, r.address.wrapping_sub(send_base), r.words, 0, r.paired, r.count, r.cycle_stride, r.address_stride);
+        record(&mut out, r.cycle, address_word(t, r.slot, r.address)?, r.words, 0, r.paired, r.count, r.cycle_stride, r.address_stride);
     }
     for r in &t.receives {
-        record(&mut out, r.cycle, r.address.wrapping_sub(receive_base), r.words, r.source, r.paired, r.count, r.cycle_stride, r.address_stride);
+        record(&mut out, r.cycle, address_word(t, r.slot, r.address)?, r.words, r.source, r.paired, r.count, r.cycle_stride, r.address_stride);
     }
-    out
-}
-
-/// The bases a segment is relative to: the lowest send and receive addresses (0 when none).
-pub fn bases(t: &PackedTile) -> (u32, u32) {
-    (t.sends.iter().map(|r| r.address).min().unwrap_or(0), t.receives.iter().map(|r| r.address).min().unwrap_or(0))
+    Ok(out)
 }
 
 /// A tile's exchange tables over all phases, encoded: a binding per phase the tile takes part
-/// in (phase, segment offset, send base, receive base), then the distinct segments. Phases
-/// whose segments are equal share one.
-pub fn encode_tile(phases: &[(u32, &PackedTile)]) -> Vec<u8> {
+/// in (phase, segment offset, base-list offset, base count), then the distinct base lists,
+/// then the distinct segments (offsets from the start of the tables). Phases whose segments
+/// are equal share one; bindings whose base lists are equal share one. An error when an
+/// offset or a slot does not fit a descriptor.
+pub fn encode_tile(phases: &[(u32, &PackedTile)]) -> Result<Vec<u8>, String> {
     let mut segments: Vec<Vec<u8>> = Vec::new();
-    let mut bindings: Vec<[u32; 4]> = Vec::new();
-    let mut offset = phases.len() as u32 * BINDING_BYTES;
-    let mut offsets: Vec<u32> = Vec::new();
+    let mut segment_index: std::collections::HashMap<Vec<u8>, usize> = std::collections::HashMap::new();
+    let mut lists: Vec<&[u32]> = Vec::new();
+    let mut list_index: std::collections::HashMap<&[u32], usize> = std::collections::HashMap::new();
+    let mut bindings: Vec<(u32, usize, usize)> = Vec::with_capacity(phases.len());
     for (phase, t) in phases {
-        let (sb, rb) = bases(t);
-        let bytes = encode_segment(t, sb, rb);
-        let at = match segments.iter().position(|s| *s == bytes) {
-            Some(i) => offsets[i],
+        let bytes = encode_segment(t).map_err(|m| format!("exchange phase {phase}: {m}"))?;
+        let s = match segment_index.get(&bytes) {
+            Some(&i) => i,
             None => {
-                let at = offset;
-                offset += bytes.len() as u32;
-                offsets.push(at);
-                segments.push(bytes);
-                at
+                segments.push(bytes.clone());
+                segment_index.insert(bytes, segments.len() - 1);
+                segments.len() - 1
             }
         };
-        bindings.push([*phase, at, sb, rb]);
+        let l = *list_index.entry(&t.bases).or_insert_with(|| {
+            lists.push(&t.bases);
+            lists.len() - 1
+        });
+        bindings.push((*phase, s, l));
     }
-    let mut out = Vec::with_capacity(offset as usize);
-    for b in bindings {
-        for w in b {
+    let mut at = phases.len() as u32 * BINDING_BYTES;
+    let list_offsets: Vec<u32> = lists
+        .iter()
+        .map(|l| {
+            let o = at;
+            at += l.len() as u32 * BASE_BYTES;
+            o
+        })
+        .collect();
+    let segment_offsets: Vec<u32> = segments
+        .iter()
+        .map(|s| {
+            let o = at;
+            at += s.len() as u32;
+            o
+        })
+        .collect();
+    let mut out = Vec::with_capacity(at as usize);
+    for (phase, s, l) in bindings {
+        for w in [phase, segment_offsets[s], list_offsets[l], lists[l].len() as u32] {
+            out.extend_from_slice(&w.to_le_bytes());
+        }
+    }
+    for l in &lists {
+        for w in l.iter() {
             out.extend_from_slice(&w.to_le_bytes());
         }
     }
     for s in segments {
         out.extend_from_slice(&s);
     }
-    out
+    Ok(out)
 }
 
 /// Decode a tile's encoded tables (`encode_tile`; `bytes` at `address`, `bindings` bindings)
@@ -324,20 +458,40 @@ pub fn decode_tile(bytes: &[u8], address: u32, tile: u32, bindings: u32) -> Resu
             None => Err(format!("{what} at {:#x} runs past the end of the {}-byte exchange tables at {address:#x}", address as u64 + at, bytes.len())),
         }
     };
-    if bindings as u64 * BINDING_BYTES as u64 > bytes.len() as u64 {
-        return Err(format!("exchange tables at {address:#x}: {bindings} bindings need {} bytes, the tables hold {}", bindings as u64 * BINDING_BYTES as u64, bytes.len()));
+    let binding_bytes = bindings as u64 * BINDING_BYTES as u64;
+    if binding_bytes > bytes.len() as u64 {
+        return Err(format!("exchange tables at {address:#x}: {bindings} bindings need {binding_bytes} bytes, the tables hold {}", bytes.len()));
     }
-    type Segment = (Vec<SendRun>, Vec<ReceiveRun>);
+    // A segment: its runs (addresses relative to their slots' bases) and the highest slot + 1.
+    type Segment = (Vec<SendRun>, Vec<ReceiveRun>, u32);
     let mut segments: std::collections::HashMap<u32, std::rc::Rc<Segment>> = std::collections::HashMap::new();
+    let mut lists: std::collections::HashMap<u32, std::rc::Rc<Vec<u32>>> = std::collections::HashMap::new();
     let mut spans: Vec<(u64, u64)> = Vec::new();
     let mut out = Vec::with_capacity(bindings as usize);
     for b in 0..bindings {
         let at = b as u64 * BINDING_BYTES as u64;
-        let [phase, offset, send_base, receive_base] = [0, 4, 8, 12].map(|o| word(at + o, "binding").unwrap_or_default());
+        let [phase, offset, list, count] = [0, 4, 8, 12].map(|o| word(at + o, "binding").unwrap_or_default());
         let fail = |m: String| format!("exchange-table binding {b} (phase {phase}) at {:#x}: {m}", address as u64 + at);
-        if (offset as u64) < bindings as u64 * BINDING_BYTES as u64 {
+        if (offset as u64) < binding_bytes {
             return Err(fail(format!("segment offset {offset} points into the bindings")));
         }
+        if (list as u64) < binding_bytes {
+            return Err(fail(format!("base-list offset {list} points into the bindings")));
+        }
+        let bases = match lists.get(&list) {
+            Some(l) if l.len() == count as usize => l.clone(),
+            Some(l) => return Err(fail(format!("a base list of {count} bases at offset {list}, where another binding's list of {} starts", l.len()))),
+            None => {
+                let end = list as u64 + count as u64 * BASE_BYTES as u64;
+                if end > bytes.len() as u64 {
+                    return Err(fail(format!("a base list of {count} bases at offset {list} runs past the end of the {}-byte tables", bytes.len())));
+                }
+                let l = std::rc::Rc::new((0..count as u64).map(|i| word(list as u64 + i * BASE_BYTES as u64, "base")).collect::<Result<Vec<u32>, String>>().map_err(fail)?);
+                spans.push((list as u64, end));
+                lists.insert(list, l.clone());
+                l
+            }
+        };
         let segment = match segments.get(&offset) {
             Some(s) => s.clone(),
             None => {
@@ -350,6 +504,7 @@ pub fn decode_tile(bytes: &[u8], address: u32, tile: u32, bindings: u32) -> Resu
                 }
                 let mut send_runs = Vec::with_capacity(sends as usize);
                 let mut receive_runs = Vec::with_capacity(receives as usize);
+                let mut slots = 0u32;
                 for i in 0..sends as u64 + receives as u64 {
                     let here = address as u64 + at;
                     let describe = |m: String| fail(format!("descriptor {i} at {here:#x}: {m}"));
@@ -366,31 +521,38 @@ pub fn decode_tile(bytes: &[u8], address: u32, tile: u32, bindings: u32) -> Resu
                         (1, 0, 0)
                     };
                     let (words, source, paired) = (third & WORDS_MASK, (third >> 20) & 0x7FF, third >> 31 != 0);
+                    let (slot, offset) = (addr >> OFFSET_BITS, addr & OFFSET_MASK);
+                    slots = slots.max(slot + 1);
                     if i < sends as u64 {
                         if source != 0 {
                             return Err(describe(format!("a send descriptor names source tile {source}")));
                         }
-                        send_runs.push(SendRun { cycle, address: addr, words, paired, count, cycle_stride, address_stride });
+                        send_runs.push(SendRun { cycle, slot, address: offset, words, paired, count, cycle_stride, address_stride });
                     } else {
-                        receive_runs.push(ReceiveRun { cycle, source, address: addr, words, paired, count, cycle_stride, address_stride });
+                        receive_runs.push(ReceiveRun { cycle, source, slot, address: offset, words, paired, count, cycle_stride, address_stride });
                     }
                 }
                 spans.push((offset as u64, at));
-                let s = std::rc::Rc::new((send_runs, receive_runs));
+                let s = std::rc::Rc::new((send_runs, receive_runs, slots));
                 segments.insert(offset, s.clone());
                 s
             }
         };
-        let sends = segment.0.iter().map(|r| SendRun { address: r.address.wrapping_add(send_base), ..*r }).collect();
-        let receives = segment.1.iter().map(|r| ReceiveRun { address: r.address.wrapping_add(receive_base), ..*r }).collect();
-        out.push((phase, PackedTile { tile, sends, receives }));
+        if segment.2 > count {
+            let (i, slot) = segment.0.iter().map(|r| r.slot).chain(segment.1.iter().map(|r| r.slot)).enumerate().find(|&(_, s)| s >= count).unwrap_or((0, segment.2 - 1));
+            return Err(fail(format!("descriptor {i} of the segment at offset {offset} names base slot {slot}, the binding supplies {count} bases")));
+        }
+        let sends = segment.0.iter().map(|r| SendRun { address: r.address.wrapping_add(bases[r.slot as usize]), ..*r }).collect();
+        let receives = segment.1.iter().map(|r| ReceiveRun { address: r.address.wrapping_add(bases[r.slot as usize]), ..*r }).collect();
+        out.push((phase, PackedTile { tile, bases: bases.to_vec(), sends, receives }));
     }
-    // The bindings' segments follow the bindings back to back, each once, to the end.
+    // The bindings' base lists and segments follow the bindings back to back, each once, to
+    // the end (an empty base list is an empty span).
     spans.sort_unstable();
-    let mut at = bindings as u64 * BINDING_BYTES as u64;
+    let mut at = binding_bytes;
     for &(start, end) in spans.iter().chain([(bytes.len() as u64, bytes.len() as u64)].iter()) {
         if start != at {
-            return Err(format!("exchange tables at {address:#x}: bytes {} to {start} of {} do not hold exactly the bindings' segments", at.min(start), bytes.len()));
+            return Err(format!("exchange tables at {address:#x}: bytes {} to {start} of {} do not hold exactly the bindings' base lists and segments", at.min(start), bytes.len()));
         }
         at = end;
     }
@@ -406,25 +568,37 @@ mod tests {
         ReceiveEntry { cycle, source, address, words, paired: false }
     }
 
+    /// Phase `index` on tile 2: a send from buffer `send` and two interleaved strided receive
+    /// streams into buffers `a` and `b` (rows of 8 words, every 16 cycles each), with the
+    /// phase's buffers (send, a, b).
+    fn streams(index: u32, send: u32, a: u32, b: u32) -> (ExchangePhase, PhaseBuffers) {
+        let mut receives: Vec<ReceiveEntry> = (0..20).flat_map(|i| [receive(i * 16, 3, a + i * 64, 8), receive(i * 16 + 8, 5, b + i * 32, 8)]).collect();
+        receives.sort_by_key(|e| (e.cycle, e.source, e.address));
+        let table = TileExchange { tile: 2, sends: vec![SendEntry { cycle: 0, address: send + 0x10, words: 4, paired: false }], receives };
+        (ExchangePhase { index, tiles: vec![table], horizon: 328, endpoint_lower_bound: 320 }, vec![(2, vec![(send, 64), (a, 20 * 64), (b, 20 * 32)])])
+    }
+
     #[test]
     fn interleaved_strided_streams_become_one_run_each_and_expand_back() {
-        // Two sources alternate on one tile: rows of 8 words, every 16 cycles each.
-        let mut receives: Vec<ReceiveEntry> = (0..20).flat_map(|i| [receive(i * 16, 3, 0x1000 + i * 64, 8), receive(i * 16 + 8, 5, 0x9000 + i * 32, 8)]).collect();
-        receives.sort_by_key(|e| (e.cycle, e.source, e.address));
-        let table = TileExchange { tile: 2, sends: vec![SendEntry { cycle: 0, address: 0x100, words: 4, paired: false }], receives };
-        let phase = ExchangePhase { index: 7, tiles: vec![table], horizon: 328, endpoint_lower_bound: 320 };
-        let packed = pack_phase(&phase);
+        let (phase, buffers) = streams(7, 0x100, 0x1000, 0x9000);
+        let packed = pack_phase(&phase, &buffers).unwrap();
         assert_eq!(packed.tiles[0].receives.len(), 2, "{:?}", packed.tiles[0].receives);
         assert_eq!(packed.tiles[0].receives[0].address_stride, 64);
+        assert_eq!(packed.tiles[0].bases, vec![0x100, 0x1000, 0x9000]);
         assert_eq!(unpack_phase(&packed, MAX_PHASE_ENTRIES).unwrap(), phase);
         assert_eq!(entry_count(&packed), 41);
-        let bytes = encode_tile(&[(7, &packed.tiles[0]), (9, &packed.tiles[0])]);
-        assert_eq!(bytes.len() as u32, 2 * BINDING_BYTES + SEGMENT_HEADER_BYTES + ENTRY_BYTES + 2 * RUN_BYTES);
+        // Phase 9 moves the same data between buffers placed elsewhere (the receive buffers
+        // in the other order): one segment, a base list each.
+        let (other, other_buffers) = streams(9, 0x2200, 0x30000, 0x8000);
+        let moved = pack_phase(&other, &other_buffers).unwrap();
+        assert_eq!(encode_segment(&moved.tiles[0]).unwrap(), encode_segment(&packed.tiles[0]).unwrap());
+        let bytes = encode_tile(&[(7, &packed.tiles[0]), (9, &moved.tiles[0])]).unwrap();
+        assert_eq!(bytes.len() as u32, 2 * BINDING_BYTES + 6 * BASE_BYTES + SEGMENT_HEADER_BYTES + ENTRY_BYTES + 2 * RUN_BYTES);
         let decoded = decode_tile(&bytes, 0x4C100, 2, 2).unwrap();
-        assert_eq!(decoded, vec![(7, packed.tiles[0].clone()), (9, packed.tiles[0].clone())]);
+        assert_eq!(decoded, vec![(7, packed.tiles[0].clone()), (9, moved.tiles[0].clone())]);
         // Corrupted bytes are errors naming where, or tables, never a panic.
         for i in 0..bytes.len() {
-            for v in [0u8, 0xFF, 0x08] {
+            for v in [0u8, 0xFF, 0x08, 0x10] {
                 let mut b = bytes.clone();
                 b[i] = v;
                 let _ = decode_tile(&b, 0x4C100, 2, 2);
@@ -432,7 +606,52 @@ mod tests {
         }
         let e = decode_tile(&bytes[..bytes.len() - 4], 0x4C100, 2, 2).unwrap_err();
         assert!(e.contains("binding 0 (phase 7)") && e.contains("runs past the end"), "{e}");
-        assert!(decode_tile(&bytes, 0x4C100, 2, 1).unwrap_err().contains("exactly the bindings' segments"));
+        assert!(decode_tile(&bytes, 0x4C100, 2, 1).unwrap_err().contains("exactly the bindings' base lists and segments"));
+        // Binding 1 supplying two bases where the segment names slot 2.
+        let mut few = bytes.clone();
+        few[16 + 12..16 + 16].copy_from_slice(&2u32.to_le_bytes());
+        let e = decode_tile(&few, 0x4C100, 2, 2).unwrap_err();
+        assert!(e.contains("binding 1 (phase 9) at 0x4c110") && e.contains("base slot 2") && e.contains("supplies 2 bases"), "{e}");
+        // A base list past the end of the tables.
+        let mut far = bytes.clone();
+        far[8..12].copy_from_slice(&(bytes.len() as u32 - 4).to_le_bytes());
+        let e = decode_tile(&far, 0x4C100, 2, 2).unwrap_err();
+        assert!(e.contains("binding 0 (phase 7) at 0x4c100") && e.contains("base list of 3 bases") && e.contains("runs past the end"), "{e}");
+    }
+
+    /// `p`'s phase back from the bytes of its one tile.
+    fn decode_phase(bytes: &[u8], p: &PackedPhase) -> PackedPhase {
+        let (_, tile) = decode_tile(bytes, 0, p.tiles[0].tile, 1).unwrap().remove(0);
+        PackedPhase { tiles: vec![tile], ..p.clone() }
+    }
+
+    #[test]
+    fn runs_stop_at_buffer_boundaries_and_segments_ignore_placement() {
+        // Rows 0..8 of one stream, the first 4 in one buffer and the rest in the next: placed
+        // back to back they form one progression, but each buffer gets its own run.
+        let rows = |a: u32, b: u32| -> (ExchangePhase, PhaseBuffers) {
+            let receives = (0..8).map(|i| receive(i * 4, 1, if i < 4 { a + i * 32 } else { b + (i - 4) * 32 }, 8)).collect();
+            let phase = ExchangePhase { index: 0, tiles: vec![TileExchange { tile: 0, sends: vec![], receives }], horizon: 40, endpoint_lower_bound: 32 };
+            (phase, vec![(0, vec![(a, 128), (b, 128)])])
+        };
+        let (adjacent, adjacent_buffers) = rows(0x1000, 0x1080);
+        let packed = pack_phase(&adjacent, &adjacent_buffers).unwrap();
+        assert_eq!(packed.tiles[0].receives.iter().map(|r| (r.slot, r.count)).collect::<Vec<_>>(), vec![(0, 4), (1, 4)]);
+        assert_eq!(pack(std::slice::from_ref(&adjacent))[0].tiles[0].receives.len(), 1, "without its buffers the phase is one run");
+        let (apart, apart_buffers) = rows(0x7000, 0x2000);
+        let elsewhere = pack_phase(&apart, &apart_buffers).unwrap();
+        assert_eq!(encode_segment(&elsewhere.tiles[0]).unwrap(), encode_segment(&packed.tiles[0]).unwrap());
+        assert_eq!(unpack_phase(&elsewhere, MAX_PHASE_ENTRIES).unwrap(), apart);
+        // An entry outside the phase's buffers, an offset past 20 bits: errors naming the tile.
+        let e = pack_phase(&adjacent, &vec![(0, vec![(0x1000, 128)])]).unwrap_err();
+        assert!(e.contains("tile 0") && e.contains("0x1080") && e.contains("none of the phase's buffers"), "{e}");
+        let (far, _) = rows(0x1000, 0x101000);
+        let e = encode_tile(&[(0, &pack_phase(&far, &vec![(0, vec![(0x1000, 0x200000)])]).unwrap().tiles[0])]).unwrap_err();
+        assert!(e.contains("exchange phase 0: tile 0") && e.contains("20-bit offsets"), "{e}");
+        // Without its buffers, a phase gets address windows that every address fits.
+        let windowed = &pack(std::slice::from_ref(&far))[0];
+        assert_eq!(windowed.tiles[0].bases, vec![0x1000, 0x101000]);
+        assert_eq!(unpack_phase(&decode_phase(&encode_tile(&[(0, &windowed.tiles[0])]).unwrap(), windowed), MAX_PHASE_ENTRIES).unwrap(), far);
     }
 
     #[test]
@@ -445,9 +664,9 @@ mod tests {
             receives.dedup();
             let table = TileExchange { tile: 0, sends: vec![], receives };
             let phase = ExchangePhase { index: 0, tiles: vec![table.clone()], horizon: 0, endpoint_lower_bound: 0 };
-            let packed = pack_phase(&phase);
+            let packed = pack_phase(&phase, &vec![(0, vec![(0x4000, 256)])]).unwrap();
             assert_eq!(unpack_phase(&packed, MAX_PHASE_ENTRIES).unwrap(), phase);
-            let encoded = encode_segment(&packed.tiles[0], 0, 0x4000).len() as u32;
+            let encoded = encode_segment(&packed.tiles[0]).unwrap().len() as u32;
             assert!(encoded <= SEGMENT_HEADER_BYTES + ENTRY_BYTES * table.receives.len() as u32);
         }
     }
@@ -456,7 +675,7 @@ mod tests {
     fn hostile_runs_are_errors_not_panics() {
         let run = |count, cycle, cycle_stride| PackedPhase {
             index: 0,
-            tiles: vec![PackedTile { tile: 4, sends: vec![SendRun { cycle, address: u32::MAX, words: 1, paired: false, count, cycle_stride, address_stride: u32::MAX }], receives: vec![] }],
+            tiles: vec![PackedTile { tile: 4, bases: vec![0], sends: vec![SendRun { cycle, slot: 0, address: u32::MAX, words: 1, paired: false, count, cycle_stride, address_stride: u32::MAX }], receives: vec![] }],
             horizon: 0,
             endpoint_lower_bound: 0,
         };

@@ -264,7 +264,7 @@ fn tile_images_are_built_once_per_distinct_content_at_any_thread_count() {
         let sources = Sources::new(&db, ATTENTION.to_string(), "attention.toml".into(), fixtures::SMALL16.to_string(), "small16".into());
         let (db, bytes, counts) = tile_build(db, sources, threads);
         // Distinct contents: the tile inputs' digests, as the stage keys them.
-        let inputs = tile_inputs(&lowered(&db, sources).unwrap().value, &placed(&db, sources).unwrap().value, &tables(&db, sources).unwrap().value);
+        let inputs = tile_inputs(&lowered(&db, sources).unwrap().value, &placed(&db, sources).unwrap().value, &tables(&db, sources).unwrap().value).unwrap();
         let distinct: std::collections::BTreeSet<Digest> = inputs.iter().map(|i| i.digest().unwrap()).collect();
         assert_eq!(counts, EntryCounts { entries: 16, distinct: distinct.len(), reused: 0, computed: distinct.len() }, "{threads} threads");
         bytes
