@@ -47,11 +47,11 @@ pub fn sizing_bases(lowered: &Lowered) -> Vec<u32> {
 /// starts from `starts` (per buffer), in order of first use among the phase's transfers (each
 /// transfer's source, then its destinations): the base slots of its tables (`tables::pack_phase`).
 pub fn phase_buffers(lowered: &Lowered, phase: usize, starts: &[u32]) -> PhaseBuffers {
-    let mut seen = std::collections::HashSet::new();
+    let mut seen = vec![false; lowered.buffers.len()];
     let mut order: Vec<(u32, u32)> = Vec::new();
     for t in &lowered.phases[phase] {
         for b in std::iter::once(t.source.0).chain(t.destinations.iter().map(|d| d.0)) {
-            if seen.insert(b) {
+            if !std::mem::replace(&mut seen[b as usize], true) {
                 order.push((lowered.buffers[b as usize].tile, b));
             }
         }
