@@ -349,7 +349,6 @@ pub fn schedules(db: &dyn Db, sources: Sources) -> StageResult<Schedules> {
     Ok(Staged { digest: combined("ipuq schedules v2", &entries), value: Arc::new(value) })
 }
 
-/// Digest of a phase request with its addresses (what lower_exchanges reads of it).
 /// Digest of a phase's buffers per tile (`sizing::phase_buffers`).
 fn buffers_digest(buffers: &crate::tables::PhaseBuffers) -> Digest {
     let mut h = KeyHasher::new("ipuq phase buffers v1");
@@ -363,6 +362,7 @@ fn buffers_digest(buffers: &crate::tables::PhaseBuffers) -> Digest {
     h.finish()
 }
 
+/// Digest of a phase request with its addresses (what lower_exchanges reads of it).
 fn request_digest(request: &PhaseRequest) -> Digest {
     let mut h = KeyHasher::new("ipuq exchange request v1");
     h.add(&request.index).add(&request.transfers.len());
