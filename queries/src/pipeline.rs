@@ -188,7 +188,14 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
             }
             Ok(outcome)
         };
-        let digest = |l: &Lowered| digest_of(l).map_err(|e| e.0);
+        // Each costed finalist's program digest, by finalist (this round's): the chosen one's
+        // goes with it to `lowered`, which does not serialise the program again.
+        let programs: std::sync::Mutex<HashMap<usize, Digest>> = std::sync::Mutex::new(HashMap::new());
+        let digest = |f: usize, l: &Lowered| {
+            let d = digest_of(l).map_err(|e| e.0)?;
+            programs.lock().expect("program digests lock").insert(f, d);
+            Ok(d)
+        };
         // The finalists of lower_mid, or of the last re-plan (not copied: select_finalist
         // prepares its own copies).
         let mut replanned: Option<Vec<Lowered>> = None;
@@ -197,6 +204,7 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
             let candidates: &[Lowered] = replanned.as_deref().unwrap_or(&f.value);
             memo.lock().expect("placement memo lock").clear();
             sized.lock().expect("sizing memo lock").clear();
+            programs.lock().expect("program digests lock").clear();
             let failure = match select_finalist(&t.value, candidates, prepare, schedule, digest, size, optimize) {
                 Ok(mut s) => {
                     s.steered = steered.iter().map(|c| format!("{}: {}", c.operation, c.describe())).collect();
@@ -204,7 +212,12 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
                         // The host pass of lower_mid's finalist: not stored again; `lowered`
                         // takes it from this process's memo, or derives it again.
                         if let Some(l) = s.lowered.take() {
-                            *db.chosen_memo.lock().expect("chosen memo lock") = Some((chosen_key(f.digest, s.chosen, t.digest), Arc::new(l)));
+                            let known = programs.lock().expect("program digests lock").get(&(s.chosen as usize)).copied();
+                            let l = match known {
+                                Some(digest) => Staged { digest, value: Arc::new(l) },
+                                None => Staged::of(l)?,
+                            };
+                            *db.chosen_memo.lock().expect("chosen memo lock") = Some((chosen_key(f.digest, s.chosen, t.digest), l));
                         }
                     }
                     let range = *range.lock().expect("rate range lock");
@@ -257,7 +270,8 @@ pub fn lowered(db: &dyn Db, sources: Sources) -> StageResult<Lowered> {
             let key = chosen_key(f.digest, s.value.chosen, t.digest);
             let taken = db.ipuq().chosen_memo.lock().expect("chosen memo lock").take();
             if let Some((_, l)) = taken.filter(|(k, _)| *k == key && !db.ipuq().verifying()) {
-                return Ok(Staged { digest: digest_of(&*l)?, value: l });
+                // With the digest select_finalist computed of the same program.
+                return Ok(l);
             }
             let Some(chosen) = f.value.get(s.value.chosen as usize) else { return Err(CompileError(format!("the selection chose finalist {} of {}", s.value.chosen, f.value.len()))) };
             Staged::of(crate::lower::host::replicate(chosen.clone(), &t.value))

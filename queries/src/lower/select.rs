@@ -95,13 +95,13 @@ pub const EXACT_COST_MARGIN_PERCENT: u64 = 5;
 /// so that the stage `optimize_exchange_placement` finds the chosen finalist's search done).
 /// `size` is `sizing::support_checked` of a finalist over `target` (the pipeline takes the
 /// table bytes `lower_mid`'s screen found when it has them, and memoizes the support memory,
-/// so that the stage `size_tile_code` finds the chosen finalist's sizing done). Both get the program's digest, from `digest` (computed once per finalist costed).
+/// so that the stage `size_tile_code` finds the chosen finalist's sizing done). Both get the program's digest, from `digest` (computed once per finalist costed, given the finalist's index).
 pub fn select_finalist(
     target: &Target,
     finalists: &[Lowered],
     prepare: impl Fn(Lowered) -> Lowered + Sync,
     schedule: impl FnOnce(&[exchange::PhaseRequest]) -> Result<Vec<(Schedule, Digest)>, String>,
-    digest: impl Fn(&Lowered) -> Result<Digest, String> + Sync,
+    digest: impl Fn(usize, &Lowered) -> Result<Digest, String> + Sync,
     size: impl Fn(&Lowered, Digest, &[Schedule], &[Digest]) -> Result<Sizing, String> + Sync,
     optimize: impl Fn(&Lowered, Digest, &[Schedule], &[Digest], &[u32], &Placement, Baseline) -> Result<(Placement, u64), String> + Sync,
 ) -> Result<Selection, NoFinalist> {
@@ -142,7 +142,7 @@ pub fn select_finalist(
             if per_finalist[f].len() != l.phases.len() {
                 return Err(Failure::from("exchange phases were not scheduled".to_string()));
             }
-            let program = digest(l)?;
+            let program = digest(f, l)?;
             cost_placed(target, f as u32, (l, program), &per_finalist[f], &digests[f], &size, &optimize)
         })
         .collect();
