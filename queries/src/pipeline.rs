@@ -180,13 +180,14 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
         // selection view (whose grid and delays, all sizing reads of it, are the exchange
         // view's), remembered for the stage size_tile_code (the last round's finalists only).
         let sized = &db.sizing_memo;
-        let size = |l: &Lowered, program: Digest, schedules: &[Schedule], digests: &[Digest]| -> Result<crate::lower::select::Sizing, String> {
+        let size = |l: &Lowered, schedules: &[Schedule], digests: &[Digest]| -> Result<crate::lower::select::Sizing, String> {
             let known = known(l, digests);
-            let outcome = crate::sizing::support_checked_known(&t.value, l, schedules, budget, known.as_deref().map(|v| &v[..]))?;
-            if let Ok(support) = &outcome {
+            crate::sizing::support_checked_known(&t.value, l, schedules, budget, known.as_deref().map(|v| &v[..]))
+        };
+        let keep_sizing = |program: Digest, digests: &[Digest], outcome: &crate::lower::select::Sizing| {
+            if let Ok(support) = outcome {
                 sized.lock().expect("sizing memo lock").insert(sizing_key(x.digest, program, digests, budget), Arc::new(support.clone()));
             }
-            Ok(outcome)
         };
         // Each costed finalist's program digest, by finalist (this round's): the chosen one's
         // goes with it to `lowered`, which does not serialise the program again.
@@ -205,7 +206,7 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
             memo.lock().expect("placement memo lock").clear();
             sized.lock().expect("sizing memo lock").clear();
             programs.lock().expect("program digests lock").clear();
-            let failure = match select_finalist(&t.value, candidates, prepare, schedule, digest, size, optimize) {
+            let failure = match select_finalist(&t.value, candidates, prepare, schedule, digest, size, keep_sizing, optimize) {
                 Ok(mut s) => {
                     s.steered = steered.iter().map(|c| format!("{}: {}", c.operation, c.describe())).collect();
                     if steered.is_empty() {
