@@ -635,6 +635,25 @@ mod tests {
     }
 
     #[test]
+    fn stage_digests_are_blake3_of_the_bytes_a_store_would_hold() {
+        // Without a store, outputs are digested as they are serialised (`digest_of`), and the
+        // chosen program's digest is select_finalist's: each must be the digest of the bytes
+        // `rkyv::to_bytes` gives, which a disk store would hold.
+        let db = Database::default();
+        let s = sources(&db, WORKLOAD.into(), "mlp.toml".into(), fixtures::SMALL16.into(), "small16".into());
+        let (f, l, sel) = (finalists(&db, s).unwrap(), lowered(&db, s).unwrap(), selection(&db, s).unwrap());
+        let bytes = |v: &dyn Fn() -> rkyv::util::AlignedVec| Digest::of_bytes(&v());
+        assert_eq!(f.digest, bytes(&|| rkyv::to_bytes::<rkyv::rancor::Error>(&*f.value).unwrap()));
+        assert_eq!(l.digest, bytes(&|| rkyv::to_bytes::<rkyv::rancor::Error>(&*l.value).unwrap()));
+        assert_eq!(sel.digest, bytes(&|| rkyv::to_bytes::<rkyv::rancor::Error>(&*sel.value).unwrap()));
+        // A value of many 64 KiB chunks, with nested vectors and padding.
+        let big: Vec<(u8, Vec<u32>, String)> = (0..3000u32).map(|i| ((i % 251) as u8, (0..i % 97).map(|j| j * i).collect(), "x".repeat((i % 13) as usize))).collect();
+        let stored = rkyv::to_bytes::<rkyv::rancor::Error>(&big).unwrap();
+        assert!(stored.len() > 4 * 64 * 1024);
+        assert_eq!(digest_of(&big).unwrap(), Digest::of_bytes(&stored));
+    }
+
+    #[test]
     fn size_tile_code_takes_select_finalists_sizing_only_for_the_same_inputs() {
         let db = Database::default();
         let s = sources(&db, WORKLOAD.into(), "mlp.toml".into(), fixtures::SMALL16.into(), "small16".into());
