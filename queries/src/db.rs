@@ -186,10 +186,10 @@ pub struct Database {
     /// lower_mid finalist (`pipeline::chosen_key`): the `lowered` query takes it instead of
     /// running the host pass again. Taken by that query.
     pub(crate) chosen_memo: KeyedSlot<crate::lower::Lowered>,
-    /// Each tile's exchange-table bytes of the finalists `lower_mid`'s table screen kept, by
-    /// the key of the prepared program and its schedules (`pipeline::screen_key`):
+    /// Each tile's exchange-table bytes of the finalists `lower_mid`'s table screen kept, with
+    /// the prepared program and its schedules' digests (`pipeline::Screened`):
     /// `select_finalist` takes them instead of encoding the same tables again.
-    pub(crate) screen_memo: Arc<std::sync::Mutex<std::collections::HashMap<Digest, Arc<Vec<u32>>>>>,
+    pub(crate) screen_memo: Arc<std::sync::Mutex<Vec<crate::pipeline::Screened>>>,
     /// Tile images by key (`emit::TileInput`): an edit that leaves a tile's content unchanged
     /// reuses its image. In memory only, like the package they make.
     pub(crate) tile_memo: Arc<crate::phases::Memo<crate::emit::TileBody>>,

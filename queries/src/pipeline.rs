@@ -85,25 +85,38 @@ pub fn finalists(db: &dyn Db, sources: Sources) -> StageResult<Vec<Lowered>> {
             screened.borrow_mut().extend(db.schedule_memo.lock().expect("phase memo lock").drain());
             out
         };
-        let mut sized: Vec<(Digest, Arc<Vec<u32>>)> = Vec::new();
-        let mut remember = |prepared: &Lowered, digests: &[Digest], bytes: &[u32]| {
-            sized.push((screen_key(t.digest, crate::sizing::sizing_digest(prepared), digests, budget), Arc::new(bytes.to_vec())));
+        let mut sized: Vec<Screened> = Vec::new();
+        let mut remember = |prepared: Lowered, digests: &[Digest], bytes: &[u32]| {
+            sized.push(Screened { lowering: t.digest, budget, prepared, sizing: std::sync::OnceLock::new(), schedules: digests.to_vec(), bytes: Arc::new(bytes.to_vec()) });
         };
         let kept = crate::lower::screen::screen_tables(&g.value, &t.value, found, budget, &mut schedule, &mut remember);
         *db.schedule_memo.lock().expect("phase memo lock") = screened.into_inner();
         let kept = kept.map_err(CompileError)?;
-        let mut memo = db.screen_memo.lock().expect("screen memo lock");
-        memo.clear();
-        memo.extend(sized);
+        *db.screen_memo.lock().expect("screen memo lock") = sized;
         Ok(kept)
     })
 }
 
-/// Key of a prepared program's table sizing in lower_mid's screen: the lowering view (the
-/// sizing reads its delays), what the sizing reads of the program (`sizing::sizing_digest`),
-/// each phase's schedule and the budget.
-fn screen_key(lowering: Digest, program: Digest, schedules: &[Digest], budget: u32) -> Digest {
-    schedules_key("ipuq table sizing v1", &[lowering, program], schedules, &[KeyHasher::new("table budget").add(&budget).finish()])
+/// Table bytes lower_mid's screen found for a program it kept, and what they are of: the
+/// lowering view (the sizing reads its delays), the budget, the program as the screen
+/// prepared it, each phase's schedule. select_finalist takes them for a program whose sizing
+/// reads the same (`sizing::sizing_digest`): the screen's program is digested only then (on
+/// a rayon worker, beside the finalist's own digest), not on lower_mid's serial path.
+pub(crate) struct Screened {
+    lowering: Digest,
+    budget: u32,
+    prepared: Lowered,
+    sizing: std::sync::OnceLock<Digest>,
+    schedules: Vec<Digest>,
+    bytes: Arc<Vec<u32>>,
+}
+
+impl Screened {
+    /// Whether these are the bytes of `program` (sizing digest `sizing`) over these schedules,
+    /// lowering view and budget.
+    fn holds(&self, lowering: Digest, budget: u32, sizing: Digest, schedules: &[Digest]) -> bool {
+        self.lowering == lowering && self.budget == budget && self.schedules == schedules && *self.sizing.get_or_init(|| crate::sizing::sizing_digest(&self.prepared)) == sizing
+    }
 }
 
 /// Schedule exchange phases through the per-phase memo (and disk cache), keyed by the
@@ -172,7 +185,8 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
             if screened.is_empty() || verifying {
                 return None;
             }
-            let found = screened.get(&screen_key(lt.digest, crate::sizing::sizing_digest(l), digests, budget)).cloned();
+            let sizing = crate::sizing::sizing_digest(l);
+            let found = screened.iter().find(|s| s.holds(lt.digest, budget, sizing, digests)).map(|s| s.bytes.clone());
             tracing::debug!(found = found.is_some(), "exchange-table bytes from lower_mid's screen");
             found
         };
