@@ -20,8 +20,9 @@ pub trait StageStore: Send + Sync {
     fn store(&self, stage: &str, key: &Digest, schema: u64, bytes: &[u8]);
 }
 
-/// One value of this process under the key it was made for, taken by its one reader.
-pub(crate) type KeyedSlot<T> = Arc<Mutex<Option<(Digest, Arc<T>)>>>;
+/// One value of this process (with its digest) under the key it was made for, taken by its
+/// one reader.
+pub(crate) type KeyedSlot<T> = Arc<Mutex<Option<(Digest, Staged<T>)>>>;
 
 /// Ranged results of one stage in this process (`Database::ranged`).
 pub(crate) type RangedMemo<T> = Arc<Mutex<Vec<(Digest, crate::lower::host::RateRange, Staged<T>)>>>;
@@ -54,19 +55,47 @@ impl<T> Staged<T> {
     /// A value with the digest of its canonical (rkyv) bytes.
     pub(crate) fn of(value: T) -> StageResult<T>
     where
-        T: for<'a> rkyv::Serialize<rkyv::api::high::HighSerializer<rkyv::util::AlignedVec, rkyv::ser::allocator::ArenaHandle<'a>, rkyv::rancor::Error>>,
+        T: Canonical,
     {
         Ok(Staged { digest: digest_of(&value)?, value: Arc::new(value) })
     }
 }
 
 /// Digest of a value as stages digest their outputs: blake3 of its canonical (rkyv) bytes.
+///
+/// The bytes stream through blake3 as they are serialised (64 KiB at a time), never held
+/// whole: the same digest as `Digest::of_bytes` of `rkyv::to_bytes`'s buffer (the serialiser
+/// writes the same bytes in the same order to any writer, and blake3 hashes a stream as the
+/// whole), without allocating and clearing a buffer the size of the value (a four-block
+/// program is about 100 MB).
 pub(crate) fn digest_of<T>(value: &T) -> Result<Digest, CompileError>
 where
-    T: for<'a> rkyv::Serialize<rkyv::api::high::HighSerializer<rkyv::util::AlignedVec, rkyv::ser::allocator::ArenaHandle<'a>, rkyv::rancor::Error>>,
+    T: Canonical,
 {
-    let bytes = rkyv::to_bytes::<rkyv::rancor::Error>(value).map_err(CompileError::from)?;
-    Ok(Digest::of_bytes(&bytes))
+    let writer = rkyv::ser::writer::IoWriter::new(std::io::BufWriter::with_capacity(DIGEST_CHUNK, blake3::Hasher::new()));
+    let writer = rkyv::api::high::to_bytes_in::<_, rkyv::rancor::Error>(value, writer).map_err(CompileError::from)?;
+    let hasher = writer.into_inner().into_inner().map_err(|e| CompileError(format!("digest stream: {}", e.error())))?;
+    Ok(Digest(*hasher.finalize().as_bytes()))
+}
+
+/// Bytes handed to blake3 at a time by `digest_of` (whole chunks, so it hashes them in parallel lanes).
+const DIGEST_CHUNK: usize = 64 * 1024;
+
+/// The writer `digest_of` serialises into: blake3 behind a buffer.
+pub(crate) type DigestWriter = rkyv::ser::writer::IoWriter<std::io::BufWriter<blake3::Hasher>>;
+
+/// A value with canonical (rkyv) bytes, which it serialises into a buffer (to store them) or
+/// straight into the digest (`digest_of`).
+pub(crate) trait Canonical:
+    for<'a> rkyv::Serialize<rkyv::api::high::HighSerializer<rkyv::util::AlignedVec, rkyv::ser::allocator::ArenaHandle<'a>, rkyv::rancor::Error>>
+    + for<'a> rkyv::Serialize<rkyv::api::high::HighSerializer<DigestWriter, rkyv::ser::allocator::ArenaHandle<'a>, rkyv::rancor::Error>>
+{
+}
+
+impl<T> Canonical for T where
+    T: for<'a> rkyv::Serialize<rkyv::api::high::HighSerializer<rkyv::util::AlignedVec, rkyv::ser::allocator::ArenaHandle<'a>, rkyv::rancor::Error>>
+        + for<'a> rkyv::Serialize<rkyv::api::high::HighSerializer<DigestWriter, rkyv::ser::allocator::ArenaHandle<'a>, rkyv::rancor::Error>>
+{
 }
 
 /// Any error a stage can report, as text naming what and where (errors must compare equal
@@ -157,10 +186,10 @@ pub struct Database {
     /// lower_mid finalist (`pipeline::chosen_key`): the `lowered` query takes it instead of
     /// running the host pass again. Taken by that query.
     pub(crate) chosen_memo: KeyedSlot<crate::lower::Lowered>,
-    /// Each tile's exchange-table bytes of the finalists `lower_mid`'s table screen kept, by
-    /// the key of the prepared program and its schedules (`pipeline::screen_key`):
+    /// Each tile's exchange-table bytes of the finalists `lower_mid`'s table screen kept, with
+    /// the prepared program and its schedules' digests (`pipeline::Screened`):
     /// `select_finalist` takes them instead of encoding the same tables again.
-    pub(crate) screen_memo: Arc<std::sync::Mutex<std::collections::HashMap<Digest, Arc<Vec<u32>>>>>,
+    pub(crate) screen_memo: Arc<std::sync::Mutex<Vec<crate::pipeline::Screened>>>,
     /// Tile images by key (`emit::TileInput`): an edit that leaves a tile's content unchanged
     /// reuses its image. In memory only, like the package they make.
     pub(crate) tile_memo: Arc<crate::phases::Memo<crate::emit::TileBody>>,
@@ -282,8 +311,7 @@ impl StageCache {
     /// Load a stage output from disk, or compute and publish it.
     pub(crate) fn cached<T>(&self, stage: &'static str, version: u32, key: Digest, compute: impl FnOnce() -> Result<T, CompileError>) -> StageResult<T>
     where
-        T: rkyv::Archive
-            + for<'a> rkyv::Serialize<rkyv::api::high::HighSerializer<rkyv::util::AlignedVec, rkyv::ser::allocator::ArenaHandle<'a>, rkyv::rancor::Error>>,
+        T: rkyv::Archive + Canonical,
         T::Archived: for<'a> rkyv::bytecheck::CheckBytes<rkyv::api::high::HighValidator<'a, rkyv::rancor::Error>>
             + rkyv::Deserialize<T, rkyv::api::high::HighDeserializer<rkyv::rancor::Error>>,
     {
@@ -326,8 +354,7 @@ impl StageCache {
         compute: impl FnOnce() -> Result<(T, crate::lower::host::RateRange), CompileError>,
     ) -> StageResult<T>
     where
-        T: rkyv::Archive
-            + for<'a> rkyv::Serialize<rkyv::api::high::HighSerializer<rkyv::util::AlignedVec, rkyv::ser::allocator::ArenaHandle<'a>, rkyv::rancor::Error>>,
+        T: rkyv::Archive + Canonical,
         T::Archived: for<'a> rkyv::bytecheck::CheckBytes<rkyv::api::high::HighValidator<'a, rkyv::rancor::Error>>
             + rkyv::Deserialize<T, rkyv::api::high::HighDeserializer<rkyv::rancor::Error>>,
     {
@@ -393,7 +420,7 @@ impl StageCache {
     /// copy on disk is the output file, see the driver's build record).
     pub(crate) fn unstored<T>(&self, stage: &'static str, value: T) -> StageResult<T>
     where
-        T: for<'a> rkyv::Serialize<rkyv::api::high::HighSerializer<rkyv::util::AlignedVec, rkyv::ser::allocator::ArenaHandle<'a>, rkyv::rancor::Error>>,
+        T: Canonical,
     {
         self.note(stage, Origin::Computed);
         Staged::of(value)
@@ -428,13 +455,15 @@ impl StageCache {
     /// Record a freshly computed value: note it, digest it, publish it to the store.
     pub(crate) fn save<T>(&self, stage: &'static str, version: u32, key: Digest, value: T) -> StageResult<T>
     where
-        T: for<'a> rkyv::Serialize<rkyv::api::high::HighSerializer<rkyv::util::AlignedVec, rkyv::ser::allocator::ArenaHandle<'a>, rkyv::rancor::Error>>,
+        T: Canonical,
     {
         self.note(stage, Origin::Computed);
+        let Some(store) = &self.store else {
+            // No disk store: the bytes are only digested, not kept.
+            return Staged::of(value);
+        };
         let bytes = rkyv::to_bytes::<rkyv::rancor::Error>(&value).map_err(CompileError::from)?;
-        if let Some(store) = &self.store {
-            store.store(stage, &key, schema(stage, version), &bytes);
-        }
+        store.store(stage, &key, schema(stage, version), &bytes);
         Ok(Staged { digest: Digest::of_bytes(&bytes), value: Arc::new(value) })
     }
 }

@@ -34,40 +34,58 @@ const FINALISTS: usize = 2;
 const CONFLICT_WEIGHT: u64 = 1 << 20;
 
 /// Per buffer: the same-tile buffers it sends or receives against in some phase, and whether
-/// it receives in any phase.
+/// it receives in any phase. The phases are read in parallel (each gives its pairs of
+/// opposites and the buffers it receives into), and each buffer's opposites are sorted and
+/// deduplicated, so the rules do not depend on the order the pairs are met in.
 pub fn exchange_rules(lowered: &Lowered, receive_offset: u32) -> ExchangeRules {
     let n = lowered.buffers.len();
-    let mut opposites: Vec<Vec<u32>> = vec![Vec::new(); n];
-    let mut receives = vec![false; n];
-    for phase in &lowered.phases {
-        // (tile, role, buffer): role 0 sends, 1 receives.
-        let mut roles: Vec<(u32, u8, u32)> = Vec::new();
-        for t in phase {
-            roles.push((lowered.buffers[t.source.0 as usize].tile, 0, t.source.0));
-            for d in &t.destinations {
-                roles.push((lowered.buffers[d.0 as usize].tile, 1, d.0));
-                receives[d.0 as usize] = true;
+    let per_phase: Vec<(Vec<(u32, u32)>, Vec<u32>)> = lowered
+        .phases
+        .par_iter()
+        .map(|phase| {
+            // (tile, role, buffer): role 0 sends, 1 receives.
+            let mut roles: Vec<(u32, u8, u32)> = Vec::new();
+            let mut received: Vec<u32> = Vec::new();
+            for t in phase {
+                roles.push((lowered.buffers[t.source.0 as usize].tile, 0, t.source.0));
+                for d in &t.destinations {
+                    roles.push((lowered.buffers[d.0 as usize].tile, 1, d.0));
+                    received.push(d.0);
+                }
             }
-        }
-        roles.sort_unstable();
-        roles.dedup();
-        for group in roles.chunk_by(|a, b| a.0 == b.0) {
-            let split = group.partition_point(|r| r.1 == 0);
-            let (senders, receivers) = group.split_at(split);
-            for s in senders {
-                for r in receivers {
-                    if s.2 != r.2 {
-                        opposites[s.2 as usize].push(r.2);
-                        opposites[r.2 as usize].push(s.2);
+            roles.sort_unstable();
+            roles.dedup();
+            // (buffer, its opposite), both ways.
+            let mut pairs: Vec<(u32, u32)> = Vec::new();
+            for group in roles.chunk_by(|a, b| a.0 == b.0) {
+                let split = group.partition_point(|r| r.1 == 0);
+                let (senders, receivers) = group.split_at(split);
+                for s in senders {
+                    for r in receivers {
+                        if s.2 != r.2 {
+                            pairs.push((s.2, r.2));
+                            pairs.push((r.2, s.2));
+                        }
                     }
                 }
             }
+            (pairs, received)
+        })
+        .collect();
+    let mut opposites: Vec<Vec<u32>> = vec![Vec::new(); n];
+    let mut receives = vec![false; n];
+    for (pairs, received) in per_phase {
+        for (buffer, opposite) in pairs {
+            opposites[buffer as usize].push(opposite);
+        }
+        for buffer in received {
+            receives[buffer as usize] = true;
         }
     }
-    for o in &mut opposites {
+    opposites.par_iter_mut().for_each(|o| {
         o.sort_unstable();
         o.dedup();
-    }
+    });
     ExchangeRules { opposites, receives, receive_offset }
 }
 

@@ -85,25 +85,38 @@ pub fn finalists(db: &dyn Db, sources: Sources) -> StageResult<Vec<Lowered>> {
             screened.borrow_mut().extend(db.schedule_memo.lock().expect("phase memo lock").drain());
             out
         };
-        let mut sized: Vec<(Digest, Arc<Vec<u32>>)> = Vec::new();
-        let mut remember = |prepared: &Lowered, digests: &[Digest], bytes: &[u32]| {
-            sized.push((screen_key(t.digest, crate::sizing::sizing_digest(prepared), digests, budget), Arc::new(bytes.to_vec())));
+        let mut sized: Vec<Screened> = Vec::new();
+        let mut remember = |prepared: Lowered, digests: &[Digest], bytes: &[u32]| {
+            sized.push(Screened { lowering: t.digest, budget, prepared, sizing: std::sync::OnceLock::new(), schedules: digests.to_vec(), bytes: Arc::new(bytes.to_vec()) });
         };
         let kept = crate::lower::screen::screen_tables(&g.value, &t.value, found, budget, &mut schedule, &mut remember);
         *db.schedule_memo.lock().expect("phase memo lock") = screened.into_inner();
         let kept = kept.map_err(CompileError)?;
-        let mut memo = db.screen_memo.lock().expect("screen memo lock");
-        memo.clear();
-        memo.extend(sized);
+        *db.screen_memo.lock().expect("screen memo lock") = sized;
         Ok(kept)
     })
 }
 
-/// Key of a prepared program's table sizing in lower_mid's screen: the lowering view (the
-/// sizing reads its delays), what the sizing reads of the program (`sizing::sizing_digest`),
-/// each phase's schedule and the budget.
-fn screen_key(lowering: Digest, program: Digest, schedules: &[Digest], budget: u32) -> Digest {
-    schedules_key("ipuq table sizing v1", &[lowering, program], schedules, &[KeyHasher::new("table budget").add(&budget).finish()])
+/// Table bytes lower_mid's screen found for a program it kept, and what they are of: the
+/// lowering view (the sizing reads its delays), the budget, the program as the screen
+/// prepared it, each phase's schedule. select_finalist takes them for a program whose sizing
+/// reads the same (`sizing::sizing_digest`): the screen's program is digested only then (on
+/// a rayon worker, beside the finalist's own digest), not on lower_mid's serial path.
+pub(crate) struct Screened {
+    lowering: Digest,
+    budget: u32,
+    prepared: Lowered,
+    sizing: std::sync::OnceLock<Digest>,
+    schedules: Vec<Digest>,
+    bytes: Arc<Vec<u32>>,
+}
+
+impl Screened {
+    /// Whether these are the bytes of `program` (sizing digest `sizing`) over these schedules,
+    /// lowering view and budget.
+    fn holds(&self, lowering: Digest, budget: u32, sizing: Digest, schedules: &[Digest]) -> bool {
+        self.lowering == lowering && self.budget == budget && self.schedules == schedules && *self.sizing.get_or_init(|| crate::sizing::sizing_digest(&self.prepared)) == sizing
+    }
 }
 
 /// Schedule exchange phases through the per-phase memo (and disk cache), keyed by the
@@ -172,7 +185,8 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
             if screened.is_empty() || verifying {
                 return None;
             }
-            let found = screened.get(&screen_key(lt.digest, crate::sizing::sizing_digest(l), digests, budget)).cloned();
+            let sizing = crate::sizing::sizing_digest(l);
+            let found = screened.iter().find(|s| s.holds(lt.digest, budget, sizing, digests)).map(|s| s.bytes.clone());
             tracing::debug!(found = found.is_some(), "exchange-table bytes from lower_mid's screen");
             found
         };
@@ -180,15 +194,23 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
         // selection view (whose grid and delays, all sizing reads of it, are the exchange
         // view's), remembered for the stage size_tile_code (the last round's finalists only).
         let sized = &db.sizing_memo;
-        let size = |l: &Lowered, program: Digest, schedules: &[Schedule], digests: &[Digest]| -> Result<crate::lower::select::Sizing, String> {
+        let size = |l: &Lowered, schedules: &[Schedule], digests: &[Digest]| -> Result<crate::lower::select::Sizing, String> {
             let known = known(l, digests);
-            let outcome = crate::sizing::support_checked_known(&t.value, l, schedules, budget, known.as_deref().map(|v| &v[..]))?;
-            if let Ok(support) = &outcome {
+            crate::sizing::support_checked_known(&t.value, l, schedules, budget, known.as_deref().map(|v| &v[..]))
+        };
+        let keep_sizing = |program: Digest, digests: &[Digest], outcome: &crate::lower::select::Sizing| {
+            if let Ok(support) = outcome {
                 sized.lock().expect("sizing memo lock").insert(sizing_key(x.digest, program, digests, budget), Arc::new(support.clone()));
             }
-            Ok(outcome)
         };
-        let digest = |l: &Lowered| digest_of(l).map_err(|e| e.0);
+        // Each costed finalist's program digest, by finalist (this round's): the chosen one's
+        // goes with it to `lowered`, which does not serialise the program again.
+        let programs: std::sync::Mutex<HashMap<usize, Digest>> = std::sync::Mutex::new(HashMap::new());
+        let digest = |f: usize, l: &Lowered| {
+            let d = digest_of(l).map_err(|e| e.0)?;
+            programs.lock().expect("program digests lock").insert(f, d);
+            Ok(d)
+        };
         // The finalists of lower_mid, or of the last re-plan (not copied: select_finalist
         // prepares its own copies).
         let mut replanned: Option<Vec<Lowered>> = None;
@@ -197,14 +219,20 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
             let candidates: &[Lowered] = replanned.as_deref().unwrap_or(&f.value);
             memo.lock().expect("placement memo lock").clear();
             sized.lock().expect("sizing memo lock").clear();
-            let failure = match select_finalist(&t.value, candidates, prepare, schedule, digest, size, optimize) {
+            programs.lock().expect("program digests lock").clear();
+            let failure = match select_finalist(&t.value, candidates, prepare, schedule, digest, size, keep_sizing, optimize) {
                 Ok(mut s) => {
                     s.steered = steered.iter().map(|c| format!("{}: {}", c.operation, c.describe())).collect();
                     if steered.is_empty() {
                         // The host pass of lower_mid's finalist: not stored again; `lowered`
                         // takes it from this process's memo, or derives it again.
                         if let Some(l) = s.lowered.take() {
-                            *db.chosen_memo.lock().expect("chosen memo lock") = Some((chosen_key(f.digest, s.chosen, t.digest), Arc::new(l)));
+                            let known = programs.lock().expect("program digests lock").get(&(s.chosen as usize)).copied();
+                            let l = match known {
+                                Some(digest) => Staged { digest, value: Arc::new(l) },
+                                None => Staged::of(l)?,
+                            };
+                            *db.chosen_memo.lock().expect("chosen memo lock") = Some((chosen_key(f.digest, s.chosen, t.digest), l));
                         }
                     }
                     let range = *range.lock().expect("rate range lock");
@@ -257,7 +285,8 @@ pub fn lowered(db: &dyn Db, sources: Sources) -> StageResult<Lowered> {
             let key = chosen_key(f.digest, s.value.chosen, t.digest);
             let taken = db.ipuq().chosen_memo.lock().expect("chosen memo lock").take();
             if let Some((_, l)) = taken.filter(|(k, _)| *k == key && !db.ipuq().verifying()) {
-                return Ok(Staged { digest: digest_of(&*l)?, value: l });
+                // With the digest select_finalist computed of the same program.
+                return Ok(l);
             }
             let Some(chosen) = f.value.get(s.value.chosen as usize) else { return Err(CompileError(format!("the selection chose finalist {} of {}", s.value.chosen, f.value.len()))) };
             Staged::of(crate::lower::host::replicate(chosen.clone(), &t.value))
@@ -637,6 +666,25 @@ mod tests {
         let (x, l, sch) = (exchange_target(db, s).unwrap(), lowered(db, s).unwrap(), schedules(db, s).unwrap());
         let key = sizing_key(x.digest, l.digest, &sch.value.digests, db.table_budget());
         (x, l, sch, key)
+    }
+
+    #[test]
+    fn stage_digests_are_blake3_of_the_bytes_a_store_would_hold() {
+        // Without a store, outputs are digested as they are serialised (`digest_of`), and the
+        // chosen program's digest is select_finalist's: each must be the digest of the bytes
+        // `rkyv::to_bytes` gives, which a disk store would hold.
+        let db = Database::default();
+        let s = sources(&db, WORKLOAD.into(), "mlp.toml".into(), fixtures::SMALL16.into(), "small16".into());
+        let (f, l, sel) = (finalists(&db, s).unwrap(), lowered(&db, s).unwrap(), selection(&db, s).unwrap());
+        let bytes = |v: &dyn Fn() -> rkyv::util::AlignedVec| Digest::of_bytes(&v());
+        assert_eq!(f.digest, bytes(&|| rkyv::to_bytes::<rkyv::rancor::Error>(&*f.value).unwrap()));
+        assert_eq!(l.digest, bytes(&|| rkyv::to_bytes::<rkyv::rancor::Error>(&*l.value).unwrap()));
+        assert_eq!(sel.digest, bytes(&|| rkyv::to_bytes::<rkyv::rancor::Error>(&*sel.value).unwrap()));
+        // A value of many 64 KiB chunks, with nested vectors and padding.
+        let big: Vec<(u8, Vec<u32>, String)> = (0..3000u32).map(|i| ((i % 251) as u8, (0..i % 97).map(|j| j * i).collect(), "x".repeat((i % 13) as usize))).collect();
+        let stored = rkyv::to_bytes::<rkyv::rancor::Error>(&big).unwrap();
+        assert!(stored.len() > 4 * 64 * 1024);
+        assert_eq!(digest_of(&big).unwrap(), Digest::of_bytes(&stored));
     }
 
     #[test]

@@ -50,9 +50,9 @@ pub const STEERS: usize = 8;
 /// per-phase memo).
 pub type ScheduleFn<'a> = dyn FnMut(&[PhaseRequest]) -> Result<Vec<(Schedule, Digest)>, String> + 'a;
 
-/// Told of each finalist kept: the program as select_finalist prepares it, its schedules'
-/// digests and every tile's exchange-table bytes.
-pub type RememberFn<'a> = dyn FnMut(&Lowered, &[Digest], &[u32]) + 'a;
+/// Told of each finalist kept: the program as select_finalist prepares it (handed over), its
+/// schedules' digests and every tile's exchange-table bytes.
+pub type RememberFn<'a> = dyn FnMut(Lowered, &[Digest], &[u32]) + 'a;
 
 /// A finalist's tables, sized: the prepared program, its schedule digests, and each tile's
 /// table bytes or the first tile over the budget.
@@ -178,7 +178,7 @@ fn steer_within(graph: &Graph, target: &Target, index: usize, finalist: Lowered,
         debug!(finalist = index, round, elapsed_ms = start.elapsed().as_millis() as u64, "sized the finalist's exchange tables");
         let overflow = match sized.tables {
             Ok(bytes) => {
-                remember(&sized.prepared, &sized.digests, &bytes);
+                remember(sized.prepared, &sized.digests, &bytes);
                 return Ok(Ok(match current {
                     Some(l) => (l, true),
                     None => (finalist, false),

@@ -94,15 +94,19 @@ pub const EXACT_COST_MARGIN_PERCENT: u64 = 5;
 /// the baseline), the placement it accepts and the conflicts left (the pipeline memoizes it,
 /// so that the stage `optimize_exchange_placement` finds the chosen finalist's search done).
 /// `size` is `sizing::support_checked` of a finalist over `target` (the pipeline takes the
-/// table bytes `lower_mid`'s screen found when it has them, and memoizes the support memory,
-/// so that the stage `size_tile_code` finds the chosen finalist's sizing done). Both get the program's digest, from `digest` (computed once per finalist costed).
+/// table bytes `lower_mid`'s screen found when it has them), and `keep_sizing` is told of it
+/// with the program's digest (the pipeline memoizes the support memory, so that the stage
+/// `size_tile_code` finds the chosen finalist's sizing done). `optimize` and `keep_sizing`
+/// get the program's digest, from `digest` (computed once per finalist costed, given the
+/// finalist's index, beside its sizing).
 pub fn select_finalist(
     target: &Target,
     finalists: &[Lowered],
     prepare: impl Fn(Lowered) -> Lowered + Sync,
     schedule: impl FnOnce(&[exchange::PhaseRequest]) -> Result<Vec<(Schedule, Digest)>, String>,
-    digest: impl Fn(&Lowered) -> Result<Digest, String> + Sync,
-    size: impl Fn(&Lowered, Digest, &[Schedule], &[Digest]) -> Result<Sizing, String> + Sync,
+    digest: impl Fn(usize, &Lowered) -> Result<Digest, String> + Sync,
+    size: impl Fn(&Lowered, &[Schedule], &[Digest]) -> Result<Sizing, String> + Sync,
+    keep_sizing: impl Fn(Digest, &[Digest], &Sizing) + Sync,
     optimize: impl Fn(&Lowered, Digest, &[Schedule], &[Digest], &[u32], &Placement, Baseline) -> Result<(Placement, u64), String> + Sync,
 ) -> Result<Selection, NoFinalist> {
     let prepared: Vec<Lowered> = finalists.par_iter().map(|l| prepare(l.clone())).collect();
@@ -114,8 +118,9 @@ pub fn select_finalist(
     for (f, &e) in estimates.iter().enumerate().filter(|(f, _)| !in_margin(*f)) {
         failures.push((f as u32, format!("not costed: estimate {e} is more than {EXACT_COST_MARGIN_PERCENT} % above the best, {best_estimate}")));
     }
-    // Every (finalist, phase) pair is an independent scheduling job.
-    let jobs: Vec<(usize, exchange::PhaseRequest)> = finalists
+    // Every (finalist, phase) pair is an independent scheduling job: each request, and the
+    // finalist it is of.
+    let (owners, requests): (Vec<usize>, Vec<exchange::PhaseRequest>) = finalists
         .iter()
         .enumerate()
         .filter(|(f, _)| in_margin(*f))
@@ -123,14 +128,14 @@ pub fn select_finalist(
             let provisional = provisional_bases(l);
             requests(l, |buffer, offset| provisional[buffer as usize] + offset).into_iter().map(move |r| (f, r))
         })
-        .collect();
-    let requests: Vec<exchange::PhaseRequest> = jobs.iter().map(|j| j.1.clone()).collect();
+        .unzip();
     let scheduled = schedule(&requests).map_err(|message| NoFinalist { message, blamed: Vec::new() })?;
+    drop(requests);
     let mut per_finalist: Vec<Vec<Schedule>> = vec![Vec::new(); finalists.len()];
     let mut digests: Vec<Vec<Digest>> = vec![Vec::new(); finalists.len()];
-    for ((f, _), (s, d)) in jobs.iter().zip(scheduled) {
-        per_finalist[*f].push(s);
-        digests[*f].push(d);
+    for (&f, (s, d)) in owners.iter().zip(scheduled) {
+        per_finalist[f].push(s);
+        digests[f].push(d);
     }
     let costed: Vec<Result<Costed, Failure>> = finalists
         .par_iter()
@@ -142,8 +147,18 @@ pub fn select_finalist(
             if per_finalist[f].len() != l.phases.len() {
                 return Err(Failure::from("exchange phases were not scheduled".to_string()));
             }
-            let program = digest(l)?;
-            cost_placed(target, f as u32, (l, program), &per_finalist[f], &digests[f], &size, &optimize)
+            // The program's digest (a pass over the whole program) beside its sizing.
+            let span = tracing::Span::current();
+            let (program, sizing) = rayon::join(
+                || digest(f, l),
+                || {
+                    let _span = span.enter();
+                    size(l, &per_finalist[f], &digests[f])
+                },
+            );
+            let (program, sizing) = (program?, sizing?);
+            keep_sizing(program, &digests[f], &sizing);
+            cost_placed(target, f as u32, (l, program), &per_finalist[f], &digests[f], sizing, &optimize)
         })
         .collect();
     let mut ok: Vec<Costed> = Vec::new();
@@ -191,11 +206,11 @@ fn cost_placed(
     (l, program): (&Lowered, Digest),
     schedules: &[Schedule],
     digests: &[Digest],
-    size: &(impl Fn(&Lowered, Digest, &[Schedule], &[Digest]) -> Result<Sizing, String> + Sync),
+    sizing: Sizing,
     optimize: &(impl Fn(&Lowered, Digest, &[Schedule], &[Digest], &[u32], &Placement, Baseline) -> Result<(Placement, u64), String> + Sync),
 ) -> Result<Costed, Failure> {
     let blame = |phase: u32| l.phase_plans.get(phase as usize).copied();
-    let support = match size(l, program, schedules, digests)? {
+    let support = match sizing {
         Ok(s) => s,
         Err(o) => return Err(Failure { message: o.to_string(), blamed: o.phase.and_then(blame) }),
     };
