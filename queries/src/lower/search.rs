@@ -29,16 +29,20 @@ use rayon::prelude::*;
 
 use tracing::{debug, info};
 
-use super::build::{complete, extend, lower_with, lower_with_rotated_homes, prefix_compatible, Attempt, Partial, Reserve, CODE_RESERVE_BYTES};
+use super::build::{complete, extend, lower_homing_from, lower_with_rotated_homes, prefix_compatible, Attempt, Partial, Reserve, CODE_RESERVE_BYTES};
 use super::orient::{orient, orient_until, swappable, Oriented};
 use super::{BufferDecl, LowerError, Lowered};
-use crate::ir::Graph;
-use crate::package::AllocationKind;
-use crate::storage::place_storage;
+use crate::ir::{Graph, OpKind, Producer, Role};
+use crate::package::{AllocationKind, HostRole};
+use crate::storage::{place_storage, PlacementError};
 use crate::target::Target;
 
 /// Rounds of re-planning with updated budgets per weight arrangement.
 const ROUNDS: usize = 3;
+
+/// Mixed programs `lower_feasible` tries when replicated weights do not fit (each one
+/// lowering; each overflow left names the next, earlier start), before every weight is homed.
+const MIXED_TRIES: usize = 3;
 
 /// Finalists kept by default (`--plan-finalists`).
 pub const DEFAULT_FINALISTS: usize = 4;
@@ -110,6 +114,17 @@ fn score(partial: &Partial, tiles: u32) -> [u64; 5] {
 /// Peak live bytes per tile over the steps, in standard and interleaved memory (buffers that
 /// claim interleaved memory first: partials, and weights that prefer it) and in total.
 fn peaks(buffers: &[BufferDecl], host: &[bool], tiles: u32) -> (u64, u64, u64) {
+    let (mut ps, mut pi, mut pt) = (0u64, 0u64, 0u64);
+    tile_peaks(buffers, host, tiles, |_, (s, i, t)| {
+        ps = ps.max(s);
+        pi = pi.max(i);
+        pt = pt.max(t);
+    });
+    (ps, pi, pt)
+}
+
+/// [`peaks`] tile by tile: `each(tile, (standard, interleaved, total))` for every tile.
+fn tile_peaks(buffers: &[BufferDecl], host: &[bool], tiles: u32, mut each: impl FnMut(u32, (u64, u64, u64))) {
     // Each buffer's start and end (step, standard bytes, interleaved bytes), by tile: counted
     // first, then placed tile by tile in one table.
     let mut starts = vec![0usize; tiles as usize + 1];
@@ -130,15 +145,15 @@ fn peaks(buffers: &[BufferDecl], host: &[bool], tiles: u32) -> (u64, u64, u64) {
         events[*at + 1] = (last + 1, -standard, -interleaved);
         *at += 2;
     }
-    let (mut ps, mut pi, mut pt) = (0i64, 0i64, 0i64);
     let mut from = 0;
     // `starts[t]` now ends tile t's events.
-    for &to in &starts[..tiles as usize] {
+    for (tile, &to) in starts[..tiles as usize].iter().enumerate() {
         let e = &mut events[from..to];
         from = to;
         // Ends before starts at the same step: a buffer's range is inclusive.
         e.sort_unstable_by_key(|&(step, s, i)| (step, s + i));
         let (mut s, mut i) = (0i64, 0i64);
+        let (mut ps, mut pi, mut pt) = (0i64, 0i64, 0i64);
         for &(_, ds, di) in e.iter() {
             s += ds;
             i += di;
@@ -146,8 +161,8 @@ fn peaks(buffers: &[BufferDecl], host: &[bool], tiles: u32) -> (u64, u64, u64) {
             pi = pi.max(i);
             pt = pt.max(s + i);
         }
+        each(tile as u32, (ps as u64, pi as u64, pt as u64));
     }
-    (ps as u64, pi as u64, pt as u64)
 }
 
 /// Whether a partial program's peak bytes on a tile fit in tile memory beside the code
@@ -177,7 +192,7 @@ fn retain(mut scored: Vec<(State, [u64; 5], bool)>, width: usize) -> Vec<State> 
 /// attempts of [`lower_feasible`] (each lowered with replicated weights, or with home-tile
 /// weights where a replicated operation could not be planned at all), and the first error met.
 #[allow(clippy::type_complexity)]
-fn beam(graph: &Graph, target: &Target, width: usize) -> (Vec<(Arc<Oriented>, Option<(Attempt, bool)>, Option<Arc<HomePrefix>>)>, Option<LowerError>) {
+fn beam(graph: &Graph, target: &Target, width: usize) -> (Vec<(Arc<Oriented>, Option<(Attempt, usize)>, Option<Arc<HomePrefix>>)>, Option<LowerError>) {
     let products = swappable(graph);
     let (must, must_not) = orientation_constraints(graph);
     // Products the user wants swapped that the search never swaps (not rank 2, or feeding a
@@ -228,16 +243,32 @@ fn beam(graph: &Graph, target: &Target, width: usize) -> (Vec<(Arc<Oriented>, Op
         let mut fits = within_memory(&scored, target);
         let mut tried_home = false;
         if !fits && !partial.home_weights() {
-            // Replicated weights outgrow tile memory: from here on this program keeps each
-            // weight block once on a home tile (as `lower_feasible` falls back to).
+            // Replicated weights outgrow tile memory. First a mixed program: the prefix keeps
+            // its weights replicated, this product and the later ones keep theirs on home
+            // tiles (one more extension of the prefix); when that does not fit either, from
+            // here on the program keeps each weight block once on a home tile (as
+            // `lower_feasible` falls back to).
             tried_home = true;
-            if let Ok(p) = home_lowering(state.home.as_deref(), &oriented, target, end) {
+            let from = oriented.origin.get(lowered).map_or(usize::MAX, |&o| o as usize);
+            let mixed = (reuse && lowered > 0 && from < state.partial.home_from())
+                .then(|| extend(state.partial.clone().home_later(from), &oriented, target, &[], end).ok())
+                .flatten()
+                .map(|p| {
+                    let s = score(&p, target.chip.tiles);
+                    (p, s)
+                })
+                .filter(|(_, s)| within_memory(s, target));
+            if let Some((p, s)) = mixed {
+                partial = p;
+                scored = s;
+                fits = true;
+            } else if let Ok(p) = home_lowering(state.home.as_deref(), &oriented, target, end) {
                 partial = p;
                 scored = score(&partial, target.chip.tiles);
                 fits = within_memory(&scored, target);
             }
         }
-        debug!(swapped = ?swapped, home_weights = partial.home_weights(), ?scored, fits, "scored partial program");
+        debug!(swapped = ?swapped, home_weights = partial.home_weights(), home_from = partial.home_from(), ?scored, fits, "scored partial program");
         let home = match (partial.home_weights(), carry, tried_home) {
             (true, ..) => None,
             // Home-tile weights were tried and did not lower: none to carry.
@@ -290,10 +321,10 @@ fn beam(graph: &Graph, target: &Target, width: usize) -> (Vec<(Arc<Oriented>, Op
     }
     // The programs are completed in parallel; results (and errors) are taken in beam order.
     #[allow(clippy::type_complexity)]
-    let completed: Vec<(Arc<Oriented>, Option<Arc<HomePrefix>>, Result<(Attempt, bool), LowerError>)> = states
+    let completed: Vec<(Arc<Oriented>, Option<Arc<HomePrefix>>, Result<(Attempt, usize), LowerError>)> = states
         .into_par_iter()
         .map(|s| {
-            let home = s.partial.home_weights();
+            let home = s.partial.home_from();
             let attempt = complete(s.partial, &s.oriented, target, &[]).map(|a| (a, home));
             (s.oriented, s.home, attempt)
         })
@@ -378,23 +409,41 @@ type Feasible = (Lowered, Option<(u64, u64)>);
 /// found it feasible (none: nothing fit; the last attempt is returned so that placement can
 /// name the buffer that overflows).
 ///
-/// `first`: the program already lowered with no reserves (and whether with home-tile
-/// weights), which stands for that first attempt. `memo`: a prefix of the program lowered
-/// with home-tile weights, which the first home-weights attempt extends.
-fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attempt, bool)>, memo: Option<&HomePrefix>) -> Result<Feasible, LowerError> {
+/// `first`: the program already lowered with no reserves (and the original operation from
+/// which its products keep their weights on home tiles: `Partial::home_from`), which stands
+/// for that first attempt. `memo`: a prefix of the program lowered with home-tile weights,
+/// which the first home-weights attempt extends.
+///
+/// Weight arrangements, in order: every weight replicated; a mixed program (the products from
+/// some operation on keep their weights on home tiles, the earlier ones replicated: the one
+/// the beam chose, or, when replicated weights do not fit, the latest start that covers their
+/// overflow by [`mixed_from`]); every weight on home tiles aligned to the program's period;
+/// rotating with every weight.
+fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attempt, usize)>, memo: Option<&HomePrefix>) -> Result<Feasible, LowerError> {
     let operations = oriented.graph.operations.len();
     let mut last: Option<Lowered> = None;
     let mut first_error: Option<LowerError> = None;
-    // A program the beam already lowered with home-tile weights found replicated ones too big.
-    // Home tiles aligned to the program's period come first (repeated blocks then share their
-    // multicast patterns); rotating with every weight, when those do not fit.
-    let modes: &[(bool, bool)] = if first.as_ref().is_some_and(|f| f.1) { &[(true, true), (true, false)] } else { &[(false, true), (true, true), (true, false)] };
-    for &(home_weights, aligned) in modes {
+    // A program the beam already lowered with (some) home-tile weights found replicated ones
+    // too big. Home tiles aligned to the program's period come first (repeated blocks then
+    // share their multicast patterns); rotating with every weight, when those do not fit.
+    // (home_from, aligned, rounds).
+    let mut modes: Vec<(usize, bool, usize)> = match first.as_ref().map_or(usize::MAX, |f| f.1) {
+        0 => vec![(0, true, ROUNDS), (0, false, ROUNDS)],
+        from => vec![(from, true, ROUNDS), (0, true, ROUNDS), (0, false, ROUNDS)],
+    };
+    let mut mode = 0;
+    let mut mixed_tries = 0;
+    while let Some(&(home_from, aligned, rounds)) = modes.get(mode) {
+        mode += 1;
+        let home_weights = home_from == 0;
         let mut reserves = vec![Reserve::default(); operations];
         let mut fitting: Option<(Lowered, (u64, u64))> = None;
-        for round in 0..ROUNDS {
+        // When the weights replicated so far do not fit: the mixed program that covers the
+        // overflow (more weights on home tiles).
+        let mut mixed: Option<usize> = None;
+        for round in 0..rounds {
             let given = match first.take() {
-                Some((a, home)) if round == 0 && home == home_weights && aligned => Some(a),
+                Some((a, from)) if round == 0 && from == home_from && aligned => Some(a),
                 other => {
                     first = other;
                     None
@@ -403,7 +452,7 @@ fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attem
             let attempt = match given.map(Ok).unwrap_or_else(|| match memo {
                 // No reserves yet: the (aligned) home-weights prefix extends to the whole program.
                 Some(m) if home_weights && aligned && round == 0 => home_lowering(Some(m), oriented, target, operations).and_then(|p| complete(p, oriented, target, &reserves)),
-                _ if aligned => lower_with(oriented, target, home_weights, &reserves),
+                _ if aligned => lower_homing_from(oriented, target, home_from, &reserves),
                 _ => lower_with_rotated_homes(oriented, target, &reserves),
             }) {
                 Ok(a) => a,
@@ -427,12 +476,19 @@ fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attem
                 .zip(reserves_of(&attempt, operations))
                 .map(|(a, b)| Reserve { total: a.total.max(b.total), interleaved: a.interleaved.max(b.interleaved) })
                 .collect();
-            if let Some(peaks) = peaks {
-                debug!("weights costed in interleaved memory were placed in standard memory; planning again with resident bytes");
-                fitting = Some((attempt.lowered, peaks));
-            } else {
-                debug!(home_weights, aligned, "the program does not fit; planning again with other operations' resident bytes");
-                last = Some(attempt.lowered);
+            match (peaks, placed) {
+                (Some(peaks), _) => {
+                    debug!("weights costed in interleaved memory were placed in standard memory; planning again with resident bytes");
+                    fitting = Some((attempt.lowered, peaks));
+                }
+                (None, placed) => {
+                    let failure = placed.err();
+                    debug!(home_weights, home_from, aligned, failure = ?failure, "the program does not fit; planning again with other operations' resident bytes");
+                    if let Some(failure) = failure.filter(|_| round == 0 && home_from > 0 && mixed_tries < MIXED_TRIES) {
+                        mixed = mixed_from(oriented, &attempt.lowered, &failure, target, home_from);
+                    }
+                    last = Some(attempt.lowered);
+                }
             }
             if merged == reserves {
                 break;
@@ -442,8 +498,15 @@ fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attem
         if let Some((l, peaks)) = fitting {
             return Ok((l, Some(peaks)));
         }
-        if !home_weights {
+        if let Some(from) = mixed {
+            // One lowering each, no reserve rounds: an overflow left names the next start.
+            debug!(home_from, mixed_from = from, "replicated weights do not fit in tile memory; keeping the weight blocks of the products from this operation on once on a home tile");
+            modes.insert(mode, (from, true, 1));
+            mixed_tries += 1;
+        } else if home_from == usize::MAX {
             debug!("replicated weights do not fit in tile memory; keeping each weight block once on a home tile");
+        } else if !home_weights {
+            debug!(home_from, "the mixed program does not fit; keeping each weight block once on a home tile");
         } else if aligned {
             debug!("home tiles aligned to the program's period do not fit; rotating them with every weight");
         }
@@ -455,9 +518,72 @@ fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attem
 /// [`lower_feasible`] with no beam attempt at hand, for the table screen's steered finalists
 /// (`screen.rs`): with `home_weights`, from the program lowered with home-tile weights (as the
 /// beam hands on a program it switched to them), else from replicated weights.
-pub(crate) fn lower_feasible_alone(oriented: &Oriented, target: &Target, home_weights: bool) -> Result<(Lowered, bool), LowerError> {
-    let first = if home_weights { Some((lower_with(oriented, target, true, &[])?, true)) } else { None };
+pub(crate) fn lower_feasible_alone(oriented: &Oriented, target: &Target, home_from: usize) -> Result<(Lowered, bool), LowerError> {
+    let first = if home_from < usize::MAX { Some((lower_homing_from(oriented, target, home_from, &[])?, home_from)) } else { None };
     lower_feasible(oriented, target, first, None).map(|(l, peaks)| (l, peaks.is_some()))
+}
+
+/// The latest original operation before `before` from which keeping the products' weights on
+/// home tiles (the earlier products' weights replicated) covers the overflow of a program that
+/// does not fit with the weights of the products before `before` replicated (the later ones
+/// homed), or None when even every product but the first would not cover it (the arrangement
+/// with every weight on home tiles is next anyway). The overflow per tile: the
+/// peak live bytes (host-written buffers from the start) beyond tile memory beside the code
+/// reserve, and on the tile placement failed on, at least the bytes of the buffer it could not
+/// place (placement also loses room to regions and alignment). A homed weight saves the bytes
+/// of its replicas on each tile (all but its home tiles', which this does not know: the one
+/// lowering of the mixed program decides).
+fn mixed_from(oriented: &Oriented, lowered: &Lowered, failure: &PlacementError, target: &Target, before: usize) -> Option<usize> {
+    let graph = &oriented.graph;
+    let tiles = lowered.tiles;
+    // Each replicable weight's first product (original operation index).
+    let mut first_use: std::collections::BTreeMap<&str, usize> = std::collections::BTreeMap::new();
+    for (i, operation) in graph.operations.iter().enumerate() {
+        let Some(&weight) = operation.inputs.get(1).filter(|_| matches!(operation.kind, OpKind::MatMul { .. })) else {
+            continue;
+        };
+        let v = graph.value(weight);
+        if v.shape.len() == 2 && matches!(v.producer, Producer::Tensor { role: Role::Weight, .. }) {
+            let origin = oriented.origin.get(i).map_or(i, |&o| o as usize);
+            let e = first_use.entry(v.name.as_str()).or_insert(origin);
+            *e = (*e).min(origin);
+        }
+    }
+    let mut host = vec![false; lowered.buffers.len()];
+    // Per first product: (tile, bytes) of its weights' replicas.
+    let mut saved: std::collections::BTreeMap<usize, Vec<(u32, u64)>> = std::collections::BTreeMap::new();
+    for t in &lowered.inputs {
+        let mut buffers: Vec<u32> = t.segments.iter().map(|s| s.buffer).collect();
+        buffers.sort_unstable();
+        buffers.dedup();
+        for &b in &buffers {
+            host[b as usize] = true;
+        }
+        if let (HostRole::Weight, Some(&from)) = (t.role, first_use.get(t.name.as_str())) {
+            saved.entry(from).or_default().extend(buffers.iter().map(|&b| (lowered.buffers[b as usize].tile, lowered.buffers[b as usize].bytes as u64)));
+        }
+    }
+    let m = &target.memory;
+    let capacity = ((m.loader_limit - m.base) as u64).saturating_sub(CODE_RESERVE_BYTES);
+    let mut overflow = vec![0u64; tiles as usize];
+    tile_peaks(&lowered.buffers, &host, tiles, |tile, (_, _, total)| overflow[tile as usize] = total.saturating_sub(capacity));
+    if let Some(o) = overflow.get_mut(failure.tile as usize) {
+        *o = (*o).max(failure.bytes as u64);
+    }
+    debug!(tiles_over = overflow.iter().filter(|&&o| o > 0).count(), most = overflow.iter().max().copied().unwrap_or(0), "replicated weights' overflow");
+    let earliest = *saved.keys().next()?;
+    for (&from, replicas) in saved.range(..before).rev() {
+        if from == earliest {
+            break;
+        }
+        for &(tile, bytes) in replicas {
+            overflow[tile as usize] = overflow[tile as usize].saturating_sub(bytes);
+        }
+        if overflow.iter().all(|&o| o == 0) {
+            return Some(from);
+        }
+    }
+    None
 }
 
 /// Whether placement put weights of a product planned with interleaved weights (buffers that
@@ -525,6 +651,7 @@ pub fn describe(l: &Lowered) -> String {
 
 #[cfg(test)]
 mod tests {
+    use super::super::build::lower_with;
     use super::*;
     use crate::target::{fixtures, Target};
 
