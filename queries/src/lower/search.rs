@@ -31,7 +31,7 @@ use tracing::{debug, info};
 
 use super::build::{complete, extend, lower_homing_from, lower_with_rotated_homes, prefix_compatible, Attempt, Partial, Reserve, CODE_RESERVE_BYTES};
 use super::orient::{orient, orient_until, swappable, Oriented};
-use super::{BufferDecl, LowerError, Lowered};
+use super::{BufferDecl, LHostTensor, LowerError, Lowered};
 use crate::ir::{Graph, OpKind, Producer, Role};
 use crate::package::{AllocationKind, HostRole};
 use crate::storage::{place_storage, PlacementError};
@@ -234,15 +234,16 @@ fn beam(graph: &Graph, target: &Target, width: usize) -> (Vec<(Arc<Oriented>, Op
         let home = reuse && state.partial.home_weights();
         let start = if reuse { state.partial.clone() } else { Partial::new(false) };
         let mut partial = match extend(start, &oriented, target, &[], end) {
-            Ok(p) => p,
-            // A replicated weight that no plan fits: this program keeps weights on home tiles.
-            Err(LowerError::NoPlan { .. }) if !home => home_lowering(state.home.as_deref(), &oriented, target, end)?,
+            Ok(p) => Some(p),
+            // A replicated weight that no plan fits: this program keeps (some) weights on
+            // home tiles.
+            Err(LowerError::NoPlan { .. }) if !home => None,
             Err(e) => return Err(e),
         };
-        let mut scored = score(&partial, target.chip.tiles);
-        let mut fits = within_memory(&scored, target);
+        let mut scored = partial.as_ref().map_or([0; 5], |p| score(p, target.chip.tiles));
+        let mut fits = partial.is_some() && within_memory(&scored, target);
         let mut tried_home = false;
-        if !fits && !partial.home_weights() {
+        if !fits && !partial.as_ref().is_some_and(|p| p.home_weights()) {
             // Replicated weights outgrow tile memory. First a mixed program: the prefix keeps
             // its weights replicated, this product and the later ones keep theirs on home
             // tiles (one more extension of the prefix); when that does not fit either, from
@@ -259,15 +260,22 @@ fn beam(graph: &Graph, target: &Target, width: usize) -> (Vec<(Arc<Oriented>, Op
                 })
                 .filter(|(_, s)| within_memory(s, target));
             if let Some((p, s)) = mixed {
-                partial = p;
+                partial = Some(p);
                 scored = s;
                 fits = true;
-            } else if let Ok(p) = home_lowering(state.home.as_deref(), &oriented, target, end) {
-                partial = p;
-                scored = score(&partial, target.chip.tiles);
-                fits = within_memory(&scored, target);
+            } else {
+                match home_lowering(state.home.as_deref(), &oriented, target, end) {
+                    Ok(p) => {
+                        scored = score(&p, target.chip.tiles);
+                        fits = within_memory(&scored, target);
+                        partial = Some(p);
+                    }
+                    Err(e) if partial.is_none() => return Err(e),
+                    Err(_) => {}
+                }
             }
         }
+        let partial = partial.expect("a lowered extension, or the error returned");
         debug!(swapped = ?swapped, home_weights = partial.home_weights(), home_from = partial.home_from(), ?scored, fits, "scored partial program");
         let home = match (partial.home_weights(), carry, tried_home) {
             (true, ..) => None,
@@ -485,7 +493,7 @@ fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attem
                     let failure = placed.err();
                     debug!(home_weights, home_from, aligned, failure = ?failure, "the program does not fit; planning again with other operations' resident bytes");
                     if let Some(failure) = failure.filter(|_| round == 0 && home_from > 0 && mixed_tries < MIXED_TRIES) {
-                        mixed = mixed_from(oriented, &attempt.lowered, &failure, target, home_from);
+                        mixed = mixed_from(oriented, &attempt.lowered.buffers, &attempt.lowered.inputs, &failure, target, home_from);
                     }
                     last = Some(attempt.lowered);
                 }
@@ -533,9 +541,9 @@ pub(crate) fn lower_feasible_alone(oriented: &Oriented, target: &Target, home_fr
 /// place (placement also loses room to regions and alignment). A homed weight saves the bytes
 /// of its replicas on each tile (all but its home tiles', which this does not know: the one
 /// lowering of the mixed program decides).
-fn mixed_from(oriented: &Oriented, lowered: &Lowered, failure: &PlacementError, target: &Target, before: usize) -> Option<usize> {
+fn mixed_from(oriented: &Oriented, buffers: &[BufferDecl], tensors: &[LHostTensor], failure: &PlacementError, target: &Target, before: usize) -> Option<usize> {
     let graph = &oriented.graph;
-    let tiles = lowered.tiles;
+    let tiles = target.chip.tiles;
     // Each replicable weight's first product (original operation index).
     let mut first_use: std::collections::BTreeMap<&str, usize> = std::collections::BTreeMap::new();
     for (i, operation) in graph.operations.iter().enumerate() {
@@ -549,28 +557,28 @@ fn mixed_from(oriented: &Oriented, lowered: &Lowered, failure: &PlacementError, 
             *e = (*e).min(origin);
         }
     }
-    let mut host = vec![false; lowered.buffers.len()];
+    let mut host = vec![false; buffers.len()];
     // Per first product: (tile, bytes) of its weights' replicas.
     let mut saved: std::collections::BTreeMap<usize, Vec<(u32, u64)>> = std::collections::BTreeMap::new();
-    for t in &lowered.inputs {
-        let mut buffers: Vec<u32> = t.segments.iter().map(|s| s.buffer).collect();
-        buffers.sort_unstable();
-        buffers.dedup();
-        for &b in &buffers {
+    for t in tensors {
+        let mut ids: Vec<u32> = t.segments.iter().map(|s| s.buffer).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        for &b in &ids {
             host[b as usize] = true;
         }
         if let (HostRole::Weight, Some(&from)) = (t.role, first_use.get(t.name.as_str())) {
-            saved.entry(from).or_default().extend(buffers.iter().map(|&b| (lowered.buffers[b as usize].tile, lowered.buffers[b as usize].bytes as u64)));
+            saved.entry(from).or_default().extend(ids.iter().map(|&b| (buffers[b as usize].tile, buffers[b as usize].bytes as u64)));
         }
     }
     let m = &target.memory;
     let capacity = ((m.loader_limit - m.base) as u64).saturating_sub(CODE_RESERVE_BYTES);
     let mut overflow = vec![0u64; tiles as usize];
-    tile_peaks(&lowered.buffers, &host, tiles, |tile, (_, _, total)| overflow[tile as usize] = total.saturating_sub(capacity));
+    tile_peaks(buffers, &host, tiles, |tile, (_, _, total)| overflow[tile as usize] = total.saturating_sub(capacity));
     if let Some(o) = overflow.get_mut(failure.tile as usize) {
         *o = (*o).max(failure.bytes as u64);
     }
-    debug!(tiles_over = overflow.iter().filter(|&&o| o > 0).count(), most = overflow.iter().max().copied().unwrap_or(0), "replicated weights' overflow");
+    debug!(before, tiles_over = overflow.iter().filter(|&&o| o > 0).count(), most = overflow.iter().max().copied().unwrap_or(0), "replicated weights' overflow");
     let earliest = *saved.keys().next()?;
     for (&from, replicas) in saved.range(..before).rev() {
         if from == earliest {
@@ -672,6 +680,26 @@ mod tests {
         Target::from_toml(fixtures::SMALL16, "small16.toml").unwrap()
     }
 
+    /// `blocks` MLP blocks of 64 tokens, dimension 256 and hidden dimension 768, each product
+    /// held normal at four row partitions (`[[constraint]]`), so that on 16 tiles a replicated
+    /// weight takes a quarter of itself (96 KiB) on every tile.
+    fn row_partitioned_mlp(blocks: usize) -> Graph {
+        let mut text = format!("name = \"mlp\"\noutputs = [\"y_{}\"]\n[[tensor]]\nname = \"x\"\nshape = [64, 256]\ndtype = \"f16\"\nrole = \"input\"\ninit = \"zeros\"\n", blocks - 1);
+        for b in 0..blocks {
+            for (w, shape) in [("w1", "[256, 768]"), ("w2", "[768, 256]")] {
+                text += &format!("[[tensor]]\nname = \"{w}_{b}\"\nshape = {shape}\ndtype = \"f16\"\nrole = \"weight\"\ninit = \"zeros\"\n");
+            }
+            let input = if b == 0 { "x".to_string() } else { format!("y_{}", b - 1) };
+            text += &format!("[[operation]]\nname = \"h_{b}\"\nop = \"matmul\"\ninputs = [\"{input}\", \"w1_{b}\"]\n[[operation]]\nname = \"g_{b}\"\nop = \"gelu\"\ninputs = [\"h_{b}\"]\n[[operation]]\nname = \"y_{b}\"\nop = \"matmul\"\ninputs = [\"g_{b}\", \"w2_{b}\"]\n");
+        }
+        for b in 0..blocks {
+            for p in ["h", "y"] {
+                text += &format!("[[constraint]]\noperation = \"{p}_{b}\"\norientation = \"normal\"\nrow_partitions = 4\n");
+            }
+        }
+        Graph::parse(&text, "mlp.toml").unwrap()
+    }
+
     /// A prefix lowered over one orientation and extended over another (later products
     /// swapped) is exactly the program lowered at once, with replicated or home-tile weights:
     /// the beam's programs are real ones, and a home-weights prefix the beam carries extends
@@ -760,5 +788,29 @@ mod tests {
         let found = finalists(&graph, &target, DEFAULT_FINALISTS).unwrap();
         assert!(found.len() <= DEFAULT_FINALISTS);
         assert!(estimated_cycles(&found[0]) <= best, "{} > {best}", estimated_cycles(&found[0]));
+    }
+
+    /// Four blocks at four row partitions on 16 tiles: replicated, the eight weights take
+    /// 768 KiB on every tile, beyond tile memory; on home tiles they all fit, but every product
+    /// then multicasts its weight. The whole-program step keeps the earlier products' weights
+    /// replicated and homes the later ones' (a mixed program, its start derived from the
+    /// replicated program's overflow), which fits and is estimated cheaper than homing all.
+    #[test]
+    fn mixed_weights_fit_where_replicated_do_not() {
+        let (graph, target) = (row_partitioned_mlp(4), small16());
+        let oriented = orient(&graph, &BTreeSet::new()).unwrap();
+        assert!(!fits(&lower_with(&oriented, &target, false, &[]).unwrap().lowered, &target));
+        let (homed, homed_fits) = lower_feasible_alone(&oriented, &target, 0).unwrap();
+        let (chosen, chosen_fits) = lower_feasible_alone(&oriented, &target, usize::MAX).unwrap();
+        assert!(homed_fits && chosen_fits);
+        // Elements the host writes per weight: its replicas (replicated), or itself once (homed).
+        let written = |l: &Lowered| -> Vec<u64> { (0..4).flat_map(|b| [format!("w1_{b}"), format!("w2_{b}")]).map(|w| l.inputs.iter().find(|t| t.name == w).unwrap().segments.iter().map(|s| s.count as u64 * s.rows as u64).sum()).collect() };
+        let once = 256 * 768;
+        assert!(written(&homed).iter().all(|&e| e == once), "{:?}", written(&homed));
+        let chosen_written = written(&chosen);
+        // Replicated first, homed after: a prefix of the weights in program order.
+        let replicated = chosen_written.iter().take_while(|&&e| e == 4 * once).count();
+        assert!(replicated > 0 && replicated < 8 && chosen_written[replicated..].iter().all(|&e| e == once), "{chosen_written:?}");
+        assert!(estimated_cycles(&chosen) < estimated_cycles(&homed), "mixed {} homed {}", estimated_cycles(&chosen), estimated_cycles(&homed));
     }
 }
