@@ -20,7 +20,13 @@
 //! runs later, with the code reserve standing in for the code). When they cannot, each
 //! operation is planned again with a budget that deducts what the other operations keep live
 //! on a tile while it runs (host-written weights are live from the start), in total and in
-//! interleaved memory, until the program fits or the budgets stop changing.
+//! interleaved memory, until the program fits or the budgets stop changing. Weight
+//! arrangements are tried in order: replicated, mixed (the products from some operation on keep
+//! their weights on home tiles, the earlier ones replicated; `mixed_from` derives the start from
+//! the overflow), every weight on aligned home tiles, then rotating homes.
+//!
+//! This file is long (a little over 800 lines) because the beam, the feasibility step and the
+//! mixed-weights start share their helpers and their small-program tests.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -189,8 +195,10 @@ fn retain(mut scored: Vec<(State, [u64; 5], bool)>, width: usize) -> Vec<State> 
 }
 
 /// The beam over program order (module docs): the lowered programs it ends with, as first
-/// attempts of [`lower_feasible`] (each lowered with replicated weights, or with home-tile
-/// weights where a replicated operation could not be planned at all), and the first error met.
+/// attempts of [`lower_feasible`] (each lowered with replicated weights, or, where replicated
+/// weights outgrew tile memory or a replicated operation could not be planned at all, with the
+/// weights of the products from the switch on, or of all, on home tiles: `Partial::home_from`,
+/// handed on with the attempt), and the first error met.
 #[allow(clippy::type_complexity)]
 fn beam(graph: &Graph, target: &Target, width: usize) -> (Vec<(Arc<Oriented>, Option<(Attempt, usize)>, Option<Arc<HomePrefix>>)>, Option<LowerError>) {
     let products = swappable(graph);
