@@ -546,9 +546,10 @@ pub(crate) fn lower_feasible_alone(oriented: &Oriented, target: &Target, home_fr
 /// with every weight on home tiles is next anyway). The overflow per tile: the
 /// peak live bytes (host-written buffers from the start) beyond tile memory beside the code
 /// reserve, and on the tile placement failed on, at least the bytes of the buffer it could not
-/// place (placement also loses room to regions and alignment). A homed weight saves the bytes
-/// of its replicas on each tile (all but its home tiles', which this does not know: the one
-/// lowering of the mixed program decides).
+/// place (placement also loses room to regions and alignment). A homed weight of r replicas
+/// keeps one: it saves (r - 1) / r of its replicas' bytes on each tile (on average: its home
+/// tiles, which this does not know, save nothing; the one lowering of the mixed program
+/// decides).
 fn mixed_from(oriented: &Oriented, buffers: &[BufferDecl], tensors: &[LHostTensor], failure: &PlacementError, target: &Target, before: usize) -> Option<usize> {
     let graph = &oriented.graph;
     let tiles = target.chip.tiles;
@@ -576,7 +577,11 @@ fn mixed_from(oriented: &Oriented, buffers: &[BufferDecl], tensors: &[LHostTenso
             host[b as usize] = true;
         }
         if let (HostRole::Weight, Some(&from)) = (t.role, first_use.get(t.name.as_str())) {
-            saved.entry(from).or_default().extend(ids.iter().map(|&b| (buffers[b as usize].tile, buffers[b as usize].bytes as u64)));
+            // Homed, one of its r copies stays (on a tile this does not know): each replica's
+            // tile saves (r - 1) / r of it on average.
+            let written: u64 = t.segments.iter().map(|s| s.count as u64 * s.rows as u64).sum();
+            let once: u64 = t.shape.iter().map(|&d| d as u64).product();
+            saved.entry(from).or_default().extend(ids.iter().map(|&b| (buffers[b as usize].tile, buffers[b as usize].bytes as u64 * written.saturating_sub(once) / written.max(1))));
         }
     }
     let m = &target.memory;
