@@ -150,9 +150,11 @@ struct Builder<'a> {
     gemm_flops: u64,
     operation_name: String,
     /// Keep each matrix-product weight block once on a home tile and multicast it to the other
-    /// row partitions when needed, instead of having the host write every replica: chosen
-    /// when replicated weights, all resident from the start, would not fit.
-    home_weights: bool,
+    /// row partitions when needed, instead of having the host write every replica, for the
+    /// products whose original operation index is at least this (0: every product; usize::MAX:
+    /// none, every weight replicated). Chosen when replicated weights, all resident from the
+    /// start, would not fit: the earlier products' weights stay replicated (a mixed program).
+    home_from: usize,
     /// Spreads home tiles of successive operations over the row partitions.
     home_rotation: usize,
     /// Home tiles follow the weight's place in the program's repeating period of weights
@@ -206,6 +208,12 @@ pub fn lower_with(oriented: &Oriented, target: &Target, home_weights: bool, rese
     lower_from(Partial::new(home_weights), oriented, target, reserves)
 }
 
+/// `lower_with` the weights of the products from original operation `from` on kept on (aligned)
+/// home tiles, the earlier ones replicated (`Partial::homing_from`).
+pub fn lower_homing_from(oriented: &Oriented, target: &Target, from: usize, reserves: &[Reserve]) -> Result<Attempt, LowerError> {
+    lower_from(Partial::homing_from(from), oriented, target, reserves)
+}
+
 /// `lower_with` home-tile weights that rotate with every weight (`Partial::rotated_homes`).
 pub fn lower_with_rotated_homes(oriented: &Oriented, target: &Target, reserves: &[Reserve]) -> Result<Attempt, LowerError> {
     lower_from(Partial::rotated_homes(), oriented, target, reserves)
@@ -254,7 +262,7 @@ pub struct Partial {
     plans: Vec<OperationPlan>,
     checkpoints: Vec<Arc<LCheckpoint>>,
     gemm_flops: u64,
-    home_weights: bool,
+    home_from: usize,
     home_rotation: usize,
     home_aligned: bool,
     owners: Vec<u32>,
@@ -281,7 +289,7 @@ impl Partial {
             plans: Vec::new(),
             checkpoints: Vec::new(),
             gemm_flops: 0,
-            home_weights,
+            home_from: if home_weights { 0 } else { usize::MAX },
             home_rotation: 0,
             home_aligned: true,
             owners: Vec::new(),
@@ -297,9 +305,28 @@ impl Partial {
         self.lowered
     }
 
-    /// Whether matrix-product weights are kept once on home tiles (else replicated).
+    /// Whether every matrix-product weight is kept once on a home tile (else some or all are
+    /// replicated).
     pub fn home_weights(&self) -> bool {
-        self.home_weights
+        self.home_from == 0
+    }
+
+    /// The original operation index from which products keep their weights on home tiles
+    /// (0: all; usize::MAX: none).
+    pub fn home_from(&self) -> usize {
+        self.home_from
+    }
+
+    /// A program whose products from original operation `from` on keep their weights on
+    /// (aligned) home tiles, the earlier ones replicated: a mixed program.
+    pub fn homing_from(from: usize) -> Partial {
+        Partial { home_from: from, ..Partial::new(false) }
+    }
+
+    /// This prefix, its later products (from original operation `from` on) keeping their
+    /// weights on home tiles: a replicated prefix extended as a mixed program.
+    pub fn home_later(self, from: usize) -> Partial {
+        Partial { home_from: self.home_from.min(from), ..self }
     }
 
     /// A program with home-tile weights rotating with every weight (not aligned to the
@@ -415,7 +442,7 @@ impl<'a> Builder<'a> {
             checkpoints: p.checkpoints,
             gemm_flops: p.gemm_flops,
             operation_name: String::new(),
-            home_weights: p.home_weights,
+            home_from: p.home_from,
             home_rotation: p.home_rotation,
             home_aligned: p.home_aligned,
             reserves,
@@ -445,7 +472,7 @@ impl<'a> Builder<'a> {
             plans: self.plans,
             checkpoints: self.checkpoints,
             gemm_flops: self.gemm_flops,
-            home_weights: self.home_weights,
+            home_from: self.home_from,
             home_rotation: self.home_rotation,
             home_aligned: self.home_aligned,
             owners: self.owners,
@@ -880,7 +907,7 @@ impl<'a> Builder<'a> {
         };
         let b_chain = ViewChain::resolve(self.graph, b);
         let b_stored = self.stored.contains_key(&b_chain.base);
-        let home_b = self.home_weights
+        let home_b = self.origin.get(self.operation_index).map_or(self.operation_index, |&o| o as usize) >= self.home_from
             && !b_rank3
             && b_chain.is_identity()
             && matches!(bv.producer, Producer::Tensor { role: Role::Weight, .. });

@@ -214,8 +214,8 @@ fn steer_within(graph: &Graph, target: &Target, index: usize, finalist: Lowered,
             }
         };
         let start = std::time::Instant::now();
-        let lowered = lower_feasible_alone(&oriented, target, home_weights(l));
-        debug!(finalist = index, home_weights = home_weights(l), elapsed_ms = start.elapsed().as_millis() as u64, "lowered the steered finalist");
+        let lowered = lower_feasible_alone(&oriented, target, home_from(graph, l));
+        debug!(finalist = index, home_from = home_from(graph, l), elapsed_ms = start.elapsed().as_millis() as u64, "lowered the steered finalist");
         match lowered {
             Ok((next, true)) => current = Some(next),
             Ok((_, false)) => {
@@ -231,11 +231,26 @@ fn steer_within(graph: &Graph, target: &Target, index: usize, finalist: Lowered,
     Ok(Err(finalist))
 }
 
-/// Whether a program keeps each weight block once on a home tile: the host writes every
-/// element of every weight once (a program with replicated weights writes the replicas).
-fn home_weights(l: &Lowered) -> bool {
+/// The original operation from which a program's products keep their weight blocks once on a
+/// home tile (`Partial::home_from`; usize::MAX: none, 0: all): the host writes every element
+/// of those weights once (a replicated weight's replicas are written too). 0 when every weight
+/// is written once; else the first product with more than one row partition whose weight is.
+fn home_from(graph: &Graph, l: &Lowered) -> usize {
+    let once = |t: &super::LHostTensor| t.segments.iter().map(|s| s.count as u64 * s.rows as u64).sum::<u64>() == t.shape.iter().map(|&d| d as u64).product::<u64>();
     let mut weights = l.inputs.iter().filter(|t| t.role == HostRole::Weight).peekable();
-    weights.peek().is_some() && weights.all(|t| t.segments.iter().map(|s| s.count as u64 * s.rows as u64).sum::<u64>() == t.shape.iter().map(|&d| d as u64).product::<u64>())
+    if weights.peek().is_some() && weights.all(once) {
+        return 0;
+    }
+    l.plans
+        .iter()
+        .filter(|p| p.kind == "matmul" && p.partitions[1] > 1)
+        .filter(|p| {
+            let weight = graph.operations.get(p.operation as usize).and_then(|o| o.inputs.get(1)).map(|&w| graph.value(w).name.as_str());
+            l.inputs.iter().any(|t| t.role == HostRole::Weight && Some(t.name.as_str()) == weight && once(t))
+        })
+        .map(|p| p.operation as usize)
+        .min()
+        .unwrap_or(usize::MAX)
 }
 
 #[cfg(test)]

@@ -20,7 +20,13 @@
 //! runs later, with the code reserve standing in for the code). When they cannot, each
 //! operation is planned again with a budget that deducts what the other operations keep live
 //! on a tile while it runs (host-written weights are live from the start), in total and in
-//! interleaved memory, until the program fits or the budgets stop changing.
+//! interleaved memory, until the program fits or the budgets stop changing. Weight
+//! arrangements are tried in order: replicated, mixed (the products from some operation on keep
+//! their weights on home tiles, the earlier ones replicated; `mixed_from` derives the start from
+//! the overflow), every weight on aligned home tiles, then rotating homes.
+//!
+//! This file is long (a little over 800 lines) because the beam, the feasibility step and the
+//! mixed-weights start share their helpers and their small-program tests.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -29,16 +35,20 @@ use rayon::prelude::*;
 
 use tracing::{debug, info};
 
-use super::build::{complete, extend, lower_with, lower_with_rotated_homes, prefix_compatible, Attempt, Partial, Reserve, CODE_RESERVE_BYTES};
+use super::build::{complete, extend, lower_homing_from, lower_with_rotated_homes, prefix_compatible, Attempt, Partial, Reserve, CODE_RESERVE_BYTES};
 use super::orient::{orient, orient_until, swappable, Oriented};
-use super::{BufferDecl, LowerError, Lowered};
-use crate::ir::Graph;
-use crate::package::AllocationKind;
-use crate::storage::place_storage;
+use super::{BufferDecl, LHostTensor, LowerError, Lowered};
+use crate::ir::{Graph, OpKind, Producer, Role};
+use crate::package::{AllocationKind, HostRole};
+use crate::storage::{place_storage, PlacementError};
 use crate::target::Target;
 
 /// Rounds of re-planning with updated budgets per weight arrangement.
 const ROUNDS: usize = 3;
+
+/// Mixed programs `lower_feasible` tries when replicated weights do not fit (each one
+/// lowering; each overflow left names the next, earlier start), before every weight is homed.
+const MIXED_TRIES: usize = 3;
 
 /// Finalists kept by default (`--plan-finalists`).
 pub const DEFAULT_FINALISTS: usize = 4;
@@ -110,6 +120,17 @@ fn score(partial: &Partial, tiles: u32) -> [u64; 5] {
 /// Peak live bytes per tile over the steps, in standard and interleaved memory (buffers that
 /// claim interleaved memory first: partials, and weights that prefer it) and in total.
 fn peaks(buffers: &[BufferDecl], host: &[bool], tiles: u32) -> (u64, u64, u64) {
+    let (mut ps, mut pi, mut pt) = (0u64, 0u64, 0u64);
+    tile_peaks(buffers, host, tiles, |_, (s, i, t)| {
+        ps = ps.max(s);
+        pi = pi.max(i);
+        pt = pt.max(t);
+    });
+    (ps, pi, pt)
+}
+
+/// [`peaks`] tile by tile: `each(tile, (standard, interleaved, total))` for every tile.
+fn tile_peaks(buffers: &[BufferDecl], host: &[bool], tiles: u32, mut each: impl FnMut(u32, (u64, u64, u64))) {
     // Each buffer's start and end (step, standard bytes, interleaved bytes), by tile: counted
     // first, then placed tile by tile in one table.
     let mut starts = vec![0usize; tiles as usize + 1];
@@ -130,15 +151,15 @@ fn peaks(buffers: &[BufferDecl], host: &[bool], tiles: u32) -> (u64, u64, u64) {
         events[*at + 1] = (last + 1, -standard, -interleaved);
         *at += 2;
     }
-    let (mut ps, mut pi, mut pt) = (0i64, 0i64, 0i64);
     let mut from = 0;
     // `starts[t]` now ends tile t's events.
-    for &to in &starts[..tiles as usize] {
+    for (tile, &to) in starts[..tiles as usize].iter().enumerate() {
         let e = &mut events[from..to];
         from = to;
         // Ends before starts at the same step: a buffer's range is inclusive.
         e.sort_unstable_by_key(|&(step, s, i)| (step, s + i));
         let (mut s, mut i) = (0i64, 0i64);
+        let (mut ps, mut pi, mut pt) = (0i64, 0i64, 0i64);
         for &(_, ds, di) in e.iter() {
             s += ds;
             i += di;
@@ -146,8 +167,8 @@ fn peaks(buffers: &[BufferDecl], host: &[bool], tiles: u32) -> (u64, u64, u64) {
             pi = pi.max(i);
             pt = pt.max(s + i);
         }
+        each(tile as u32, (ps as u64, pi as u64, pt as u64));
     }
-    (ps as u64, pi as u64, pt as u64)
 }
 
 /// Whether a partial program's peak bytes on a tile fit in tile memory beside the code
@@ -174,10 +195,12 @@ fn retain(mut scored: Vec<(State, [u64; 5], bool)>, width: usize) -> Vec<State> 
 }
 
 /// The beam over program order (module docs): the lowered programs it ends with, as first
-/// attempts of [`lower_feasible`] (each lowered with replicated weights, or with home-tile
-/// weights where a replicated operation could not be planned at all), and the first error met.
+/// attempts of [`lower_feasible`] (each lowered with replicated weights, or, where replicated
+/// weights outgrew tile memory or a replicated operation could not be planned at all, with the
+/// weights of the products from the switch on, or of all, on home tiles: `Partial::home_from`,
+/// handed on with the attempt), and the first error met.
 #[allow(clippy::type_complexity)]
-fn beam(graph: &Graph, target: &Target, width: usize) -> (Vec<(Arc<Oriented>, Option<(Attempt, bool)>, Option<Arc<HomePrefix>>)>, Option<LowerError>) {
+fn beam(graph: &Graph, target: &Target, width: usize) -> (Vec<(Arc<Oriented>, Option<(Attempt, usize)>, Option<Arc<HomePrefix>>)>, Option<LowerError>) {
     let products = swappable(graph);
     let (must, must_not) = orientation_constraints(graph);
     // Products the user wants swapped that the search never swaps (not rank 2, or feeding a
@@ -219,25 +242,49 @@ fn beam(graph: &Graph, target: &Target, width: usize) -> (Vec<(Arc<Oriented>, Op
         let home = reuse && state.partial.home_weights();
         let start = if reuse { state.partial.clone() } else { Partial::new(false) };
         let mut partial = match extend(start, &oriented, target, &[], end) {
-            Ok(p) => p,
-            // A replicated weight that no plan fits: this program keeps weights on home tiles.
-            Err(LowerError::NoPlan { .. }) if !home => home_lowering(state.home.as_deref(), &oriented, target, end)?,
+            Ok(p) => Some(p),
+            // A replicated weight that no plan fits: this program keeps (some) weights on
+            // home tiles.
+            Err(LowerError::NoPlan { .. }) if !home => None,
             Err(e) => return Err(e),
         };
-        let mut scored = score(&partial, target.chip.tiles);
-        let mut fits = within_memory(&scored, target);
+        let mut scored = partial.as_ref().map_or([0; 5], |p| score(p, target.chip.tiles));
+        let mut fits = partial.is_some() && within_memory(&scored, target);
         let mut tried_home = false;
-        if !fits && !partial.home_weights() {
-            // Replicated weights outgrow tile memory: from here on this program keeps each
-            // weight block once on a home tile (as `lower_feasible` falls back to).
+        if !fits && !partial.as_ref().is_some_and(|p| p.home_weights()) {
+            // Replicated weights outgrow tile memory. First a mixed program: the prefix keeps
+            // its weights replicated, this product and the later ones keep theirs on home
+            // tiles (one more extension of the prefix); when that does not fit either, from
+            // here on the program keeps each weight block once on a home tile (as
+            // `lower_feasible` falls back to).
             tried_home = true;
-            if let Ok(p) = home_lowering(state.home.as_deref(), &oriented, target, end) {
-                partial = p;
-                scored = score(&partial, target.chip.tiles);
-                fits = within_memory(&scored, target);
+            let from = oriented.origin.get(lowered).map_or(usize::MAX, |&o| o as usize);
+            let mixed = (reuse && lowered > 0 && from < state.partial.home_from())
+                .then(|| extend(state.partial.clone().home_later(from), &oriented, target, &[], end).ok())
+                .flatten()
+                .map(|p| {
+                    let s = score(&p, target.chip.tiles);
+                    (p, s)
+                })
+                .filter(|(_, s)| within_memory(s, target));
+            if let Some((p, s)) = mixed {
+                partial = Some(p);
+                scored = s;
+                fits = true;
+            } else {
+                match home_lowering(state.home.as_deref(), &oriented, target, end) {
+                    Ok(p) => {
+                        scored = score(&p, target.chip.tiles);
+                        fits = within_memory(&scored, target);
+                        partial = Some(p);
+                    }
+                    Err(e) if partial.is_none() => return Err(e),
+                    Err(_) => {}
+                }
             }
         }
-        debug!(swapped = ?swapped, home_weights = partial.home_weights(), ?scored, fits, "scored partial program");
+        let partial = partial.expect("a lowered extension, or the error returned");
+        debug!(swapped = ?swapped, home_weights = partial.home_weights(), home_from = partial.home_from(), ?scored, fits, "scored partial program");
         let home = match (partial.home_weights(), carry, tried_home) {
             (true, ..) => None,
             // Home-tile weights were tried and did not lower: none to carry.
@@ -290,10 +337,10 @@ fn beam(graph: &Graph, target: &Target, width: usize) -> (Vec<(Arc<Oriented>, Op
     }
     // The programs are completed in parallel; results (and errors) are taken in beam order.
     #[allow(clippy::type_complexity)]
-    let completed: Vec<(Arc<Oriented>, Option<Arc<HomePrefix>>, Result<(Attempt, bool), LowerError>)> = states
+    let completed: Vec<(Arc<Oriented>, Option<Arc<HomePrefix>>, Result<(Attempt, usize), LowerError>)> = states
         .into_par_iter()
         .map(|s| {
-            let home = s.partial.home_weights();
+            let home = s.partial.home_from();
             let attempt = complete(s.partial, &s.oriented, target, &[]).map(|a| (a, home));
             (s.oriented, s.home, attempt)
         })
@@ -378,23 +425,41 @@ type Feasible = (Lowered, Option<(u64, u64)>);
 /// found it feasible (none: nothing fit; the last attempt is returned so that placement can
 /// name the buffer that overflows).
 ///
-/// `first`: the program already lowered with no reserves (and whether with home-tile
-/// weights), which stands for that first attempt. `memo`: a prefix of the program lowered
-/// with home-tile weights, which the first home-weights attempt extends.
-fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attempt, bool)>, memo: Option<&HomePrefix>) -> Result<Feasible, LowerError> {
+/// `first`: the program already lowered with no reserves (and the original operation from
+/// which its products keep their weights on home tiles: `Partial::home_from`), which stands
+/// for that first attempt. `memo`: a prefix of the program lowered with home-tile weights,
+/// which the first home-weights attempt extends.
+///
+/// Weight arrangements, in order: every weight replicated; a mixed program (the products from
+/// some operation on keep their weights on home tiles, the earlier ones replicated: the one
+/// the beam chose, or, when replicated weights do not fit, the latest start that covers their
+/// overflow by [`mixed_from`]); every weight on home tiles aligned to the program's period;
+/// rotating with every weight.
+fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attempt, usize)>, memo: Option<&HomePrefix>) -> Result<Feasible, LowerError> {
     let operations = oriented.graph.operations.len();
     let mut last: Option<Lowered> = None;
     let mut first_error: Option<LowerError> = None;
-    // A program the beam already lowered with home-tile weights found replicated ones too big.
-    // Home tiles aligned to the program's period come first (repeated blocks then share their
-    // multicast patterns); rotating with every weight, when those do not fit.
-    let modes: &[(bool, bool)] = if first.as_ref().is_some_and(|f| f.1) { &[(true, true), (true, false)] } else { &[(false, true), (true, true), (true, false)] };
-    for &(home_weights, aligned) in modes {
+    // A program the beam already lowered with (some) home-tile weights found replicated ones
+    // too big. Home tiles aligned to the program's period come first (repeated blocks then
+    // share their multicast patterns); rotating with every weight, when those do not fit.
+    // (home_from, aligned, rounds).
+    let mut modes: Vec<(usize, bool, usize)> = match first.as_ref().map_or(usize::MAX, |f| f.1) {
+        0 => vec![(0, true, ROUNDS), (0, false, ROUNDS)],
+        from => vec![(from, true, ROUNDS), (0, true, ROUNDS), (0, false, ROUNDS)],
+    };
+    let mut mode = 0;
+    let mut mixed_tries = 0;
+    while let Some(&(home_from, aligned, rounds)) = modes.get(mode) {
+        mode += 1;
+        let home_weights = home_from == 0;
         let mut reserves = vec![Reserve::default(); operations];
         let mut fitting: Option<(Lowered, (u64, u64))> = None;
-        for round in 0..ROUNDS {
+        // When the weights replicated so far do not fit: the mixed program that covers the
+        // overflow (more weights on home tiles).
+        let mut mixed: Option<usize> = None;
+        for round in 0..rounds {
             let given = match first.take() {
-                Some((a, home)) if round == 0 && home == home_weights && aligned => Some(a),
+                Some((a, from)) if round == 0 && from == home_from && aligned => Some(a),
                 other => {
                     first = other;
                     None
@@ -403,7 +468,7 @@ fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attem
             let attempt = match given.map(Ok).unwrap_or_else(|| match memo {
                 // No reserves yet: the (aligned) home-weights prefix extends to the whole program.
                 Some(m) if home_weights && aligned && round == 0 => home_lowering(Some(m), oriented, target, operations).and_then(|p| complete(p, oriented, target, &reserves)),
-                _ if aligned => lower_with(oriented, target, home_weights, &reserves),
+                _ if aligned => lower_homing_from(oriented, target, home_from, &reserves),
                 _ => lower_with_rotated_homes(oriented, target, &reserves),
             }) {
                 Ok(a) => a,
@@ -427,12 +492,19 @@ fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attem
                 .zip(reserves_of(&attempt, operations))
                 .map(|(a, b)| Reserve { total: a.total.max(b.total), interleaved: a.interleaved.max(b.interleaved) })
                 .collect();
-            if let Some(peaks) = peaks {
-                debug!("weights costed in interleaved memory were placed in standard memory; planning again with resident bytes");
-                fitting = Some((attempt.lowered, peaks));
-            } else {
-                debug!(home_weights, aligned, "the program does not fit; planning again with other operations' resident bytes");
-                last = Some(attempt.lowered);
+            match (peaks, placed) {
+                (Some(peaks), _) => {
+                    debug!("weights costed in interleaved memory were placed in standard memory; planning again with resident bytes");
+                    fitting = Some((attempt.lowered, peaks));
+                }
+                (None, placed) => {
+                    let failure = placed.err();
+                    debug!(home_weights, home_from, aligned, failure = ?failure, "the program does not fit; planning again with other operations' resident bytes");
+                    if let Some(failure) = failure.filter(|_| round == 0 && home_from > 0 && mixed_tries < MIXED_TRIES) {
+                        mixed = mixed_from(oriented, &attempt.lowered.buffers, &attempt.lowered.inputs, &failure, target, home_from);
+                    }
+                    last = Some(attempt.lowered);
+                }
             }
             if merged == reserves {
                 break;
@@ -442,8 +514,15 @@ fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attem
         if let Some((l, peaks)) = fitting {
             return Ok((l, Some(peaks)));
         }
-        if !home_weights {
+        if let Some(from) = mixed {
+            // One lowering each, no reserve rounds: an overflow left names the next start.
+            debug!(home_from, mixed_from = from, "replicated weights do not fit in tile memory; keeping the weight blocks of the products from this operation on once on a home tile");
+            modes.insert(mode, (from, true, 1));
+            mixed_tries += 1;
+        } else if home_from == usize::MAX {
             debug!("replicated weights do not fit in tile memory; keeping each weight block once on a home tile");
+        } else if !home_weights {
+            debug!(home_from, "the mixed program does not fit; keeping each weight block once on a home tile");
         } else if aligned {
             debug!("home tiles aligned to the program's period do not fit; rotating them with every weight");
         }
@@ -455,9 +534,77 @@ fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attem
 /// [`lower_feasible`] with no beam attempt at hand, for the table screen's steered finalists
 /// (`screen.rs`): with `home_weights`, from the program lowered with home-tile weights (as the
 /// beam hands on a program it switched to them), else from replicated weights.
-pub(crate) fn lower_feasible_alone(oriented: &Oriented, target: &Target, home_weights: bool) -> Result<(Lowered, bool), LowerError> {
-    let first = if home_weights { Some((lower_with(oriented, target, true, &[])?, true)) } else { None };
+pub(crate) fn lower_feasible_alone(oriented: &Oriented, target: &Target, home_from: usize) -> Result<(Lowered, bool), LowerError> {
+    let first = if home_from < usize::MAX { Some((lower_homing_from(oriented, target, home_from, &[])?, home_from)) } else { None };
     lower_feasible(oriented, target, first, None).map(|(l, peaks)| (l, peaks.is_some()))
+}
+
+/// The latest original operation before `before` from which keeping the products' weights on
+/// home tiles (the earlier products' weights replicated) covers the overflow of a program that
+/// does not fit with the weights of the products before `before` replicated (the later ones
+/// homed), or None when even every product but the first would not cover it (the arrangement
+/// with every weight on home tiles is next anyway). The overflow per tile: the
+/// peak live bytes (host-written buffers from the start) beyond tile memory beside the code
+/// reserve, and on the tile placement failed on, at least the bytes of the buffer it could not
+/// place (placement also loses room to regions and alignment). A homed weight of r replicas
+/// keeps one: it saves (r - 1) / r of its replicas' bytes on each tile (on average: its home
+/// tiles, which this does not know, save nothing; the one lowering of the mixed program
+/// decides).
+fn mixed_from(oriented: &Oriented, buffers: &[BufferDecl], tensors: &[LHostTensor], failure: &PlacementError, target: &Target, before: usize) -> Option<usize> {
+    let graph = &oriented.graph;
+    let tiles = target.chip.tiles;
+    // Each replicable weight's first product (original operation index).
+    let mut first_use: std::collections::BTreeMap<&str, usize> = std::collections::BTreeMap::new();
+    for (i, operation) in graph.operations.iter().enumerate() {
+        let Some(&weight) = operation.inputs.get(1).filter(|_| matches!(operation.kind, OpKind::MatMul { .. })) else {
+            continue;
+        };
+        let v = graph.value(weight);
+        if v.shape.len() == 2 && matches!(v.producer, Producer::Tensor { role: Role::Weight, .. }) {
+            let origin = oriented.origin.get(i).map_or(i, |&o| o as usize);
+            let e = first_use.entry(v.name.as_str()).or_insert(origin);
+            *e = (*e).min(origin);
+        }
+    }
+    let mut host = vec![false; buffers.len()];
+    // Per first product: (tile, bytes) of its weights' replicas.
+    let mut saved: std::collections::BTreeMap<usize, Vec<(u32, u64)>> = std::collections::BTreeMap::new();
+    for t in tensors {
+        let mut ids: Vec<u32> = t.segments.iter().map(|s| s.buffer).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        for &b in &ids {
+            host[b as usize] = true;
+        }
+        if let (HostRole::Weight, Some(&from)) = (t.role, first_use.get(t.name.as_str())) {
+            // Homed, one of its r copies stays (on a tile this does not know): each replica's
+            // tile saves (r - 1) / r of it on average.
+            let written: u64 = t.segments.iter().map(|s| s.count as u64 * s.rows as u64).sum();
+            let once: u64 = t.shape.iter().map(|&d| d as u64).product();
+            saved.entry(from).or_default().extend(ids.iter().map(|&b| (buffers[b as usize].tile, buffers[b as usize].bytes as u64 * written.saturating_sub(once) / written.max(1))));
+        }
+    }
+    let m = &target.memory;
+    let capacity = ((m.loader_limit - m.base) as u64).saturating_sub(CODE_RESERVE_BYTES);
+    let mut overflow = vec![0u64; tiles as usize];
+    tile_peaks(buffers, &host, tiles, |tile, (_, _, total)| overflow[tile as usize] = total.saturating_sub(capacity));
+    if let Some(o) = overflow.get_mut(failure.tile as usize) {
+        *o = (*o).max(failure.bytes as u64);
+    }
+    debug!(before, tiles_over = overflow.iter().filter(|&&o| o > 0).count(), most = overflow.iter().max().copied().unwrap_or(0), "replicated weights' overflow");
+    let earliest = *saved.keys().next()?;
+    for (&from, replicas) in saved.range(..before).rev() {
+        if from == earliest {
+            break;
+        }
+        for &(tile, bytes) in replicas {
+            overflow[tile as usize] = overflow[tile as usize].saturating_sub(bytes);
+        }
+        if overflow.iter().all(|&o| o == 0) {
+            return Some(from);
+        }
+    }
+    None
 }
 
 /// Whether placement put weights of a product planned with interleaved weights (buffers that
@@ -525,6 +672,7 @@ pub fn describe(l: &Lowered) -> String {
 
 #[cfg(test)]
 mod tests {
+    use super::super::build::lower_with;
     use super::*;
     use crate::target::{fixtures, Target};
 
@@ -543,6 +691,26 @@ mod tests {
 
     fn small16() -> Target {
         Target::from_toml(fixtures::SMALL16, "small16.toml").unwrap()
+    }
+
+    /// `blocks` MLP blocks of 64 tokens, dimension 256 and hidden dimension 768, each product
+    /// held normal at four row partitions (`[[constraint]]`), so that on 16 tiles a replicated
+    /// weight takes a quarter of itself (96 KiB) on every tile.
+    fn row_partitioned_mlp(blocks: usize) -> Graph {
+        let mut text = format!("name = \"mlp\"\noutputs = [\"y_{}\"]\n[[tensor]]\nname = \"x\"\nshape = [64, 256]\ndtype = \"f16\"\nrole = \"input\"\ninit = \"zeros\"\n", blocks - 1);
+        for b in 0..blocks {
+            for (w, shape) in [("w1", "[256, 768]"), ("w2", "[768, 256]")] {
+                text += &format!("[[tensor]]\nname = \"{w}_{b}\"\nshape = {shape}\ndtype = \"f16\"\nrole = \"weight\"\ninit = \"zeros\"\n");
+            }
+            let input = if b == 0 { "x".to_string() } else { format!("y_{}", b - 1) };
+            text += &format!("[[operation]]\nname = \"h_{b}\"\nop = \"matmul\"\ninputs = [\"{input}\", \"w1_{b}\"]\n[[operation]]\nname = \"g_{b}\"\nop = \"gelu\"\ninputs = [\"h_{b}\"]\n[[operation]]\nname = \"y_{b}\"\nop = \"matmul\"\ninputs = [\"g_{b}\", \"w2_{b}\"]\n");
+        }
+        for b in 0..blocks {
+            for p in ["h", "y"] {
+                text += &format!("[[constraint]]\noperation = \"{p}_{b}\"\norientation = \"normal\"\nrow_partitions = 4\n");
+            }
+        }
+        Graph::parse(&text, "mlp.toml").unwrap()
     }
 
     /// A prefix lowered over one orientation and extended over another (later products
@@ -633,5 +801,29 @@ mod tests {
         let found = finalists(&graph, &target, DEFAULT_FINALISTS).unwrap();
         assert!(found.len() <= DEFAULT_FINALISTS);
         assert!(estimated_cycles(&found[0]) <= best, "{} > {best}", estimated_cycles(&found[0]));
+    }
+
+    /// Four blocks at four row partitions on 16 tiles: replicated, the eight weights take
+    /// 768 KiB on every tile, beyond tile memory; on home tiles they all fit, but every product
+    /// then multicasts its weight. The whole-program step keeps the earlier products' weights
+    /// replicated and homes the later ones' (a mixed program, its start derived from the
+    /// replicated program's overflow), which fits and is estimated cheaper than homing all.
+    #[test]
+    fn mixed_weights_fit_where_replicated_do_not() {
+        let (graph, target) = (row_partitioned_mlp(4), small16());
+        let oriented = orient(&graph, &BTreeSet::new()).unwrap();
+        assert!(!fits(&lower_with(&oriented, &target, false, &[]).unwrap().lowered, &target));
+        let (homed, homed_fits) = lower_feasible_alone(&oriented, &target, 0).unwrap();
+        let (chosen, chosen_fits) = lower_feasible_alone(&oriented, &target, usize::MAX).unwrap();
+        assert!(homed_fits && chosen_fits);
+        // Elements the host writes per weight: its replicas (replicated), or itself once (homed).
+        let written = |l: &Lowered| -> Vec<u64> { (0..4).flat_map(|b| [format!("w1_{b}"), format!("w2_{b}")]).map(|w| l.inputs.iter().find(|t| t.name == w).unwrap().segments.iter().map(|s| s.count as u64 * s.rows as u64).sum()).collect() };
+        let once = 256 * 768;
+        assert!(written(&homed).iter().all(|&e| e == once), "{:?}", written(&homed));
+        let chosen_written = written(&chosen);
+        // Replicated first, homed after: a prefix of the weights in program order.
+        let replicated = chosen_written.iter().take_while(|&&e| e == 4 * once).count();
+        assert!(replicated > 0 && replicated < 8 && chosen_written[replicated..].iter().all(|&e| e == once), "{chosen_written:?}");
+        assert!(estimated_cycles(&chosen) < estimated_cycles(&homed), "mixed {} homed {}", estimated_cycles(&chosen), estimated_cycles(&homed));
     }
 }
