@@ -38,8 +38,10 @@ const CONFLICT_WEIGHT: u64 = 1 << 20;
 /// opposites and the buffers it receives into), and each buffer's opposites are sorted and
 /// deduplicated, so the rules do not depend on the order the pairs are met in.
 pub fn exchange_rules(lowered: &Lowered, receive_offset: u32) -> ExchangeRules {
+    /// One phase's pairs of opposite buffers (both ways) and the buffers it receives into.
+    type PhasePairs = (Vec<(u32, u32)>, Vec<u32>);
     let n = lowered.buffers.len();
-    let per_phase: Vec<(Vec<(u32, u32)>, Vec<u32>)> = lowered
+    let per_phase: Vec<PhasePairs> = lowered
         .phases
         .par_iter()
         .map(|phase| {

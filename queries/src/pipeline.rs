@@ -676,10 +676,10 @@ mod tests {
         let db = Database::default();
         let s = sources(&db, WORKLOAD.into(), "mlp.toml".into(), fixtures::SMALL16.into(), "small16".into());
         let (f, l, sel) = (finalists(&db, s).unwrap(), lowered(&db, s).unwrap(), selection(&db, s).unwrap());
-        let bytes = |v: &dyn Fn() -> rkyv::util::AlignedVec| Digest::of_bytes(&v());
-        assert_eq!(f.digest, bytes(&|| rkyv::to_bytes::<rkyv::rancor::Error>(&*f.value).unwrap()));
-        assert_eq!(l.digest, bytes(&|| rkyv::to_bytes::<rkyv::rancor::Error>(&*l.value).unwrap()));
-        assert_eq!(sel.digest, bytes(&|| rkyv::to_bytes::<rkyv::rancor::Error>(&*sel.value).unwrap()));
+        let stored = |bytes: rkyv::util::AlignedVec| Digest::of_bytes(&bytes);
+        assert_eq!(f.digest, stored(rkyv::to_bytes::<rkyv::rancor::Error>(&*f.value).unwrap()));
+        assert_eq!(l.digest, stored(rkyv::to_bytes::<rkyv::rancor::Error>(&*l.value).unwrap()));
+        assert_eq!(sel.digest, stored(rkyv::to_bytes::<rkyv::rancor::Error>(&*sel.value).unwrap()));
         // A value of many 64 KiB chunks, with nested vectors and padding.
         let big: Vec<(u8, Vec<u32>, String)> = (0..3000u32).map(|i| ((i % 251) as u8, (0..i % 97).map(|j| j * i).collect(), "x".repeat((i % 13) as usize))).collect();
         let stored = rkyv::to_bytes::<rkyv::rancor::Error>(&big).unwrap();

@@ -84,6 +84,18 @@ pub struct LSegment {
 
 /// A host table over address-free segments.
 pub type LHostTensor = HostTensor<LSegment>;
+
+impl LHostTensor {
+    /// Elements the host writes or reads in all, replicas included.
+    pub fn streamed_elements(&self) -> u64 {
+        self.segments.iter().map(|s| s.count as u64 * s.rows as u64).sum()
+    }
+
+    /// Elements of the tensor itself.
+    pub fn elements(&self) -> u64 {
+        self.shape.iter().map(|&d| d as u64).product()
+    }
+}
 /// A checkpoint over address-free segments.
 pub type LCheckpoint = Checkpoint<LSegment>;
 

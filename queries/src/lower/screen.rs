@@ -236,7 +236,7 @@ fn steer_within(graph: &Graph, target: &Target, index: usize, finalist: Lowered,
 /// of those weights once (a replicated weight's replicas are written too). 0 when every weight
 /// is written once; else the first product with more than one row partition whose weight is.
 fn home_from(graph: &Graph, l: &Lowered) -> usize {
-    let once = |t: &super::LHostTensor| t.segments.iter().map(|s| s.count as u64 * s.rows as u64).sum::<u64>() == t.shape.iter().map(|&d| d as u64).product::<u64>();
+    let once = |t: &super::LHostTensor| t.streamed_elements() == t.elements();
     let mut weights = l.inputs.iter().filter(|t| t.role == HostRole::Weight).peekable();
     if weights.peek().is_some() && weights.all(once) {
         return 0;

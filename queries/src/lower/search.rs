@@ -532,8 +532,9 @@ fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attem
 }
 
 /// [`lower_feasible`] with no beam attempt at hand, for the table screen's steered finalists
-/// (`screen.rs`): with `home_weights`, from the program lowered with home-tile weights (as the
-/// beam hands on a program it switched to them), else from replicated weights.
+/// (`screen.rs`): with `home_from` below usize::MAX, from the program lowered with the weights
+/// of the products from that original operation on kept on home tiles (as the beam hands on a
+/// program it switched to them), else from replicated weights.
 pub(crate) fn lower_feasible_alone(oriented: &Oriented, target: &Target, home_from: usize) -> Result<(Lowered, bool), LowerError> {
     let first = if home_from < usize::MAX { Some((lower_homing_from(oriented, target, home_from, &[])?, home_from)) } else { None };
     lower_feasible(oriented, target, first, None).map(|(l, peaks)| (l, peaks.is_some()))
@@ -579,8 +580,7 @@ fn mixed_from(oriented: &Oriented, buffers: &[BufferDecl], tensors: &[LHostTenso
         if let (HostRole::Weight, Some(&from)) = (t.role, first_use.get(t.name.as_str())) {
             // Homed, one of its r copies stays (on a tile this does not know): each replica's
             // tile saves (r - 1) / r of it on average.
-            let written: u64 = t.segments.iter().map(|s| s.count as u64 * s.rows as u64).sum();
-            let once: u64 = t.shape.iter().map(|&d| d as u64).product();
+            let (written, once) = (t.streamed_elements(), t.elements());
             saved.entry(from).or_default().extend(ids.iter().map(|&b| (buffers[b as usize].tile, buffers[b as usize].bytes as u64 * written.saturating_sub(once) / written.max(1))));
         }
     }
@@ -676,17 +676,23 @@ mod tests {
     use super::*;
     use crate::target::{fixtures, Target};
 
-    /// `blocks` MLP blocks `y_i = gelu(x_i · w1_i) · w2_i`, each feeding the next.
-    fn mlp(blocks: usize) -> Graph {
-        let mut text = format!("name = \"mlp\"\noutputs = [\"y_{}\"]\n[[tensor]]\nname = \"x\"\nshape = [37, 64]\ndtype = \"f16\"\nrole = \"input\"\ninit = \"zeros\"\n", blocks - 1);
+    /// Workload text of `blocks` MLP blocks `y_i = gelu(x_i · w1_i) · w2_i`, each feeding the
+    /// next, over `tokens` rows, dimension `dim` and hidden dimension `hidden`.
+    fn mlp_text(blocks: usize, tokens: u32, dim: u32, hidden: u32) -> String {
+        let mut text = format!("name = \"mlp\"\noutputs = [\"y_{}\"]\n[[tensor]]\nname = \"x\"\nshape = [{tokens}, {dim}]\ndtype = \"f16\"\nrole = \"input\"\ninit = \"zeros\"\n", blocks - 1);
         for b in 0..blocks {
-            for (w, shape) in [("w1", "[64, 96]"), ("w2", "[96, 64]")] {
+            for (w, shape) in [("w1", format!("[{dim}, {hidden}]")), ("w2", format!("[{hidden}, {dim}]"))] {
                 text += &format!("[[tensor]]\nname = \"{w}_{b}\"\nshape = {shape}\ndtype = \"f16\"\nrole = \"weight\"\ninit = \"zeros\"\n");
             }
             let input = if b == 0 { "x".to_string() } else { format!("y_{}", b - 1) };
             text += &format!("[[operation]]\nname = \"h_{b}\"\nop = \"matmul\"\ninputs = [\"{input}\", \"w1_{b}\"]\n[[operation]]\nname = \"g_{b}\"\nop = \"gelu\"\ninputs = [\"h_{b}\"]\n[[operation]]\nname = \"y_{b}\"\nop = \"matmul\"\ninputs = [\"g_{b}\", \"w2_{b}\"]\n");
         }
-        Graph::parse(&text, "mlp.toml").unwrap()
+        text
+    }
+
+    /// `blocks` MLP blocks of 37 tokens, dimension 64 and hidden dimension 96.
+    fn mlp(blocks: usize) -> Graph {
+        Graph::parse(&mlp_text(blocks, 37, 64, 96), "mlp.toml").unwrap()
     }
 
     fn small16() -> Target {
@@ -697,14 +703,7 @@ mod tests {
     /// held normal at four row partitions (`[[constraint]]`), so that on 16 tiles a replicated
     /// weight takes a quarter of itself (96 KiB) on every tile.
     fn row_partitioned_mlp(blocks: usize) -> Graph {
-        let mut text = format!("name = \"mlp\"\noutputs = [\"y_{}\"]\n[[tensor]]\nname = \"x\"\nshape = [64, 256]\ndtype = \"f16\"\nrole = \"input\"\ninit = \"zeros\"\n", blocks - 1);
-        for b in 0..blocks {
-            for (w, shape) in [("w1", "[256, 768]"), ("w2", "[768, 256]")] {
-                text += &format!("[[tensor]]\nname = \"{w}_{b}\"\nshape = {shape}\ndtype = \"f16\"\nrole = \"weight\"\ninit = \"zeros\"\n");
-            }
-            let input = if b == 0 { "x".to_string() } else { format!("y_{}", b - 1) };
-            text += &format!("[[operation]]\nname = \"h_{b}\"\nop = \"matmul\"\ninputs = [\"{input}\", \"w1_{b}\"]\n[[operation]]\nname = \"g_{b}\"\nop = \"gelu\"\ninputs = [\"h_{b}\"]\n[[operation]]\nname = \"y_{b}\"\nop = \"matmul\"\ninputs = [\"g_{b}\", \"w2_{b}\"]\n");
-        }
+        let mut text = mlp_text(blocks, 64, 256, 768);
         for b in 0..blocks {
             for p in ["h", "y"] {
                 text += &format!("[[constraint]]\noperation = \"{p}_{b}\"\norientation = \"normal\"\nrow_partitions = 4\n");
@@ -817,7 +816,7 @@ mod tests {
         let (chosen, chosen_fits) = lower_feasible_alone(&oriented, &target, usize::MAX).unwrap();
         assert!(homed_fits && chosen_fits);
         // Elements the host writes per weight: its replicas (replicated), or itself once (homed).
-        let written = |l: &Lowered| -> Vec<u64> { (0..4).flat_map(|b| [format!("w1_{b}"), format!("w2_{b}")]).map(|w| l.inputs.iter().find(|t| t.name == w).unwrap().segments.iter().map(|s| s.count as u64 * s.rows as u64).sum()).collect() };
+        let written = |l: &Lowered| -> Vec<u64> { (0..4).flat_map(|b| [format!("w1_{b}"), format!("w2_{b}")]).map(|w| l.inputs.iter().find(|t| t.name == w).unwrap().streamed_elements()).collect() };
         let once = 256 * 768;
         assert!(written(&homed).iter().all(|&e| e == once), "{:?}", written(&homed));
         let chosen_written = written(&chosen);

@@ -99,6 +99,7 @@ pub const EXACT_COST_MARGIN_PERCENT: u64 = 5;
 /// `size_tile_code` finds the chosen finalist's sizing done). `optimize` and `keep_sizing`
 /// get the program's digest, from `digest` (computed once per finalist costed, given the
 /// finalist's index, beside its sizing).
+#[allow(clippy::too_many_arguments)] // one closure per pipeline memo it feeds
 pub fn select_finalist(
     target: &Target,
     finalists: &[Lowered],
