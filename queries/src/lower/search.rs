@@ -103,6 +103,24 @@ fn home_lowering(memo: Option<&HomePrefix>, oriented: &Oriented, target: &Target
     extend(start, oriented, target, &[], end)
 }
 
+/// The longest of `memos` (the first of equals) whose prefix `oriented` extends, up to `end`.
+fn longest_compatible<'a>(memos: impl IntoIterator<Item = &'a Arc<HomePrefix>>, oriented: &Oriented, end: usize) -> Option<&'a Arc<HomePrefix>> {
+    let mut best: Option<&Arc<HomePrefix>> = None;
+    for m in memos {
+        let n = m.partial.lowered_operations();
+        if n <= end && best.is_none_or(|b| n > b.partial.lowered_operations()) && prefix_compatible(&m.oriented, oriented, n) {
+            best = Some(m);
+        }
+    }
+    best
+}
+
+/// Home-weights prefixes the beam keeps for all its states (the states' own and the ones
+/// `grow` kept where orientations diverge), most recent last: a state that switches to, or
+/// starts carrying, home-tile weights extends the longest compatible one rather than lowering
+/// from the start. Bounded: older prefixes are dropped (a speed matter only).
+const POOL_PER_STATE: usize = 4;
+
 /// What the beam compares partial programs by: estimated cycles, estimated exchange cycles,
 /// and the peak standard, interleaved and total bytes on any tile (host-written buffers live
 /// from the start, as in the finished program).
@@ -226,19 +244,37 @@ fn beam(graph: &Graph, target: &Target, width: usize) -> (Vec<(Arc<Oriented>, Op
     // Ok(None): the orientation itself is rejected (a consumer would read a swapped value
     // across its rows).
     // `carry`: a child that keeps replicated weights carries its home-weights prefix (else its
-    // parent's, unextended).
-    let grow = |state: &State, swapped: BTreeSet<usize>, next: Option<usize>, carry: bool| -> Result<Option<(State, [u64; 5], bool)>, LowerError> {
+    // parent's, unextended). `pool`: the home-weights prefixes a home lowering may extend
+    // (`POOL_PER_STATE`); with the grown state, the prefixes it kept for the pool: where a
+    // home lowering passes this product's start, the prefix up to it, which the other
+    // orientations of this product share.
+    #[allow(clippy::type_complexity)]
+    let grow = |state: &State, swapped: BTreeSet<usize>, next: Option<usize>, carry: bool, pool: &[Arc<HomePrefix>]| -> Result<(Option<(State, [u64; 5], bool)>, Vec<Arc<HomePrefix>>), LowerError> {
         // Oriented afresh (cheap beside lowering) so that the readers up to `next` are checked.
         let oriented = match orient_until(graph, &swapped, next.unwrap_or(usize::MAX)) {
             Ok(o) => Arc::new(o),
             Err(message) => {
                 debug!(%message, "orientation rejected");
-                return Ok(None);
+                return Ok((None, Vec::new()));
             }
         };
         let end = end_before(&oriented, next);
         let lowered = state.partial.lowered_operations();
         let reuse = prefix_compatible(&state.oriented, &oriented, lowered);
+        let mut kept: Vec<Arc<HomePrefix>> = Vec::new();
+        // This program lowered with home-tile weights up to `end`, from the longest compatible
+        // prefix of the pool (the same program from any: `extended_prefixes_equal_whole_lowerings`).
+        let lower_home = |kept: &mut Vec<Arc<HomePrefix>>| -> Result<Partial, LowerError> {
+            let memo = longest_compatible(state.home.iter().chain(pool), &oriented, end);
+            let from = memo.map_or(0, |m| m.partial.lowered_operations());
+            debug!(from, end, "lowering with home-tile weights");
+            if !reuse || from >= lowered || lowered >= end {
+                return home_lowering(memo.map(|m| &**m), &oriented, target, end);
+            }
+            let prefix = home_lowering(memo.map(|m| &**m), &oriented, target, lowered)?;
+            kept.push(Arc::new(HomePrefix { oriented: oriented.clone(), partial: prefix.clone() }));
+            extend(prefix, &oriented, target, &[], end)
+        };
         let home = reuse && state.partial.home_weights();
         let start = if reuse { state.partial.clone() } else { Partial::new(false) };
         let mut partial = match extend(start, &oriented, target, &[], end) {
@@ -272,7 +308,7 @@ fn beam(graph: &Graph, target: &Target, width: usize) -> (Vec<(Arc<Oriented>, Op
                 scored = s;
                 fits = true;
             } else {
-                match home_lowering(state.home.as_deref(), &oriented, target, end) {
+                match lower_home(&mut kept) {
                     Ok(p) => {
                         scored = score(&p, target.chip.tiles);
                         fits = within_memory(&scored, target);
@@ -289,23 +325,24 @@ fn beam(graph: &Graph, target: &Target, width: usize) -> (Vec<(Arc<Oriented>, Op
             (true, ..) => None,
             // Home-tile weights were tried and did not lower: none to carry.
             (false, _, true) => None,
-            (false, true, false) => home_lowering(state.home.as_deref(), &oriented, target, end).ok().map(|partial| Arc::new(HomePrefix { oriented: oriented.clone(), partial })),
+            (false, true, false) => lower_home(&mut kept).ok().map(|partial| Arc::new(HomePrefix { oriented: oriented.clone(), partial })),
             (false, false, false) => state.home.clone(),
         };
-        Ok(Some((State { swapped, oriented, partial, home }, scored, fits)))
+        Ok((Some((State { swapped, oriented, partial, home }, scored, fits)), kept))
     };
     let root = match orient_until(graph, &BTreeSet::new(), products.first().copied().unwrap_or(usize::MAX)) {
         Ok(o) => State { swapped: BTreeSet::new(), oriented: Arc::new(o), partial: Partial::new(false), home: None },
         Err(message) => return (Vec::new(), Some(LowerError::Unsupported { operation: graph.name.clone(), message })),
     };
-    let mut states = match grow(&root, BTreeSet::new(), products.first().copied(), false) {
-        Ok(s) => s.into_iter().map(|s| s.0).collect(),
+    let mut states = match grow(&root, BTreeSet::new(), products.first().copied(), false, &[]) {
+        Ok((s, _)) => s.into_iter().map(|s| s.0).collect(),
         Err(e) => {
             note(e, &mut first_error);
             Vec::new()
         }
     };
     let mut carry = false;
+    let mut pool: Vec<Arc<HomePrefix>> = Vec::new();
     for (j, &product) in products.iter().enumerate() {
         let next = products.get(j + 1).copied();
         let options: Vec<bool> = [false, true].into_iter().filter(|&swap| if swap { !must_not.contains(&product) } else { !must.contains(&product) }).collect();
@@ -314,35 +351,51 @@ fn beam(graph: &Graph, target: &Target, width: usize) -> (Vec<(Arc<Oriented>, Op
         // their home-weights prefix along while products remain (a switch then extends it).
         carry |= states.iter().any(|s| s.partial.home_weights());
         let carry_now = carry && next.is_some();
-        let grown: Vec<Result<Option<(State, [u64; 5], bool)>, LowerError>> = jobs
+        // The pool is read only during the step (each job's choice does not depend on the
+        // others'), and grows in job order after it.
+        for h in states.iter().filter_map(|s| s.home.as_ref()) {
+            if !pool.iter().any(|p| Arc::ptr_eq(p, h)) {
+                pool.push(h.clone());
+            }
+        }
+        #[allow(clippy::type_complexity)]
+        let grown: Vec<Result<(Option<(State, [u64; 5], bool)>, Vec<Arc<HomePrefix>>), LowerError>> = jobs
             .par_iter()
             .map(|&(i, swap)| {
                 let mut swapped = states[i].swapped.clone();
                 if swap {
                     swapped.insert(product);
                 }
-                grow(&states[i], swapped, next, carry_now)
+                grow(&states[i], swapped, next, carry_now, &pool)
             })
             .collect();
         let mut scored = Vec::new();
         for g in grown {
             match g {
-                Ok(Some(s)) => scored.push(s),
-                Ok(None) => {}
+                Ok((s, kept)) => {
+                    scored.extend(s);
+                    pool.extend(kept);
+                }
                 Err(e) => note(e, &mut first_error),
             }
+        }
+        let bound = POOL_PER_STATE * width.max(1);
+        if pool.len() > bound {
+            pool.drain(..pool.len() - bound);
         }
         states = retain(scored, width);
         debug!(product, states = states.len(), "extended the plan beam");
     }
     // The programs are completed in parallel; results (and errors) are taken in beam order.
+    // A program that carries no home-weights prefix gets the pool's longest compatible one.
     #[allow(clippy::type_complexity)]
     let completed: Vec<(Arc<Oriented>, Option<Arc<HomePrefix>>, Result<(Attempt, usize), LowerError>)> = states
         .into_par_iter()
         .map(|s| {
             let home = s.partial.home_from();
+            let memo = s.home.or_else(|| longest_compatible(&pool, &s.oriented, s.oriented.graph.operations.len()).cloned());
             let attempt = complete(s.partial, &s.oriented, target, &[]).map(|a| (a, home));
-            (s.oriented, s.home, attempt)
+            (s.oriented, memo, attempt)
         })
         .collect();
     let mut out = Vec::new();
@@ -733,6 +786,26 @@ mod tests {
                 let memo = HomePrefix { oriented: Arc::new(prefix), partial };
                 let partial = if home { home_lowering(Some(&memo), &whole, &target, whole.graph.operations.len()).unwrap() } else { extend(memo.partial, &whole, &target, &[], whole.graph.operations.len()).unwrap() };
                 assert_eq!(complete(partial, &whole, &target, &[]).unwrap().lowered, expected, "home {home} split {split}");
+            }
+        }
+        // A prefix lowered over a sibling orientation (this product swapped) up to the product,
+        // extended over this one (the product normal, later ones swapped), as the beam's pool
+        // hands on: the program lowered at once. The pool picks the longest compatible prefix.
+        for home in [false, true] {
+            for split in 0..products.len() {
+                let sibling = orient(&graph, &products[split..].iter().copied().collect()).unwrap();
+                let this = orient(&graph, &products[split + 1..].iter().copied().collect()).unwrap();
+                let cut = sibling.origin.partition_point(|&o| (o as usize) < products[split]);
+                assert!(prefix_compatible(&sibling, &this, cut), "split {split}");
+                let memos: Vec<Arc<HomePrefix>> = [0, cut]
+                    .into_iter()
+                    .map(|end| Arc::new(HomePrefix { partial: extend(Partial::new(home), &sibling, &target, &[], end).unwrap(), oriented: Arc::new(orient(&graph, &products[split..].iter().copied().collect()).unwrap()) }))
+                    .collect();
+                let memo = longest_compatible(&memos, &this, this.graph.operations.len()).unwrap();
+                assert_eq!(memo.partial.lowered_operations(), cut);
+                let partial = extend(memo.partial.clone(), &this, &target, &[], this.graph.operations.len()).unwrap();
+                let expected = lower_with(&this, &target, home, &[]).unwrap().lowered;
+                assert_eq!(complete(partial, &this, &target, &[]).unwrap().lowered, expected, "home {home} split {split}");
             }
         }
         // A prefix whose consumer would be oriented differently is not reused.
