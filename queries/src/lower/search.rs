@@ -28,6 +28,7 @@
 //! This file is long (a little over 800 lines) because the beam, the feasibility step and the
 //! mixed-weights start share their helpers and their small-program tests.
 
+use std::cell::Cell;
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
@@ -147,44 +148,73 @@ fn peaks(buffers: &[BufferDecl], host: &[bool], tiles: u32) -> (u64, u64, u64) {
     (ps, pi, pt)
 }
 
+thread_local! {
+    /// The event table of the thread's last [`tile_peaks`] (emptied), for the next one: the beam
+    /// scores every extension over the whole program, and a fresh table of that size costs
+    /// more in page faults than its use.
+    static SPARE_EVENTS: Cell<Vec<(u32, i64, i64)>> = const { Cell::new(Vec::new()) };
+}
+
 /// [`peaks`] tile by tile: `each(tile, (standard, interleaved, total))` for every tile.
+///
+/// Each buffer is live from its first step to its last, inclusive (host-written ones from step
+/// 0). Within a step the bytes ending there leave before those starting arrive, and each
+/// region only shrinks, then only grows, so a tile's peaks are those of its live bytes at the
+/// ends of steps: the buffers' starts and ends are bucketed by step (one counting pass, no
+/// sort), then swept in step order over running per-tile sums.
 fn tile_peaks(buffers: &[BufferDecl], host: &[bool], tiles: u32, mut each: impl FnMut(u32, (u64, u64, u64))) {
-    // Each buffer's start and end (step, standard bytes, interleaved bytes), by tile: counted
-    // first, then placed tile by tile in one table.
-    let mut starts = vec![0usize; tiles as usize + 1];
-    for b in buffers.iter().filter(|b| b.tile < tiles) {
-        starts[b.tile as usize + 1] += 2;
-    }
-    for t in 0..tiles as usize {
-        starts[t + 1] += starts[t];
-    }
-    let mut events: Vec<(u32, i64, i64)> = vec![(0, 0, 0); starts[tiles as usize]];
-    for (i, b) in buffers.iter().enumerate().filter(|(_, b)| b.tile < tiles) {
+    // (first step, step after the last) of a buffer.
+    let range = |i: usize, b: &BufferDecl| -> (usize, usize) {
         let last = b.last_step.max(if b.first_step == u32::MAX { 0 } else { b.first_step });
         let first = if host[i] || b.first_step == u32::MAX { 0 } else { b.first_step };
+        (first as usize, last as usize + 1)
+    };
+    let on_chip = || buffers.iter().enumerate().filter(|(_, b)| b.tile < tiles);
+    let steps = on_chip().map(|(i, b)| range(i, b).1 + 1).max().unwrap_or(0);
+    // Events per step: counted, then placed step by step in one table (`starts[k + 1]` ends
+    // step k's events once placed).
+    let mut starts = vec![0usize; steps + 1];
+    for (i, b) in on_chip() {
+        let (first, end) = range(i, b);
+        starts[first + 1] += 1;
+        starts[end + 1] += 1;
+    }
+    for k in 0..steps {
+        starts[k + 1] += starts[k];
+    }
+    let mut events = SPARE_EVENTS.with(Cell::take);
+    events.clear();
+    events.resize(starts[steps], (0, 0, 0));
+    for (i, b) in on_chip() {
+        let (first, end) = range(i, b);
         let bytes = b.bytes as i64;
         let (standard, interleaved) = if b.kind == AllocationKind::Partials || b.prefer_interleaved { (0, bytes) } else { (bytes, 0) };
-        let at = &mut starts[b.tile as usize];
-        events[*at] = (first, standard, interleaved);
-        events[*at + 1] = (last + 1, -standard, -interleaved);
-        *at += 2;
+        events[starts[first]] = (b.tile, standard, interleaved);
+        starts[first] += 1;
+        events[starts[end]] = (b.tile, -standard, -interleaved);
+        starts[end] += 1;
     }
+    // Running (standard, interleaved) bytes and peaks (standard, interleaved, total) per tile.
+    let mut live = vec![(0i64, 0i64); tiles as usize];
+    let mut peak = vec![(0i64, 0i64, 0i64); tiles as usize];
     let mut from = 0;
-    // `starts[t]` now ends tile t's events.
-    for (tile, &to) in starts[..tiles as usize].iter().enumerate() {
-        let e = &mut events[from..to];
+    // `starts[k]` now ends step k's events.
+    for &to in &starts[..steps] {
+        let e = &events[from..to];
         from = to;
-        // Ends before starts at the same step: a buffer's range is inclusive.
-        e.sort_unstable_by_key(|&(step, s, i)| (step, s + i));
-        let (mut s, mut i) = (0i64, 0i64);
-        let (mut ps, mut pi, mut pt) = (0i64, 0i64, 0i64);
-        for &(_, ds, di) in e.iter() {
-            s += ds;
-            i += di;
-            ps = ps.max(s);
-            pi = pi.max(i);
-            pt = pt.max(s + i);
+        for &(tile, ds, di) in e {
+            let l = &mut live[tile as usize];
+            l.0 += ds;
+            l.1 += di;
         }
+        for &(tile, _, _) in e {
+            let (s, i) = live[tile as usize];
+            let p = &mut peak[tile as usize];
+            *p = (p.0.max(s), p.1.max(i), p.2.max(s + i));
+        }
+    }
+    SPARE_EVENTS.with(|spare| spare.set(events));
+    for (tile, &(ps, pi, pt)) in peak.iter().enumerate() {
         each(tile as u32, (ps as u64, pi as u64, pt as u64));
     }
 }
@@ -836,6 +866,55 @@ mod tests {
         let rotated = super::super::build::lower_with_rotated_homes(&oriented, &target, &[]).unwrap().lowered;
         assert_eq!(aligned.phases.len(), rotated.phases.len());
         assert!(distinct(&aligned) < distinct(&rotated), "aligned {} rotated {}", distinct(&aligned), distinct(&rotated));
+    }
+
+    /// The per-tile peaks (bucketed by step) are those of the live bytes step by step, counted
+    /// plainly: buffers live from their first step to their last (host-written ones, and ones
+    /// never written, from step 0), in standard or interleaved memory by kind.
+    #[test]
+    fn tile_peaks_are_the_stepwise_live_bytes_peaks() {
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        for round in 0..40 {
+            let tiles = 1 + next(6) as u32;
+            let buffers: Vec<BufferDecl> = (0..next(60))
+                .map(|_| {
+                    let first = if next(8) == 0 { u32::MAX } else { next(30) as u32 };
+                    let last = if first == u32::MAX { next(30) as u32 } else { first + next(10) as u32 };
+                    let kind = if next(4) == 0 { AllocationKind::Partials } else { AllocationKind::Data };
+                    // Tiles past the chip are not counted.
+                    BufferDecl { tile: next(tiles as u64 + 1) as u32, bytes: 8 * next(100) as u32, kind, prefer_interleaved: next(3) == 0, label: 0, first_step: first, last_step: last }
+                })
+                .collect();
+            let host: Vec<bool> = buffers.iter().map(|_| next(5) == 0).collect();
+            let mut expected = vec![(0u64, 0u64, 0u64); tiles as usize];
+            for step in 0..64u32 {
+                let mut live = vec![(0u64, 0u64); tiles as usize];
+                for (i, b) in buffers.iter().enumerate().filter(|(_, b)| b.tile < tiles) {
+                    let first = if host[i] || b.first_step == u32::MAX { 0 } else { b.first_step };
+                    let last = b.last_step.max(if b.first_step == u32::MAX { 0 } else { b.first_step });
+                    if first <= step && step <= last {
+                        let l = &mut live[b.tile as usize];
+                        if b.kind == AllocationKind::Partials || b.prefer_interleaved {
+                            l.1 += b.bytes as u64;
+                        } else {
+                            l.0 += b.bytes as u64;
+                        }
+                    }
+                }
+                for (e, (s, i)) in expected.iter_mut().zip(live) {
+                    *e = (e.0.max(s), e.1.max(i), e.2.max(s + i));
+                }
+            }
+            let mut got = vec![(0u64, 0u64, 0u64); tiles as usize];
+            tile_peaks(&buffers, &host, tiles, |t, p| got[t as usize] = p);
+            assert_eq!(got, expected, "round {round}");
+        }
     }
 
     /// Pareto retention keeps what fits first, then the non-dominated extensions by estimate,
