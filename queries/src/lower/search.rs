@@ -116,12 +116,6 @@ fn longest_compatible<'a>(memos: impl IntoIterator<Item = &'a Arc<HomePrefix>>, 
     best
 }
 
-/// Home-weights prefixes the beam keeps for all its states (the states' own and the ones
-/// `grow` kept where orientations diverge), most recent last: a state that switches to, or
-/// starts carrying, home-tile weights extends the longest compatible one rather than lowering
-/// from the start. Bounded: older prefixes are dropped (a speed matter only).
-const POOL_PER_STATE: usize = 4;
-
 /// What the beam compares partial programs by: estimated cycles, estimated exchange cycles,
 /// and the peak standard, interleaved and total bytes on any tile (host-written buffers live
 /// from the start, as in the finished program).
@@ -274,10 +268,10 @@ fn beam(graph: &Graph, target: &Target, width: usize) -> (Vec<(Arc<Oriented>, Op
     // Ok(None): the orientation itself is rejected (a consumer would read a swapped value
     // across its rows).
     // `carry`: a child that keeps replicated weights carries its home-weights prefix (else its
-    // parent's, unextended). `pool`: the home-weights prefixes a home lowering may extend
-    // (`POOL_PER_STATE`); with the grown state, the prefixes it kept for the pool: where a
-    // home lowering passes this product's start, the prefix up to it, which the other
-    // orientations of this product share.
+    // parent's, unextended). `pool`: the home-weights prefixes a home lowering may extend (see
+    // the loop); with the grown state, the prefixes it keeps in the pool: the one its home
+    // lowering extended, and where that passes this product's start, the prefix up to it,
+    // which the other orientations of this product share.
     #[allow(clippy::type_complexity)]
     let grow = |state: &State, swapped: BTreeSet<usize>, next: Option<usize>, carry: bool, pool: &[Arc<HomePrefix>]| -> Result<(Option<(State, [u64; 5], bool)>, Vec<Arc<HomePrefix>>), LowerError> {
         // Oriented afresh (cheap beside lowering) so that the readers up to `next` are checked.
@@ -297,6 +291,7 @@ fn beam(graph: &Graph, target: &Target, width: usize) -> (Vec<(Arc<Oriented>, Op
         let lower_home = |kept: &mut Vec<Arc<HomePrefix>>| -> Result<Partial, LowerError> {
             let memo = longest_compatible(state.home.iter().chain(pool), &oriented, end);
             let from = memo.map_or(0, |m| m.partial.lowered_operations());
+            kept.extend(memo.cloned());
             debug!(from, end, "lowering with home-tile weights");
             if !reuse || from >= lowered || lowered >= end {
                 return home_lowering(memo.map(|m| &**m), &oriented, target, end);
@@ -381,8 +376,11 @@ fn beam(graph: &Graph, target: &Target, width: usize) -> (Vec<(Arc<Oriented>, Op
         // their home-weights prefix along while products remain (a switch then extends it).
         carry |= states.iter().any(|s| s.partial.home_weights());
         let carry_now = carry && next.is_some();
-        // The pool is read only during the step (each job's choice does not depend on the
-        // others'), and grows in job order after it.
+        // The pool of home-weights prefixes a switch to home-tile weights (or the start of
+        // carrying) extends rather than lowering from the start: the states' own, and those
+        // the last step's home lowerings extended or passed (a prefix unused for a step is
+        // dropped: a speed matter only). Read only during the step (no job's choice depends on
+        // another's), renewed in job order after it.
         for h in states.iter().filter_map(|s| s.home.as_ref()) {
             if !pool.iter().any(|p| Arc::ptr_eq(p, h)) {
                 pool.push(h.clone());
@@ -400,18 +398,19 @@ fn beam(graph: &Graph, target: &Target, width: usize) -> (Vec<(Arc<Oriented>, Op
             })
             .collect();
         let mut scored = Vec::new();
+        pool.clear();
         for g in grown {
             match g {
                 Ok((s, kept)) => {
                     scored.extend(s);
-                    pool.extend(kept);
+                    for h in kept {
+                        if !pool.iter().any(|p| Arc::ptr_eq(p, &h)) {
+                            pool.push(h);
+                        }
+                    }
                 }
                 Err(e) => note(e, &mut first_error),
             }
-        }
-        let bound = POOL_PER_STATE * width.max(1);
-        if pool.len() > bound {
-            pool.drain(..pool.len() - bound);
         }
         states = retain(scored, width);
         debug!(product, states = states.len(), "extended the plan beam");
