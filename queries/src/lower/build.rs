@@ -177,14 +177,20 @@ struct Builder<'a> {
     /// of the same block there (Q, K and V of one LayerNorm output) reads that buffer instead
     /// of receiving the words again. Values are never overwritten, so the buffer stays valid;
     /// its lifetime grows to the last reader.
-    gathered: BTreeMap<GatherKey, (u32, DType, u32)>,
+    gathered: Gathered,
 }
 
 /// A source cell `gather` met: (cell, its block, the block as held there, its tile).
 type SourceCell = (usize, Vec<(u32, u32)>, Held, u32);
 
-/// (value, tile, block, panel width, prefers interleaved memory) of a gathered block.
-type GatherKey = (ValueId, u32, Vec<(u32, u32)>, u32, bool, bool);
+/// (tile, block, panel width, prefers interleaved memory, tight last panel) of a gathered
+/// block of a value.
+type GatherKey = (u32, Vec<(u32, u32)>, u32, bool, bool);
+
+/// Per value: its gathered blocks and (buffer, dtype, panel width) of each. Shared by a
+/// lowered prefix and its extensions until one gathers a block of that value (a prefix is
+/// copied once per extension the search makes; most values gather no more blocks later).
+type Gathered = BTreeMap<ValueId, Arc<BTreeMap<GatherKey, (u32, DType, u32)>>>;
 
 /// Bytes per tile that other operations keep live while an operation runs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
@@ -268,7 +274,7 @@ pub struct Partial {
     owners: Vec<u32>,
     spans: BTreeMap<u32, (u32, u32)>,
     interleaved_weights: std::collections::BTreeSet<u32>,
-    gathered: BTreeMap<GatherKey, (u32, DType, u32)>,
+    gathered: Gathered,
     /// Operations of the oriented graph lowered so far (a prefix of them).
     lowered: usize,
 }
@@ -541,9 +547,9 @@ impl<'a> Builder<'a> {
         // Panels only pay where the block arrives by exchange; the host writes any layout.
         let panel = if is_stored { panel } else { 0 };
         let tight_last = tight_last && panel > 0;
-        let key: GatherKey = (value, tile, block.to_vec(), panel, prefer_interleaved, tight_last);
+        let key: GatherKey = (tile, block.to_vec(), panel, prefer_interleaved, tight_last);
         if is_stored {
-            if let Some(&(buffer, dtype, panel)) = self.gathered.get(&key) {
+            if let Some(&(buffer, dtype, panel)) = self.gathered.get(&value).and_then(|g| g.get(&key)) {
                 return Ok(Held { buffer, block: block.to_vec(), dtype, panel, tight_last });
             }
         }
@@ -654,19 +660,19 @@ impl<'a> Builder<'a> {
             }
         }
         if is_stored {
-            self.gathered.insert(key, (held.buffer, held.dtype, held.panel));
+            Arc::make_mut(self.gathered.entry(value).or_default()).insert(key, (held.buffer, held.dtype, held.panel));
         }
         Ok(held)
     }
 
     /// Whether `block` of `value` is already gathered onto `tile` (see `gathered`).
     fn already_gathered(&self, value: ValueId, tile: u32, block: &[(u32, u32)], panel: u32, prefer_interleaved: bool) -> bool {
-        self.gathered.contains_key(&(value, tile, block.to_vec(), panel, prefer_interleaved, false))
+        self.gathered.get(&value).is_some_and(|g| g.contains_key(&(tile, block.to_vec(), panel, prefer_interleaved, false)))
     }
 
     /// The gathered blocks of `value`, for the plan memo's key (they change what a plan costs).
     fn gathered_signature(&self, value: ValueId) -> String {
-        let blocks: Vec<_> = self.gathered.keys().filter(|k| k.0 == value).map(|k| (k.1, &k.2, k.3, k.4, k.5)).collect();
+        let blocks: Vec<_> = self.gathered.get(&value).map(|g| g.keys().map(|k| (k.0, &k.1, k.2, k.3, k.4)).collect()).unwrap_or_default();
         if blocks.is_empty() {
             return String::new();
         }
