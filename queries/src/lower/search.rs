@@ -13,7 +13,13 @@
 //! them carries the same program lowered with home-tile weights, extended alongside; an
 //! extension that outgrows tile memory with replicated weights (and `lower_feasible`'s first
 //! home-weights attempt) then extends that prefix instead of lowering from the start: the same
-//! program, as extending a prefix always gives the program lowered at once.
+//! program, as extending a prefix always gives the program lowered at once. The beam also
+//! keeps a small pool of such prefixes for all its states (the states' own, the ones the last
+//! step's home lowerings extended, and where a home lowering passed the start of the product
+//! being extended, the prefix up to there, which the product's other orientations share): a
+//! switch, or the start of carrying, extends the longest compatible one, so only the first
+//! switch of a program lowers home-tile weights from the start, and the beam's work stays
+//! linear in the number of operations.
 //!
 //! Whole-program feasibility: a program is kept only if every tile's buffers,
 //! all operations together, can be placed in their regions (the same placement the pipeline
@@ -25,7 +31,7 @@
 //! their weights on home tiles, the earlier ones replicated; `mixed_from` derives the start from
 //! the overflow), every weight on aligned home tiles, then rotating homes.
 //!
-//! This file is long (a little over 800 lines) because the beam, the feasibility step and the
+//! This file is long (about 1000 lines) because the beam, the feasibility step and the
 //! mixed-weights start share their helpers and their small-program tests.
 
 use std::cell::Cell;
@@ -164,15 +170,18 @@ fn tile_peaks(buffers: &[BufferDecl], host: &[bool], tiles: u32, mut each: impl 
         (first as usize, last as usize + 1)
     };
     let on_chip = || buffers.iter().enumerate().filter(|(_, b)| b.tile < tiles);
-    let steps = on_chip().map(|(i, b)| range(i, b).1 + 1).max().unwrap_or(0);
     // Events per step: counted, then placed step by step in one table (`starts[k + 1]` ends
     // step k's events once placed).
-    let mut starts = vec![0usize; steps + 1];
+    let mut starts = vec![0usize];
     for (i, b) in on_chip() {
         let (first, end) = range(i, b);
+        if starts.len() < end + 2 {
+            starts.resize(end + 2, 0);
+        }
         starts[first + 1] += 1;
         starts[end + 1] += 1;
     }
+    let steps = starts.len() - 1;
     for k in 0..steps {
         starts[k + 1] += starts[k];
     }
