@@ -180,11 +180,16 @@ impl Relocation {
     /// `placed_tables(target, lowered, schedules, placement, false)`, the same tables (of the
     /// program and schedules this relocation was made for).
     pub fn tables(&self, target: &Target, lowered: &Lowered, schedules: &[Schedule], placement: &Placement) -> Result<Vec<ExchangePhase>, CompileError> {
+        let addresses = &placement.addresses;
+        self.tables_at(target, lowered, schedules, &|buffer, offset| addresses[buffer as usize] + offset)
+    }
+
+    /// The tables with addresses from `address(buffer, offset)`, as the unchecked `relocate`
+    /// of each phase's request with those addresses writes them.
+    pub fn tables_at(&self, target: &Target, lowered: &Lowered, schedules: &[Schedule], address: &(dyn Fn(u32, u32) -> u32 + Sync)) -> Result<Vec<ExchangePhase>, CompileError> {
         if self.phases.len() != lowered.phases.len() || schedules.len() != lowered.phases.len() {
             return Err(CompileError(format!("relative tables of {} phases and {} schedules for {} exchange phases", self.phases.len(), schedules.len(), lowered.phases.len())));
         }
-        let addresses = &placement.addresses;
-        let address = |buffer: u32, offset: u32| addresses[buffer as usize] + offset;
         let tables: Vec<Result<ExchangePhase, CompileError>> = (0..self.phases.len())
             .into_par_iter()
             .map(|i| match &*self.phases[i] {
@@ -203,7 +208,7 @@ impl Relocation {
                         },
                     )
                 }),
-                None => exchange::relocate(target, &phase_request(lowered, i, &address), &schedules[i], false, None).map_err(CompileError::from),
+                None => exchange::relocate(target, &phase_request(lowered, i, address), &schedules[i], false, None).map_err(CompileError::from),
             })
             .collect();
         tables.into_iter().collect()
