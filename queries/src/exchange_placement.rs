@@ -239,7 +239,9 @@ pub type Check<'a> = dyn Fn(&Placement, Vec<ExchangePhase>) -> Result<Vec<Exchan
 
 /// The baseline placement's tables of every phase, written unchecked by the caller
 /// (`select_finalist` writes them while costing a finalist), with each phase's memory-element
-/// conflicts: the search starts from them instead of relocating the baseline again, and checks
+/// conflicts and bound, and the relative tables they were written from: the search starts from
+/// them instead of relocating the baseline again (and writes its candidates' tables from the
+/// same relative tables), and checks
 /// them (`checked_tables`) when it keeps the baseline, so that the placement it returns has
 /// validated tables whichever it is.
 pub struct Baseline {

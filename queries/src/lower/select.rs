@@ -89,7 +89,7 @@ pub const EXACT_COST_MARGIN_PERCENT: u64 = 5;
 /// `optimize` is the exchange-placement search (`best_exchange_placement` over the lowering
 /// view), for a finalist whose baseline placement has memory-element conflicts: given the
 /// program, its schedules and their digests, the code bytes, the baseline placement and its
-/// tables as written here (with each phase's conflicts; the search checks them if it keeps
+/// tables as written here (with each phase's conflicts and memory-element bound, and the relative tables they were written from; the search checks them if it keeps
 /// the baseline), the placement it accepts and the conflicts left (the pipeline memoizes it,
 /// so that the stage `optimize_exchange_placement` finds the chosen finalist's search done).
 /// `size` is `sizing::support_checked` of a finalist over `target` (the pipeline takes the
