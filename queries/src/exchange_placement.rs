@@ -12,13 +12,17 @@
 //! the winner's relocated rows are validated (so the schedules are reused, not rebuilt). A finalist is accepted when it has fewer conflicts than the baseline, or as many
 //! and a lower cost; among those, the least conflicts, then the least cost, win.
 
+use std::collections::HashMap;
+use std::sync::Arc;
+
 use rayon::prelude::*;
 use tracing::{debug, info, warn};
 
 use crate::db::CompileError;
-use crate::elements::{conflicts_and_bound, element_bound, Conflicts};
+use crate::elements::{conflicts_and_bound, Conflicts};
 use crate::emit::estimate_cycles;
-use crate::exchange::{self, Schedule};
+use crate::exchange::{self, Destination, PhaseRequest, RelativeTables, Schedule};
+use crate::hash::{Digest, KeyHasher};
 use crate::lower::Lowered;
 use crate::package::ExchangePhase;
 use crate::pipeline::requests;
@@ -102,6 +106,115 @@ pub fn placed_tables(target: &Target, lowered: &Lowered, schedules: &[Schedule],
     tables.into_iter().collect()
 }
 
+/// Every phase's tables as `placed_tables(…, false)` writes them, from relative tables
+/// computed once per distinct pattern and schedule (`exchange::RelativeTables`): the same
+/// phase of repeated layers is sorted and joined once, and each placement only adds its
+/// addresses. Phases whose relative tables would not be exact are written as before.
+pub struct Relocation {
+    /// Per phase: its pattern's relative tables (shared by the phases of one pattern and
+    /// schedule), or `None` where the phase is written whole.
+    phases: Vec<Arc<Option<RelativeTables>>>,
+}
+
+/// The `Relocation` of a program's phases under their schedules (`digests`: each schedule's
+/// digest). Phases are grouped by their schedule's digest and what `write_tables` reads of
+/// their transfers (source tile, words, destination tiles, in order).
+pub fn relocation(target: &Target, lowered: &Lowered, schedules: &[Schedule], digests: &[Digest]) -> Result<Relocation, CompileError> {
+    let n = lowered.phases.len();
+    if schedules.len() != n || digests.len() != n {
+        return Err(CompileError(format!("{} schedules and {} digests for {} exchange phases", schedules.len(), digests.len(), n)));
+    }
+    let tile = |buffer: u32| lowered.buffers[buffer as usize].tile;
+    let keys: Vec<Digest> = lowered
+        .phases
+        .par_iter()
+        .zip(digests.par_iter())
+        .map(|(phase, schedule)| {
+            let mut h = KeyHasher::new("ipuq relative exchange tables v1");
+            h.add(schedule).add(&(phase.len() as u64));
+            for t in phase {
+                h.add(&tile(t.source.0)).add(&t.words).add(&(t.destinations.len() as u64));
+                for d in &t.destinations {
+                    h.add(&tile(d.0));
+                }
+            }
+            h.finish()
+        })
+        .collect();
+    // Each phase's group, numbered in order of first phase.
+    let mut first: HashMap<Digest, usize> = HashMap::new();
+    let mut representatives: Vec<usize> = Vec::new();
+    let groups: Vec<usize> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| {
+            *first.entry(*k).or_insert_with(|| {
+                representatives.push(i);
+                representatives.len() - 1
+            })
+        })
+        .collect();
+    let relative: Vec<Arc<Option<RelativeTables>>> = representatives.par_iter().map(|&i| Arc::new(exchange::relative_tables(target, &phase_request(lowered, i, &|_, _| 0), &schedules[i]))).collect();
+    debug!(phases = n, distinct = representatives.len(), "relative exchange tables per distinct pattern and schedule");
+    Ok(Relocation { phases: groups.iter().map(|&g| relative[g].clone()).collect() })
+}
+
+/// Phase `index`'s exchange request, with addresses from `address(buffer, offset)`
+/// (`pipeline::requests` of one phase).
+fn phase_request(lowered: &Lowered, index: usize, address: &(dyn Fn(u32, u32) -> u32 + Sync)) -> PhaseRequest {
+    PhaseRequest {
+        index: index as u32,
+        transfers: lowered.phases[index]
+            .iter()
+            .map(|t| exchange::Transfer {
+                source: lowered.buffers[t.source.0 as usize].tile,
+                source_address: address(t.source.0, t.source.1),
+                words: t.words,
+                destinations: t.destinations.iter().map(|d| Destination { tile: lowered.buffers[d.0 as usize].tile, address: address(d.0, d.1) }).collect(),
+            })
+            .collect(),
+    }
+}
+
+impl Relocation {
+    /// `placed_tables(target, lowered, schedules, placement, false)`, the same tables (of the
+    /// program and schedules this relocation was made for).
+    pub fn tables(&self, target: &Target, lowered: &Lowered, schedules: &[Schedule], placement: &Placement) -> Result<Vec<ExchangePhase>, CompileError> {
+        let addresses = &placement.addresses;
+        self.tables_at(target, lowered, schedules, &|buffer, offset| addresses[buffer as usize] + offset)
+    }
+
+    /// The tables with addresses from `address(buffer, offset)`, as the unchecked `relocate`
+    /// of each phase's request with those addresses writes them.
+    pub fn tables_at(&self, target: &Target, lowered: &Lowered, schedules: &[Schedule], address: &(dyn Fn(u32, u32) -> u32 + Sync)) -> Result<Vec<ExchangePhase>, CompileError> {
+        if self.phases.len() != lowered.phases.len() || schedules.len() != lowered.phases.len() {
+            return Err(CompileError(format!("relative tables of {} phases and {} schedules for {} exchange phases", self.phases.len(), schedules.len(), lowered.phases.len())));
+        }
+        let tables: Vec<Result<ExchangePhase, CompileError>> = (0..self.phases.len())
+            .into_par_iter()
+            .map(|i| match &*self.phases[i] {
+                Some(relative) => Ok({
+                    let phase = &lowered.phases[i];
+                    relative.apply(
+                        i as u32,
+                        schedules[i].endpoint_lower_bound,
+                        |t| {
+                            let s = phase[t as usize].source;
+                            address(s.0, s.1)
+                        },
+                        |t, d| {
+                            let d = phase[t as usize].destinations[d as usize];
+                            address(d.0, d.1)
+                        },
+                    )
+                }),
+                None => exchange::relocate(target, &phase_request(lowered, i, address), &schedules[i], false, None).map_err(CompileError::from),
+            })
+            .collect();
+        tables.into_iter().collect()
+    }
+}
+
 /// `placed_tables(…, true)` for tables `placed_tables(…, false)` already wrote under this
 /// placement: the same checks (schedule fit, validation) on the same tables, not written
 /// again; in parallel, the first failing phase's error.
@@ -126,12 +239,17 @@ pub type Check<'a> = dyn Fn(&Placement, Vec<ExchangePhase>) -> Result<Vec<Exchan
 
 /// The baseline placement's tables of every phase, written unchecked by the caller
 /// (`select_finalist` writes them while costing a finalist), with each phase's memory-element
-/// conflicts: the search starts from them instead of relocating the baseline again, and checks
+/// conflicts and bound, and the relative tables they were written from: the search starts from
+/// them instead of relocating the baseline again (and writes its candidates' tables from the
+/// same relative tables), and checks
 /// them (`checked_tables`) when it keeps the baseline, so that the placement it returns has
 /// validated tables whichever it is.
 pub struct Baseline {
     pub tables: Vec<ExchangePhase>,
-    pub conflicts: Vec<Conflicts>,
+    /// Each phase's conflicts and memory-element bound (`conflicts_and_bound`).
+    pub stats: Vec<(Conflicts, u64)>,
+    /// The relative tables the baseline's were written from: the candidates' are too.
+    pub relocation: Relocation,
 }
 
 /// A scored placement: conflicting tile-cycles, forced cycles and the score.
@@ -205,19 +323,17 @@ pub fn search_exchange_placement_from(target: &Target, lowered: &Lowered, schedu
 fn search_from(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_bytes: &[u32], baseline: &Placement, base: Option<Baseline>, check: &Check) -> Result<Searched, CompileError> {
     // Whether the caller handed its tables over (else they are written here, unchecked).
     let handed = base.is_some();
-    let (base_tables, base_stats) = match base {
-        Some(Baseline { tables, conflicts }) => {
-            if tables.len() != schedules.len() || conflicts.len() != tables.len() {
-                return Err(CompileError(format!("exchange placement search: {} baseline tables and {} conflict counts for {} phases", tables.len(), conflicts.len(), schedules.len())));
+    let (base_tables, base_stats, relocation) = match base {
+        Some(Baseline { tables, stats, relocation }) => {
+            if tables.len() != schedules.len() || stats.len() != tables.len() {
+                return Err(CompileError(format!("exchange placement search: {} baseline tables and {} conflict counts for {} phases", tables.len(), stats.len(), schedules.len())));
             }
-            let bounds: Vec<u64> = tables.par_iter().map(|phase| element_bound(target, phase)).collect();
-            let stats: PhaseStats = conflicts.into_iter().zip(bounds).collect();
-            (tables, stats)
+            (tables, stats, Some(relocation))
         }
         None => {
             let tables = placed_tables(target, lowered, schedules, baseline, false)?;
             let stats = phase_stats(target, &tables);
-            (tables, stats)
+            (tables, stats, None)
         }
     };
     let (base_conflicts, base_score) = score(&base_tables, &base_stats);
@@ -236,7 +352,11 @@ fn search_from(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_
                 let offset = k * OFFSET_STEP;
                 let rules = ExchangeRules { receive_offset: offset, ..rules.clone() };
                 let result = match place_storage_with(target, lowered, code_bytes, &rules) {
-                    Ok(placement) => placed_tables(target, lowered, schedules, &placement, false).map(|tables| {
+                    Ok(placement) => match &relocation {
+                        Some(r) => r.tables(target, lowered, schedules, &placement),
+                        None => placed_tables(target, lowered, schedules, &placement, false),
+                    }
+                    .map(|tables| {
                         let stats = phase_stats(target, &tables);
                         let (conflicts, score) = score(&tables, &stats);
                         Some((placement, (tables, stats), conflicts, score))

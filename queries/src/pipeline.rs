@@ -196,7 +196,7 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
         let sized = &db.sizing_memo;
         let size = |l: &Lowered, schedules: &[Schedule], digests: &[Digest]| -> Result<crate::lower::select::Sizing, String> {
             let known = known(l, digests);
-            crate::sizing::support_checked_known(&t.value, l, schedules, budget, known.as_deref().map(|v| &v[..]))
+            crate::sizing::support_checked_known(&t.value, l, schedules, Some(digests), budget, known.as_deref().map(|v| &v[..]))
         };
         let keep_sizing = |program: Digest, digests: &[Digest], outcome: &crate::lower::select::Sizing| {
             if let Ok(support) = outcome {
@@ -448,7 +448,7 @@ pub fn code_sizes(db: &dyn Db, sources: Sources) -> StageResult<Vec<u32>> {
         let found = if db.verifying() { None } else { db.sizing_memo.lock().expect("sizing memo lock").get(&sizing_key(x.digest, l.digest, &s.value.digests, budget)).cloned() };
         let support = match found {
             Some(support) => support,
-            None => Arc::new(crate::sizing::support_with_tables(&x.value, &l.value, &s.value.phases, budget).map_err(CompileError)?),
+            None => Arc::new(crate::sizing::support_with_tables(&x.value, &l.value, &s.value.phases, Some(&s.value.digests), budget).map_err(CompileError)?),
         };
         log_support_memory(&t.value, &support);
         Ok(support.iter().map(SupportMemory::total).collect())
@@ -694,7 +694,7 @@ mod tests {
         let (x, l, sch, key) = sizing_inputs(&db, s);
         // The chosen finalist's sizing is memoized under the key size_tile_code looks up, and
         // is what sizing the program again gives.
-        let fresh = crate::sizing::support_with_tables(&x.value, &l.value, &sch.value.phases, db.table_budget()).unwrap();
+        let fresh = crate::sizing::support_with_tables(&x.value, &l.value, &sch.value.phases, None, db.table_budget()).unwrap();
         let memoized = db.sizing_memo.lock().unwrap().get(&key).cloned().expect("the chosen finalist's sizing is memoized");
         assert_eq!(*memoized, fresh);
         let totals: Vec<u32> = fresh.iter().map(SupportMemory::total).collect();

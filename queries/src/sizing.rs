@@ -17,6 +17,8 @@ use rayon::prelude::*;
 
 use crate::emit::{support_memory, tile_tables, SupportMemory};
 use crate::exchange::{self, Schedule};
+use crate::exchange_placement::relocation;
+use crate::hash::Digest;
 use crate::lower::Lowered;
 use crate::pipeline::requests;
 use crate::tables::{encode_tile, pack_phase, PackedPhase, PhaseBuffers};
@@ -68,9 +70,17 @@ pub fn phase_buffers(lowered: &Lowered, phase: usize, starts: &[u32]) -> PhaseBu
     out
 }
 
-/// Every phase's compact tables over sizing addresses.
-pub fn sizing_tables(target: &Target, lowered: &Lowered, schedules: &[Schedule]) -> Result<Vec<PackedPhase>, String> {
+/// Every phase's compact tables over sizing addresses. With the schedules' digests
+/// (`digests`), the tables are written from relative tables made once per distinct pattern
+/// and schedule (`exchange_placement::Relocation`: the same tables, the same phase of
+/// repeated layers sorted and joined once).
+pub fn sizing_tables(target: &Target, lowered: &Lowered, schedules: &[Schedule], digests: Option<&[Digest]>) -> Result<Vec<PackedPhase>, String> {
     let bases = sizing_bases(lowered);
+    if let Some(digests) = digests {
+        let relocation = relocation(target, lowered, schedules, digests).map_err(|e| e.0)?;
+        let tables = relocation.tables_at(target, lowered, schedules, &|buffer, offset| bases[buffer as usize].wrapping_add(offset)).map_err(|e| e.0)?;
+        return tables.par_iter().enumerate().map(|(i, p)| pack_phase(p, &phase_buffers(lowered, i, &bases))).collect();
+    }
     let requests = requests(lowered, |buffer, offset| bases[buffer as usize].wrapping_add(offset));
     requests
         .par_iter()
@@ -130,24 +140,24 @@ impl std::fmt::Display for TableOverflow {
 
 /// Support memory per tile with compact tables, or the first tile (lowest) whose tables
 /// exceed `budget` bytes (inner error) with the phase holding most of its table bytes.
-pub fn support_checked(target: &Target, lowered: &Lowered, schedules: &[Schedule], budget: u32) -> Result<Result<Vec<SupportMemory>, TableOverflow>, String> {
-    Ok(table_bytes_checked(target, lowered, schedules, budget)?.map(|bytes| support_memory(lowered, &bytes)))
+pub fn support_checked(target: &Target, lowered: &Lowered, schedules: &[Schedule], digests: Option<&[Digest]>, budget: u32) -> Result<Result<Vec<SupportMemory>, TableOverflow>, String> {
+    Ok(table_bytes_checked(target, lowered, schedules, digests, budget)?.map(|bytes| support_memory(lowered, &bytes)))
 }
 
 /// `support_checked` given each tile's table bytes as an earlier sizing of this program over
 /// these schedules found them (`known`, when at hand and within `budget`), else sized here.
-pub fn support_checked_known(target: &Target, lowered: &Lowered, schedules: &[Schedule], budget: u32, known: Option<&[u32]>) -> Result<Result<Vec<SupportMemory>, TableOverflow>, String> {
+pub fn support_checked_known(target: &Target, lowered: &Lowered, schedules: &[Schedule], digests: Option<&[Digest]>, budget: u32, known: Option<&[u32]>) -> Result<Result<Vec<SupportMemory>, TableOverflow>, String> {
     match known {
         Some(bytes) if bytes.len() == lowered.tiles as usize && bytes.iter().all(|&b| b <= budget) => Ok(Ok(support_memory(lowered, bytes))),
-        _ => support_checked(target, lowered, schedules, budget),
+        _ => support_checked(target, lowered, schedules, digests, budget),
     }
 }
 
 /// Each tile's exchange-table bytes over sizing addresses (as `size_tile_code` encodes them),
 /// or the first tile (lowest) whose tables exceed `budget` bytes, with the phase holding most
 /// of its table bytes.
-pub fn table_bytes_checked(target: &Target, lowered: &Lowered, schedules: &[Schedule], budget: u32) -> Result<Result<Vec<u32>, TableOverflow>, String> {
-    let packed = sizing_tables(target, lowered, schedules)?;
+pub fn table_bytes_checked(target: &Target, lowered: &Lowered, schedules: &[Schedule], digests: Option<&[Digest]>, budget: u32) -> Result<Result<Vec<u32>, TableOverflow>, String> {
+    let packed = sizing_tables(target, lowered, schedules, digests)?;
     let table_bytes: Vec<u32> = tile_tables(lowered.tiles as usize, &packed)?.iter().map(|b| b.len() as u32).collect();
     if let Some((tile, &bytes)) = table_bytes.iter().enumerate().find(|(_, b)| **b > budget) {
         // Each phase's share: its tables on that tile encoded alone (largest first, lowest index on ties).
@@ -167,6 +177,6 @@ pub fn table_bytes_checked(target: &Target, lowered: &Lowered, schedules: &[Sche
 
 /// Support memory per tile with compact tables; an error names the first tile (lowest) whose
 /// tables exceed `budget` bytes.
-pub fn support_with_tables(target: &Target, lowered: &Lowered, schedules: &[Schedule], budget: u32) -> Result<Vec<SupportMemory>, String> {
-    support_checked(target, lowered, schedules, budget)?.map_err(|o| o.to_string())
+pub fn support_with_tables(target: &Target, lowered: &Lowered, schedules: &[Schedule], digests: Option<&[Digest]>, budget: u32) -> Result<Vec<SupportMemory>, String> {
+    support_checked(target, lowered, schedules, digests, budget)?.map_err(|o| o.to_string())
 }

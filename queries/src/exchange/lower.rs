@@ -201,3 +201,122 @@ pub fn reuse(target: &Target, phase: &PhaseRequest, cached: &Schedule) -> Result
     log_finished(&tables);
     Ok(tables)
 }
+
+/// A schedule's tables for one pattern of transfers (source tiles, words, destination tiles),
+/// with every address left as an offset from its transfer's base (the source address, or the
+/// destination's address): what `write_tables` writes for any addresses of that pattern,
+/// sorted and joined as it sorts and joins them. Phases of one pattern scheduled alike (the
+/// same phase of repeated layers) share it; each placement only adds its bases (`apply`).
+///
+/// `write_tables` sorts a tile's entries by cycle, then address: the order depends on the
+/// addresses only where two entries of a tile share a cycle (sends) or a cycle and a source
+/// (receives), which no valid schedule has (a port carries one thing per cycle); it joins
+/// entries of one transfer whose addresses continue each other, which for one base is
+/// offsets continuing each other. So the relative tables are exact unless some tile has such
+/// a tie, or some transfer names a destination tile twice (then two bases meet on one tile):
+/// for those `relative_tables` gives `None` and the phase is written as before.
+#[derive(Clone, Debug)]
+pub struct RelativeTables {
+    tiles: Vec<RelativeTile>,
+    horizon: u32,
+}
+
+/// One tile's entries, addresses as offsets (bytes, wrapping) from the base of the transfer
+/// named beside each (sends: transfer; receives: transfer and destination index).
+#[derive(Clone, Debug)]
+struct RelativeTile {
+    tile: u32,
+    sends: Vec<(u32, SendEntry)>,
+    receives: Vec<((u32, u32), ReceiveEntry)>,
+}
+
+/// The relative tables of `schedule` over the pattern of `phase` (its addresses are not
+/// read), or `None` where they would not be exact (see [`RelativeTables`]).
+pub fn relative_tables(target: &Target, phase: &PhaseRequest, schedule: &Schedule) -> Option<RelativeTables> {
+    let tiles = target.chip.tiles as usize;
+    let mut seen = vec![u32::MAX; tiles];
+    for (index, t) in phase.transfers.iter().enumerate() {
+        for d in t.destinations.iter().filter(|d| (d.tile as usize) < tiles) {
+            if std::mem::replace(&mut seen[d.tile as usize], index as u32) == index as u32 {
+                return None;
+            }
+        }
+    }
+    let mut sends: Vec<Vec<(u32, SendEntry)>> = vec![Vec::new(); tiles];
+    let mut receives: Vec<Vec<((u32, u32), ReceiveEntry)>> = vec![Vec::new(); tiles];
+    for piece in &schedule.pieces {
+        let Some(t) = phase.transfers.get(piece.transfer as usize) else { continue };
+        if t.source as usize >= tiles {
+            continue;
+        }
+        let offset = piece.offset_words.wrapping_mul(4);
+        sends[t.source as usize].push((piece.transfer, SendEntry { cycle: piece.send_cycle, address: offset, words: piece.words, paired: piece.paired }));
+        for (d, destination) in t.destinations.iter().enumerate().filter(|(_, d)| (d.tile as usize) < tiles) {
+            receives[destination.tile as usize].push(((piece.transfer, d as u32), ReceiveEntry {
+                cycle: piece.send_cycle + target.delay(t.source, destination.tile),
+                source: t.source,
+                address: offset,
+                words: piece.words,
+                paired: piece.paired,
+            }));
+        }
+    }
+    let mut out = Vec::new();
+    let mut horizon = 0;
+    for tile in 0..tiles {
+        let (mut s, mut r) = (std::mem::take(&mut sends[tile]), std::mem::take(&mut receives[tile]));
+        if s.is_empty() && r.is_empty() {
+            continue;
+        }
+        s.sort_unstable_by_key(|(t, e)| (e.cycle, *t, e.address));
+        r.sort_unstable_by_key(|(t, e)| (e.cycle, e.source, *t, e.address));
+        if s.windows(2).any(|w| w[0].1.cycle == w[1].1.cycle) || r.windows(2).any(|w| (w[0].1.cycle, w[0].1.source) == (w[1].1.cycle, w[1].1.source)) {
+            return None;
+        }
+        let s = join_relative(s, |last, e| last.paired == e.paired && last.cycle + cycles(last.words, last.paired) == e.cycle && last.address.wrapping_add(last.words * 4) == e.address, |last, e| last.words += e.words);
+        let r = join_relative(
+            r,
+            |last, e| last.paired == e.paired && last.source == e.source && last.cycle + cycles(last.words, last.paired) == e.cycle && last.address.wrapping_add(last.words * 4) == e.address,
+            |last, e| last.words += e.words,
+        );
+        for (_, e) in &r {
+            horizon = horizon.max(e.cycle + if e.paired { e.words / 2 } else { e.words });
+        }
+        out.push(RelativeTile { tile: tile as u32, sends: s, receives: r });
+    }
+    Some(RelativeTables { tiles: out, horizon })
+}
+
+/// `join_sends` / `join_receives` over entries that keep their transfer: an entry joins the
+/// previous one when both are of one transfer (and destination) and `joins` says so.
+fn join_relative<K: PartialEq + Copy, E>(entries: Vec<(K, E)>, joins: impl Fn(&E, &E) -> bool, join: impl Fn(&mut E, &E)) -> Vec<(K, E)> {
+    let mut out: Vec<(K, E)> = Vec::with_capacity(entries.len());
+    for (key, e) in entries {
+        if let Some(last) = out.last_mut().filter(|l| l.0 == key) {
+            if joins(&last.1, &e) {
+                join(&mut last.1, &e);
+                continue;
+            }
+        }
+        out.push((key, e));
+    }
+    out
+}
+
+impl RelativeTables {
+    /// The tables `write_tables` writes for phase `index` of this pattern and schedule, where
+    /// transfer `t` sends from `source(t)` and its destination `d` receives at
+    /// `destination(t, d)`: the same tables, entry for entry.
+    pub fn apply(&self, index: u32, endpoint_lower_bound: u32, source: impl Fn(u32) -> u32, destination: impl Fn(u32, u32) -> u32) -> ExchangePhase {
+        let tiles = self
+            .tiles
+            .iter()
+            .map(|t| TileExchange {
+                tile: t.tile,
+                sends: t.sends.iter().map(|&(transfer, e)| SendEntry { address: source(transfer).wrapping_add(e.address), ..e }).collect(),
+                receives: t.receives.iter().map(|&((transfer, d), e)| ReceiveEntry { address: destination(transfer, d).wrapping_add(e.address), ..e }).collect(),
+            })
+            .collect();
+        ExchangePhase { index, tiles, horizon: self.horizon, endpoint_lower_bound }
+    }
+}

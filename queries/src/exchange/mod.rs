@@ -46,7 +46,7 @@ use tracing::{debug, info};
 use crate::package::ExchangePhase;
 use crate::target::Target;
 
-pub use lower::{check_relocated, log_validated, lower_to_tables, relocate, reuse, row_words, table_row_words};
+pub use lower::{check_relocated, log_validated, lower_to_tables, relative_tables, relocate, reuse, row_words, table_row_words, RelativeTables};
 pub use problem::pattern_digest;
 pub use types::{Destination, ExchangeError, PhaseRequest, Piece, Schedule, ScheduleKind, Transfer, ValidationError};
 pub use validate::validate;

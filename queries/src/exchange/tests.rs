@@ -283,3 +283,51 @@ fn coalesced_phases_validate_and_keep_their_horizons() {
         assert!(schedule.horizon as u64 * 100 <= apart.horizon as u64 * 102, "{} against {}", schedule.horizon, apart.horizon);
     }
 }
+
+/// The phase with every address moved: transfer `t`'s source by `source(t)` bytes and its
+/// destination `d` by `destination(t, d)` (wrapping).
+fn moved(phase: &PhaseRequest, source: impl Fn(usize) -> u32, destination: impl Fn(usize, usize) -> u32) -> PhaseRequest {
+    let mut out = phase.clone();
+    for (i, t) in out.transfers.iter_mut().enumerate() {
+        t.source_address = t.source_address.wrapping_add(source(i));
+        for (j, d) in t.destinations.iter_mut().enumerate() {
+            d.address = d.address.wrapping_add(destination(i, j));
+        }
+    }
+    out
+}
+
+#[test]
+fn relative_tables_write_what_relocation_writes_wherever_the_buffers_lie() {
+    let target = ipu21();
+    let mut rng = SplitMix64(17);
+    let mut phases = vec![synthetic::gemm_gather(1472, 2_000, 40, 200, 3), synthetic::reduction_groups(1472, 3_000, 50, 200, 5), synthetic::broadcast(1472, 200, 16, 256, 7)];
+    phases.push(synthetic::random_phase(&mut rng, 1472, 3_000, 300, 20, 30));
+    for phase in &phases {
+        let schedule = schedule_phase(&target, phase).unwrap();
+        // Made from the pattern at other addresses (all zero), applied at the phase's own and
+        // at addresses moved per transfer and destination (the same phase of another layer).
+        let zero = moved(phase, |i| phase.transfers[i].source_address.wrapping_neg(), |i, j| phase.transfers[i].destinations[j].address.wrapping_neg());
+        let relative = relative_tables(&target, &zero, &schedule).expect("a valid schedule has exact relative tables");
+        let shifted = moved(phase, |i| (i as u32 % 7) * 0x40, |i, j| ((i + 3 * j) as u32 % 5) * 0x1000 + 8);
+        for p in [phase, &shifted] {
+            let applied = relative.apply(p.index, schedule.endpoint_lower_bound, |t| p.transfers[t as usize].source_address, |t, d| p.transfers[t as usize].destinations[d as usize].address);
+            assert_eq!(applied, relocate(&target, p, &schedule, false, None).unwrap());
+        }
+    }
+}
+
+#[test]
+fn relative_tables_refuse_ties_and_repeated_destinations() {
+    let target = small16();
+    let transfer = |source: u32, address: u32, tiles: &[u32]| Transfer { source, source_address: address, words: 4, destinations: tiles.iter().map(|&tile| Destination { tile, address: address + 0x100 }).collect() };
+    let piece = |transfer: u32, send_cycle: u32| Piece { transfer, offset_words: 0, words: 4, send_cycle, paired: false };
+    let schedule = |pieces: Vec<Piece>| Schedule { pieces, horizon: 0, endpoint_lower_bound: 0, stronger_bound: None, kind: ScheduleKind::Reused, initial_horizon: 0, neighborhood_improvements: 0, paired: false };
+    // Two sends of tile 0 in one cycle: their order would depend on the addresses.
+    let phase = PhaseRequest { index: 0, transfers: vec![transfer(0, 0x40, &[1]), transfer(0, 0x80, &[2])] };
+    assert!(relative_tables(&target, &phase, &schedule(vec![piece(0, 0), piece(1, 0)])).is_none());
+    assert!(relative_tables(&target, &phase, &schedule(vec![piece(0, 0), piece(1, 4)])).is_some());
+    // A transfer naming tile 1 twice: two bases on one tile.
+    let phase = PhaseRequest { index: 0, transfers: vec![transfer(0, 0x40, &[1, 1])] };
+    assert!(relative_tables(&target, &phase, &schedule(vec![piece(0, 0)])).is_none());
+}

@@ -75,7 +75,7 @@ pub fn size_tables(target: &Target, lowered: &Lowered, budget: u32, schedule: &m
     let prepared_ms = start.elapsed().as_millis() as u64;
     let (schedules, digests): (Vec<Schedule>, Vec<Digest>) = schedule(&phases)?.into_iter().unzip();
     let scheduled_ms = start.elapsed().as_millis() as u64;
-    let tables = table_bytes_checked(target, &prepared, &schedules, budget)?;
+    let tables = table_bytes_checked(target, &prepared, &schedules, Some(&digests), budget)?;
     debug!(prepared_ms, scheduled_ms, sized_ms = start.elapsed().as_millis() as u64, "exchange tables sized");
     Ok(Sized { prepared, digests, tables })
 }
@@ -280,7 +280,7 @@ mod tests {
         let bases = provisional_bases(&prepared);
         let phases = requests(&prepared, |buffer, offset| bases[buffer as usize] + offset);
         let schedules: Vec<Schedule> = schedule(target)(&phases).unwrap().into_iter().map(|s| s.0).collect();
-        table_bytes_checked(target, &prepared, &schedules, u32::MAX).unwrap().unwrap()
+        table_bytes_checked(target, &prepared, &schedules, None, u32::MAX).unwrap().unwrap()
     }
 
     /// The screen's table bytes are those size_tile_code encodes for the program

@@ -16,9 +16,8 @@ use crate::cost;
 use crate::emit::vertex;
 use crate::exchange::{self, Schedule};
 use crate::pipeline::{provisional_bases, requests};
-use crate::elements::{phase_conflicts, Conflicts};
-use crate::exchange_placement::{checked_tables, placed_tables, Baseline};
-use crate::package::ExchangePhase;
+use crate::elements::{conflicts_and_bound, phase_conflicts};
+use crate::exchange_placement::{checked_tables, placed_tables, relocation, Baseline};
 use crate::hash::Digest;
 use crate::storage::{place_storage, Placement};
 use crate::target::Target;
@@ -90,7 +89,7 @@ pub const EXACT_COST_MARGIN_PERCENT: u64 = 5;
 /// `optimize` is the exchange-placement search (`best_exchange_placement` over the lowering
 /// view), for a finalist whose baseline placement has memory-element conflicts: given the
 /// program, its schedules and their digests, the code bytes, the baseline placement and its
-/// tables as written here (with each phase's conflicts; the search checks them if it keeps
+/// tables as written here (with each phase's conflicts and memory-element bound, and the relative tables they were written from; the search checks them if it keeps
 /// the baseline), the placement it accepts and the conflicts left (the pipeline memoizes it,
 /// so that the stage `optimize_exchange_placement` finds the chosen finalist's search done).
 /// `size` is `sizing::support_checked` of a finalist over `target` (the pipeline takes the
@@ -217,37 +216,25 @@ fn cost_placed(
     };
     let code: Vec<u32> = support.iter().map(|s| s.total()).collect();
     let placement = place_storage(target, l, &code).map_err(|e| e.to_string())?;
-    let addresses = &placement.addresses;
-    let placed = requests(l, |buffer, offset| addresses[buffer as usize] + offset);
-    let mut horizons = Vec::with_capacity(placed.len());
-    let mut conflicts = 0u64;
-    // Phases relocate independently: in parallel, taken in phase order (the first failing
-    // phase's error, as in sequence). The tables are checked (schedule fit and validation)
+    // Phases relocate independently, from relative tables made once per distinct pattern and
+    // schedule (the same phase of repeated layers shares them) and reused by the candidates of
+    // the exchange-placement search. The tables are checked (schedule fit and validation)
     // where they are the placement kept: here when they have no conflicts, else by the
     // exchange-placement search when it keeps the baseline (it checks the placement it
     // accepts instead).
+    let relocation = relocation(target, l, schedules, digests).map_err(|e| e.0)?;
+    let tables = relocation.tables(target, l, schedules, &placement).map_err(|e| e.0)?;
     let span = tracing::Span::current();
-    let relocated: Vec<Result<(ExchangePhase, Conflicts), String>> = placed
+    let stats: Vec<_> = tables
         .par_iter()
-        .zip(schedules.par_iter())
-        .map(|(r, s)| {
+        .map(|phase| {
             let _span = span.enter();
-            exchange::relocate(target, r, s, false, None)
-                .map(|phase| {
-                    let c = phase_conflicts(target, &phase);
-                    (phase, c)
-                })
-                .map_err(|e| e.to_string())
+            conflicts_and_bound(target, phase)
         })
         .collect();
-    let mut base = Baseline { tables: Vec::with_capacity(placed.len()), conflicts: Vec::with_capacity(placed.len()) };
-    for r in relocated {
-        let (phase, c) = r?;
-        conflicts += c.tile_cycles;
-        horizons.push(phase.horizon);
-        base.tables.push(phase);
-        base.conflicts.push(c);
-    }
+    let conflicts: u64 = stats.iter().map(|s| s.0.tile_cycles).sum();
+    let horizons: Vec<u32> = tables.iter().map(|p| p.horizon).collect();
+    let base = Baseline { tables, stats, relocation };
     if conflicts == 0 {
         checked_tables(target, l, schedules, &placement, base.tables).map_err(|e| e.0)?;
     } else {
