@@ -199,21 +199,21 @@ impl Relocation {
     /// program and schedules this relocation was made for).
     pub fn tables(&self, target: &Target, lowered: &Lowered, schedules: &[Schedule], placement: &Placement) -> Result<Vec<ExchangePhase>, CompileError> {
         let addresses = &placement.addresses;
-        self.tables_at(target, lowered, schedules, &|buffer, offset| addresses[buffer as usize] + offset)
+        self.tables_at(target, lowered, schedules, |buffer, offset| addresses[buffer as usize] + offset)
     }
 
     /// The tables with addresses from `address(buffer, offset)`, as the unchecked `relocate`
     /// of each phase's request with those addresses writes them.
-    pub fn tables_at(&self, target: &Target, lowered: &Lowered, schedules: &[Schedule], address: &(dyn Fn(u32, u32) -> u32 + Sync)) -> Result<Vec<ExchangePhase>, CompileError> {
+    pub fn tables_at(&self, target: &Target, lowered: &Lowered, schedules: &[Schedule], address: impl Fn(u32, u32) -> u32 + Sync) -> Result<Vec<ExchangePhase>, CompileError> {
         if self.phases.len() != lowered.phases.len() || schedules.len() != lowered.phases.len() {
             return Err(CompileError(format!("relative tables of {} phases and {} schedules for {} exchange phases", self.phases.len(), schedules.len(), lowered.phases.len())));
         }
-        let tables: Vec<Result<ExchangePhase, CompileError>> = (0..self.phases.len()).into_par_iter().map(|i| self.phase_at(target, lowered, schedules, i, address)).collect();
+        let tables: Vec<Result<ExchangePhase, CompileError>> = (0..self.phases.len()).into_par_iter().map(|i| self.phase_at(target, lowered, schedules, i, &address)).collect();
         tables.into_iter().collect()
     }
 
     /// Phase `i`'s tables of `tables_at` (the caller checked the lengths).
-    pub fn phase_at(&self, target: &Target, lowered: &Lowered, schedules: &[Schedule], i: usize, address: &(dyn Fn(u32, u32) -> u32 + Sync)) -> Result<ExchangePhase, CompileError> {
+    pub fn phase_at(&self, target: &Target, lowered: &Lowered, schedules: &[Schedule], i: usize, address: &(impl Fn(u32, u32) -> u32 + Sync)) -> Result<ExchangePhase, CompileError> {
         match &*self.phases[i] {
             Some(relative) => {
                 let phase = &lowered.phases[i];
