@@ -175,6 +175,11 @@ pub struct Database {
     /// finalist's there instead of encoding its tables again. Holds the latest selection's
     /// only; not stored on disk.
     pub(crate) sizing_memo: Arc<std::sync::Mutex<std::collections::HashMap<Digest, Arc<Vec<crate::emit::SupportMemory>>>>>,
+    /// The baseline placement of every finalist `select_finalist` placed, by the key of what
+    /// placement reads (`pipeline::baseline_key`): the stage `place_storage` finds the chosen
+    /// finalist's there instead of placing it again. Holds the latest selection's only; not
+    /// stored on disk.
+    pub(crate) baseline_memo: Arc<std::sync::Mutex<std::collections::HashMap<Digest, Arc<crate::storage::Placement>>>>,
     /// The tables the exchange-placement search validated for the placement it accepted, by
     /// the key of what they are made of (`pipeline::validated_key`): `lower_exchanges` packs
     /// them instead of validating the same tables again. Taken by the next `lower_exchanges`.
@@ -216,6 +221,7 @@ impl Database {
             tables_memo: Arc::default(),
             placement_memo: Arc::default(),
             sizing_memo: Arc::default(),
+            baseline_memo: Arc::default(),
             validation_memo: Arc::default(),
             validated_memo: Arc::default(),
             selection_memo: Arc::default(),

@@ -120,6 +120,16 @@ pub struct Relocation {
 /// digest). Phases are grouped by their schedule's digest and what `write_tables` reads of
 /// their transfers (source tile, words, destination tiles, in order).
 pub fn relocation(target: &Target, lowered: &Lowered, schedules: &[Schedule], digests: &[Digest]) -> Result<Relocation, CompileError> {
+    grouped_relocation(target, lowered, schedules, digests, false)
+}
+
+/// `relocation` for tables written under one set of addresses only: a phase alone in its
+/// group is written whole (its relative tables would be used once, for no gain).
+pub fn shared_relocation(target: &Target, lowered: &Lowered, schedules: &[Schedule], digests: &[Digest]) -> Result<Relocation, CompileError> {
+    grouped_relocation(target, lowered, schedules, digests, true)
+}
+
+fn grouped_relocation(target: &Target, lowered: &Lowered, schedules: &[Schedule], digests: &[Digest], shared_only: bool) -> Result<Relocation, CompileError> {
     let n = lowered.phases.len();
     if schedules.len() != n || digests.len() != n {
         return Err(CompileError(format!("{} schedules and {} digests for {} exchange phases", schedules.len(), digests.len(), n)));
@@ -154,7 +164,15 @@ pub fn relocation(target: &Target, lowered: &Lowered, schedules: &[Schedule], di
             })
         })
         .collect();
-    let relative: Vec<Arc<Option<RelativeTables>>> = representatives.par_iter().map(|&i| Arc::new(exchange::relative_tables(target, &phase_request(lowered, i, &|_, _| 0), &schedules[i]))).collect();
+    let mut members = vec![0usize; representatives.len()];
+    for &g in &groups {
+        members[g] += 1;
+    }
+    let relative: Vec<Arc<Option<RelativeTables>>> = representatives
+        .par_iter()
+        .zip(members.par_iter())
+        .map(|(&i, &m)| Arc::new(if shared_only && m < 2 { None } else { exchange::relative_tables(target, &phase_request(lowered, i, &|_, _| 0), &schedules[i]) }))
+        .collect();
     debug!(phases = n, distinct = representatives.len(), "relative exchange tables per distinct pattern and schedule");
     Ok(Relocation { phases: groups.iter().map(|&g| relative[g].clone()).collect() })
 }
@@ -181,37 +199,49 @@ impl Relocation {
     /// program and schedules this relocation was made for).
     pub fn tables(&self, target: &Target, lowered: &Lowered, schedules: &[Schedule], placement: &Placement) -> Result<Vec<ExchangePhase>, CompileError> {
         let addresses = &placement.addresses;
-        self.tables_at(target, lowered, schedules, &|buffer, offset| addresses[buffer as usize] + offset)
+        self.tables_at(target, lowered, schedules, |buffer, offset| addresses[buffer as usize] + offset)
     }
 
     /// The tables with addresses from `address(buffer, offset)`, as the unchecked `relocate`
     /// of each phase's request with those addresses writes them.
-    pub fn tables_at(&self, target: &Target, lowered: &Lowered, schedules: &[Schedule], address: &(dyn Fn(u32, u32) -> u32 + Sync)) -> Result<Vec<ExchangePhase>, CompileError> {
+    pub fn tables_at(&self, target: &Target, lowered: &Lowered, schedules: &[Schedule], address: impl Fn(u32, u32) -> u32 + Sync) -> Result<Vec<ExchangePhase>, CompileError> {
         if self.phases.len() != lowered.phases.len() || schedules.len() != lowered.phases.len() {
             return Err(CompileError(format!("relative tables of {} phases and {} schedules for {} exchange phases", self.phases.len(), schedules.len(), lowered.phases.len())));
         }
-        let tables: Vec<Result<ExchangePhase, CompileError>> = (0..self.phases.len())
-            .into_par_iter()
-            .map(|i| match &*self.phases[i] {
-                Some(relative) => Ok({
-                    let phase = &lowered.phases[i];
-                    relative.apply(
-                        i as u32,
-                        schedules[i].endpoint_lower_bound,
-                        |t| {
-                            let s = phase[t as usize].source;
-                            address(s.0, s.1)
-                        },
-                        |t, d| {
-                            let d = phase[t as usize].destinations[d as usize];
-                            address(d.0, d.1)
-                        },
-                    )
-                }),
-                None => exchange::relocate(target, &phase_request(lowered, i, address), &schedules[i], false, None).map_err(CompileError::from),
-            })
-            .collect();
+        let tables: Vec<Result<ExchangePhase, CompileError>> = (0..self.phases.len()).into_par_iter().map(|i| self.phase_at(target, lowered, schedules, i, &address)).collect();
         tables.into_iter().collect()
+    }
+
+    /// Phase `i`'s tables of `tables_at` (the caller checked the lengths).
+    pub fn phase_at(&self, target: &Target, lowered: &Lowered, schedules: &[Schedule], i: usize, address: &(impl Fn(u32, u32) -> u32 + Sync)) -> Result<ExchangePhase, CompileError> {
+        match &*self.phases[i] {
+            Some(relative) => {
+                let phase = &lowered.phases[i];
+                Ok(relative.apply(
+                    i as u32,
+                    schedules[i].endpoint_lower_bound,
+                    |t| {
+                        let s = phase[t as usize].source;
+                        address(s.0, s.1)
+                    },
+                    |t, d| {
+                        let d = phase[t as usize].destinations[d as usize];
+                        address(d.0, d.1)
+                    },
+                ))
+            }
+            None => exchange::relocate(target, &phase_request(lowered, i, address), &schedules[i], false, None).map_err(CompileError::from),
+        }
+    }
+
+    /// The number of phases.
+    pub fn len(&self) -> usize {
+        self.phases.len()
+    }
+
+    /// Whether there are no phases.
+    pub fn is_empty(&self) -> bool {
+        self.phases.is_empty()
     }
 }
 

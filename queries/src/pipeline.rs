@@ -203,6 +203,17 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
                 sized.lock().expect("sizing memo lock").insert(sizing_key(x.digest, program, digests, budget), Arc::new(support.clone()));
             }
         };
+        // A finalist's baseline placement, by what placement reads: the memory view (the
+        // selection view's memory section, digested as the memory view is), the program and
+        // the code bytes, remembered for the stage place_storage (the last round's finalists
+        // only).
+        let baselines = &db.baseline_memo;
+        let memory = t.value.memory_view().view_digest("memory");
+        let keep_placement = |program: Digest, code: &[u32], placement: &Placement| {
+            if let Ok(code) = digest_of(&code.to_vec()) {
+                baselines.lock().expect("baseline memo lock").insert(baseline_key(memory, program, code), Arc::new(placement.clone()));
+            }
+        };
         // Each costed finalist's program digest, by finalist (this round's): the chosen one's
         // goes with it to `lowered`, which does not serialise the program again.
         let programs: std::sync::Mutex<HashMap<usize, Digest>> = std::sync::Mutex::new(HashMap::new());
@@ -219,8 +230,9 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
             let candidates: &[Lowered] = replanned.as_deref().unwrap_or(&f.value);
             memo.lock().expect("placement memo lock").clear();
             sized.lock().expect("sizing memo lock").clear();
+            baselines.lock().expect("baseline memo lock").clear();
             programs.lock().expect("program digests lock").clear();
-            let failure = match select_finalist(&t.value, candidates, prepare, schedule, digest, size, keep_sizing, optimize) {
+            let failure = match select_finalist(&t.value, candidates, prepare, schedule, digest, size, keep_sizing, &keep_placement, optimize) {
                 Ok(mut s) => {
                     s.steered = steered.iter().map(|c| format!("{}: {}", c.operation, c.describe())).collect();
                     if steered.is_empty() {
@@ -461,7 +473,22 @@ pub fn placement(db: &dyn Db, sources: Sources) -> StageResult<Placement> {
     let l = lowered(db, sources)?;
     let c = code_sizes(db, sources)?;
     let key = db.ipuq().key("place_storage", PLACE_VERSION, &[t.digest, l.digest, c.digest]);
-    db.ipuq().cached("place_storage", PLACE_VERSION, key, || place_storage(&t.value, &l.value, &c.value).map_err(CompileError::from))
+    let db = db.ipuq();
+    db.cached("place_storage", PLACE_VERSION, key, || {
+        // select_finalist placed the chosen finalist (same memory view, program and code
+        // bytes: same key) unless the selection came from the cache.
+        let found = if db.verifying() { None } else { db.baseline_memo.lock().expect("baseline memo lock").get(&baseline_key(t.digest, l.digest, c.digest)).cloned() };
+        match found {
+            Some(placement) => Ok((*placement).clone()),
+            None => place_storage(&t.value, &l.value, &c.value).map_err(CompileError::from),
+        }
+    })
+}
+
+/// Key of a program's baseline placement (`place_storage`): the memory view, the program and
+/// the code bytes per tile (all placement reads).
+fn baseline_key(memory: Digest, lowered: Digest, code: Digest) -> Digest {
+    KeyHasher::new("ipuq baseline placement v1").add(&memory).add(&lowered).add(&code).finish()
 }
 
 /// `optimize_exchange_placement`: keyed by the lowering view of the target (it reads memory
@@ -728,6 +755,46 @@ mod tests {
         }
         drop(memo);
         assert_eq!(*code_sizes(&db, s).unwrap().value, totals);
+    }
+
+    #[test]
+    fn place_storage_takes_select_finalists_placement_only_for_the_same_inputs() {
+        // The chosen finalist's baseline placement is memoized under the key place_storage
+        // looks up (the selection view's memory section digested as the memory view is), and
+        // is what placing the program again gives.
+        let inputs = |db: &Database, s: Sources| {
+            let (m, l, c) = (memory_target(db, s).unwrap(), lowered(db, s).unwrap(), code_sizes(db, s).unwrap());
+            let key = baseline_key(m.digest, l.digest, c.digest);
+            (m, l, c, key)
+        };
+        let db = Database::default();
+        let s = sources(&db, WORKLOAD.into(), "mlp.toml".into(), fixtures::SMALL16.into(), "small16".into());
+        let (m, l, c, key) = inputs(&db, s);
+        let fresh = place_storage(&m.value, &l.value, &c.value).unwrap();
+        let memoized = db.baseline_memo.lock().unwrap().get(&key).cloned().expect("the chosen finalist's placement is memoized");
+        assert_eq!(*memoized, fresh);
+
+        // The stage takes the memoized placement: an entry altered under that key is what it returns.
+        let mut altered = fresh.clone();
+        altered.addresses[0] += 16;
+        db.baseline_memo.lock().unwrap().insert(key, Arc::new(altered.clone()));
+        assert_eq!(*placement(&db, s).unwrap().value, altered);
+
+        // Any other input misses: altered entries under keys differing in the memory view, the
+        // program or the code bytes are not taken.
+        let db = Database::default();
+        let s = sources(&db, WORKLOAD.into(), "mlp.toml".into(), fixtures::SMALL16.into(), "small16".into());
+        let (m, l, c, key) = inputs(&db, s);
+        let other = Digest::of_bytes(b"another input");
+        let keys = [baseline_key(other, l.digest, c.digest), baseline_key(m.digest, other, c.digest), baseline_key(m.digest, l.digest, other)];
+        let mut memo = db.baseline_memo.lock().unwrap();
+        assert!(memo.remove(&key).is_some());
+        for k in keys {
+            assert_ne!(k, key);
+            memo.insert(k, Arc::new(altered.clone()));
+        }
+        drop(memo);
+        assert_eq!(*placement(&db, s).unwrap().value, fresh);
     }
 
     #[test]

@@ -17,7 +17,7 @@ use rayon::prelude::*;
 
 use crate::emit::{support_memory, tile_tables, SupportMemory};
 use crate::exchange::{self, Schedule};
-use crate::exchange_placement::relocation;
+use crate::exchange_placement::shared_relocation;
 use crate::hash::Digest;
 use crate::lower::Lowered;
 use crate::pipeline::requests;
@@ -71,15 +71,22 @@ pub fn phase_buffers(lowered: &Lowered, phase: usize, starts: &[u32]) -> PhaseBu
 }
 
 /// Every phase's compact tables over sizing addresses. With the schedules' digests
-/// (`digests`), the tables are written from relative tables made once per distinct pattern
-/// and schedule (`exchange_placement::Relocation`: the same tables, the same phase of
-/// repeated layers sorted and joined once).
+/// (`digests`), phases that share a pattern and schedule (the same phase of repeated layers)
+/// are written from relative tables made once for them (`exchange_placement::shared_relocation`:
+/// the same tables, sorted and joined once); each phase is packed as soon as it is written.
 pub fn sizing_tables(target: &Target, lowered: &Lowered, schedules: &[Schedule], digests: Option<&[Digest]>) -> Result<Vec<PackedPhase>, String> {
     let bases = sizing_bases(lowered);
     if let Some(digests) = digests {
-        let relocation = relocation(target, lowered, schedules, digests).map_err(|e| e.0)?;
-        let tables = relocation.tables_at(target, lowered, schedules, &|buffer, offset| bases[buffer as usize].wrapping_add(offset)).map_err(|e| e.0)?;
-        return tables.par_iter().enumerate().map(|(i, p)| pack_phase(p, &phase_buffers(lowered, i, &bases))).collect();
+        // Each phase written and packed in one go (its tables are dropped once packed).
+        let relocation = shared_relocation(target, lowered, schedules, digests).map_err(|e| e.0)?;
+        let address = |buffer: u32, offset: u32| bases[buffer as usize].wrapping_add(offset);
+        return (0..relocation.len())
+            .into_par_iter()
+            .map(|i| {
+                let p = relocation.phase_at(target, lowered, schedules, i, &address).map_err(|e| e.0)?;
+                pack_phase(&p, &phase_buffers(lowered, i, &bases))
+            })
+            .collect();
     }
     let requests = requests(lowered, |buffer, offset| bases[buffer as usize].wrapping_add(offset));
     requests

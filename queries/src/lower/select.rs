@@ -95,9 +95,11 @@ pub const EXACT_COST_MARGIN_PERCENT: u64 = 5;
 /// `size` is `sizing::support_checked` of a finalist over `target` (the pipeline takes the
 /// table bytes `lower_mid`'s screen found when it has them), and `keep_sizing` is told of it
 /// with the program's digest (the pipeline memoizes the support memory, so that the stage
-/// `size_tile_code` finds the chosen finalist's sizing done). `optimize` and `keep_sizing`
-/// get the program's digest, from `digest` (computed once per finalist costed, given the
-/// finalist's index, beside its sizing).
+/// `size_tile_code` finds the chosen finalist's sizing done), and `keep_placement` of each
+/// finalist's baseline placement with its program's digest and code bytes (the pipeline
+/// memoizes it, so that the stage `place_storage` finds the chosen finalist's placement done).
+/// `optimize`, `keep_sizing` and `keep_placement` get the program's digest, from `digest`
+/// (computed once per finalist costed, given the finalist's index, beside its sizing).
 #[allow(clippy::too_many_arguments)] // one closure per pipeline memo it feeds
 pub fn select_finalist(
     target: &Target,
@@ -107,6 +109,7 @@ pub fn select_finalist(
     digest: impl Fn(usize, &Lowered) -> Result<Digest, String> + Sync,
     size: impl Fn(&Lowered, &[Schedule], &[Digest]) -> Result<Sizing, String> + Sync,
     keep_sizing: impl Fn(Digest, &[Digest], &Sizing) + Sync,
+    keep_placement: &(impl Fn(Digest, &[u32], &Placement) + Sync),
     optimize: impl Fn(&Lowered, Digest, &[Schedule], &[Digest], &[u32], &Placement, Baseline) -> Result<(Placement, u64), String> + Sync,
 ) -> Result<Selection, NoFinalist> {
     let prepared: Vec<Lowered> = finalists.par_iter().map(|l| prepare(l.clone())).collect();
@@ -158,7 +161,7 @@ pub fn select_finalist(
             );
             let (program, sizing) = (program?, sizing?);
             keep_sizing(program, &digests[f], &sizing);
-            cost_placed(target, f as u32, (l, program), &per_finalist[f], &digests[f], sizing, &optimize)
+            cost_placed(target, f as u32, (l, program), &per_finalist[f], &digests[f], sizing, keep_placement, &optimize)
         })
         .collect();
     let mut ok: Vec<Costed> = Vec::new();
@@ -207,6 +210,7 @@ fn cost_placed(
     schedules: &[Schedule],
     digests: &[Digest],
     sizing: Sizing,
+    keep_placement: &(impl Fn(Digest, &[u32], &Placement) + Sync),
     optimize: &(impl Fn(&Lowered, Digest, &[Schedule], &[Digest], &[u32], &Placement, Baseline) -> Result<(Placement, u64), String> + Sync),
 ) -> Result<Costed, Failure> {
     let blame = |phase: u32| l.phase_plans.get(phase as usize).copied();
@@ -216,6 +220,7 @@ fn cost_placed(
     };
     let code: Vec<u32> = support.iter().map(|s| s.total()).collect();
     let placement = place_storage(target, l, &code).map_err(|e| e.to_string())?;
+    keep_placement(program, &code, &placement);
     // Phases relocate independently, from relative tables made once per distinct pattern and
     // schedule (the same phase of repeated layers shares them) and reused by the candidates of
     // the exchange-placement search. The tables are checked (schedule fit and validation)
