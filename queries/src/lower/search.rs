@@ -311,30 +311,7 @@ fn beam(graph: &Graph, target: &Target, width: usize) -> (Vec<(Arc<Oriented>, Op
         };
         let home = reuse && state.partial.home_weights();
         let start = if reuse { state.partial.clone() } else { Partial::new(false) };
-        // A child that carries a home-weights prefix needs this program's home lowering unless
-        // replicated weights outgrow tile memory and the mixed program fits: it runs beside
-        // the replicated extension (a core the step leaves idle takes it), and serves both
-        // the switch to home-tile weights and the carry below.
-        let (extended, mut speculative) = if carry && !home {
-            let (extended, speculative) = rayon::join(
-                || extend(start, &oriented, target, &[], end),
-                || {
-                    let mut kept = Vec::new();
-                    (lower_home(&mut kept), kept)
-                },
-            );
-            (extended, Some(speculative))
-        } else {
-            (extend(start, &oriented, target, &[], end), None)
-        };
-        let mut home_lowered = |kept: &mut Vec<Arc<HomePrefix>>| match speculative.take() {
-            Some((lowered, more)) => {
-                kept.extend(more);
-                lowered
-            }
-            None => lower_home(kept),
-        };
-        let mut partial = match extended {
+        let mut partial = match extend(start, &oriented, target, &[], end) {
             Ok(p) => Some(p),
             // A replicated weight that no plan fits: this program keeps (some) weights on
             // home tiles.
@@ -365,7 +342,7 @@ fn beam(graph: &Graph, target: &Target, width: usize) -> (Vec<(Arc<Oriented>, Op
                 scored = s;
                 fits = true;
             } else {
-                match home_lowered(&mut kept) {
+                match lower_home(&mut kept) {
                     Ok(p) => {
                         scored = score(&p, target.chip.tiles);
                         fits = within_memory(&scored, target);
@@ -382,14 +359,9 @@ fn beam(graph: &Graph, target: &Target, width: usize) -> (Vec<(Arc<Oriented>, Op
             (true, ..) => None,
             // Home-tile weights were tried and did not lower: none to carry.
             (false, _, true) => None,
-            (false, true, false) => home_lowered(&mut kept).ok().map(|partial| Arc::new(HomePrefix { oriented: oriented.clone(), partial })),
+            (false, true, false) => lower_home(&mut kept).ok().map(|partial| Arc::new(HomePrefix { oriented: oriented.clone(), partial })),
             (false, false, false) => state.home.clone(),
         };
-        // A home lowering run beside the extension and not needed: its prefixes still serve
-        // the pool.
-        if let Some((_, more)) = speculative {
-            kept.extend(more);
-        }
         Ok((Some((State { swapped, oriented, partial, home }, scored, fits)), kept))
     };
     let root = match orient_until(graph, &BTreeSet::new(), products.first().copied().unwrap_or(usize::MAX)) {
