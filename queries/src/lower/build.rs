@@ -583,6 +583,8 @@ impl<'a> Builder<'a> {
         // in the same order, so the last one or the one after it holds the next piece.
         let mut source: usize = 0;
         let mut sources: Vec<SourceCell> = Vec::new();
+        // The base index of the piece at hand (`ViewChain::map_run_into`, one table reused).
+        let mut mapped: Vec<u32> = Vec::with_capacity(rank);
         for row in 0..row_count {
             let mut rest = row;
             for a in (0..rank - 1).rev() {
@@ -594,12 +596,11 @@ impl<'a> Builder<'a> {
                 index[rank - 1] = c;
                 let limit = if held.panel > 0 { (held.panel - (c - c0) % held.panel).min(c1 - c) } else { c1 - c };
                 // An identity view maps each index to itself (nothing to allocate or copy).
-                let mapped;
                 let (base_index, run): (&[u32], u32) = if chain.is_identity() {
                     (&index, limit.min(chain.view_shape[rank - 1] - index[rank - 1]))
                 } else {
-                    mapped = chain.map_run(&index, limit);
-                    (&mapped.0, mapped.1)
+                    let run = chain.map_run_into(&index, limit, &mut mapped);
+                    (&mapped, run)
                 };
                 let dst_offset = held.loc(&index).offset * dtype.bytes();
                 match (is_stored, &base.producer) {
@@ -779,6 +780,7 @@ impl<'a> Builder<'a> {
         let rows: u64 = shape[..rank - 1].iter().map(|&d| d as u64).product();
         let mut segments: Vec<LSegment> = Vec::new();
         let mut index = vec![0u32; rank];
+        let mut base_index: Vec<u32> = Vec::with_capacity(rank);
         for row in 0..rows {
             let mut rest = row;
             for a in (0..rank - 1).rev() {
@@ -788,7 +790,7 @@ impl<'a> Builder<'a> {
             let mut c = 0;
             while c < cols {
                 index[rank - 1] = c;
-                let (base_index, run) = chain.map_run(&index, cols - c);
+                let run = chain.map_run_into(&index, cols - c, &mut base_index);
                 let (cell, cell_block) = stored.grid.locate(&base_index);
                 let last = cell_block.len() - 1;
                 let piece = run.min(cell_block[last].1 - base_index[last]);

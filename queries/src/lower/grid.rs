@@ -145,6 +145,64 @@ impl ViewChain {
         matches!(&self.steps[..], [ViewStep::Transpose { perm }] if perm[..] == [1, 0])
     }
 
+    /// [`ViewChain::map_run`] into `out` (cleared first), returning the run: the same base index and
+    /// run without allocating, on fixed arrays, where every shape along the chain has at most
+    /// `INLINE_RANK` axes (the IR allows four); else through `map_run`. The lowering calls it
+    /// once per row piece it gathers.
+    pub fn map_run_into(&self, index: &[u32], max_run: u32, out: &mut Vec<u32>) -> u32 {
+        const INLINE_RANK: usize = 8;
+        let inline = index.len() <= INLINE_RANK
+            && self.view_shape.len() <= INLINE_RANK
+            && self.steps.iter().all(|s| match s {
+                ViewStep::Transpose { perm } => perm.len() <= INLINE_RANK,
+                ViewStep::Reshape { from, to } => from.len() <= INLINE_RANK && to.len() <= INLINE_RANK,
+            });
+        if !inline {
+            let (mapped, run) = self.map_run(index, max_run);
+            out.clear();
+            out.extend_from_slice(&mapped);
+            return run;
+        }
+        // The index and the shape it lies in, as `map_run` holds them (each with its length).
+        let (mut idx, mut ni) = ([0u32; INLINE_RANK], index.len());
+        let (mut shape, mut ns) = ([0u32; INLINE_RANK], self.view_shape.len());
+        idx[..ni].copy_from_slice(index);
+        shape[..ns].copy_from_slice(&self.view_shape);
+        let mut run = max_run.min(shape[ns - 1] - idx[ni - 1]);
+        for step in &self.steps {
+            match step {
+                ViewStep::Transpose { perm } => {
+                    if perm[perm.len() - 1] as usize != perm.len() - 1 {
+                        run = 1;
+                    }
+                    let (mut src, mut src_shape) = ([0u32; INLINE_RANK], [0u32; INLINE_RANK]);
+                    for (a, &p) in perm.iter().enumerate() {
+                        src[p as usize] = idx[a];
+                        src_shape[p as usize] = shape[a];
+                    }
+                    (idx, shape, ns) = (src, src_shape, ni);
+                }
+                ViewStep::Reshape { from, to } => {
+                    let mut flat = 0u64;
+                    for (a, &d) in to.iter().enumerate() {
+                        flat = flat * d as u64 + idx[a] as u64;
+                    }
+                    for a in (0..from.len()).rev() {
+                        idx[a] = (flat % from[a] as u64) as u32;
+                        flat /= from[a] as u64;
+                    }
+                    ni = from.len();
+                    ns = from.len();
+                    shape[..ns].copy_from_slice(from);
+                }
+            }
+            run = run.min(shape[ns - 1] - idx[ni - 1]);
+        }
+        out.clear();
+        out.extend_from_slice(&idx[..ni]);
+        run
+    }
+
     /// Map a view index to the base index, and how many consecutive elements along the view's
     /// last axis stay consecutive along the base's last axis from there.
     pub fn map_run(&self, index: &[u32], max_run: u32) -> (Vec<u32>, u32) {
@@ -211,7 +269,40 @@ pub fn split(extent: u32, parts: u32, align: u32) -> Vec<u32> {
 
 #[cfg(test)]
 mod tests {
-    use super::split;
+    use super::{split, ViewChain, ViewStep};
+    use crate::ir::ValueId;
+
+    #[test]
+    fn map_run_into_maps_as_map_run() {
+        // Chains from the viewed value back to the base: none, a matrix transpose, a reshape
+        // (the heads split), a reshape then a transpose of the inner axes, and a rank-3
+        // transpose under a reshape that merges axes.
+        let chains: Vec<(Vec<ViewStep>, Vec<u32>, Vec<u32>)> = vec![
+            (vec![], vec![3, 5], vec![3, 5]),
+            (vec![ViewStep::Transpose { perm: vec![1, 0] }], vec![5, 3], vec![3, 5]),
+            (vec![ViewStep::Reshape { from: vec![6, 4], to: vec![6, 2, 2] }], vec![6, 2, 2], vec![6, 4]),
+            (vec![ViewStep::Transpose { perm: vec![0, 2, 1] }, ViewStep::Reshape { from: vec![6, 4], to: vec![6, 2, 2] }], vec![6, 2, 2], vec![6, 4]),
+            (vec![ViewStep::Reshape { from: vec![2, 3, 4], to: vec![6, 4] }, ViewStep::Transpose { perm: vec![1, 0, 2] }], vec![6, 4], vec![3, 2, 4]),
+        ];
+        let mut out = vec![99];
+        for (steps, view_shape, base_shape) in chains {
+            let chain = ViewChain { base: ValueId(0), steps, view_shape: view_shape.clone(), base_shape };
+            let count: u32 = view_shape.iter().product();
+            for flat in 0..count {
+                let mut index = vec![0u32; view_shape.len()];
+                let mut rest = flat;
+                for a in (0..view_shape.len()).rev() {
+                    index[a] = rest % view_shape[a];
+                    rest /= view_shape[a];
+                }
+                for max_run in 1..=view_shape[view_shape.len() - 1] + 1 {
+                    let (mapped, run) = chain.map_run(&index, max_run);
+                    assert_eq!(chain.map_run_into(&index, max_run, &mut out), run, "{chain:?} at {index:?}");
+                    assert_eq!(out, mapped, "{chain:?} at {index:?}");
+                }
+            }
+        }
+    }
 
     fn extents(c: &[u32]) -> Vec<u32> {
         c.windows(2).map(|w| w[1] - w[0]).collect()
