@@ -16,6 +16,10 @@
 //! lower_exchanges the exchange view (grid, delays, pairing, port widths), place_storage the
 //! memory view, build_tile_images the whole target (it embeds it). Every key also holds the
 //! compiler fingerprint (`Database::key`).
+//!
+//! This file is long (about 830 lines) because it holds every stage's query with its key and the
+//! in-process memos that hand one stage's work to the next (sizing, placement, validation), and
+//! their tests; each stage's work itself lives in its own module.
 
 use std::collections::HashMap;
 use std::sync::Arc;
