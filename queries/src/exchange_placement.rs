@@ -21,11 +21,11 @@ use tracing::{debug, info, warn};
 use crate::db::CompileError;
 use crate::elements::{conflicts_and_bound, Conflicts};
 use crate::emit::estimate_cycles;
-use crate::exchange::{self, Destination, PhaseRequest, RelativeTables, Schedule};
+use crate::exchange::{self, RelativeTables, Schedule};
 use crate::hash::{Digest, KeyHasher};
 use crate::lower::Lowered;
 use crate::package::ExchangePhase;
-use crate::pipeline::requests;
+use crate::pipeline::{phase_request, requests};
 use crate::storage::{place_storage_with, ExchangeRules, Placement};
 use crate::target::Target;
 
@@ -177,22 +177,6 @@ fn grouped_relocation(target: &Target, lowered: &Lowered, schedules: &[Schedule]
     Ok(Relocation { phases: groups.iter().map(|&g| relative[g].clone()).collect() })
 }
 
-/// Phase `index`'s exchange request, with addresses from `address(buffer, offset)`
-/// (`pipeline::requests` of one phase).
-fn phase_request(lowered: &Lowered, index: usize, address: &(dyn Fn(u32, u32) -> u32 + Sync)) -> PhaseRequest {
-    PhaseRequest {
-        index: index as u32,
-        transfers: lowered.phases[index]
-            .iter()
-            .map(|t| exchange::Transfer {
-                source: lowered.buffers[t.source.0 as usize].tile,
-                source_address: address(t.source.0, t.source.1),
-                words: t.words,
-                destinations: t.destinations.iter().map(|d| Destination { tile: lowered.buffers[d.0 as usize].tile, address: address(d.0, d.1) }).collect(),
-            })
-            .collect(),
-    }
-}
 
 impl Relocation {
     /// `placed_tables(target, lowered, schedules, placement, false)`, the same tables (of the

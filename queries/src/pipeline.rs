@@ -318,23 +318,23 @@ fn chosen_key(finalists: Digest, chosen: u32, selection_view: Digest) -> Digest 
 
 /// The exchange requests of every phase, with addresses from `address(buffer, offset)`.
 pub fn requests(lowered: &Lowered, address: impl Fn(u32, u32) -> u32) -> Vec<PhaseRequest> {
-    lowered
-        .phases
-        .iter()
-        .enumerate()
-        .map(|(index, transfers)| PhaseRequest {
-            index: index as u32,
-            transfers: transfers
-                .iter()
-                .map(|t| exchange::Transfer {
-                    source: lowered.buffers[t.source.0 as usize].tile,
-                    source_address: address(t.source.0, t.source.1),
-                    words: t.words,
-                    destinations: t.destinations.iter().map(|d| Destination { tile: lowered.buffers[d.0 as usize].tile, address: address(d.0, d.1) }).collect(),
-                })
-                .collect(),
-        })
-        .collect()
+    (0..lowered.phases.len()).map(|index| phase_request(lowered, index, &address)).collect()
+}
+
+/// Phase `index`'s exchange request, with addresses from `address(buffer, offset)`.
+pub fn phase_request<F: Fn(u32, u32) -> u32 + ?Sized>(lowered: &Lowered, index: usize, address: &F) -> PhaseRequest {
+    PhaseRequest {
+        index: index as u32,
+        transfers: lowered.phases[index]
+            .iter()
+            .map(|t| exchange::Transfer {
+                source: lowered.buffers[t.source.0 as usize].tile,
+                source_address: address(t.source.0, t.source.1),
+                words: t.words,
+                destinations: t.destinations.iter().map(|d| Destination { tile: lowered.buffers[d.0 as usize].tile, address: address(d.0, d.1) }).collect(),
+            })
+            .collect(),
+    }
 }
 
 /// A non-overlapping provisional base address for every buffer (per tile, 16-byte aligned).
