@@ -17,7 +17,7 @@ use crate::target::Target;
 
 use super::problem::{alignment_class, prepare, Problem};
 use super::validate::validate;
-use super::types::{ExchangeError, PhaseRequest, Schedule, ScheduleKind};
+use super::types::{Destination, ExchangeError, PhaseRequest, Schedule, ScheduleKind, Transfer};
 
 pub const SEND_ENTRY_WORDS: u32 = 3;
 pub const RECEIVE_ENTRY_WORDS: u32 = 4;
@@ -46,48 +46,62 @@ fn log_finished(tables: &ExchangePhase) {
 }
 
 fn write_tables(target: &Target, phase: &PhaseRequest, schedule: &Schedule) -> ExchangePhase {
-    let tiles = target.chip.tiles as usize;
     // Entries carry their transfer: only entries of one transfer (one source buffer, one
     // destination buffer each) are joined, so an entry never spans two allocations that
     // placement happened to put side by side.
-    let mut sends: Vec<Vec<(u32, SendEntry)>> = vec![Vec::new(); tiles];
-    let mut receives: Vec<Vec<(u32, ReceiveEntry)>> = vec![Vec::new(); tiles];
-    for piece in &schedule.pieces {
-        // A piece naming a transfer that does not exist is skipped; the validator then
-        // reports the words it fails to deliver.
-        let Some(t) = phase.transfers.get(piece.transfer as usize) else { continue };
-        if t.source as usize >= tiles {
-            continue;
-        }
-        let offset = piece.offset_words.wrapping_mul(4);
-        sends[t.source as usize].push((piece.transfer, SendEntry { cycle: piece.send_cycle, address: t.source_address.wrapping_add(offset), words: piece.words, paired: piece.paired }));
-        for d in t.destinations.iter().filter(|d| (d.tile as usize) < tiles) {
-            receives[d.tile as usize].push((piece.transfer, ReceiveEntry {
-                cycle: piece.send_cycle + target.delay(t.source, d.tile),
-                source: t.source,
-                address: d.address.wrapping_add(offset),
-                words: piece.words,
-                paired: piece.paired,
-            }));
-        }
-    }
+    let (mut sends, mut receives) = entries(target, phase, schedule, |transfer, _| transfer, |t| t.source_address, |d| d.address);
     let mut out = Vec::new();
     let mut horizon = 0;
-    for tile in 0..tiles {
+    for tile in 0..target.chip.tiles as usize {
         let (mut s, mut r) = (std::mem::take(&mut sends[tile]), std::mem::take(&mut receives[tile]));
         if s.is_empty() && r.is_empty() {
             continue;
         }
         s.sort_unstable_by_key(|(t, e)| (e.cycle, e.address, *t));
         r.sort_unstable_by_key(|(t, e)| (e.cycle, e.source, e.address, *t));
-        let s = join_sends(s);
-        let r = join_receives(r);
-        for e in &r {
-            horizon = horizon.max(e.cycle + if e.paired { e.words / 2 } else { e.words });
-        }
+        let s: Vec<SendEntry> = join_keyed(s).into_iter().map(|(_, e)| e).collect();
+        let r: Vec<ReceiveEntry> = join_keyed(r).into_iter().map(|(_, e)| e).collect();
+        horizon = r.iter().map(ReceiveEntry::end).fold(horizon, u32::max);
         out.push(TileExchange { tile: tile as u32, sends: s, receives: r });
     }
     ExchangePhase { index: phase.index, tiles: out, horizon, endpoint_lower_bound: schedule.endpoint_lower_bound }
+}
+
+/// Each tile's send and receive entries of a schedule, unsorted, each beside its transfer
+/// (receives: beside `key(transfer, destination index)`), with addresses from
+/// `source_address` and `destination_address` plus the piece's offset (wrapping). A piece
+/// naming a transfer that does not exist is skipped (the validator then reports the words it
+/// fails to deliver), as are tiles past the chip.
+#[allow(clippy::type_complexity)]
+fn entries<K>(
+    target: &Target,
+    phase: &PhaseRequest,
+    schedule: &Schedule,
+    key: impl Fn(u32, u32) -> K,
+    source_address: impl Fn(&Transfer) -> u32,
+    destination_address: impl Fn(&Destination) -> u32,
+) -> (Vec<Vec<(u32, SendEntry)>>, Vec<Vec<(K, ReceiveEntry)>>) {
+    let tiles = target.chip.tiles as usize;
+    let mut sends: Vec<Vec<(u32, SendEntry)>> = vec![Vec::new(); tiles];
+    let mut receives: Vec<Vec<(K, ReceiveEntry)>> = (0..tiles).map(|_| Vec::new()).collect();
+    for piece in &schedule.pieces {
+        let Some(t) = phase.transfers.get(piece.transfer as usize) else { continue };
+        if t.source as usize >= tiles {
+            continue;
+        }
+        let offset = piece.offset_words.wrapping_mul(4);
+        sends[t.source as usize].push((piece.transfer, SendEntry { cycle: piece.send_cycle, address: source_address(t).wrapping_add(offset), words: piece.words, paired: piece.paired }));
+        for (d, destination) in t.destinations.iter().enumerate().filter(|(_, d)| (d.tile as usize) < tiles) {
+            receives[destination.tile as usize].push((key(piece.transfer, d as u32), ReceiveEntry {
+                cycle: piece.send_cycle + target.delay(t.source, destination.tile),
+                source: t.source,
+                address: destination_address(destination).wrapping_add(offset),
+                words: piece.words,
+                paired: piece.paired,
+            }));
+        }
+    }
+    (sends, receives)
 }
 
 fn cycles(words: u32, paired: bool) -> u32 {
@@ -98,38 +112,51 @@ fn cycles(words: u32, paired: bool) -> u32 {
     }
 }
 
-fn join_sends(entries: Vec<(u32, SendEntry)>) -> Vec<SendEntry> {
-    let mut out: Vec<SendEntry> = Vec::with_capacity(entries.len());
-    let mut last_transfer = u32::MAX;
-    for (transfer, e) in entries {
-        let same = std::mem::replace(&mut last_transfer, transfer) == transfer;
-        if let Some(last) = out.last_mut().filter(|_| same) {
-            if last.paired == e.paired && last.cycle + cycles(last.words, last.paired) == e.cycle && last.address.wrapping_add(last.words * 4) == e.address {
-                last.words += e.words;
-                continue;
-            }
-        }
-        out.push(e);
-    }
-    out
+/// A table entry that the next entry of its transfer may continue (next cycle, next address,
+/// same width and, for receives, same source): then the two are written as one.
+trait Entry {
+    fn continued_by(&self, next: &Self) -> bool;
+    /// Takes `next`'s words (`next` continues this entry).
+    fn absorb(&mut self, next: &Self);
 }
 
-fn join_receives(entries: Vec<(u32, ReceiveEntry)>) -> Vec<ReceiveEntry> {
-    let mut out: Vec<ReceiveEntry> = Vec::with_capacity(entries.len());
-    let mut last_transfer = u32::MAX;
-    for (transfer, e) in entries {
-        let same = std::mem::replace(&mut last_transfer, transfer) == transfer;
-        if let Some(last) = out.last_mut().filter(|_| same) {
-            if last.paired == e.paired
-                && last.source == e.source
-                && last.cycle + cycles(last.words, last.paired) == e.cycle
-                && last.address.wrapping_add(last.words * 4) == e.address
-            {
-                last.words += e.words;
+impl Entry for SendEntry {
+    fn continued_by(&self, next: &Self) -> bool {
+        self.paired == next.paired && self.cycle + cycles(self.words, self.paired) == next.cycle && self.address.wrapping_add(self.words * 4) == next.address
+    }
+    fn absorb(&mut self, next: &Self) {
+        self.words += next.words;
+    }
+}
+
+impl Entry for ReceiveEntry {
+    fn continued_by(&self, next: &Self) -> bool {
+        self.paired == next.paired && self.source == next.source && self.cycle + cycles(self.words, self.paired) == next.cycle && self.address.wrapping_add(self.words * 4) == next.address
+    }
+    fn absorb(&mut self, next: &Self) {
+        self.words += next.words;
+    }
+}
+
+impl ReceiveEntry {
+    /// The cycle after the entry's last word lands.
+    fn end(&self) -> u32 {
+        self.cycle + cycles(self.words, self.paired)
+    }
+}
+
+/// Sorted entries with their keys (transfer, or transfer and destination), each joined into
+/// the previous one when both have one key and the previous is continued by it.
+fn join_keyed<K: PartialEq + Copy, E: Entry>(entries: Vec<(K, E)>) -> Vec<(K, E)> {
+    let mut out: Vec<(K, E)> = Vec::with_capacity(entries.len());
+    for (key, e) in entries {
+        if let Some(last) = out.last_mut().filter(|l| l.0 == key) {
+            if last.1.continued_by(&e) {
+                last.1.absorb(&e);
                 continue;
             }
         }
-        out.push(e);
+        out.push((key, e));
     }
     out
 }
@@ -242,25 +269,7 @@ pub fn relative_tables(target: &Target, phase: &PhaseRequest, schedule: &Schedul
             }
         }
     }
-    let mut sends: Vec<Vec<(u32, SendEntry)>> = vec![Vec::new(); tiles];
-    let mut receives: Vec<Vec<((u32, u32), ReceiveEntry)>> = vec![Vec::new(); tiles];
-    for piece in &schedule.pieces {
-        let Some(t) = phase.transfers.get(piece.transfer as usize) else { continue };
-        if t.source as usize >= tiles {
-            continue;
-        }
-        let offset = piece.offset_words.wrapping_mul(4);
-        sends[t.source as usize].push((piece.transfer, SendEntry { cycle: piece.send_cycle, address: offset, words: piece.words, paired: piece.paired }));
-        for (d, destination) in t.destinations.iter().enumerate().filter(|(_, d)| (d.tile as usize) < tiles) {
-            receives[destination.tile as usize].push(((piece.transfer, d as u32), ReceiveEntry {
-                cycle: piece.send_cycle + target.delay(t.source, destination.tile),
-                source: t.source,
-                address: offset,
-                words: piece.words,
-                paired: piece.paired,
-            }));
-        }
-    }
+    let (mut sends, mut receives) = entries(target, phase, schedule, |transfer, d| (transfer, d), |_| 0, |_| 0);
     let mut out = Vec::new();
     let mut horizon = 0;
     for tile in 0..tiles {
@@ -273,34 +282,11 @@ pub fn relative_tables(target: &Target, phase: &PhaseRequest, schedule: &Schedul
         if s.windows(2).any(|w| w[0].1.cycle == w[1].1.cycle) || r.windows(2).any(|w| (w[0].1.cycle, w[0].1.source) == (w[1].1.cycle, w[1].1.source)) {
             return None;
         }
-        let s = join_relative(s, |last, e| last.paired == e.paired && last.cycle + cycles(last.words, last.paired) == e.cycle && last.address.wrapping_add(last.words * 4) == e.address, |last, e| last.words += e.words);
-        let r = join_relative(
-            r,
-            |last, e| last.paired == e.paired && last.source == e.source && last.cycle + cycles(last.words, last.paired) == e.cycle && last.address.wrapping_add(last.words * 4) == e.address,
-            |last, e| last.words += e.words,
-        );
-        for (_, e) in &r {
-            horizon = horizon.max(e.cycle + if e.paired { e.words / 2 } else { e.words });
-        }
+        let (s, r) = (join_keyed(s), join_keyed(r));
+        horizon = r.iter().map(|(_, e)| e.end()).fold(horizon, u32::max);
         out.push(RelativeTile { tile: tile as u32, sends: s, receives: r });
     }
     Some(RelativeTables { tiles: out, horizon })
-}
-
-/// `join_sends` / `join_receives` over entries that keep their transfer: an entry joins the
-/// previous one when both are of one transfer (and destination) and `joins` says so.
-fn join_relative<K: PartialEq + Copy, E>(entries: Vec<(K, E)>, joins: impl Fn(&E, &E) -> bool, join: impl Fn(&mut E, &E)) -> Vec<(K, E)> {
-    let mut out: Vec<(K, E)> = Vec::with_capacity(entries.len());
-    for (key, e) in entries {
-        if let Some(last) = out.last_mut().filter(|l| l.0 == key) {
-            if joins(&last.1, &e) {
-                join(&mut last.1, &e);
-                continue;
-            }
-        }
-        out.push((key, e));
-    }
-    out
 }
 
 impl RelativeTables {
