@@ -145,42 +145,58 @@ impl ViewChain {
         matches!(&self.steps[..], [ViewStep::Transpose { perm }] if perm[..] == [1, 0])
     }
 
-    /// [`ViewChain::map_run`] into `out` (cleared first), returning the run: the same base index and
-    /// run without allocating, on fixed arrays, where every shape along the chain has at most
-    /// `INLINE_RANK` axes (the IR allows four); else through `map_run`. The lowering calls it
-    /// once per row piece it gathers.
+    /// Map a view index to the base index, and how many consecutive elements along the view's
+    /// last axis stay consecutive along the base's last axis from there.
+    pub fn map_run(&self, index: &[u32], max_run: u32) -> (Vec<u32>, u32) {
+        let mut out = Vec::new();
+        let run = self.map_run_into(index, max_run, &mut out);
+        (out, run)
+    }
+
+    /// [`ViewChain::map_run`] into `out` (cleared first), returning the run. The lowering calls
+    /// it once per row piece it gathers, so it works on fixed arrays where every shape along
+    /// the chain has at most `INLINE_RANK` axes (the IR allows four), on heap tables otherwise.
     pub fn map_run_into(&self, index: &[u32], max_run: u32, out: &mut Vec<u32>) -> u32 {
         const INLINE_RANK: usize = 8;
-        let inline = index.len() <= INLINE_RANK
-            && self.view_shape.len() <= INLINE_RANK
-            && self.steps.iter().all(|s| match s {
-                ViewStep::Transpose { perm } => perm.len() <= INLINE_RANK,
-                ViewStep::Reshape { from, to } => from.len() <= INLINE_RANK && to.len() <= INLINE_RANK,
-            });
-        if !inline {
-            let (mapped, run) = self.map_run(index, max_run);
-            out.clear();
-            out.extend_from_slice(&mapped);
-            return run;
+        let rank = self.steps.iter().fold(index.len().max(self.view_shape.len()), |r, s| match s {
+            ViewStep::Transpose { perm } => r.max(perm.len()),
+            ViewStep::Reshape { from, to } => r.max(from.len()).max(to.len()),
+        });
+        if rank <= INLINE_RANK {
+            let mut t = [[0u32; INLINE_RANK]; 4];
+            let [a, b, c, d] = &mut t;
+            self.map_on(index, max_run, out, [a, b, c, d])
+        } else {
+            let mut t = vec![vec![0u32; rank]; 4];
+            let [a, b, c, d] = &mut t[..] else { unreachable!("four tables") };
+            self.map_on(index, max_run, out, [a, b, c, d])
         }
-        // The index and the shape it lies in, as `map_run` holds them (each with its length).
-        let (mut idx, mut ni) = ([0u32; INLINE_RANK], index.len());
-        let (mut shape, mut ns) = ([0u32; INLINE_RANK], self.view_shape.len());
+    }
+
+    /// `map_run_into` on four tables of at least the chain's largest rank: the index and its
+    /// shape, and room for their permutation by a transpose.
+    fn map_on(&self, index: &[u32], max_run: u32, out: &mut Vec<u32>, tables: [&mut [u32]; 4]) -> u32 {
+        let [mut idx, mut shape, mut src, mut src_shape] = tables;
+        // The index and the shape it lies in, each with its length.
+        let (mut ni, mut ns) = (index.len(), self.view_shape.len());
         idx[..ni].copy_from_slice(index);
         shape[..ns].copy_from_slice(&self.view_shape);
         let mut run = max_run.min(shape[ns - 1] - idx[ni - 1]);
         for step in &self.steps {
             match step {
                 ViewStep::Transpose { perm } => {
+                    // A transpose that moves the innermost axis (the planner's swapped
+                    // products read host tensors so) leaves runs of one element.
                     if perm[perm.len() - 1] as usize != perm.len() - 1 {
                         run = 1;
                     }
-                    let (mut src, mut src_shape) = ([0u32; INLINE_RANK], [0u32; INLINE_RANK]);
                     for (a, &p) in perm.iter().enumerate() {
                         src[p as usize] = idx[a];
                         src_shape[p as usize] = shape[a];
                     }
-                    (idx, shape, ns) = (src, src_shape, ni);
+                    std::mem::swap(&mut idx, &mut src);
+                    std::mem::swap(&mut shape, &mut src_shape);
+                    ns = ni;
                 }
                 ViewStep::Reshape { from, to } => {
                     let mut flat = 0u64;
@@ -191,8 +207,7 @@ impl ViewChain {
                         idx[a] = (flat % from[a] as u64) as u32;
                         flat /= from[a] as u64;
                     }
-                    ni = from.len();
-                    ns = from.len();
+                    (ni, ns) = (from.len(), from.len());
                     shape[..ns].copy_from_slice(from);
                 }
             }
@@ -201,51 +216,6 @@ impl ViewChain {
         out.clear();
         out.extend_from_slice(&idx[..ni]);
         run
-    }
-
-    /// Map a view index to the base index, and how many consecutive elements along the view's
-    /// last axis stay consecutive along the base's last axis from there.
-    pub fn map_run(&self, index: &[u32], max_run: u32) -> (Vec<u32>, u32) {
-        if self.steps.is_empty() {
-            return (index.to_vec(), max_run.min(self.view_shape[self.view_shape.len() - 1] - index[index.len() - 1]));
-        }
-        let mut idx = index.to_vec();
-        let mut shape = self.view_shape.clone();
-        let mut run = max_run.min(shape[shape.len() - 1] - idx[idx.len() - 1]);
-        for step in &self.steps {
-            match step {
-                ViewStep::Transpose { perm } => {
-                    // A transpose that moves the innermost axis (the planner's swapped
-                    // products read host tensors so) leaves runs of one element.
-                    if perm[perm.len() - 1] as usize != perm.len() - 1 {
-                        run = 1;
-                    }
-                    let mut src = vec![0; idx.len()];
-                    let mut src_shape = vec![0; idx.len()];
-                    for (a, &p) in perm.iter().enumerate() {
-                        src[p as usize] = idx[a];
-                        src_shape[p as usize] = shape[a];
-                    }
-                    idx = src;
-                    shape = src_shape;
-                }
-                ViewStep::Reshape { from, to } => {
-                    let mut flat = 0u64;
-                    for (a, &d) in to.iter().enumerate() {
-                        flat = flat * d as u64 + idx[a] as u64;
-                    }
-                    let mut src = vec![0u32; from.len()];
-                    for a in (0..from.len()).rev() {
-                        src[a] = (flat % from[a] as u64) as u32;
-                        flat /= from[a] as u64;
-                    }
-                    idx = src;
-                    shape = from.clone();
-                }
-            }
-            run = run.min(shape[shape.len() - 1] - idx[idx.len() - 1]);
-        }
-        (idx, run)
     }
 }
 
@@ -272,11 +242,28 @@ mod tests {
     use super::{split, ViewChain, ViewStep};
     use crate::ir::ValueId;
 
+    /// Row-major flat position of `index` in `shape`, and back.
+    fn flat(index: &[u32], shape: &[u32]) -> u32 {
+        index.iter().zip(shape).fold(0, |f, (&i, &d)| f * d + i)
+    }
+    fn unflat(mut f: u32, shape: &[u32]) -> Vec<u32> {
+        let mut index = vec![0; shape.len()];
+        for a in (0..shape.len()).rev() {
+            index[a] = f % shape[a];
+            f /= shape[a];
+        }
+        index
+    }
+
     #[test]
-    fn map_run_into_maps_as_map_run() {
-        // Chains from the viewed value back to the base: none, a matrix transpose, a reshape
-        // (the heads split), a reshape then a transpose of the inner axes, and a rank-3
-        // transpose under a reshape that merges axes.
+    fn views_map_indices_and_runs_as_the_materialised_views_do() {
+        // Chains from the viewed value back to the base (no axis of size 1): none, a matrix
+        // transpose, a reshape (the heads split), a reshape then a transpose of the inner
+        // axes, and a rank-3 transpose under a reshape that merges axes. Each is checked
+        // against the view materialised from the base (every base element holding its own
+        // flat position): the base index exactly, and the run as the longest stretch along the
+        // view's last axis whose elements are consecutive in one row of the base (a transpose
+        // moving the innermost axis leaves runs of one).
         let chains: Vec<(Vec<ViewStep>, Vec<u32>, Vec<u32>)> = vec![
             (vec![], vec![3, 5], vec![3, 5]),
             (vec![ViewStep::Transpose { perm: vec![1, 0] }], vec![5, 3], vec![3, 5]),
@@ -286,19 +273,46 @@ mod tests {
         ];
         let mut out = vec![99];
         for (steps, view_shape, base_shape) in chains {
-            let chain = ViewChain { base: ValueId(0), steps, view_shape: view_shape.clone(), base_shape };
-            let count: u32 = view_shape.iter().product();
-            for flat in 0..count {
-                let mut index = vec![0u32; view_shape.len()];
-                let mut rest = flat;
-                for a in (0..view_shape.len()).rev() {
-                    index[a] = rest % view_shape[a];
-                    rest /= view_shape[a];
+            // Materialise: from the base (values = flat positions) forward through the steps.
+            let mut values: Vec<u32> = (0..base_shape.iter().product()).collect();
+            let mut shape = base_shape.clone();
+            for step in steps.iter().rev() {
+                match step {
+                    ViewStep::Reshape { to, .. } => shape = to.clone(),
+                    ViewStep::Transpose { perm } => {
+                        // View axis a is base axis perm[a].
+                        let viewed: Vec<u32> = perm.iter().map(|&p| shape[p as usize]).collect();
+                        values = (0..values.len() as u32)
+                            .map(|f| {
+                                let v = unflat(f, &viewed);
+                                let mut b = vec![0; v.len()];
+                                for (a, &p) in perm.iter().enumerate() {
+                                    b[p as usize] = v[a];
+                                }
+                                values[flat(&b, &shape) as usize]
+                            })
+                            .collect();
+                        shape = viewed;
+                    }
                 }
-                for max_run in 1..=view_shape[view_shape.len() - 1] + 1 {
-                    let (mapped, run) = chain.map_run(&index, max_run);
-                    assert_eq!(chain.map_run_into(&index, max_run, &mut out), run, "{chain:?} at {index:?}");
-                    assert_eq!(out, mapped, "{chain:?} at {index:?}");
+            }
+            assert_eq!(shape, view_shape);
+            let moves_inner = steps.iter().any(|s| matches!(s, ViewStep::Transpose { perm } if perm[perm.len() - 1] as usize != perm.len() - 1));
+            let chain = ViewChain { base: ValueId(0), steps, view_shape: view_shape.clone(), base_shape: base_shape.clone() };
+            let last = view_shape.len() - 1;
+            let row = base_shape[base_shape.len() - 1];
+            for f in 0..values.len() as u32 {
+                let index = unflat(f, &view_shape);
+                let base = values[f as usize];
+                for max_run in 1..=view_shape[last] + 1 {
+                    let mut longest = 1;
+                    while !moves_inner && longest < max_run && index[last] + longest < view_shape[last] && values[(f + longest) as usize] == base + longest && (base % row) + longest < row {
+                        longest += 1;
+                    }
+                    let run = chain.map_run_into(&index, max_run, &mut out);
+                    assert_eq!(out, unflat(base, &base_shape), "{chain:?} at {index:?}");
+                    assert_eq!(run, longest, "{chain:?} at {index:?}, runs of at most {max_run}");
+                    assert_eq!(chain.map_run(&index, max_run), (out.clone(), run));
                 }
             }
         }
