@@ -881,13 +881,8 @@ mod tests {
     /// never written, from step 0), in standard or interleaved memory by kind.
     #[test]
     fn tile_peaks_are_the_stepwise_live_bytes_peaks() {
-        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = |n: u64| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed % n
-        };
+        let mut rng = crate::exchange::synthetic::SplitMix64(0x9e37_79b9_7f4a_7c15);
+        let mut next = |n: u64| rng.below(n as u32) as u64;
         for round in 0..40 {
             let tiles = 1 + next(6) as u32;
             let buffers: Vec<BufferDecl> = (0..next(60))
