@@ -200,6 +200,10 @@ pub struct Database {
     pub(crate) tile_memo: Arc<crate::phases::Memo<crate::emit::TileBody>>,
     /// How the last package build obtained its tile images.
     tile_counts: Arc<Mutex<Option<crate::phases::EntryCounts>>>,
+    /// The latest plan-beam trace `lower_mid` made, under its key (`Database::beam_trace`):
+    /// the next build of an edited workload resumes the beam from it, with or without a disk
+    /// cache (`ipuq watch`).
+    beam_trace_memo: Arc<Mutex<Option<(Digest, Arc<crate::lower::search::BeamTrace>)>>>,
 }
 
 #[salsa::db]
@@ -229,6 +233,7 @@ impl Database {
             screen_memo: Arc::default(),
             tile_memo: Arc::default(),
             tile_counts: Arc::default(),
+            beam_trace_memo: Arc::default(),
             plan_finalists: crate::lower::search::DEFAULT_FINALISTS,
             table_budget: crate::sizing::EXCHANGE_TABLE_BUDGET_BYTES,
         }
@@ -282,7 +287,59 @@ impl Database {
     pub(crate) fn note_tile_images(&self, counts: crate::phases::EntryCounts) {
         *self.tile_counts.lock().expect("tile counts lock") = Some(counts);
     }
+
+    /// The latest plan-beam trace kept under `key` (`keep_beam_trace`): this process's, else the
+    /// disk store's. An entry that fails its digest or does not decode is ignored with a
+    /// warning. None while verifying cache hits (every stage is then computed from the start).
+    pub(crate) fn beam_trace(&self, key: Digest) -> Option<Arc<crate::lower::search::BeamTrace>> {
+        if self.cache.verify_hits {
+            return None;
+        }
+        if let Some((k, trace)) = &*self.beam_trace_memo.lock().expect("beam trace memo lock") {
+            if *k == key {
+                return Some(trace.clone());
+            }
+        }
+        let store = self.cache.store.as_ref()?;
+        let bytes = store.load(BEAM_TRACE_STAGE, &key, schema(BEAM_TRACE_STAGE, BEAM_TRACE_VERSION))?;
+        // The entry: the digest of the trace's bytes, then those bytes.
+        let decoded = match bytes.split_at_checked(32) {
+            Some((digest, body)) if Digest::of_bytes(body).0[..] == digest[..] => {
+                let mut aligned = rkyv::util::AlignedVec::<16>::new();
+                aligned.extend_from_slice(body);
+                rkyv::from_bytes::<crate::lower::search::BeamTrace, rkyv::rancor::Error>(&aligned).map_err(|e| e.to_string())
+            }
+            _ => Err("the digest does not match the bytes".to_string()),
+        };
+        match decoded {
+            Ok(trace) => Some(Arc::new(trace)),
+            Err(error) => {
+                tracing::warn!(stage = BEAM_TRACE_STAGE, %error, "cache entry failed to decode; ignoring it");
+                None
+            }
+        }
+    }
+
+    /// Keep the plan-beam trace of this build under `key`, in this process and in the disk store
+    /// (replacing the previous build's: each workload name keeps its latest).
+    pub(crate) fn keep_beam_trace(&self, key: Digest, trace: crate::lower::search::BeamTrace) {
+        if let Some(store) = &self.cache.store {
+            match rkyv::to_bytes::<rkyv::rancor::Error>(&trace) {
+                Ok(body) => {
+                    let mut bytes = Digest::of_bytes(&body).0.to_vec();
+                    bytes.extend_from_slice(&body);
+                    store.store(BEAM_TRACE_STAGE, &key, schema(BEAM_TRACE_STAGE, BEAM_TRACE_VERSION), &bytes);
+                }
+                Err(error) => tracing::warn!(stage = BEAM_TRACE_STAGE, %error, "could not encode the plan beam's trace; not storing it"),
+            }
+        }
+        *self.beam_trace_memo.lock().expect("beam trace memo lock") = Some((key, Arc::new(trace)));
+    }
 }
+
+/// The disk entry of the plan beam's trace (`Database::beam_trace`), and its version.
+pub(crate) const BEAM_TRACE_STAGE: &str = "beam_trace";
+pub(crate) const BEAM_TRACE_VERSION: u32 = 1;
 
 impl std::ops::Deref for Database {
     type Target = StageCache;

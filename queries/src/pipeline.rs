@@ -26,7 +26,7 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use crate::db::{digest_of, exchange_target, graph, lowering_target, memory_target, selection_target, target, CompileError, Database, Db, Sources, StageCache, StageResult, Staged};
+use crate::db::{digest_of, BEAM_TRACE_STAGE, BEAM_TRACE_VERSION, exchange_target, graph, lowering_target, memory_target, selection_target, target, CompileError, Database, Db, Sources, StageCache, StageResult, Staged};
 use crate::emit::{assemble_package, build_tile, log_support_memory, tile_inputs, SupportMemory, TileBody};
 use crate::exchange::{self, Destination, PhaseRequest, Schedule};
 use crate::exchange_placement::{check_placement, search_exchange_placement, search_exchange_placement_from, Baseline};
@@ -76,7 +76,14 @@ pub fn finalists(db: &dyn Db, sources: Sources) -> StageResult<Vec<Lowered>> {
     let key = db.ipuq().key("lower_mid", LOWER_VERSION, &[t.digest, x.digest, g.digest, KeyHasher::new("plan finalists").add(&(k as u64)).finish(), KeyHasher::new("table budget").add(&budget).finish()]);
     let db = db.ipuq();
     db.cached("lower_mid", LOWER_VERSION, key, || {
-        let found = search::finalists(&g.value, &t.value, k).map_err(CompileError::from)?;
+        // The plan beam resumes from the previous build's of a workload of the same name over
+        // the same lowering view and finalists (an edit of it), and leaves its own for the
+        // next: the same finalists either way, only faster (`search::finalists_resuming`).
+        let trace_key = db.key(BEAM_TRACE_STAGE, BEAM_TRACE_VERSION, &[t.digest, KeyHasher::new("plan finalists").add(&(k as u64)).finish(), KeyHasher::new("workload name").add(&g.value.name).finish()]);
+        let previous = db.beam_trace(trace_key);
+        let (found, trace) = search::finalists_resuming(&g.value, &t.value, k, previous.as_deref());
+        db.keep_beam_trace(trace_key, trace);
+        let found = found.map_err(CompileError::from)?;
         // Finalists whose exchange tables would exceed the budget are steered within it (or
         // dropped) here, their phases scheduled through the memo select_finalist reads.
         // The table bytes of the finalists kept go to select_finalist (`screen_memo`). The

@@ -322,3 +322,68 @@ fn a_one_operation_edit_rebuilds_only_the_tiles_it_changed() {
     assert!(bytes == cold_bytes, "the incremental package differs from a cold build's");
     assert_eq!((cold_counts.reused, cold_counts.computed), (0, cold_counts.distinct));
 }
+
+/// `blocks` MLP blocks `y_i = f_i(x_i · w1_i) · w2_i` of 37 tokens, dimension 64 and hidden
+/// dimension 96, each feeding the next, named `mlp`; `f_i` is GELU but in block `scaled`
+/// (when given), where it is a scale by 0.5.
+fn mlp_workload(blocks: usize, scaled: Option<usize>) -> String {
+    let mut text = format!("name = \"mlp\"\noutputs = [\"y_{}\"]\n[[tensor]]\nname = \"x\"\nshape = [37, 64]\ndtype = \"f16\"\nrole = \"input\"\ninit = \"zeros\"\n", blocks - 1);
+    for b in 0..blocks {
+        for (w, shape) in [("w1", "[64, 96]"), ("w2", "[96, 64]")] {
+            text += &format!("[[tensor]]\nname = \"{w}_{b}\"\nshape = {shape}\ndtype = \"f16\"\nrole = \"weight\"\ninit = \"zeros\"\n");
+        }
+        let input = if b == 0 { "x".to_string() } else { format!("y_{}", b - 1) };
+        let f = if scaled == Some(b) { "op = \"scale\"\nfactor = 0.5" } else { "op = \"gelu\"" };
+        text += &format!("[[operation]]\nname = \"h_{b}\"\nop = \"matmul\"\ninputs = [\"{input}\", \"w1_{b}\"]\n[[operation]]\nname = \"g_{b}\"\n{f}\ninputs = [\"h_{b}\"]\n[[operation]]\nname = \"y_{b}\"\nop = \"matmul\"\ninputs = [\"g_{b}\", \"w2_{b}\"]\n");
+    }
+    text
+}
+
+/// The package digest of one build of `workload` in `db`, and the stages it computed.
+fn package_of(db: &Database, workload: &str) -> (Digest, Vec<&'static str>) {
+    let sources = Sources::new(db, workload.to_string(), "mlp.toml".into(), fixtures::SMALL16.to_string(), "small16".into());
+    let runs = build_all(db, sources);
+    (package(db, sources).unwrap().digest, stages(&runs, Origin::Computed))
+}
+
+/// After a build of one workload, a build of an edit of it resumes the plan beam from the
+/// first build's trace (on disk, or in the process without a disk cache), and makes the
+/// package a cold build of the edit makes, byte for byte; a trace entry that does not decode
+/// is ignored.
+#[test]
+fn a_build_resumed_from_the_previous_plan_beam_equals_a_cold_build() {
+    let (a, b) = (mlp_workload(4, None), mlp_workload(4, Some(3)));
+    let cold = package_of(&Database::default(), &b).0;
+
+    // Through the disk cache: a new process (database) over the first build's store.
+    let store = Arc::new(MemoryStore::default());
+    package_of(&Database::new(Some(store.clone())), &a);
+    let traces = |store: &MemoryStore| store.0.lock().unwrap().keys().filter(|k| k.0 == "beam_trace").count();
+    assert_eq!(traces(&store), 1);
+    let (resumed, computed) = package_of(&Database::new(Some(store.clone())), &b);
+    assert!(computed.contains(&"lower_mid"), "{computed:?}");
+    assert_eq!(resumed, cold);
+    // The edit's trace replaced the first build's (one per workload name).
+    assert_eq!(traces(&store), 1);
+
+    // In the process, without a disk cache (`ipuq watch`).
+    let mut db = Database::default();
+    let sources = Sources::new(&db, a.clone(), "mlp.toml".into(), fixtures::SMALL16.to_string(), "small16".into());
+    build_all(&db, sources);
+    sources.set_workload_text(&mut db).to(b.clone());
+    let runs = build_all(&db, sources);
+    assert!(stages(&runs, Origin::Computed).contains(&"lower_mid"), "{runs:?}");
+    assert_eq!(package(&db, sources).unwrap().digest, cold);
+
+    // A corrupt trace entry (a flipped byte, a truncated one, garbage) is ignored.
+    for corrupt in [|v: &mut Vec<u8>| v[40] ^= 1, |v: &mut Vec<u8>| v.truncate(v.len() / 2), |v: &mut Vec<u8>| *v = b"not a trace".to_vec()] {
+        let store = Arc::new(MemoryStore::default());
+        package_of(&Database::new(Some(store.clone())), &a);
+        for (key, bytes) in store.0.lock().unwrap().iter_mut() {
+            if key.0 == "beam_trace" {
+                corrupt(bytes);
+            }
+        }
+        assert_eq!(package_of(&Database::new(Some(store.clone())), &b).0, cold);
+    }
+}

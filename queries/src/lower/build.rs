@@ -384,6 +384,68 @@ pub fn prefix_compatible(from: &Oriented, to: &Oriented, end: usize) -> bool {
     })
 }
 
+/// Whether a prefix of `end` operations lowers exactly alike over `old` and `new`, two
+/// orientations of two (possibly different) graphs: the plan beam resuming across builds
+/// (`search.rs`) reuses what a previous build of another graph decided for this prefix only
+/// when this holds.
+///
+/// [`prefix_compatible`] compares what a prefix reads of its own operations and values (the
+/// operations, values and origins up to there, deferred softmaxes' reciprocals, scales folded
+/// into a softmax, consumers that need whole rows, checkpoint names, graph outputs among the
+/// prefix's values), but it was written for two orientations of one graph, so it takes the
+/// graph's other facts as shared. Across graphs this also compares every fact of the whole
+/// graph the lowering of a prefix reads (`extend` and the Builder's operations; the plan,
+/// candidate, grid and elementwise helpers they call read shapes and the target only):
+/// - the aligned home slot (`aligned_home_slot`: the period of the rank-2 weights over all
+///   weights of the graph) of every rank-2 weight among the prefix's values;
+/// - the user plan constraint each prefix operation looks up by its (checkpoint) name in
+///   `graph.file.constraints`, and those names;
+/// - the adds folded into a product's epilogue (`elementwise::folded_adds`, which reads the
+///   add's readers and the graph outputs) whose product or add lies in the prefix, with each
+///   such add operation, its output value, whether that needs whole rows and is a graph output;
+/// - checkpoint views of every value of the prefix (not only the operations' outputs).
+///
+/// The graph's name enters no label or plan (only error messages, and a beam that noted an
+/// error is not resumed); `Builder::finish` (graph outputs, host tensors by name) runs on the
+/// whole program, never on a reused prefix.
+pub fn prefix_identical_across_graphs(old: &Oriented, new: &Oriented, end: usize) -> bool {
+    if !prefix_compatible(old, new, end) {
+        return false;
+    }
+    let (f, t) = (&old.graph, &new.graph);
+    // The values the prefix reads or writes (as prefix_compatible counts them): equal in both.
+    let used = f.operations[..end].iter().flat_map(|o| o.inputs.iter().chain([&o.output])).map(|v| v.0 as usize + 1).chain((0..end).filter_map(|i| reciprocals_of(f, i)).map(|v| v.0 as usize + 1)).max().unwrap_or(0);
+    let is_weight = |v: &Value| v.shape.len() == 2 && matches!(v.producer, Producer::Tensor { role: Role::Weight, .. });
+    for (i, v) in f.values[..used].iter().enumerate() {
+        let id = ValueId(i as u32);
+        if is_weight(v) && aligned_home_slot(f, id) != aligned_home_slot(t, id) {
+            return false;
+        }
+        let named = |o: &Oriented| o.checkpoint_value.get(&id).map(|&c| (c, o.graph.values.get(c.0 as usize).map(|v| v.name.clone())));
+        if named(old) != named(new) {
+            return false;
+        }
+    }
+    // The constraint each operation of the prefix looks up, by its original (checkpoint) name.
+    let constraint = |o: &Oriented, output: ValueId| {
+        let name = o.graph.value(o.checkpoint_value.get(&output).copied().unwrap_or(output)).name.clone();
+        let found = o.graph.file.constraints.iter().find(|c| c.operation == name).cloned();
+        (name, found)
+    };
+    if f.operations[..end].iter().any(|o| constraint(old, o.output) != constraint(new, o.output)) {
+        return false;
+    }
+    let adds = |g: &Graph| -> Vec<(usize, super::elementwise::Fold)> { super::elementwise::folded_adds(g).into_iter().filter(|(p, a)| *p < end || a.add < end).collect() };
+    let (fa, ta) = (adds(f), adds(t));
+    if fa != ta {
+        return false;
+    }
+    fa.iter().all(|(_, a)| {
+        let (Some(x), Some(y)) = (f.operations.get(a.add), t.operations.get(a.add)) else { return false };
+        x == y && f.values.get(x.output.0 as usize) == t.values.get(y.output.0 as usize) && needs_whole_rows(f, x.output) == needs_whole_rows(t, y.output) && f.outputs.contains(&x.output) == t.outputs.contains(&y.output)
+    })
+}
+
 /// Lower the operations of `oriented` from where `partial` stopped up to `end` (exclusive).
 pub fn extend(partial: Partial, oriented: &Oriented, target: &Target, reserves: &[Reserve], end: usize) -> Result<Partial, LowerError> {
     let graph = &oriented.graph;

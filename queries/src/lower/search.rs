@@ -40,9 +40,9 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use tracing::{debug, info};
+use tracing::{debug, info, warn};
 
-use super::build::{complete, extend, lower_homing_from, lower_with_rotated_homes, prefix_compatible, Attempt, Partial, Reserve, CODE_RESERVE_BYTES};
+use super::build::{complete, extend, lower_homing_from, lower_with_rotated_homes, prefix_compatible, prefix_identical_across_graphs, Attempt, Partial, Reserve, CODE_RESERVE_BYTES};
 use super::orient::{orient, orient_until, swappable, Oriented};
 use super::{BufferDecl, LHostTensor, LowerError, Lowered};
 use crate::ir::{Graph, OpKind, Producer, Role};
@@ -59,6 +59,172 @@ const MIXED_TRIES: usize = 3;
 
 /// Finalists kept by default (`--plan-finalists`).
 pub const DEFAULT_FINALISTS: usize = 4;
+
+/// What the plan beam decided, small enough to keep between builds, so that the next build of
+/// an edited workload resumes the beam from the last product step the edit provably leaves
+/// alike (`beam`), instead of searching from the first product.
+#[derive(Clone, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct BeamTrace {
+    /// The workload the beam ran on, as its structure (`Graph::parse` rebuilds the graph;
+    /// initialisers blanked: the lowering never reads them).
+    pub workload: String,
+    /// The beam width.
+    pub width: u64,
+    /// `steps[0]`: the beam after lowering up to the first product; `steps[j + 1]`: after
+    /// product j was extended (lowered up to the next product).
+    pub steps: Vec<TraceStep>,
+}
+
+/// The beam after one step.
+#[derive(Clone, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct TraceStep {
+    /// The states kept, in beam order.
+    pub states: Vec<TracedState>,
+    /// Whether an error was noted up to and including this step (such a beam is not resumed
+    /// past it: the error it reports is the first one met).
+    pub noted: bool,
+}
+
+/// One state of the beam: enough to lower it again (`replay`).
+#[derive(Clone, Debug, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct TracedState {
+    /// The products swapped (original operation indices), ascending.
+    pub swapped: Vec<u64>,
+    /// `Partial::home_from` (u64::MAX: every weight replicated).
+    pub home_from: u64,
+}
+
+impl TracedState {
+    fn of(state: &State) -> TracedState {
+        TracedState { swapped: state.swapped.iter().map(|&p| p as u64).collect(), home_from: state.partial.home_from() as u64 }
+    }
+
+    fn swapped_set(&self) -> BTreeSet<usize> {
+        self.swapped.iter().map(|&p| usize::try_from(p).unwrap_or(usize::MAX)).collect()
+    }
+
+    fn home_from(&self) -> usize {
+        usize::try_from(self.home_from).unwrap_or(usize::MAX)
+    }
+}
+
+/// The workload structure text a trace keeps (initialisers blanked, as the graph digest of
+/// `db::graph`): `Graph::parse` of it gives the graph again.
+fn workload_structure(graph: &Graph) -> String {
+    let mut file = graph.file.clone();
+    for t in &mut file.tensors {
+        t.init = crate::ir::Init::Zeros;
+    }
+    toml::to_string(&file).unwrap_or_default()
+}
+
+/// Oriented operations (non-decreasing origins) before original operation `next` (all: none).
+fn end_before(o: &Oriented, next: Option<usize>) -> usize {
+    next.map_or(o.graph.operations.len(), |n| o.origin.partition_point(|&x| (x as usize) < n))
+}
+
+/// The options for a product: normal, swapped, as the user's constraints allow.
+fn options_for(product: usize, must: &BTreeSet<usize>, must_not: &BTreeSet<usize>) -> Vec<bool> {
+    [false, true].into_iter().filter(|&swap| if swap { !must_not.contains(&product) } else { !must.contains(&product) }).collect()
+}
+
+/// How many steps of the beam of `trace` (run on `old`) the beam on `graph` would repeat
+/// exactly, from the start: step s counts only when every step before it does, no error was
+/// noted up to it, and it is provably identical on both graphs: the products up to and
+/// including its next product are the same, so are the user's orientation constraints on
+/// them (the options per product), and each of its jobs (each state the trace kept at the
+/// step before, times each option) orients both graphs alike up to the next product (both
+/// rejected, or both accepted with the same prefix to lower, which lowers alike:
+/// `prefix_identical_across_graphs`). Then each extension lowers the same program and scores
+/// the same, so retention keeps the same states in the same order, and the errors noted are
+/// the same (none). `target` and `width` must be those the trace was made with (the caller's
+/// key holds the target; the width is checked).
+#[allow(clippy::too_many_arguments)]
+fn identical_steps(old: &Graph, trace: &BeamTrace, graph: &Graph, width: usize, products: &[usize], must: &BTreeSet<usize>, must_not: &BTreeSet<usize>) -> usize {
+    if trace.width != width as u64 {
+        return 0;
+    }
+    let old_products = swappable(old);
+    let (old_must, old_must_not) = orientation_constraints(old);
+    if !old_must.iter().all(|m| old_products.contains(m)) {
+        return 0;
+    }
+    let mut done = 0;
+    for (s, step) in trace.steps.iter().enumerate() {
+        if s > products.len() || step.noted || step.states.len() > width || !products.iter().take(s + 1).eq(old_products.iter().take(s + 1)) {
+            break;
+        }
+        let next = products.get(s).copied();
+        let jobs: Vec<BTreeSet<usize>> = if s == 0 {
+            vec![BTreeSet::new()]
+        } else {
+            let product = products[s - 1];
+            if must.contains(&product) != old_must.contains(&product) || must_not.contains(&product) != old_must_not.contains(&product) {
+                break;
+            }
+            let options = options_for(product, must, must_not);
+            let parents = &trace.steps[s - 1].states;
+            // The trace's own states: swapped products among those extended so far.
+            if parents.iter().any(|r| !r.swapped_set().iter().all(|p| products[..s - 1].contains(p))) {
+                break;
+            }
+            parents
+                .iter()
+                .flat_map(|r| {
+                    options.iter().map(move |&swap| {
+                        let mut swapped = r.swapped_set();
+                        if swap {
+                            swapped.insert(product);
+                        }
+                        swapped
+                    })
+                })
+                .collect()
+        };
+        let until = next.unwrap_or(usize::MAX);
+        let same = jobs.par_iter().all(|swapped| match (orient_until(old, swapped, until), orient_until(graph, swapped, until)) {
+            (Err(_), Err(_)) => true,
+            (Ok(a), Ok(b)) => {
+                let end = end_before(&a, next);
+                end == end_before(&b, next) && prefix_identical_across_graphs(&a, &b, end)
+            }
+            _ => false,
+        });
+        if !same {
+            break;
+        }
+        done = s + 1;
+    }
+    done
+}
+
+/// The states a trace step kept, lowered again over `graph` up to original operation `next`
+/// (the step's next product), as the beam had them: the same program from the start as the
+/// beam built by extensions (see `replayed_states_equal_the_beams`). With `carry`, a state
+/// with replicated weights also gets its program lowered with home-tile weights (the beam's
+/// carried prefix; a speed matter only). None when one does not lower (then nothing is
+/// resumed).
+fn replay(records: &[TracedState], graph: &Graph, target: &Target, next: Option<usize>, carry: bool) -> Option<Vec<State>> {
+    records
+        .par_iter()
+        .map(|r| {
+            let swapped = r.swapped_set();
+            let oriented = Arc::new(orient_until(graph, &swapped, next.unwrap_or(usize::MAX)).ok()?);
+            let end = end_before(&oriented, next);
+            let start = match r.home_from() {
+                usize::MAX => Partial::new(false),
+                0 => Partial::new(true),
+                from => Partial::homing_from(from),
+            };
+            let partial = extend(start, &oriented, target, &[], end).ok()?;
+            let home = (carry && !partial.home_weights())
+                .then(|| extend(Partial::new(true), &oriented, target, &[], end).ok())
+                .flatten()
+                .map(|partial| Arc::new(HomePrefix { oriented: oriented.clone(), partial }));
+            Some(State { swapped, oriented, partial, home })
+        })
+        .collect()
+}
 
 /// The user's orientation constraints: products that must, and that must not, be swapped.
 fn orientation_constraints(graph: &Graph) -> (BTreeSet<usize>, BTreeSet<usize>) {
@@ -250,17 +416,23 @@ fn retain(mut scored: Vec<(State, [u64; 5], bool)>, width: usize) -> Vec<State> 
 /// weights outgrew tile memory or a replicated operation could not be planned at all, with the
 /// weights of the products from the switch on, or of all, on home tiles: `Partial::home_from`,
 /// handed on with the attempt), and the first error met.
-#[allow(clippy::type_complexity)]
-fn beam(graph: &Graph, target: &Target, width: usize) -> (Vec<(Arc<Oriented>, Option<(Attempt, usize)>, Option<Arc<HomePrefix>>)>, Option<LowerError>) {
+///
+/// `previous`: the trace of an earlier beam (on the graph given with it, over the same target
+/// and width). The beam resumes from the last step of it that it would repeat exactly
+/// (`identical_steps`): that step's states are lowered again (`replay`) and the beam goes on
+/// from the next product, to the same programs as a beam from the start. The beam's own
+/// trace comes back in [`Beam::steps`].
+fn beam(graph: &Graph, target: &Target, width: usize, previous: Option<(&Graph, &BeamTrace)>) -> Beam {
     let products = swappable(graph);
     let (must, must_not) = orientation_constraints(graph);
     // Products the user wants swapped that the search never swaps (not rank 2, or feeding a
     // bias add): that one orientation is the only program, and it is lowered as it is.
     if !must.iter().all(|m| products.contains(m)) {
-        return match orient(graph, &must) {
+        let (programs, first_error) = match orient(graph, &must) {
             Ok(o) => (vec![(Arc::new(o), None, None)], None),
             Err(message) => (Vec::new(), Some(LowerError::Unsupported { operation: graph.name.clone(), message })),
         };
+        return Beam { programs, first_error, steps: Vec::new(), resumed: 0, searched: 0 };
     }
     let mut first_error: Option<LowerError> = None;
     let note = |e: LowerError, first_error: &mut Option<LowerError>| {
@@ -271,8 +443,6 @@ fn beam(graph: &Graph, target: &Target, width: usize) -> (Vec<(Arc<Oriented>, Op
             *first_error = Some(e);
         }
     };
-    // Oriented operations (non-decreasing origins) before original operation `next`.
-    let end_before = |o: &Oriented, next: Option<usize>| next.map_or(o.graph.operations.len(), |n| o.origin.partition_point(|&x| (x as usize) < n));
     // Extend a state to the swapped set `swapped`, lowering up to original operation `next`.
     // Ok(None): the orientation itself is rejected (a consumer would read a swapped value
     // across its rows).
@@ -364,22 +534,52 @@ fn beam(graph: &Graph, target: &Target, width: usize) -> (Vec<(Arc<Oriented>, Op
         };
         Ok((Some((State { swapped, oriented, partial, home }, scored, fits)), kept))
     };
-    let root = match orient_until(graph, &BTreeSet::new(), products.first().copied().unwrap_or(usize::MAX)) {
-        Ok(o) => State { swapped: BTreeSet::new(), oriented: Arc::new(o), partial: Partial::new(false), home: None },
-        Err(message) => return (Vec::new(), Some(LowerError::Unsupported { operation: graph.name.clone(), message })),
-    };
-    let mut states = match grow(&root, BTreeSet::new(), products.first().copied(), false, &[]) {
-        Ok((s, _)) => s.into_iter().map(|s| s.0).collect(),
-        Err(e) => {
-            note(e, &mut first_error);
-            Vec::new()
+    // Resuming: the steps of the previous beam this one repeats, and the last one's states.
+    let resumed: Option<(usize, Vec<State>, bool)> = previous.and_then(|(old, trace)| {
+        let done = identical_steps(old, trace, graph, width, &products, &must, &must_not);
+        let last = done.checked_sub(1)?;
+        // Once a program kept weights on home tiles, the replicated ones carry home-weights
+        // prefixes (as the loop below starts its carry).
+        let carry = trace.steps[..done].iter().any(|s| s.states.iter().any(|r| r.home_from == 0));
+        let next = products.get(last).copied();
+        match replay(&trace.steps[last].states, graph, target, next, carry && next.is_some()) {
+            Some(states) => Some((done, states, carry)),
+            None => {
+                debug!(steps = done, "a traced state does not lower again; searching the plan beam from the start");
+                None
+            }
+        }
+    });
+    let mut steps: Vec<TraceStep> = Vec::new();
+    let (mut states, mut carry, first_product) = match resumed {
+        Some((done, states, carry)) => {
+            steps.extend_from_slice(&previous.expect("resumed from a trace").1.steps[..done]);
+            (states, carry, done - 1)
+        }
+        None => {
+            let root = match orient_until(graph, &BTreeSet::new(), products.first().copied().unwrap_or(usize::MAX)) {
+                Ok(o) => State { swapped: BTreeSet::new(), oriented: Arc::new(o), partial: Partial::new(false), home: None },
+                Err(message) => {
+                    let first_error = Some(LowerError::Unsupported { operation: graph.name.clone(), message });
+                    return Beam { programs: Vec::new(), first_error, steps, resumed: 0, searched: products.len() };
+                }
+            };
+            let states: Vec<State> = match grow(&root, BTreeSet::new(), products.first().copied(), false, &[]) {
+                Ok((s, _)) => s.into_iter().map(|s| s.0).collect(),
+                Err(e) => {
+                    note(e, &mut first_error);
+                    Vec::new()
+                }
+            };
+            steps.push(TraceStep { states: states.iter().map(TracedState::of).collect(), noted: first_error.is_some() });
+            (states, false, 0)
         }
     };
-    let mut carry = false;
+    let (resumed, searched) = (first_product, products.len() - first_product);
     let mut pool: Vec<Arc<HomePrefix>> = Vec::new();
-    for (j, &product) in products.iter().enumerate() {
+    for (j, &product) in products.iter().enumerate().skip(first_product) {
         let next = products.get(j + 1).copied();
-        let options: Vec<bool> = [false, true].into_iter().filter(|&swap| if swap { !must_not.contains(&product) } else { !must.contains(&product) }).collect();
+        let options = options_for(product, &must, &must_not);
         let jobs: Vec<(usize, bool)> = (0..states.len()).flat_map(|i| options.iter().map(move |&o| (i, o))).collect();
         // Once a program of the beam keeps weights on home tiles, the replicated ones carry
         // their home-weights prefix along while products remain (a switch then extends it).
@@ -422,6 +622,7 @@ fn beam(graph: &Graph, target: &Target, width: usize) -> (Vec<(Arc<Oriented>, Op
             }
         }
         states = retain(scored, width);
+        steps.push(TraceStep { states: states.iter().map(TracedState::of).collect(), noted: first_error.is_some() });
         debug!(product, states = states.len(), "extended the plan beam");
     }
     // The programs are completed in parallel; results (and errors) are taken in beam order.
@@ -436,14 +637,29 @@ fn beam(graph: &Graph, target: &Target, width: usize) -> (Vec<(Arc<Oriented>, Op
             (s.oriented, memo, attempt)
         })
         .collect();
-    let mut out = Vec::new();
+    let mut programs = Vec::new();
     for (oriented, memo, attempt) in completed {
         match attempt {
-            Ok(a) => out.push((oriented, Some(a), memo)),
+            Ok(a) => programs.push((oriented, Some(a), memo)),
             Err(e) => note(e, &mut first_error),
         }
     }
-    (out, first_error)
+    Beam { programs, first_error, steps, resumed, searched }
+}
+
+/// What [`beam`] ends with.
+struct Beam {
+    /// The lowered programs, as first attempts of [`lower_feasible`] (with the home-weights
+    /// prefix each may extend).
+    #[allow(clippy::type_complexity)]
+    programs: Vec<(Arc<Oriented>, Option<(Attempt, usize)>, Option<Arc<HomePrefix>>)>,
+    /// The first error met.
+    first_error: Option<LowerError>,
+    /// The beam's trace (`BeamTrace::steps`).
+    steps: Vec<TraceStep>,
+    /// Product steps taken from the previous beam's trace, and product steps searched.
+    resumed: usize,
+    searched: usize,
 }
 
 /// The estimate the search ranks programs by: the sum of every operation's estimate.
@@ -454,8 +670,35 @@ pub fn estimated_cycles(lowered: &Lowered) -> u64 {
 /// Up to `keep` feasible programs, best estimate first (ties: fewer swapped products, then
 /// candidate order). Fails with the first candidate's error when none lowers.
 pub fn finalists(graph: &Graph, target: &Target, keep: usize) -> Result<Vec<Lowered>, LowerError> {
+    finalists_resuming(graph, target, keep, None).0
+}
+
+/// [`finalists`], the plan beam resuming from `previous`, the trace of an earlier build's beam
+/// over the same target and `keep` (the same finalists as without it: see [`beam`]), and this
+/// build's trace, for the next build. A trace whose workload does not parse is ignored.
+pub fn finalists_resuming(graph: &Graph, target: &Target, keep: usize, previous: Option<&BeamTrace>) -> (Result<Vec<Lowered>, LowerError>, BeamTrace) {
+    let old = previous.and_then(|t| match Graph::parse(&t.workload, "the previous build's plan beam") {
+        Ok(g) => Some((g, t)),
+        Err(e) => {
+            warn!(error = %e, "the previous plan beam's workload does not parse; searching from the start");
+            None
+        }
+    });
+    let width = keep.max(DEFAULT_FINALISTS);
+    let run = beam(graph, target, width, old.as_ref().map(|(g, t)| (g, *t)));
+    if previous.is_some() {
+        info!(resumed_steps = run.resumed, searched_steps = run.searched, "resumed the plan beam from a previous build");
+    } else {
+        debug!(searched_steps = run.searched, "searched the plan beam from the start");
+    }
+    let trace = BeamTrace { workload: workload_structure(graph), width: width as u64, steps: run.steps };
+    (feasible_finalists(graph, target, keep, run.programs, run.first_error), trace)
+}
+
+/// The beam's programs made feasible, the best `keep` of them (`finalists`).
+#[allow(clippy::type_complexity)]
+fn feasible_finalists(graph: &Graph, target: &Target, keep: usize, programs: Vec<(Arc<Oriented>, Option<(Attempt, usize)>, Option<Arc<HomePrefix>>)>, mut first_error: Option<LowerError>) -> Result<Vec<Lowered>, LowerError> {
     let mut found: Vec<(bool, u64, usize, usize, Feasible)> = Vec::new();
-    let (programs, mut first_error) = beam(graph, target, keep.max(DEFAULT_FINALISTS));
     // The beam's programs are made feasible in parallel; results are taken in beam order.
     let feasible: Vec<Result<Feasible, LowerError>> = programs.into_par_iter().map(|(oriented, first, memo)| lower_feasible(&oriented, target, first, memo.as_deref())).collect::<Vec<_>>();
     for (index, result) in feasible.into_iter().enumerate() {
@@ -794,13 +1037,7 @@ mod tests {
     /// held normal at four row partitions (`[[constraint]]`), so that on 16 tiles a replicated
     /// weight takes a quarter of itself (96 KiB) on every tile.
     fn row_partitioned_mlp(blocks: usize) -> Graph {
-        let mut text = mlp_text(blocks, 64, 256, 768);
-        for b in 0..blocks {
-            for p in ["h", "y"] {
-                text += &format!("[[constraint]]\noperation = \"{p}_{b}\"\norientation = \"normal\"\nrow_partitions = 4\n");
-            }
-        }
-        Graph::parse(&text, "mlp.toml").unwrap()
+        Graph::parse(&row_partitioned_text(blocks), "mlp.toml").unwrap()
     }
 
     /// A prefix lowered over one orientation and extended over another (later products
@@ -955,6 +1192,87 @@ mod tests {
         let found = finalists(&graph, &target, DEFAULT_FINALISTS).unwrap();
         assert!(found.len() <= DEFAULT_FINALISTS);
         assert!(estimated_cycles(&found[0]) <= best, "{} > {best}", estimated_cycles(&found[0]));
+    }
+
+    /// An MLP text with block `block`'s GELU made a scale (factor 0.5).
+    fn edited(text: &str, block: usize) -> Graph {
+        let from = format!("name = \"g_{block}\"\nop = \"gelu\"\n");
+        assert!(text.contains(&from));
+        Graph::parse(&text.replacen(&from, &format!("name = \"g_{block}\"\nop = \"scale\"\nfactor = 0.5\n"), 1), "mlp.toml").unwrap()
+    }
+
+    /// The text of `row_partitioned_mlp`.
+    fn row_partitioned_text(blocks: usize) -> String {
+        let mut text = mlp_text(blocks, 64, 256, 768);
+        for b in 0..blocks {
+            for p in ["h", "y"] {
+                text += &format!("[[constraint]]\noperation = \"{p}_{b}\"\norientation = \"normal\"\nrow_partitions = 4\n");
+            }
+        }
+        text
+    }
+
+    /// Each beam program's lowering and home start, in beam order.
+    fn programs_of(b: &Beam) -> Vec<(Lowered, usize)> {
+        b.programs.iter().map(|(_, a, _)| a.as_ref().map(|(a, h)| (a.lowered.clone(), *h)).expect("a beam program")).collect()
+    }
+
+    /// A beam resumed from an earlier build's trace ends with the programs (and finalists) of
+    /// a beam from the start, and resumes as far as the edit allows: after an edit in the last
+    /// block, every product step before the block's; after one in the first block, none; from
+    /// an unrelated workload's trace, none. Over replicated weights (the small MLP) and over
+    /// mixed and home-tile weights (the row-partitioned one).
+    #[test]
+    fn a_resumed_beam_equals_the_beam_from_the_start() {
+        let target = small16();
+        for (name, text) in [("small", mlp_text(4, 37, 64, 96)), ("row-partitioned", row_partitioned_text(4))] {
+            let a = Graph::parse(&text, "mlp.toml").unwrap();
+            let width = DEFAULT_FINALISTS;
+            let (found_a, trace) = finalists_resuming(&a, &target, width, None);
+            found_a.unwrap();
+            assert_eq!(trace.steps.len(), swappable(&a).len() + 1, "{name}");
+            let products = swappable(&a).len();
+            // An unrelated workload (another hidden size): its trace resumes no product step.
+            let other = Graph::parse(&mlp_text(4, 37, 64, 128), "other.toml").unwrap();
+            let (_, other_trace) = finalists_resuming(&other, &target, width, None);
+            for (block, resumed, previous) in [(3, products - 2, &trace), (0, 0, &trace), (3, 0, &other_trace)] {
+                let b = edited(&text, block);
+                let cold = beam(&b, &target, width, None);
+                let warm = beam(&b, &target, width, Some((&Graph::parse(&previous.workload, "t").unwrap(), previous)));
+                assert_eq!((warm.resumed, warm.searched), (resumed, products - resumed), "{name} block {block}");
+                assert_eq!(cold.resumed, 0);
+                assert_eq!(programs_of(&warm), programs_of(&cold), "{name} block {block}");
+                assert_eq!(warm.steps, cold.steps, "{name} block {block}: the traces");
+                let (found, _) = finalists_resuming(&b, &target, width, Some(previous));
+                assert_eq!(found.unwrap(), finalists(&b, &target, width).unwrap(), "{name} block {block}");
+            }
+        }
+    }
+
+    /// A state lowered again from its trace record (`replay`) is the program the beam built by
+    /// extending prefixes: the last step's states, completed, are the beam's programs; and a
+    /// beam resumed from its own trace cut after any step ends with the same programs.
+    #[test]
+    fn replayed_states_equal_the_beams() {
+        let target = small16();
+        for graph in [mlp(3), row_partitioned_mlp(4)] {
+            let cold = beam(&graph, &target, DEFAULT_FINALISTS, None);
+            let last = cold.steps.last().unwrap();
+            let replayed = replay(&last.states, &graph, &target, None, false).unwrap();
+            let completed: Vec<(Lowered, usize)> = replayed.into_iter().map(|s| (complete(s.partial.clone(), &s.oriented, &target, &[]).unwrap().lowered, s.partial.home_from())).collect();
+            assert_eq!(completed, programs_of(&cold));
+            let trace = BeamTrace { workload: workload_structure(&graph), width: DEFAULT_FINALISTS as u64, steps: cold.steps.clone() };
+            for cut in 1..=trace.steps.len() {
+                let cut_trace = BeamTrace { steps: trace.steps[..cut].to_vec(), ..trace.clone() };
+                let warm = beam(&graph, &target, DEFAULT_FINALISTS, Some((&graph, &cut_trace)));
+                assert_eq!(warm.resumed, cut - 1);
+                assert_eq!(programs_of(&warm), programs_of(&cold), "cut {cut}");
+                assert_eq!(warm.steps, cold.steps, "cut {cut}");
+            }
+        }
+        // The mixed and homed states are among those replayed.
+        let cold = beam(&row_partitioned_mlp(4), &target, DEFAULT_FINALISTS, None);
+        assert!(cold.steps.iter().flat_map(|s| &s.states).any(|r| r.home_from != u64::MAX), "{:?}", cold.steps);
     }
 
     /// Four blocks at four row partitions on 16 tiles: replicated, the eight weights take
