@@ -198,32 +198,116 @@ fn identical_steps(old: &Graph, trace: &BeamTrace, graph: &Graph, width: usize, 
     done
 }
 
-/// The states a trace step kept, lowered again over `graph` up to original operation `next`
-/// (the step's next product), as the beam had them: the same program from the start as the
-/// beam built by extensions (see `replayed_states_equal_the_beams`). With `carry`, a state
-/// with replicated weights also gets its program lowered with home-tile weights (the beam's
-/// carried prefix; a speed matter only). None when one does not lower (then nothing is
-/// resumed).
-fn replay(records: &[TracedState], graph: &Graph, target: &Target, next: Option<usize>, carry: bool) -> Option<Vec<State>> {
-    records
-        .par_iter()
+/// The states trace step `last` kept, lowered again over `graph` (up to the step's next
+/// product), as the beam had them: the same programs from the start as the beam built by
+/// extensions (see `replayed_states_equal_the_beams`). With `carry`, a state whose weights are
+/// not all on home tiles also gets its program lowered with home-tile weights (the beam's
+/// carried prefix; a speed matter only, left out where it does not lower). None when a state
+/// does not lower (then nothing is resumed).
+fn replay(records: &[TracedState], products: &[usize], last: usize, graph: &Graph, target: &Target, carry: bool) -> Option<Vec<State>> {
+    // The programs to lower: (swapped, home start), each once.
+    let mut items: Vec<(BTreeSet<usize>, usize)> = Vec::new();
+    let index = |items: &mut Vec<(BTreeSet<usize>, usize)>, item: (BTreeSet<usize>, usize)| match items.iter().position(|i| *i == item) {
+        Some(i) => i,
+        None => {
+            items.push(item);
+            items.len() - 1
+        }
+    };
+    let wanted: Vec<(usize, Option<usize>)> = records
+        .iter()
         .map(|r| {
-            let swapped = r.swapped_set();
-            let oriented = Arc::new(orient_until(graph, &swapped, next.unwrap_or(usize::MAX)).ok()?);
-            let end = end_before(&oriented, next);
-            let start = match r.home_from() {
+            let own = index(&mut items, (r.swapped_set(), r.home_from()));
+            let home = (carry && r.home_from() != 0).then(|| index(&mut items, (r.swapped_set(), 0)));
+            (own, home)
+        })
+        .collect();
+    let replay = Replay { items: &items, products, last, graph, target };
+    let mut lowered: Vec<Option<Lowering>> = vec![None; items.len()];
+    for (i, program) in replay.groups(&(0..items.len()).collect::<Vec<_>>(), 0).into_par_iter().map(|group| replay.lower_group(group, 0, None)).flatten().collect::<Vec<_>>() {
+        lowered[i] = program;
+    }
+    wanted
+        .into_iter()
+        .zip(records)
+        .map(|((own, home), r)| {
+            let (oriented, partial) = lowered[own].clone()?;
+            let home = home.and_then(|h| lowered[h].clone()).map(|(oriented, partial)| Arc::new(HomePrefix { oriented, partial }));
+            Some(State { swapped: r.swapped_set(), oriented, partial, home })
+        })
+        .collect()
+}
+
+/// Programs of a trace step lowered again (`replay`), sharing their common prefixes as the
+/// beam did: programs that agree on the products extended up to a step (and on their home
+/// start) are lowered once up to that step's next product, then extended apart.
+struct Replay<'a> {
+    items: &'a [(BTreeSet<usize>, usize)],
+    products: &'a [usize],
+    /// The trace step of the programs.
+    last: usize,
+    graph: &'a Graph,
+    target: &'a Target,
+}
+
+/// A lowered program prefix: its orientation and the prefix.
+type Lowering = (Arc<Oriented>, Partial);
+
+impl Replay<'_> {
+    /// Item `i` as of step `step`: its swapped products among those extended by then, and its
+    /// home start.
+    fn key(&self, i: usize, step: usize) -> (Vec<usize>, usize) {
+        let (swapped, home) = &self.items[i];
+        (swapped.iter().copied().filter(|p| self.products[..step.min(self.products.len())].contains(p)).collect(), *home)
+    }
+
+    /// `members` partitioned by their key at `step`, in order of first member.
+    fn groups(&self, members: &[usize], step: usize) -> Vec<Vec<usize>> {
+        let mut groups: Vec<((Vec<usize>, usize), Vec<usize>)> = Vec::new();
+        for &i in members {
+            let k = self.key(i, step);
+            match groups.iter_mut().find(|g| g.0 == k) {
+                Some(g) => g.1.push(i),
+                None => groups.push((k, vec![i])),
+            }
+        }
+        groups.into_iter().map(|g| g.1).collect()
+    }
+
+    /// The program of key `key` at `step`, lowered up to that step's next product: extending
+    /// `start` where its prefix is compatible, else from the start.
+    fn lower(&self, key: &(Vec<usize>, usize), step: usize, start: Option<&Lowering>) -> Option<Lowering> {
+        let next = self.products.get(step).copied();
+        let swapped: BTreeSet<usize> = key.0.iter().copied().collect();
+        let oriented = Arc::new(orient_until(self.graph, &swapped, next.unwrap_or(usize::MAX)).ok()?);
+        let end = end_before(&oriented, next);
+        let base = match start {
+            Some((o, p)) if p.lowered_operations() <= end && prefix_compatible(o, &oriented, p.lowered_operations()) => p.clone(),
+            _ => match key.1 {
                 usize::MAX => Partial::new(false),
                 0 => Partial::new(true),
                 from => Partial::homing_from(from),
-            };
-            let partial = extend(start, &oriented, target, &[], end).ok()?;
-            let home = (carry && !partial.home_weights())
-                .then(|| extend(Partial::new(true), &oriented, target, &[], end).ok())
-                .flatten()
-                .map(|partial| Arc::new(HomePrefix { oriented: oriented.clone(), partial }));
-            Some(State { swapped, oriented, partial, home })
-        })
-        .collect()
+            },
+        };
+        let partial = extend(base, &oriented, self.target, &[], end).ok()?;
+        Some((oriented, partial))
+    }
+
+    /// The programs of `members` (the same key at `step`), from `start`: lowered once up to
+    /// the last step they all agree on, then each group of them that agrees on the next step
+    /// extended from there, in parallel.
+    fn lower_group(&self, members: Vec<usize>, step: usize, start: Option<Lowering>) -> Vec<(usize, Option<Lowering>)> {
+        let split = (step + 1..=self.last).find(|&s| self.groups(&members, s).len() > 1);
+        let shared_step = split.map_or(self.last, |s| s - 1);
+        let shared = self.lower(&self.key(members[0], shared_step), shared_step, start.as_ref());
+        let Some(split) = split else {
+            return members.into_iter().map(|i| (i, shared.clone())).collect();
+        };
+        let Some(shared) = shared else {
+            return members.into_iter().map(|i| (i, None)).collect();
+        };
+        self.groups(&members, split).into_par_iter().map(|group| self.lower_group(group, split, Some(shared.clone()))).flatten().collect()
+    }
 }
 
 /// The user's orientation constraints: products that must, and that must not, be swapped.
@@ -542,7 +626,7 @@ fn beam(graph: &Graph, target: &Target, width: usize, previous: Option<(&Graph, 
         // prefixes (as the loop below starts its carry).
         let carry = trace.steps[..done].iter().any(|s| s.states.iter().any(|r| r.home_from == 0));
         let next = products.get(last).copied();
-        match replay(&trace.steps[last].states, graph, target, next, carry && next.is_some()) {
+        match replay(&trace.steps[last].states, &products, last, graph, target, carry && next.is_some()) {
             Some(states) => Some((done, states, carry)),
             None => {
                 debug!(steps = done, "a traced state does not lower again; searching the plan beam from the start");
@@ -1258,7 +1342,7 @@ mod tests {
         for graph in [mlp(3), row_partitioned_mlp(4)] {
             let cold = beam(&graph, &target, DEFAULT_FINALISTS, None);
             let last = cold.steps.last().unwrap();
-            let replayed = replay(&last.states, &graph, &target, None, false).unwrap();
+            let replayed = replay(&last.states, &swappable(&graph), cold.steps.len() - 1, &graph, &target, false).unwrap();
             let completed: Vec<(Lowered, usize)> = replayed.into_iter().map(|s| (complete(s.partial.clone(), &s.oriented, &target, &[]).unwrap().lowered, s.partial.home_from())).collect();
             assert_eq!(completed, programs_of(&cold));
             let trace = BeamTrace { workload: workload_structure(&graph), width: DEFAULT_FINALISTS as u64, steps: cold.steps.clone() };
