@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::hash::{Digest, KeyHasher};
 use crate::ir::Graph;
+use crate::lower::search::BeamTrace;
 use crate::target::Target;
 
 /// Bump when any stage's output format or meaning changes.
@@ -23,6 +24,9 @@ pub trait StageStore: Send + Sync {
 /// One value of this process (with its digest) under the key it was made for, taken by its
 /// one reader.
 pub(crate) type KeyedSlot<T> = Arc<Mutex<Option<(Digest, Staged<T>)>>>;
+
+/// The latest plan-beam trace of this process, under its key (`Database::beam_trace`).
+type TraceSlot = Arc<Mutex<Option<(Digest, Arc<BeamTrace>)>>>;
 
 /// Ranged results of one stage in this process (`Database::ranged`).
 pub(crate) type RangedMemo<T> = Arc<Mutex<Vec<(Digest, crate::lower::host::RateRange, Staged<T>)>>>;
@@ -203,7 +207,7 @@ pub struct Database {
     /// The latest plan-beam trace `lower_mid` made, under its key (`Database::beam_trace`):
     /// the next build of an edited workload resumes the beam from it, with or without a disk
     /// cache (`ipuq watch`).
-    beam_trace_memo: Arc<Mutex<Option<(Digest, Arc<crate::lower::search::BeamTrace>)>>>,
+    beam_trace_memo: TraceSlot,
 }
 
 #[salsa::db]
@@ -291,7 +295,7 @@ impl Database {
     /// The latest plan-beam trace kept under `key` (`keep_beam_trace`): this process's, else the
     /// disk store's. An entry that fails its digest or does not decode is ignored with a
     /// warning. None while verifying cache hits (every stage is then computed from the start).
-    pub(crate) fn beam_trace(&self, key: Digest) -> Option<Arc<crate::lower::search::BeamTrace>> {
+    pub(crate) fn beam_trace(&self, key: Digest) -> Option<Arc<BeamTrace>> {
         if self.cache.verify_hits {
             return None;
         }
@@ -307,7 +311,7 @@ impl Database {
             Some((digest, body)) if Digest::of_bytes(body).0[..] == digest[..] => {
                 let mut aligned = rkyv::util::AlignedVec::<16>::new();
                 aligned.extend_from_slice(body);
-                rkyv::from_bytes::<crate::lower::search::BeamTrace, rkyv::rancor::Error>(&aligned).map_err(|e| e.to_string())
+                rkyv::from_bytes::<BeamTrace, rkyv::rancor::Error>(&aligned).map_err(|e| e.to_string())
             }
             _ => Err("the digest does not match the bytes".to_string()),
         };
@@ -322,7 +326,7 @@ impl Database {
 
     /// Keep the plan-beam trace of this build under `key`, in this process and in the disk store
     /// (replacing the previous build's: each workload name keeps its latest).
-    pub(crate) fn keep_beam_trace(&self, key: Digest, trace: crate::lower::search::BeamTrace) {
+    pub(crate) fn keep_beam_trace(&self, key: Digest, trace: BeamTrace) {
         if let Some(store) = &self.cache.store {
             match rkyv::to_bytes::<rkyv::rancor::Error>(&trace) {
                 Ok(body) => {

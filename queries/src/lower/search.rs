@@ -253,17 +253,21 @@ struct Replay<'a> {
 /// A lowered program prefix: its orientation and the prefix.
 type Lowering = (Arc<Oriented>, Partial);
 
+/// A replayed program as of a step: the products it swapped among those extended by then,
+/// and its home start.
+type ReplayKey = (Vec<usize>, usize);
+
 impl Replay<'_> {
     /// Item `i` as of step `step`: its swapped products among those extended by then, and its
     /// home start.
-    fn key(&self, i: usize, step: usize) -> (Vec<usize>, usize) {
+    fn key(&self, i: usize, step: usize) -> ReplayKey {
         let (swapped, home) = &self.items[i];
         (swapped.iter().copied().filter(|p| self.products[..step.min(self.products.len())].contains(p)).collect(), *home)
     }
 
     /// `members` partitioned by their key at `step`, in order of first member.
     fn groups(&self, members: &[usize], step: usize) -> Vec<Vec<usize>> {
-        let mut groups: Vec<((Vec<usize>, usize), Vec<usize>)> = Vec::new();
+        let mut groups: Vec<(ReplayKey, Vec<usize>)> = Vec::new();
         for &i in members {
             let k = self.key(i, step);
             match groups.iter_mut().find(|g| g.0 == k) {
@@ -276,7 +280,7 @@ impl Replay<'_> {
 
     /// The program of key `key` at `step`, lowered up to that step's next product: extending
     /// `start` where its prefix is compatible, else from the start.
-    fn lower(&self, key: &(Vec<usize>, usize), step: usize, start: Option<&Lowering>) -> Option<Lowering> {
+    fn lower(&self, key: &ReplayKey, step: usize, start: Option<&Lowering>) -> Option<Lowering> {
         let next = self.products.get(step).copied();
         let swapped: BTreeSet<usize> = key.0.iter().copied().collect();
         let oriented = Arc::new(orient_until(self.graph, &swapped, next.unwrap_or(usize::MAX)).ok()?);
@@ -1354,9 +1358,30 @@ mod tests {
                 assert_eq!(warm.steps, cold.steps, "cut {cut}");
             }
         }
-        // The mixed and homed states are among those replayed.
-        let cold = beam(&row_partitioned_mlp(4), &target, DEFAULT_FINALISTS, None);
-        assert!(cold.steps.iter().flat_map(|s| &s.states).any(|r| r.home_from != u64::MAX), "{:?}", cold.steps);
+        // A mixed state, as the beam makes one (a replicated prefix, its later products
+        // keeping their weights on home tiles: `Partial::home_later`), replays to the same
+        // program, over each orientation of the last products and from each product on.
+        let graph = mlp(3);
+        let products = swappable(&graph);
+        // Mixed programs that differ from the replicated one (not all do: the comparison must
+        // cover weights on home tiles).
+        let mut homed = 0;
+        for swapped_from in [products.len(), products.len() - 2] {
+            let swapped: BTreeSet<usize> = products[swapped_from..].iter().copied().collect();
+            let oriented = orient(&graph, &swapped).unwrap();
+            for &from in &products[1..] {
+                let cut = end_before(&oriented, Some(from));
+                let prefix = extend(Partial::new(false), &oriented, &target, &[], cut).unwrap();
+                let mixed = extend(prefix.home_later(from), &oriented, &target, &[], oriented.graph.operations.len()).unwrap();
+                let record = TracedState { swapped: swapped.iter().map(|&p| p as u64).collect(), home_from: from as u64 };
+                let replayed = replay(&[record], &products, products.len(), &graph, &target, false).unwrap().pop().unwrap();
+                assert_eq!(replayed.partial.home_from(), from);
+                let expected = complete(mixed, &oriented, &target, &[]).unwrap().lowered;
+                homed += usize::from(expected != lower_with(&oriented, &target, false, &[]).unwrap().lowered);
+                assert_eq!(complete(replayed.partial, &replayed.oriented, &target, &[]).unwrap().lowered, expected, "swapped {swapped:?} from {from}");
+            }
+        }
+        assert!(homed > 0);
     }
 
     /// Four blocks at four row partitions on 16 tiles: replicated, the eight weights take
