@@ -31,8 +31,16 @@
 //! their weights on home tiles, the earlier ones replicated; `mixed_from` derives the start from
 //! the overflow), every weight on aligned home tiles, then rotating homes.
 //!
-//! This file is long (about 1000 lines) because the beam, the feasibility step and the
-//! mixed-weights start share their helpers and their small-program tests.
+//! Resuming across builds: the beam leaves a trace (`BeamTrace`: per product step, the states
+//! it kept, as swapped products and home start). The next build of an edited workload repeats
+//! the steps that are provably identical on its graph (`identical_steps`, over
+//! `build::prefix_identical_across_graphs`), lowers that step's states again (`replay`,
+//! sharing their common prefixes) and searches on from the next product: the same programs
+//! as a beam from the start, so an edit in the last block searches only that block's products.
+//!
+//! This file is long (about 1400 lines) because the beam, its trace and resumption, the
+//! feasibility step and the mixed-weights start share their helpers and their small-program
+//! tests.
 
 use std::cell::Cell;
 use std::collections::BTreeSet;
@@ -762,7 +770,7 @@ pub fn finalists(graph: &Graph, target: &Target, keep: usize) -> Result<Vec<Lowe
 }
 
 /// [`finalists`], the plan beam resuming from `previous`, the trace of an earlier build's beam
-/// over the same target and `keep` (the same finalists as without it: see [`beam`]), and this
+/// over the same target and `keep` (the same finalists as without it: see `beam`), and this
 /// build's trace, for the next build. A trace whose workload does not parse is ignored.
 pub fn finalists_resuming(graph: &Graph, target: &Target, keep: usize, previous: Option<&BeamTrace>) -> (Result<Vec<Lowered>, LowerError>, BeamTrace) {
     let old = previous.and_then(|t| match Graph::parse(&t.workload, "the previous build's plan beam") {
