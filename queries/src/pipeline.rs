@@ -26,7 +26,7 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use crate::db::{digest_of, BEAM_TRACE_STAGE, BEAM_TRACE_VERSION, exchange_target, graph, lowering_target, memory_target, selection_target, target, CompileError, Database, Db, Sources, StageCache, StageResult, Staged};
+use crate::db::{digest_of, exchange_target, graph, lowering_target, memory_target, selection_target, target, CompileError, Database, Db, Sources, StageCache, StageResult, Staged, BEAM_TRACE_STAGE, BEAM_TRACE_VERSION};
 use crate::emit::{assemble_package, build_tile, log_support_memory, tile_inputs, SupportMemory, TileBody};
 use crate::exchange::{self, Destination, PhaseRequest, Schedule};
 use crate::exchange_placement::{check_placement, search_exchange_placement, search_exchange_placement_from, Baseline};
