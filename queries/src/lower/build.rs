@@ -553,9 +553,10 @@ impl<'a> Builder<'a> {
                 return Ok(Held { buffer, block: block.to_vec(), dtype, panel, tight_last });
             }
         }
-        let name = self.graph.value(value).name.clone();
+        let graph = self.graph;
+        let name = &graph.value(value).name;
         let mut held = Held { buffer: u32::MAX, block: block.to_vec(), dtype, panel, tight_last };
-        let buffer = self.buffer(tile, held.stored_elements() * dtype.bytes() as u64, AllocationKind::Data, prefer_interleaved, &name);
+        let buffer = self.buffer(tile, held.stored_elements() * dtype.bytes() as u64, AllocationKind::Data, prefer_interleaved, name);
         held.buffer = buffer;
         if !is_stored && chain.is_matrix_transpose() {
             // The host writes a transposed block: each row of it is one strided segment
@@ -574,22 +575,31 @@ impl<'a> Builder<'a> {
             return Ok(held);
         }
         let rank = block.len();
-        let rows: Vec<u32> = block[..rank - 1].iter().map(|r| r.1 - r.0).collect();
-        let row_count: u64 = rows.iter().map(|&r| r as u64).product();
+        let row_count: u64 = block[..rank - 1].iter().map(|r| (r.1 - r.0) as u64).product();
         let (c0, c1) = block[rank - 1];
-        let mut index = vec![0u32; rank];
+        // The first element of the row at hand; rows advance in row-major order, the axis
+        // before the last fastest (an odometer over the leading axes).
+        let mut index: Vec<u32> = block.iter().map(|r| r.0).collect();
         // The source cells met so far (cell, block, held there, tile), in the order met, and
         // the last one used: a row's pieces mostly come from the cells the previous row's did,
-        // in the same order, so the last one or the one after it holds the next piece.
+        // in the same order, so the last one or the one after it holds the next piece, and the
+        // one the previous row started from holds the row's first piece. Else the cell is
+        // looked up among those met (`met`: (cell, its place in `sources`), sorted by cell).
         let mut source: usize = 0;
+        let mut row_source: usize = 0;
         let mut sources: Vec<SourceCell> = Vec::new();
+        let mut met: Vec<(usize, usize)> = Vec::new();
         // The base index of the piece at hand (`ViewChain::map_run_into`, one table reused).
         let mut mapped: Vec<u32> = Vec::with_capacity(rank);
         for row in 0..row_count {
-            let mut rest = row;
-            for a in (0..rank - 1).rev() {
-                index[a] = block[a].0 + (rest % rows[a] as u64) as u32;
-                rest /= rows[a] as u64;
+            if row > 0 {
+                for a in (0..rank - 1).rev() {
+                    index[a] += 1;
+                    if index[a] < block[a].1 {
+                        break;
+                    }
+                    index[a] = block[a].0;
+                }
             }
             let mut c = c0;
             while c < c1 {
@@ -612,23 +622,28 @@ impl<'a> Builder<'a> {
                     }
                     _ => {
                         let inside = |b: &[(u32, u32)]| b.iter().zip(base_index).all(|(r, &i)| r.0 <= i && i < r.1);
-                        let guess = [source, source + 1, 0].into_iter().find(|&at| sources.get(at).is_some_and(|s| inside(&s.1)));
+                        let candidates = if c == c0 { [row_source, source, source + 1] } else { [source, source + 1, row_source] };
+                        let guess = candidates.into_iter().find(|&at| sources.get(at).is_some_and(|s| inside(&s.1)));
                         source = match guess {
                             Some(at) => at,
                             None => {
                                 let grid = &self.stored[&chain.base].grid;
                                 let cell = grid.cell_of(base_index);
-                                match sources.iter().position(|s| s.0 == cell) {
-                                    Some(at) => at,
-                                    None => {
+                                match met.binary_search_by_key(&cell, |m| m.0) {
+                                    Ok(at) => met[at].1,
+                                    Err(slot) => {
                                         let cell_block = grid.cell_block(cell);
                                         let held = Held::plain(grid.buffers[cell], cell_block.clone(), dtype);
                                         sources.push((cell, cell_block, held, grid.tiles[cell]));
+                                        met.insert(slot, (cell, sources.len() - 1));
                                         sources.len() - 1
                                     }
                                 }
                             }
                         };
+                        if c == c0 {
+                            row_source = source;
+                        }
                         let (_, cell_block, src_held, src_tile) = &sources[source];
                         let src_tile = *src_tile;
                         let last = cell_block.len() - 1;
@@ -642,7 +657,7 @@ impl<'a> Builder<'a> {
                             let src_offset = src.offset * dtype.bytes();
                             let ends_rows = base_index[last] + piece == cell_block[last].1 && held.row_ends_at(c + piece);
                             if !src_offset.is_multiple_of(4) || !dst_offset.is_multiple_of(4) || (!bytes.is_multiple_of(4) && !ends_rows) {
-                                return Err(LowerError::SubWord { operation: self.operation_name.clone(), value: name, offset: base_index[last], dtype: dtype.name() });
+                                return Err(LowerError::SubWord { operation: self.operation_name.clone(), value: name.clone(), offset: base_index[last], dtype: dtype.name() });
                             }
                             // A whole source row into a whole tight last panel row of the same
                             // stride moves with its padding, so consecutive rows form one run.
@@ -1569,10 +1584,13 @@ thread_local! {
     static SPARE_BUCKETS: Cell<(Vec<u32>, Vec<u128>)> = const { Cell::new((Vec::new(), Vec::new())) };
 }
 
-/// Word moves of an exchange phase being gathered, in the order gathered.
+/// Word moves of an exchange phase being gathered, in the order gathered, and the lowest and
+/// highest source buffer among them (meaningless while there are none).
 #[derive(Clone, Default)]
 struct Moves {
     moves: Vec<Move>,
+    low: u32,
+    high: u32,
 }
 
 impl Drop for Moves {
@@ -1593,6 +1611,11 @@ impl Moves {
         if self.moves.capacity() == 0 {
             self.moves = SPARE_MOVES.with(Cell::take);
         }
+        if self.moves.is_empty() {
+            (self.low, self.high) = (source.0, source.0);
+        } else {
+            (self.low, self.high) = (self.low.min(source.0), self.high.max(source.0));
+        }
         self.moves.push((source.0, source.1, words, destination));
     }
 
@@ -1610,8 +1633,8 @@ impl Moves {
         // offset, words, destination buffer, destination offset) in one u128.
         // Buckets are indexed from the lowest source buffer (a phase mostly reads the buffers
         // of a few recent operations), positions as u32 (a phase holds fewer than 2^32 moves).
-        let low = self.moves.iter().map(|m| m.0).min().unwrap_or(0);
-        let buffers = self.moves.iter().map(|m| (m.0 - low) as usize + 1).max().unwrap_or(0);
+        let low = self.low;
+        let buffers = if self.moves.is_empty() { 0 } else { (self.high - low) as usize + 1 };
         let (mut starts, mut sorted) = SPARE_BUCKETS.with(Cell::take);
         starts.clear();
         starts.resize(buffers + 1, 0);
