@@ -1572,55 +1572,68 @@ fn touch(buffers: &mut [BufferDecl], buffer: u32, step: u32) {
     b.last_step = b.last_step.max(step);
 }
 
-/// A word move: (source buffer, source byte offset, words, destination (buffer, byte offset)).
-type Move = (u32, u32, u32, Place);
-
+/// A word move's sort key within its source buffer: (source byte offset, words, destination
+/// buffer, destination byte offset), most significant first, in one u128.
+fn move_key(offset: u32, words: u32, destination: Place) -> u128 {
+    (offset as u128) << 96 | (words as u128) << 64 | (destination.0 as u128) << 32 | destination.1 as u128
+}
 
 thread_local! {
     /// Storage a finished lowering's moves leave to the next lowering on the thread (phases
     /// gather up to millions of moves: growing a fresh table each time costs more than sorting it).
-    static SPARE_MOVES: Cell<Vec<Move>> = const { Cell::new(Vec::new()) };
+    static SPARE_MOVES: Cell<(Vec<u128>, Vec<(u32, u32)>)> = const { Cell::new((Vec::new(), Vec::new())) };
     /// The bucket starts and bucketed moves of `Moves::drain_into_transfers`, kept likewise.
     static SPARE_BUCKETS: Cell<(Vec<u32>, Vec<u128>)> = const { Cell::new((Vec::new(), Vec::new())) };
 }
 
-/// Word moves of an exchange phase being gathered, in the order gathered, and the lowest and
-/// highest source buffer among them (meaningless while there are none).
+/// Word moves of an exchange phase being gathered, in the order gathered: each move's key
+/// (`move_key`), and the chunks of consecutive moves from one source buffer (source buffer,
+/// first move); a gather reads the rows of one source cell after another, so chunks are long.
+/// Also the lowest and highest source buffer (meaningless while there are no moves).
 #[derive(Clone, Default)]
 struct Moves {
-    moves: Vec<Move>,
+    keys: Vec<u128>,
+    chunks: Vec<(u32, u32)>,
     low: u32,
     high: u32,
 }
 
 impl Drop for Moves {
-    /// The table's storage (emptied) goes to the thread's spare when it is the larger.
+    /// The tables' storage (emptied) goes to the thread's spare when it is the larger.
     fn drop(&mut self) {
-        if self.moves.capacity() > 0 {
-            self.moves.clear();
+        if self.keys.capacity() > 0 {
+            self.keys.clear();
+            self.chunks.clear();
             SPARE_MOVES.with(|spare| {
                 let kept = spare.take();
-                spare.set(if kept.capacity() >= self.moves.capacity() { kept } else { std::mem::take(&mut self.moves) });
+                spare.set(if kept.0.capacity() >= self.keys.capacity() { kept } else { (std::mem::take(&mut self.keys), std::mem::take(&mut self.chunks)) });
             });
         }
     }
 }
 
 impl Moves {
+    /// Move `words` words from `source` to `destination`.
     fn push(&mut self, source: Place, words: u32, destination: Place) {
-        if self.moves.capacity() == 0 {
-            self.moves = SPARE_MOVES.with(Cell::take);
+        if self.keys.capacity() == 0 {
+            (self.keys, self.chunks) = SPARE_MOVES.with(Cell::take);
         }
-        if self.moves.is_empty() {
-            (self.low, self.high) = (source.0, source.0);
-        } else {
-            (self.low, self.high) = (self.low.min(source.0), self.high.max(source.0));
+        match self.chunks.last() {
+            None => {
+                (self.low, self.high) = (source.0, source.0);
+                self.chunks.push((source.0, 0));
+            }
+            Some(&(buffer, _)) if buffer == source.0 => {}
+            Some(_) => {
+                (self.low, self.high) = (self.low.min(source.0), self.high.max(source.0));
+                self.chunks.push((source.0, self.keys.len() as u32));
+            }
         }
-        self.moves.push((source.0, source.1, words, destination));
+        self.keys.push(move_key(source.1, words, destination));
     }
 
     fn is_empty(&self) -> bool {
-        self.moves.is_empty()
+        self.keys.is_empty()
     }
 
     /// The phase's transfers, and the moves emptied (their capacity serves this lowering's
@@ -1629,32 +1642,41 @@ impl Moves {
     /// transfer whose source and destinations continue the previous one's (consecutive rows)
     /// extends it. `touch` sees each source buffer once, then each move's destination buffer.
     fn drain_into_transfers(&mut self, mut touch: impl FnMut(u32)) -> Vec<Transfer> {
-        // Bucket the moves by source buffer (counting sort), each as its sort key: (source
-        // offset, words, destination buffer, destination offset) in one u128.
+        // Bucket the moves by source buffer (a counting sort of the chunks, each chunk's keys
+        // copied whole), then sort each bucket.
         // Buckets are indexed from the lowest source buffer (a phase mostly reads the buffers
         // of a few recent operations), positions as u32 (a phase holds fewer than 2^32 moves).
         let low = self.low;
-        let buffers = if self.moves.is_empty() { 0 } else { (self.high - low) as usize + 1 };
+        let buffers = if self.keys.is_empty() { 0 } else { (self.high - low) as usize + 1 };
         let (mut starts, mut sorted) = SPARE_BUCKETS.with(Cell::take);
+        let chunk_end = |i: usize| self.chunks.get(i + 1).map_or(self.keys.len(), |c| c.1 as usize);
         starts.clear();
         starts.resize(buffers + 1, 0);
-        for m in &self.moves {
-            starts[(m.0 - low) as usize + 1] += 1;
+        for (i, &(buffer, first)) in self.chunks.iter().enumerate() {
+            starts[(buffer - low) as usize + 1] += (chunk_end(i) - first as usize) as u32;
         }
         for b in 0..buffers {
             starts[b + 1] += starts[b];
         }
         // Every slot below the moves' count is written once below: no need to clear it.
-        if sorted.len() < self.moves.len() {
-            sorted.resize(self.moves.len(), 0);
+        if sorted.len() < self.keys.len() {
+            sorted.resize(self.keys.len(), 0);
         }
-        // Each move to its bucket's next slot (`starts[b]` advances; bucket b then ends there).
-        for &(buffer, offset, words, (to, at)) in &self.moves {
-            let at_slot = &mut starts[(buffer - low) as usize];
-            sorted[*at_slot as usize] = (offset as u128) << 96 | (words as u128) << 64 | (to as u128) << 32 | at as u128;
-            *at_slot += 1;
+        // Each chunk to its bucket's next slots (`starts[b]` advances; bucket b then ends there).
+        for (i, &(buffer, first)) in self.chunks.iter().enumerate() {
+            let keys = &self.keys[first as usize..chunk_end(i)];
+            let at = &mut starts[(buffer - low) as usize];
+            let slots = &mut sorted[*at as usize..*at as usize + keys.len()];
+            // Most chunks are a move or two (a row's pieces from cells side by side).
+            if let ([slot], [key]) = (&mut *slots, keys) {
+                *slot = *key;
+            } else {
+                slots.copy_from_slice(keys);
+            }
+            *at += keys.len() as u32;
         }
-        self.moves.clear();
+        self.keys.clear();
+        self.chunks.clear();
         let mut out: Vec<Transfer> = Vec::new();
         for bucket in 0..buffers {
             let moves = &mut sorted[if bucket == 0 { 0 } else { starts[bucket - 1] as usize }..starts[bucket] as usize];
@@ -1702,6 +1724,86 @@ fn unshare<T: Clone>(shared: Arc<T>) -> T {
 #[cfg(test)]
 mod tests {
     use super::{panel_width, Moves, Place, Transfer};
+    use crate::exchange::synthetic::SplitMix64;
+
+    /// The plain construction of a phase's transfers: all moves sorted by (source, words,
+    /// destination), one transfer per (source, words) with its destinations, then transfers
+    /// whose source and destinations continue the previous one's merged.
+    fn plain_transfers(moves: &[(Place, u32, Place)]) -> Vec<Transfer> {
+        let mut expected: Vec<Transfer> = Vec::new();
+        let mut sorted = moves.to_vec();
+        sorted.sort();
+        for m in &sorted {
+            match expected.last_mut() {
+                Some(t) if t.source == m.0 && t.words == m.1 => t.destinations.push(m.2),
+                _ => expected.push(Transfer { source: m.0, words: m.1, destinations: vec![m.2] }),
+            }
+        }
+        let mut merged: Vec<Transfer> = Vec::new();
+        for t in expected {
+            if let Some(last) = merged.last_mut() {
+                if last.source.0 == t.source.0
+                    && last.source.1 + last.words * 4 == t.source.1
+                    && last.destinations.len() == t.destinations.len()
+                    && last.destinations.iter().zip(&t.destinations).all(|(a, b)| a.0 == b.0 && a.1 + last.words * 4 == b.1)
+                {
+                    last.words += t.words;
+                    continue;
+                }
+            }
+            merged.push(t);
+        }
+        merged
+    }
+
+    /// Random phases as gathers make them (rows of source cells to rows of destination
+    /// blocks: runs from one source buffer, rows split over cells side by side, multicast
+    /// rows, some rows contiguous so that they merge) become the plain construction's
+    /// transfers, table after table in one `Moves`.
+    #[test]
+    fn random_gathers_become_the_plain_transfers() {
+        let mut rng = SplitMix64(22);
+        let mut table = Moves::default();
+        for round in 0..60 {
+            let mut moves: Vec<(Place, u32, Place)> = Vec::new();
+            let sources = rng.between(1, 12);
+            let first_source = rng.between(0, 40);
+            let mut destination = 100 + rng.below(50);
+            for _ in 0..rng.between(1, 30) {
+                // A destination block: rows whose pieces come from `cells` source buffers side
+                // by side, each piece `words` long; source rows `stride` words apart.
+                destination += 1;
+                let rows = rng.between(1, 20);
+                let cells = rng.between(1, sources.min(4));
+                let words = rng.between(1, 6);
+                let stride = if rng.chance(50) { words } else { words + rng.between(1, 3) };
+                let first_cell = first_source + rng.below(sources);
+                let row0 = rng.below(8);
+                for r in 0..rows {
+                    for c in 0..cells {
+                        let source = (first_cell + c, (row0 + r) * stride * 4);
+                        moves.push((source, words, (destination, (r * cells + c) * words * 4)));
+                    }
+                }
+            }
+            let expected = plain_transfers(&moves);
+            // Gathered in this order, or rows of every destination interleaved.
+            if round % 2 == 1 {
+                moves.sort_by_key(|&(s, w, (d, at))| (at, s, w, d));
+            }
+            for &(source, words, destination) in &moves {
+                table.push(source, words, destination);
+            }
+            let mut touched = std::collections::BTreeSet::new();
+            let transfers = table.drain_into_transfers(|b| {
+                touched.insert(b);
+            });
+            assert_eq!(transfers, expected, "round {round}");
+            assert!(table.is_empty());
+            let buffers: std::collections::BTreeSet<u32> = moves.iter().flat_map(|m| [m.0 .0, m.2 .0]).collect();
+            assert_eq!(touched, buffers, "round {round}");
+        }
+    }
 
     /// A phase's moves become the transfers of the plain construction: all moves sorted by
     /// (source, words, destination), one transfer per (source, words) with its destinations,
@@ -1724,29 +1826,7 @@ mod tests {
         let mut shuffled = gathered.clone();
         shuffled.sort_by_key(|&((b, o), _, (t, a))| (a.wrapping_mul(2654435761) ^ o, b, t));
         for moves in [&gathered, &shuffled] {
-            let mut expected: Vec<Transfer> = Vec::new();
-            let mut sorted = moves.clone();
-            sorted.sort();
-            for m in &sorted {
-                match expected.last_mut() {
-                    Some(t) if t.source == m.0 && t.words == m.1 => t.destinations.push(m.2),
-                    _ => expected.push(Transfer { source: m.0, words: m.1, destinations: vec![m.2] }),
-                }
-            }
-            let mut merged: Vec<Transfer> = Vec::new();
-            for t in expected {
-                if let Some(last) = merged.last_mut() {
-                    if last.source.0 == t.source.0
-                        && last.source.1 + last.words * 4 == t.source.1
-                        && last.destinations.len() == t.destinations.len()
-                        && last.destinations.iter().zip(&t.destinations).all(|(a, b)| a.0 == b.0 && a.1 + last.words * 4 == b.1)
-                    {
-                        last.words += t.words;
-                        continue;
-                    }
-                }
-                merged.push(t);
-            }
+            let merged = plain_transfers(moves);
             let mut table = Moves::default();
             for round in 0..2 {
                 for &(source, words, destination) in moves.iter() {
