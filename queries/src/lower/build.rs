@@ -94,14 +94,19 @@ impl Held {
         }
         let w = self.panel;
         let rows = self.block[rank - 2].1 - self.block[rank - 2].0;
-        let c = index[rank - 1] - cols.0;
         let r = index[rank - 2] - self.block[rank - 2].0;
         let batch = if rank == 3 { index[0] - self.block[0].0 } else { 0 };
-        let full = (cols.1 - cols.0) / w;
-        let last = if (cols.1 - cols.0) % w > 0 { self.last_panel_stride() } else { 0 };
+        // Whole panels and the last one's width; the panel holding the column, and the column in it.
+        let (full, rest) = ((cols.1 - cols.0) / w, (cols.1 - cols.0) % w);
+        let (panel, c) = ((index[rank - 1] - cols.0) / w, (index[rank - 1] - cols.0) % w);
+        let last = match rest {
+            0 => 0,
+            rest if self.tight_last => row_stride(rest, self.dtype),
+            _ => w,
+        };
         let per_batch = full * rows * w + rows * last;
-        let stride = if c / w == full { last } else { w };
-        let offset = batch * per_batch + (c / w) * rows * w + r * stride + c % w;
+        let stride = if panel == full { last } else { w };
+        let offset = batch * per_batch + panel * rows * w + r * stride + c;
         Loc { buffer: self.buffer, offset, row_stride: w, dtype_bytes: self.dtype.bytes() }
     }
 
@@ -180,8 +185,8 @@ struct Builder<'a> {
     gathered: Gathered,
 }
 
-/// A source cell `gather` met: (cell, its block, the block as held there, its tile).
-type SourceCell = (usize, Vec<(u32, u32)>, Held, u32);
+/// A source cell `gather` met: (cell, its block as held there, its tile).
+type SourceCell = (usize, Held, u32);
 
 /// (tile, block, panel width, prefers interleaved memory, tight last panel) of a gathered
 /// block of a value.
@@ -623,7 +628,7 @@ impl<'a> Builder<'a> {
                     _ => {
                         let inside = |b: &[(u32, u32)]| b.iter().zip(base_index).all(|(r, &i)| r.0 <= i && i < r.1);
                         let candidates = if c == c0 { [row_source, source, source + 1] } else { [source, source + 1, row_source] };
-                        let guess = candidates.into_iter().find(|&at| sources.get(at).is_some_and(|s| inside(&s.1)));
+                        let guess = candidates.into_iter().find(|&at| sources.get(at).is_some_and(|s| inside(&s.1.block)));
                         source = match guess {
                             Some(at) => at,
                             None => {
@@ -632,9 +637,7 @@ impl<'a> Builder<'a> {
                                 match met.binary_search_by_key(&cell, |m| m.0) {
                                     Ok(at) => met[at].1,
                                     Err(slot) => {
-                                        let cell_block = grid.cell_block(cell);
-                                        let held = Held::plain(grid.buffers[cell], cell_block.clone(), dtype);
-                                        sources.push((cell, cell_block, held, grid.tiles[cell]));
+                                        sources.push((cell, Held::plain(grid.buffers[cell], grid.cell_block(cell), dtype), grid.tiles[cell]));
                                         met.insert(slot, (cell, sources.len() - 1));
                                         sources.len() - 1
                                     }
@@ -644,8 +647,8 @@ impl<'a> Builder<'a> {
                         if c == c0 {
                             row_source = source;
                         }
-                        let (_, cell_block, src_held, src_tile) = &sources[source];
-                        let src_tile = *src_tile;
+                        let (_, src_held, src_tile) = &sources[source];
+                        let (cell_block, src_tile) = (&src_held.block, *src_tile);
                         let last = cell_block.len() - 1;
                         let piece = run.min(cell_block[last].1 - base_index[last]);
                         let src = src_held.loc(base_index);
@@ -796,6 +799,8 @@ impl<'a> Builder<'a> {
         let mut segments: Vec<LSegment> = Vec::new();
         let mut index = vec![0u32; rank];
         let mut base_index: Vec<u32> = Vec::with_capacity(rank);
+        // The cell that held the previous piece: it mostly holds the next one too.
+        let mut current: Option<Held> = None;
         for row in 0..rows {
             let mut rest = row;
             for a in (0..rank - 1).rev() {
@@ -806,10 +811,16 @@ impl<'a> Builder<'a> {
             while c < cols {
                 index[rank - 1] = c;
                 let run = chain.map_run_into(&index, cols - c, &mut base_index);
-                let (cell, cell_block) = stored.grid.locate(&base_index);
-                let last = cell_block.len() - 1;
-                let piece = run.min(cell_block[last].1 - base_index[last]);
-                let held = Held::plain(stored.grid.buffers[cell], cell_block, stored.dtype);
+                let inside = |h: &Held| h.block.iter().zip(&base_index).all(|(r, &i)| r.0 <= i && i < r.1);
+                let held = match current.take() {
+                    Some(h) if inside(&h) => current.insert(h),
+                    _ => {
+                        let (cell, cell_block) = stored.grid.locate(&base_index);
+                        current.insert(Held::plain(stored.grid.buffers[cell], cell_block, stored.dtype))
+                    }
+                };
+                let last = held.block.len() - 1;
+                let piece = run.min(held.block[last].1 - base_index[last]);
                 let offset = held.loc(&base_index).offset * stored.dtype.bytes();
                 push_segment(&mut segments, LSegment { buffer: held.buffer, offset, element: (row * cols as u64 + c as u64) as u32, count: piece, rows: 1, element_stride: 0, offset_stride: 0, element_step: 1 }, stored.dtype.bytes());
                 c += piece;
