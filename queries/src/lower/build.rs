@@ -1542,7 +1542,8 @@ fn push_segment(segments: &mut Vec<LSegment>, s: LSegment, bytes: u32) {
 }
 
 fn merge_segments(mut segments: Vec<LSegment>, dtype: DType) -> Vec<LSegment> {
-    segments.sort_by_key(|s| (s.buffer, s.offset, s.element));
+    // Unstable sorts order these as stable ones do: no two segments write the same place.
+    segments.sort_unstable_by_key(|s| (s.buffer, s.offset, s.element));
     let mut runs: Vec<LSegment> = Vec::with_capacity(segments.len());
     for s in segments {
         if let Some(last) = runs.last_mut() {
@@ -1554,7 +1555,7 @@ fn merge_segments(mut segments: Vec<LSegment>, dtype: DType) -> Vec<LSegment> {
         }
         runs.push(s);
     }
-    runs.sort_by_key(|s| (s.buffer, s.element, s.offset));
+    runs.sort_unstable_by_key(|s| (s.buffer, s.element, s.offset));
     let mut out: Vec<LSegment> = Vec::with_capacity(runs.len());
     for s in runs {
         if let Some(last) = out.last_mut() {
@@ -1600,13 +1601,15 @@ thread_local! {
 /// Word moves of an exchange phase being gathered, in the order gathered: each move's key
 /// (`move_key`), and the chunks of consecutive moves from one source buffer (source buffer,
 /// first move); a gather reads the rows of one source cell after another, so chunks are long.
-/// Also the lowest and highest source buffer (meaningless while there are no moves).
+/// Also the lowest and highest source buffer (meaningless while there are no moves), and the
+/// destination buffers, each once per stretch of consecutive moves into it.
 #[derive(Clone, Default)]
 struct Moves {
     keys: Vec<u128>,
     chunks: Vec<(u32, u32)>,
     low: u32,
     high: u32,
+    destinations: Vec<u32>,
 }
 
 impl Drop for Moves {
@@ -1640,6 +1643,9 @@ impl Moves {
                 self.chunks.push((source.0, self.keys.len() as u32));
             }
         }
+        if self.destinations.last() != Some(&destination.0) {
+            self.destinations.push(destination.0);
+        }
         self.keys.push(move_key(source.1, words, destination));
     }
 
@@ -1651,8 +1657,12 @@ impl Moves {
     /// later phases): source buffers in order, each one's moves sorted by (source offset,
     /// words, destination); one transfer per (source, words), its destinations in order; a
     /// transfer whose source and destinations continue the previous one's (consecutive rows)
-    /// extends it. `touch` sees each source buffer once, then each move's destination buffer.
+    /// extends it. `touch` sees each move's source and destination buffer (at least once).
     fn drain_into_transfers(&mut self, mut touch: impl FnMut(u32)) -> Vec<Transfer> {
+        for &buffer in &self.destinations {
+            touch(buffer);
+        }
+        self.destinations.clear();
         // Bucket the moves by source buffer (a counting sort of the chunks, each chunk's keys
         // copied whole), then sort each bucket.
         // Buckets are indexed from the lowest source buffer (a phase mostly reads the buffers
@@ -1704,9 +1714,6 @@ impl Moves {
                 let end = first + moves[first..].iter().take_while(|&&m| m >> 64 == head).count();
                 let group = &moves[first..end];
                 let destination = |m: u128| ((m >> 32) as u32, m as u32);
-                for &m in group {
-                    touch(destination(m).0);
-                }
                 first = end;
                 if let Some(last) = out.last_mut() {
                     let continues = last.source.0 == buffer as u32
