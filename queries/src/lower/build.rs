@@ -1590,10 +1590,13 @@ fn move_key(offset: u32, words: u32, destination: Place) -> u128 {
     (offset as u128) << 96 | (words as u128) << 64 | (destination.0 as u128) << 32 | destination.1 as u128
 }
 
+/// The keys and chunks of `Moves`.
+type MoveTables = (Vec<u128>, Vec<(u32, u32)>);
+
 thread_local! {
     /// Storage a finished lowering's moves leave to the next lowering on the thread (phases
     /// gather up to millions of moves: growing a fresh table each time costs more than sorting it).
-    static SPARE_MOVES: Cell<(Vec<u128>, Vec<(u32, u32)>)> = const { Cell::new((Vec::new(), Vec::new())) };
+    static SPARE_MOVES: Cell<MoveTables> = const { Cell::new((Vec::new(), Vec::new())) };
     /// The bucket starts and bucketed moves of `Moves::drain_into_transfers`, kept likewise.
     static SPARE_BUCKETS: Cell<(Vec<u32>, Vec<u128>)> = const { Cell::new((Vec::new(), Vec::new())) };
 }
