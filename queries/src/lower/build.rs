@@ -94,14 +94,19 @@ impl Held {
         }
         let w = self.panel;
         let rows = self.block[rank - 2].1 - self.block[rank - 2].0;
-        let c = index[rank - 1] - cols.0;
         let r = index[rank - 2] - self.block[rank - 2].0;
         let batch = if rank == 3 { index[0] - self.block[0].0 } else { 0 };
-        let full = (cols.1 - cols.0) / w;
-        let last = if (cols.1 - cols.0) % w > 0 { self.last_panel_stride() } else { 0 };
+        // Whole panels and the last one's width; the panel holding the column, and the column in it.
+        let (full, rest) = ((cols.1 - cols.0) / w, (cols.1 - cols.0) % w);
+        let (panel, c) = ((index[rank - 1] - cols.0) / w, (index[rank - 1] - cols.0) % w);
+        let last = match rest {
+            0 => 0,
+            rest if self.tight_last => row_stride(rest, self.dtype),
+            _ => w,
+        };
         let per_batch = full * rows * w + rows * last;
-        let stride = if c / w == full { last } else { w };
-        let offset = batch * per_batch + (c / w) * rows * w + r * stride + c % w;
+        let stride = if panel == full { last } else { w };
+        let offset = batch * per_batch + panel * rows * w + r * stride + c;
         Loc { buffer: self.buffer, offset, row_stride: w, dtype_bytes: self.dtype.bytes() }
     }
 
@@ -180,8 +185,8 @@ struct Builder<'a> {
     gathered: Gathered,
 }
 
-/// A source cell `gather` met: (cell, its block, the block as held there, its tile).
-type SourceCell = (usize, Vec<(u32, u32)>, Held, u32);
+/// A source cell `gather` met: (cell, its block as held there, its tile).
+type SourceCell = (usize, Held, u32);
 
 /// (tile, block, panel width, prefers interleaved memory, tight last panel) of a gathered
 /// block of a value.
@@ -615,9 +620,10 @@ impl<'a> Builder<'a> {
                 return Ok(Held { buffer, block: block.to_vec(), dtype, panel, tight_last });
             }
         }
-        let name = self.graph.value(value).name.clone();
+        let graph = self.graph;
+        let name = &graph.value(value).name;
         let mut held = Held { buffer: u32::MAX, block: block.to_vec(), dtype, panel, tight_last };
-        let buffer = self.buffer(tile, held.stored_elements() * dtype.bytes() as u64, AllocationKind::Data, prefer_interleaved, &name);
+        let buffer = self.buffer(tile, held.stored_elements() * dtype.bytes() as u64, AllocationKind::Data, prefer_interleaved, name);
         held.buffer = buffer;
         if !is_stored && chain.is_matrix_transpose() {
             // The host writes a transposed block: each row of it is one strided segment
@@ -636,22 +642,31 @@ impl<'a> Builder<'a> {
             return Ok(held);
         }
         let rank = block.len();
-        let rows: Vec<u32> = block[..rank - 1].iter().map(|r| r.1 - r.0).collect();
-        let row_count: u64 = rows.iter().map(|&r| r as u64).product();
+        let row_count: u64 = block[..rank - 1].iter().map(|r| (r.1 - r.0) as u64).product();
         let (c0, c1) = block[rank - 1];
-        let mut index = vec![0u32; rank];
+        // The first element of the row at hand; rows advance in row-major order, the axis
+        // before the last fastest (an odometer over the leading axes).
+        let mut index: Vec<u32> = block.iter().map(|r| r.0).collect();
         // The source cells met so far (cell, block, held there, tile), in the order met, and
         // the last one used: a row's pieces mostly come from the cells the previous row's did,
-        // in the same order, so the last one or the one after it holds the next piece.
+        // in the same order, so the last one or the one after it holds the next piece, and the
+        // one the previous row started from holds the row's first piece. Else the cell is
+        // looked up among those met (`met`: (cell, its place in `sources`), sorted by cell).
         let mut source: usize = 0;
+        let mut row_source: usize = 0;
         let mut sources: Vec<SourceCell> = Vec::new();
+        let mut met: Vec<(usize, usize)> = Vec::new();
         // The base index of the piece at hand (`ViewChain::map_run_into`, one table reused).
         let mut mapped: Vec<u32> = Vec::with_capacity(rank);
         for row in 0..row_count {
-            let mut rest = row;
-            for a in (0..rank - 1).rev() {
-                index[a] = block[a].0 + (rest % rows[a] as u64) as u32;
-                rest /= rows[a] as u64;
+            if row > 0 {
+                for a in (0..rank - 1).rev() {
+                    index[a] += 1;
+                    if index[a] < block[a].1 {
+                        break;
+                    }
+                    index[a] = block[a].0;
+                }
             }
             let mut c = c0;
             while c < c1 {
@@ -674,25 +689,28 @@ impl<'a> Builder<'a> {
                     }
                     _ => {
                         let inside = |b: &[(u32, u32)]| b.iter().zip(base_index).all(|(r, &i)| r.0 <= i && i < r.1);
-                        let guess = [source, source + 1, 0].into_iter().find(|&at| sources.get(at).is_some_and(|s| inside(&s.1)));
+                        let candidates = if c == c0 { [row_source, source, source + 1] } else { [source, source + 1, row_source] };
+                        let guess = candidates.into_iter().find(|&at| sources.get(at).is_some_and(|s| inside(&s.1.block)));
                         source = match guess {
                             Some(at) => at,
                             None => {
                                 let grid = &self.stored[&chain.base].grid;
                                 let cell = grid.cell_of(base_index);
-                                match sources.iter().position(|s| s.0 == cell) {
-                                    Some(at) => at,
-                                    None => {
-                                        let cell_block = grid.cell_block(cell);
-                                        let held = Held::plain(grid.buffers[cell], cell_block.clone(), dtype);
-                                        sources.push((cell, cell_block, held, grid.tiles[cell]));
+                                match met.binary_search_by_key(&cell, |m| m.0) {
+                                    Ok(at) => met[at].1,
+                                    Err(slot) => {
+                                        sources.push((cell, Held::plain(grid.buffers[cell], grid.cell_block(cell), dtype), grid.tiles[cell]));
+                                        met.insert(slot, (cell, sources.len() - 1));
                                         sources.len() - 1
                                     }
                                 }
                             }
                         };
-                        let (_, cell_block, src_held, src_tile) = &sources[source];
-                        let src_tile = *src_tile;
+                        if c == c0 {
+                            row_source = source;
+                        }
+                        let (_, src_held, src_tile) = &sources[source];
+                        let (cell_block, src_tile) = (&src_held.block, *src_tile);
                         let last = cell_block.len() - 1;
                         let piece = run.min(cell_block[last].1 - base_index[last]);
                         let src = src_held.loc(base_index);
@@ -704,7 +722,7 @@ impl<'a> Builder<'a> {
                             let src_offset = src.offset * dtype.bytes();
                             let ends_rows = base_index[last] + piece == cell_block[last].1 && held.row_ends_at(c + piece);
                             if !src_offset.is_multiple_of(4) || !dst_offset.is_multiple_of(4) || (!bytes.is_multiple_of(4) && !ends_rows) {
-                                return Err(LowerError::SubWord { operation: self.operation_name.clone(), value: name, offset: base_index[last], dtype: dtype.name() });
+                                return Err(LowerError::SubWord { operation: self.operation_name.clone(), value: name.clone(), offset: base_index[last], dtype: dtype.name() });
                             }
                             // A whole source row into a whole tight last panel row of the same
                             // stride moves with its padding, so consecutive rows form one run.
@@ -843,6 +861,8 @@ impl<'a> Builder<'a> {
         let mut segments: Vec<LSegment> = Vec::new();
         let mut index = vec![0u32; rank];
         let mut base_index: Vec<u32> = Vec::with_capacity(rank);
+        // The cell that held the previous piece: it mostly holds the next one too.
+        let mut current: Option<Held> = None;
         for row in 0..rows {
             let mut rest = row;
             for a in (0..rank - 1).rev() {
@@ -853,10 +873,16 @@ impl<'a> Builder<'a> {
             while c < cols {
                 index[rank - 1] = c;
                 let run = chain.map_run_into(&index, cols - c, &mut base_index);
-                let (cell, cell_block) = stored.grid.locate(&base_index);
-                let last = cell_block.len() - 1;
-                let piece = run.min(cell_block[last].1 - base_index[last]);
-                let held = Held::plain(stored.grid.buffers[cell], cell_block, stored.dtype);
+                let inside = |h: &Held| h.block.iter().zip(&base_index).all(|(r, &i)| r.0 <= i && i < r.1);
+                let held = match current.take() {
+                    Some(h) if inside(&h) => current.insert(h),
+                    _ => {
+                        let (cell, cell_block) = stored.grid.locate(&base_index);
+                        current.insert(Held::plain(stored.grid.buffers[cell], cell_block, stored.dtype))
+                    }
+                };
+                let last = held.block.len() - 1;
+                let piece = run.min(held.block[last].1 - base_index[last]);
                 let offset = held.loc(&base_index).offset * stored.dtype.bytes();
                 push_segment(&mut segments, LSegment { buffer: held.buffer, offset, element: (row * cols as u64 + c as u64) as u32, count: piece, rows: 1, element_stride: 0, offset_stride: 0, element_step: 1 }, stored.dtype.bytes());
                 c += piece;
@@ -1578,7 +1604,8 @@ fn push_segment(segments: &mut Vec<LSegment>, s: LSegment, bytes: u32) {
 }
 
 fn merge_segments(mut segments: Vec<LSegment>, dtype: DType) -> Vec<LSegment> {
-    segments.sort_by_key(|s| (s.buffer, s.offset, s.element));
+    // Unstable sorts order these as stable ones do: no two segments write the same place.
+    segments.sort_unstable_by_key(|s| (s.buffer, s.offset, s.element));
     let mut runs: Vec<LSegment> = Vec::with_capacity(segments.len());
     for s in segments {
         if let Some(last) = runs.last_mut() {
@@ -1590,7 +1617,7 @@ fn merge_segments(mut segments: Vec<LSegment>, dtype: DType) -> Vec<LSegment> {
         }
         runs.push(s);
     }
-    runs.sort_by_key(|s| (s.buffer, s.element, s.offset));
+    runs.sort_unstable_by_key(|s| (s.buffer, s.element, s.offset));
     let mut out: Vec<LSegment> = Vec::with_capacity(runs.len());
     for s in runs {
         if let Some(last) = out.last_mut() {
@@ -1619,81 +1646,123 @@ fn touch(buffers: &mut [BufferDecl], buffer: u32, step: u32) {
     b.last_step = b.last_step.max(step);
 }
 
-/// A word move: (source buffer, source byte offset, words, destination (buffer, byte offset)).
-type Move = (u32, u32, u32, Place);
+/// A word move's sort key within its source buffer: (source byte offset, words, destination
+/// buffer, destination byte offset), most significant first, in one u128.
+fn move_key(offset: u32, words: u32, destination: Place) -> u128 {
+    (offset as u128) << 96 | (words as u128) << 64 | (destination.0 as u128) << 32 | destination.1 as u128
+}
 
+/// The keys and chunks of `Moves`.
+type MoveTables = (Vec<u128>, Vec<(u32, u32)>);
 
 thread_local! {
     /// Storage a finished lowering's moves leave to the next lowering on the thread (phases
     /// gather up to millions of moves: growing a fresh table each time costs more than sorting it).
-    static SPARE_MOVES: Cell<Vec<Move>> = const { Cell::new(Vec::new()) };
+    static SPARE_MOVES: Cell<MoveTables> = const { Cell::new((Vec::new(), Vec::new())) };
     /// The bucket starts and bucketed moves of `Moves::drain_into_transfers`, kept likewise.
     static SPARE_BUCKETS: Cell<(Vec<u32>, Vec<u128>)> = const { Cell::new((Vec::new(), Vec::new())) };
 }
 
-/// Word moves of an exchange phase being gathered, in the order gathered.
+/// Word moves of an exchange phase being gathered, in the order gathered: each move's key
+/// (`move_key`), and the chunks of consecutive moves from one source buffer (source buffer,
+/// first move); a gather reads the rows of one source cell after another, so chunks are long.
+/// Also the lowest and highest source buffer (meaningless while there are no moves), and the
+/// destination buffers, each once per stretch of consecutive moves into it.
 #[derive(Clone, Default)]
 struct Moves {
-    moves: Vec<Move>,
+    keys: Vec<u128>,
+    chunks: Vec<(u32, u32)>,
+    low: u32,
+    high: u32,
+    destinations: Vec<u32>,
 }
 
 impl Drop for Moves {
-    /// The table's storage (emptied) goes to the thread's spare when it is the larger.
+    /// The tables' storage (emptied) goes to the thread's spare when it is the larger.
     fn drop(&mut self) {
-        if self.moves.capacity() > 0 {
-            self.moves.clear();
+        if self.keys.capacity() > 0 {
+            self.keys.clear();
+            self.chunks.clear();
             SPARE_MOVES.with(|spare| {
                 let kept = spare.take();
-                spare.set(if kept.capacity() >= self.moves.capacity() { kept } else { std::mem::take(&mut self.moves) });
+                spare.set(if kept.0.capacity() >= self.keys.capacity() { kept } else { (std::mem::take(&mut self.keys), std::mem::take(&mut self.chunks)) });
             });
         }
     }
 }
 
 impl Moves {
+    /// Move `words` words from `source` to `destination`.
     fn push(&mut self, source: Place, words: u32, destination: Place) {
-        if self.moves.capacity() == 0 {
-            self.moves = SPARE_MOVES.with(Cell::take);
+        if self.keys.capacity() == 0 {
+            (self.keys, self.chunks) = SPARE_MOVES.with(Cell::take);
         }
-        self.moves.push((source.0, source.1, words, destination));
+        match self.chunks.last() {
+            None => {
+                (self.low, self.high) = (source.0, source.0);
+                self.chunks.push((source.0, 0));
+            }
+            Some(&(buffer, _)) if buffer == source.0 => {}
+            Some(_) => {
+                (self.low, self.high) = (self.low.min(source.0), self.high.max(source.0));
+                self.chunks.push((source.0, self.keys.len() as u32));
+            }
+        }
+        if self.destinations.last() != Some(&destination.0) {
+            self.destinations.push(destination.0);
+        }
+        self.keys.push(move_key(source.1, words, destination));
     }
 
     fn is_empty(&self) -> bool {
-        self.moves.is_empty()
+        self.keys.is_empty()
     }
 
     /// The phase's transfers, and the moves emptied (their capacity serves this lowering's
     /// later phases): source buffers in order, each one's moves sorted by (source offset,
     /// words, destination); one transfer per (source, words), its destinations in order; a
     /// transfer whose source and destinations continue the previous one's (consecutive rows)
-    /// extends it. `touch` sees each source buffer once, then each move's destination buffer.
+    /// extends it. `touch` sees each move's source and destination buffer (at least once).
     fn drain_into_transfers(&mut self, mut touch: impl FnMut(u32)) -> Vec<Transfer> {
-        // Bucket the moves by source buffer (counting sort), each as its sort key: (source
-        // offset, words, destination buffer, destination offset) in one u128.
+        for &buffer in &self.destinations {
+            touch(buffer);
+        }
+        self.destinations.clear();
+        // Bucket the moves by source buffer (a counting sort of the chunks, each chunk's keys
+        // copied whole), then sort each bucket.
         // Buckets are indexed from the lowest source buffer (a phase mostly reads the buffers
         // of a few recent operations), positions as u32 (a phase holds fewer than 2^32 moves).
-        let low = self.moves.iter().map(|m| m.0).min().unwrap_or(0);
-        let buffers = self.moves.iter().map(|m| (m.0 - low) as usize + 1).max().unwrap_or(0);
+        let low = self.low;
+        let buffers = if self.keys.is_empty() { 0 } else { (self.high - low) as usize + 1 };
         let (mut starts, mut sorted) = SPARE_BUCKETS.with(Cell::take);
+        let chunk_end = |i: usize| self.chunks.get(i + 1).map_or(self.keys.len(), |c| c.1 as usize);
         starts.clear();
         starts.resize(buffers + 1, 0);
-        for m in &self.moves {
-            starts[(m.0 - low) as usize + 1] += 1;
+        for (i, &(buffer, first)) in self.chunks.iter().enumerate() {
+            starts[(buffer - low) as usize + 1] += (chunk_end(i) - first as usize) as u32;
         }
         for b in 0..buffers {
             starts[b + 1] += starts[b];
         }
         // Every slot below the moves' count is written once below: no need to clear it.
-        if sorted.len() < self.moves.len() {
-            sorted.resize(self.moves.len(), 0);
+        if sorted.len() < self.keys.len() {
+            sorted.resize(self.keys.len(), 0);
         }
-        // Each move to its bucket's next slot (`starts[b]` advances; bucket b then ends there).
-        for &(buffer, offset, words, (to, at)) in &self.moves {
-            let at_slot = &mut starts[(buffer - low) as usize];
-            sorted[*at_slot as usize] = (offset as u128) << 96 | (words as u128) << 64 | (to as u128) << 32 | at as u128;
-            *at_slot += 1;
+        // Each chunk to its bucket's next slots (`starts[b]` advances; bucket b then ends there).
+        for (i, &(buffer, first)) in self.chunks.iter().enumerate() {
+            let keys = &self.keys[first as usize..chunk_end(i)];
+            let at = &mut starts[(buffer - low) as usize];
+            let slots = &mut sorted[*at as usize..*at as usize + keys.len()];
+            // Most chunks are a move or two (a row's pieces from cells side by side).
+            if let ([slot], [key]) = (&mut *slots, keys) {
+                *slot = *key;
+            } else {
+                slots.copy_from_slice(keys);
+            }
+            *at += keys.len() as u32;
         }
-        self.moves.clear();
+        self.keys.clear();
+        self.chunks.clear();
         let mut out: Vec<Transfer> = Vec::new();
         for bucket in 0..buffers {
             let moves = &mut sorted[if bucket == 0 { 0 } else { starts[bucket - 1] as usize }..starts[bucket] as usize];
@@ -1710,9 +1779,6 @@ impl Moves {
                 let end = first + moves[first..].iter().take_while(|&&m| m >> 64 == head).count();
                 let group = &moves[first..end];
                 let destination = |m: u128| ((m >> 32) as u32, m as u32);
-                for &m in group {
-                    touch(destination(m).0);
-                }
                 first = end;
                 if let Some(last) = out.last_mut() {
                     let continues = last.source.0 == buffer as u32
@@ -1741,6 +1807,86 @@ fn unshare<T: Clone>(shared: Arc<T>) -> T {
 #[cfg(test)]
 mod tests {
     use super::{panel_width, Moves, Place, Transfer};
+    use crate::exchange::synthetic::SplitMix64;
+
+    /// The plain construction of a phase's transfers: all moves sorted by (source, words,
+    /// destination), one transfer per (source, words) with its destinations, then transfers
+    /// whose source and destinations continue the previous one's merged.
+    fn plain_transfers(moves: &[(Place, u32, Place)]) -> Vec<Transfer> {
+        let mut expected: Vec<Transfer> = Vec::new();
+        let mut sorted = moves.to_vec();
+        sorted.sort();
+        for m in &sorted {
+            match expected.last_mut() {
+                Some(t) if t.source == m.0 && t.words == m.1 => t.destinations.push(m.2),
+                _ => expected.push(Transfer { source: m.0, words: m.1, destinations: vec![m.2] }),
+            }
+        }
+        let mut merged: Vec<Transfer> = Vec::new();
+        for t in expected {
+            if let Some(last) = merged.last_mut() {
+                if last.source.0 == t.source.0
+                    && last.source.1 + last.words * 4 == t.source.1
+                    && last.destinations.len() == t.destinations.len()
+                    && last.destinations.iter().zip(&t.destinations).all(|(a, b)| a.0 == b.0 && a.1 + last.words * 4 == b.1)
+                {
+                    last.words += t.words;
+                    continue;
+                }
+            }
+            merged.push(t);
+        }
+        merged
+    }
+
+    /// Random phases as gathers make them (rows of source cells to rows of destination
+    /// blocks: runs from one source buffer, rows split over cells side by side, multicast
+    /// rows, some rows contiguous so that they merge) become the plain construction's
+    /// transfers, table after table in one `Moves`.
+    #[test]
+    fn random_gathers_become_the_plain_transfers() {
+        let mut rng = SplitMix64(22);
+        let mut table = Moves::default();
+        for round in 0..60 {
+            let mut moves: Vec<(Place, u32, Place)> = Vec::new();
+            let sources = rng.between(1, 12);
+            let first_source = rng.between(0, 40);
+            let mut destination = 100 + rng.below(50);
+            for _ in 0..rng.between(1, 30) {
+                // A destination block: rows whose pieces come from `cells` source buffers side
+                // by side, each piece `words` long; source rows `stride` words apart.
+                destination += 1;
+                let rows = rng.between(1, 20);
+                let cells = rng.between(1, sources.min(4));
+                let words = rng.between(1, 6);
+                let stride = if rng.chance(50) { words } else { words + rng.between(1, 3) };
+                let first_cell = first_source + rng.below(sources);
+                let row0 = rng.below(8);
+                for r in 0..rows {
+                    for c in 0..cells {
+                        let source = (first_cell + c, (row0 + r) * stride * 4);
+                        moves.push((source, words, (destination, (r * cells + c) * words * 4)));
+                    }
+                }
+            }
+            let expected = plain_transfers(&moves);
+            // Gathered in this order, or rows of every destination interleaved.
+            if round % 2 == 1 {
+                moves.sort_by_key(|&(s, w, (d, at))| (at, s, w, d));
+            }
+            for &(source, words, destination) in &moves {
+                table.push(source, words, destination);
+            }
+            let mut touched = std::collections::BTreeSet::new();
+            let transfers = table.drain_into_transfers(|b| {
+                touched.insert(b);
+            });
+            assert_eq!(transfers, expected, "round {round}");
+            assert!(table.is_empty());
+            let buffers: std::collections::BTreeSet<u32> = moves.iter().flat_map(|m| [m.0 .0, m.2 .0]).collect();
+            assert_eq!(touched, buffers, "round {round}");
+        }
+    }
 
     /// A phase's moves become the transfers of the plain construction: all moves sorted by
     /// (source, words, destination), one transfer per (source, words) with its destinations,
@@ -1763,29 +1909,7 @@ mod tests {
         let mut shuffled = gathered.clone();
         shuffled.sort_by_key(|&((b, o), _, (t, a))| (a.wrapping_mul(2654435761) ^ o, b, t));
         for moves in [&gathered, &shuffled] {
-            let mut expected: Vec<Transfer> = Vec::new();
-            let mut sorted = moves.clone();
-            sorted.sort();
-            for m in &sorted {
-                match expected.last_mut() {
-                    Some(t) if t.source == m.0 && t.words == m.1 => t.destinations.push(m.2),
-                    _ => expected.push(Transfer { source: m.0, words: m.1, destinations: vec![m.2] }),
-                }
-            }
-            let mut merged: Vec<Transfer> = Vec::new();
-            for t in expected {
-                if let Some(last) = merged.last_mut() {
-                    if last.source.0 == t.source.0
-                        && last.source.1 + last.words * 4 == t.source.1
-                        && last.destinations.len() == t.destinations.len()
-                        && last.destinations.iter().zip(&t.destinations).all(|(a, b)| a.0 == b.0 && a.1 + last.words * 4 == b.1)
-                    {
-                        last.words += t.words;
-                        continue;
-                    }
-                }
-                merged.push(t);
-            }
+            let merged = plain_transfers(moves);
             let mut table = Moves::default();
             for round in 0..2 {
                 for &(source, words, destination) in moves.iter() {
