@@ -488,9 +488,23 @@ fn tile_peaks(buffers: &[BufferDecl], host: &[bool], tiles: u32, mut each: impl 
 /// reserve (a screen: placement decides, in `lower_feasible`; buffers that prefer one region
 /// may spill into the other, so only the total is screened).
 fn within_memory(score: &[u64; 5], target: &Target) -> bool {
-    let m = &target.memory;
-    score[4] <= ((m.loader_limit - m.base) as u64).saturating_sub(CODE_RESERVE_BYTES)
+    score[4] <= tile_bytes(target)
 }
+
+/// The bytes a tile has for data beside the code reserve.
+fn tile_bytes(target: &Target) -> u64 {
+    let m = &target.memory;
+    ((m.loader_limit - m.base) as u64).saturating_sub(CODE_RESERVE_BYTES)
+}
+
+/// A program of the beam whose peak live bytes on a tile exceed this many times the bytes a
+/// tile has (`tile_bytes`) is far over tile memory: re-planning with the other operations'
+/// resident bytes (`lower_feasible`) is for programs that nearly fit, so such a program is
+/// made feasible only when none nearer fits (`feasible_finalists`). On the four-block MLP the
+/// beam ends with three programs that keep every weight on home tiles at 1.2-2.5 MB per tile
+/// against 540 KB; each failed every re-planning round in both home arrangements (about a
+/// fifth of the build).
+const FAR_OVER_MEMORY: u64 = 2;
 
 /// Pareto retention, the extensions that fit in memory first: in each class, the extensions
 /// no other one of the class dominates (no worse in every score, better in one), best estimate first (ties: fewer swapped products, then generation order), then
@@ -528,7 +542,8 @@ fn beam(graph: &Graph, target: &Target, width: usize, previous: Option<(&Graph, 
             Ok(o) => (vec![(Arc::new(o), None, None)], None),
             Err(message) => (Vec::new(), Some(LowerError::Unsupported { operation: graph.name.clone(), message })),
         };
-        return Beam { programs, first_error, steps: Vec::new(), resumed: 0, searched: 0 };
+        let far = vec![false; programs.len()];
+        return Beam { programs, far, first_error, steps: Vec::new(), resumed: 0, searched: 0 };
     }
     let mut first_error: Option<LowerError> = None;
     let note = |e: LowerError, first_error: &mut Option<LowerError>| {
@@ -657,7 +672,7 @@ fn beam(graph: &Graph, target: &Target, width: usize, previous: Option<(&Graph, 
                 Ok(o) => State { swapped: BTreeSet::new(), oriented: Arc::new(o), partial: Partial::new(false), home: None },
                 Err(message) => {
                     let first_error = Some(LowerError::Unsupported { operation: graph.name.clone(), message });
-                    return Beam { programs: Vec::new(), first_error, steps, resumed: 0, searched: products.len() };
+                    return Beam { programs: Vec::new(), far: Vec::new(), first_error, steps, resumed: 0, searched: products.len() };
                 }
             };
             let states: Vec<State> = match grow(&root, BTreeSet::new(), products.first().copied(), false, &[]) {
@@ -724,23 +739,28 @@ fn beam(graph: &Graph, target: &Target, width: usize, previous: Option<(&Graph, 
     // The programs are completed in parallel; results (and errors) are taken in beam order.
     // A program that carries no home-weights prefix gets the pool's longest compatible one.
     #[allow(clippy::type_complexity)]
-    let completed: Vec<(Arc<Oriented>, Option<Arc<HomePrefix>>, Result<(Attempt, usize), LowerError>)> = states
+    let far_limit = tile_bytes(target).saturating_mul(FAR_OVER_MEMORY);
+    let completed: Vec<(Arc<Oriented>, Option<Arc<HomePrefix>>, Result<(Attempt, usize), LowerError>, bool)> = states
         .into_par_iter()
         .map(|s| {
             let home = s.partial.home_from();
+            let far = score(&s.partial, target.chip.tiles)[4] > far_limit;
             let memo = s.home.or_else(|| longest_compatible(&pool, &s.oriented, s.oriented.graph.operations.len()).cloned());
             let attempt = complete(s.partial, &s.oriented, target, &[]).map(|a| (a, home));
-            (s.oriented, memo, attempt)
+            (s.oriented, memo, attempt, far)
         })
         .collect();
-    let mut programs = Vec::new();
-    for (oriented, memo, attempt) in completed {
+    let (mut programs, mut far_over) = (Vec::new(), Vec::new());
+    for (oriented, memo, attempt, far) in completed {
         match attempt {
-            Ok(a) => programs.push((oriented, Some(a), memo)),
+            Ok(a) => {
+                programs.push((oriented, Some(a), memo));
+                far_over.push(far);
+            }
             Err(e) => note(e, &mut first_error),
         }
     }
-    Beam { programs, first_error, steps, resumed, searched }
+    Beam { programs, far: far_over, first_error, steps, resumed, searched }
 }
 
 /// What [`beam`] ends with.
@@ -749,6 +769,9 @@ struct Beam {
     /// prefix each may extend).
     #[allow(clippy::type_complexity)]
     programs: Vec<(Arc<Oriented>, Option<(Attempt, usize)>, Option<Arc<HomePrefix>>)>,
+    /// Per program: whether its peak bytes on a tile, as the beam scored it, are far over tile
+    /// memory (`FAR_OVER_MEMORY`).
+    far: Vec<bool>,
     /// The first error met.
     first_error: Option<LowerError>,
     /// The beam's trace (`BeamTrace::steps`).
@@ -788,16 +811,35 @@ pub fn finalists_resuming(graph: &Graph, target: &Target, keep: usize, previous:
         debug!(searched_steps = run.searched, "searched the plan beam from the start");
     }
     let trace = BeamTrace { workload: workload_structure(graph), width: width as u64, steps: run.steps };
-    (feasible_finalists(graph, target, keep, run.programs, run.first_error), trace)
+    (feasible_finalists(graph, target, keep, run.programs, &run.far, run.first_error).0, trace)
 }
 
-/// The beam's programs made feasible, the best `keep` of them (`finalists`).
+/// The beam's programs made feasible, the best `keep` of them (`finalists`). Programs far over
+/// tile memory (`far`, `FAR_OVER_MEMORY`) are made feasible only when none of the others fits;
+/// with the finalists, how many were not.
 #[allow(clippy::type_complexity)]
-fn feasible_finalists(graph: &Graph, target: &Target, keep: usize, programs: Vec<(Arc<Oriented>, Option<(Attempt, usize)>, Option<Arc<HomePrefix>>)>, mut first_error: Option<LowerError>) -> Result<Vec<Lowered>, LowerError> {
+fn feasible_finalists(graph: &Graph, target: &Target, keep: usize, programs: Vec<(Arc<Oriented>, Option<(Attempt, usize)>, Option<Arc<HomePrefix>>)>, far: &[bool], mut first_error: Option<LowerError>) -> (Result<Vec<Lowered>, LowerError>, usize) {
     let mut found: Vec<(bool, u64, usize, usize, Feasible)> = Vec::new();
-    // The beam's programs are made feasible in parallel; results are taken in beam order.
-    let feasible: Vec<Result<Feasible, LowerError>> = programs.into_par_iter().map(|(oriented, first, memo)| lower_feasible(&oriented, target, first, memo.as_deref())).collect::<Vec<_>>();
-    for (index, result) in feasible.into_iter().enumerate() {
+    // The beam's programs are made feasible in parallel, the far ones after the others and only
+    // when none of those fits; results are taken in beam order.
+    #[allow(clippy::type_complexity)]
+    let (far_ones, near): (Vec<_>, Vec<_>) = programs.into_iter().enumerate().partition(|(i, _)| far.get(*i).copied().unwrap_or(false));
+    #[allow(clippy::type_complexity)]
+    let make_feasible = |items: Vec<(usize, (Arc<Oriented>, Option<(Attempt, usize)>, Option<Arc<HomePrefix>>))>| -> Vec<(usize, Result<Feasible, LowerError>)> {
+        items.into_par_iter().map(|(i, (oriented, first, memo))| (i, lower_feasible(&oriented, target, first, memo.as_deref()))).collect()
+    };
+    let mut feasible = make_feasible(near);
+    let mut skipped = 0;
+    if !far_ones.is_empty() {
+        if feasible.iter().any(|(_, r)| matches!(r, Ok((_, Some(_))))) {
+            skipped = far_ones.len();
+            debug!(skipped, "programs far over tile memory are not planned again: a nearer one fits");
+        } else {
+            feasible.extend(make_feasible(far_ones));
+        }
+    }
+    feasible.sort_by_key(|(i, _)| *i);
+    for (index, result) in feasible {
         match result {
             Ok((l, peaks)) => {
                 let swapped = l.plans.iter().filter(|p| p.orientation == "swapped").count();
@@ -813,7 +855,7 @@ fn feasible_finalists(graph: &Graph, target: &Target, keep: usize, programs: Vec
         }
     }
     if found.is_empty() {
-        return Err(first_error.unwrap_or_else(|| LowerError::Unsupported { operation: graph.name.clone(), message: "no orientation of the matrix products lowers".into() }));
+        return (Err(first_error.unwrap_or_else(|| LowerError::Unsupported { operation: graph.name.clone(), message: "no orientation of the matrix products lowers".into() })), skipped);
     }
     // Programs that fit first; one that does not is kept only when none fits.
     found.sort_by_key(|f| (f.0, f.1, f.2, f.3));
@@ -840,7 +882,7 @@ fn feasible_finalists(graph: &Graph, target: &Target, keep: usize, programs: Vec
             "retained operator-plan finalist"
         );
     }
-    Ok(finalists)
+    (Ok(finalists), skipped)
 }
 
 /// A program `lower_feasible` made, and the peak standard and interleaved bytes per tile of
@@ -1125,6 +1167,7 @@ mod tests {
         Graph::parse(&mlp_text(blocks, 37, 64, 96), "mlp.toml").unwrap()
     }
 
+
     fn small16() -> Target {
         Target::from_toml(fixtures::SMALL16, "small16.toml").unwrap()
     }
@@ -1134,6 +1177,33 @@ mod tests {
     /// weight takes a quarter of itself (96 KiB) on every tile.
     fn row_partitioned_mlp(blocks: usize) -> Graph {
         Graph::parse(&row_partitioned_text(blocks), "mlp.toml").unwrap()
+    }
+
+    /// Programs far over tile memory are made feasible only when no nearer one fits, and
+    /// skipping them leaves the finalists as making every program feasible gives them: over
+    /// MLPs whose beams end with programs at 2.5-3.1x tile memory beside ones that fit.
+    #[test]
+    fn far_programs_are_skipped_only_when_a_nearer_one_fits() {
+        let target = small16();
+        let mut skipped = 0;
+        for (blocks, tokens, dim, hidden) in [(3, 128, 256, 1024), (4, 64, 384, 1152), (2, 64, 256, 768)] {
+            let graph = Graph::parse(&mlp_text(blocks, tokens, dim, hidden), "mlp.toml").unwrap();
+            let (a, b) = (beam(&graph, &target, DEFAULT_FINALISTS, None), beam(&graph, &target, DEFAULT_FINALISTS, None));
+            let everything = vec![false; b.programs.len()];
+            let (with, n) = feasible_finalists(&graph, &target, DEFAULT_FINALISTS, a.programs, &a.far, a.first_error);
+            let (without, none) = feasible_finalists(&graph, &target, DEFAULT_FINALISTS, b.programs, &everything, b.first_error);
+            assert_eq!(none, 0);
+            assert_eq!(n, a.far.iter().filter(|&&f| f).count(), "{blocks} blocks of {tokens}x{dim}x{hidden}: a near program fits");
+            assert_eq!(with.unwrap(), without.unwrap(), "{blocks} blocks of {tokens}x{dim}x{hidden}");
+            skipped += n;
+        }
+        // The first two MLPs have far programs (the third none).
+        assert!(skipped >= 2, "far programs skipped: {skipped}");
+        // With every program far over tile memory, every one is made feasible (none nearer fits).
+        let graph = Graph::parse(&mlp_text(4, 128, 512, 1536), "mlp.toml").unwrap();
+        let run = beam(&graph, &target, DEFAULT_FINALISTS, None);
+        assert!(!run.far.is_empty() && run.far.iter().all(|&f| f));
+        assert_eq!(feasible_finalists(&graph, &target, DEFAULT_FINALISTS, run.programs, &run.far, run.first_error).1, 0);
     }
 
     /// A prefix lowered over one orientation and extended over another (later products
