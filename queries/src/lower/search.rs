@@ -241,7 +241,7 @@ fn replay(records: &[TracedState], products: &[usize], last: usize, graph: &Grap
         .map(|((own, home), r)| {
             let (oriented, partial) = lowered[own].clone()?;
             let home = home.and_then(|h| lowered[h].clone()).map(|(oriented, partial)| Arc::new(HomePrefix { oriented, partial }));
-            Some(State { swapped: r.swapped_set(), oriented, partial, home })
+            Some(State { swapped: r.swapped_set(), oriented, partial, home, history: None })
         })
         .collect()
 }
@@ -354,6 +354,37 @@ struct State {
     /// switch to home-tile weights extends that prefix instead of lowering from the start
     /// (the same program either way: see `extended_prefixes_equal_whole_lowerings`).
     home: Option<Arc<HomePrefix>>,
+    /// For a program whose weights are not all on home tiles: its replicated prefixes at the
+    /// product boundaries passed (`Snapshot`), for a mixed program `lower_feasible` makes of it.
+    history: Option<Arc<Snapshot>>,
+}
+
+/// A prefix of a program of the beam, lowered with replicated weights up to a product (the
+/// program before that product was extended), with the earlier ones of its lineage: a mixed
+/// program (the weights of the products from some operation on on home tiles, the earlier
+/// ones replicated) extends the longest one that ends before its start, instead of lowering
+/// from the start (the same program: see `replayed_states_equal_the_beams`, which compares
+/// such extensions with whole lowerings).
+struct Snapshot {
+    oriented: Arc<Oriented>,
+    partial: Partial,
+    earlier: Option<Arc<Snapshot>>,
+}
+
+impl Snapshot {
+    /// The longest prefix of this lineage that `oriented` extends and that ends at or before
+    /// oriented operation `end`.
+    fn longest(&self, oriented: &Oriented, end: usize) -> Option<&Snapshot> {
+        let mut at = Some(self);
+        while let Some(s) = at {
+            let n = s.partial.lowered_operations();
+            if n <= end && prefix_compatible(&s.oriented, oriented, n) {
+                return Some(s);
+            }
+            at = s.earlier.as_deref();
+        }
+        None
+    }
 }
 
 /// A program's prefix lowered with home-tile weights, and the orientation it was lowered over.
@@ -543,7 +574,7 @@ fn beam(graph: &Graph, target: &Target, width: usize, previous: Option<(&Graph, 
             Err(message) => (Vec::new(), Some(LowerError::Unsupported { operation: graph.name.clone(), message })),
         };
         let far = vec![false; programs.len()];
-        return Beam { programs, far, first_error, steps: Vec::new(), resumed: 0, searched: 0 };
+        return Beam { programs, far, histories: Vec::new(), first_error, steps: Vec::new(), resumed: 0, searched: 0 };
     }
     let mut first_error: Option<LowerError> = None;
     let note = |e: LowerError, first_error: &mut Option<LowerError>| {
@@ -643,7 +674,7 @@ fn beam(graph: &Graph, target: &Target, width: usize, previous: Option<(&Graph, 
             (false, true, false) => lower_home(&mut kept).ok().map(|partial| Arc::new(HomePrefix { oriented: oriented.clone(), partial })),
             (false, false, false) => state.home.clone(),
         };
-        Ok((Some((State { swapped, oriented, partial, home }, scored, fits)), kept))
+        Ok((Some((State { swapped, oriented, partial, home, history: None }, scored, fits)), kept))
     };
     // Resuming: the steps of the previous beam this one repeats, and the last one's states.
     let resumed: Option<(usize, Vec<State>, bool)> = previous.and_then(|(old, trace)| {
@@ -669,10 +700,10 @@ fn beam(graph: &Graph, target: &Target, width: usize, previous: Option<(&Graph, 
         }
         None => {
             let root = match orient_until(graph, &BTreeSet::new(), products.first().copied().unwrap_or(usize::MAX)) {
-                Ok(o) => State { swapped: BTreeSet::new(), oriented: Arc::new(o), partial: Partial::new(false), home: None },
+                Ok(o) => State { swapped: BTreeSet::new(), oriented: Arc::new(o), partial: Partial::new(false), home: None, history: None },
                 Err(message) => {
                     let first_error = Some(LowerError::Unsupported { operation: graph.name.clone(), message });
-                    return Beam { programs: Vec::new(), far: Vec::new(), first_error, steps, resumed: 0, searched: products.len() };
+                    return Beam { programs: Vec::new(), far: Vec::new(), histories: Vec::new(), first_error, steps, resumed: 0, searched: products.len() };
                 }
             };
             let states: Vec<State> = match grow(&root, BTreeSet::new(), products.first().copied(), false, &[]) {
@@ -717,12 +748,23 @@ fn beam(graph: &Graph, target: &Target, width: usize, previous: Option<(&Graph, 
                 grow(&states[i], swapped, next, carry_now, &pool)
             })
             .collect();
+        // The states' replicated prefixes (their programs before this product), which the
+        // children that keep some weights replicated hold as their history.
+        let snapshots: Vec<Option<Arc<Snapshot>>> = std::mem::take(&mut states)
+            .into_iter()
+            .map(|s| (s.partial.home_from() == usize::MAX).then(|| Arc::new(Snapshot { oriented: s.oriented, partial: s.partial, earlier: s.history })))
+            .collect();
         let mut scored = Vec::new();
         pool.clear();
-        for g in grown {
+        for (g, &(parent, _)) in grown.into_iter().zip(&jobs) {
             match g {
                 Ok((s, kept)) => {
-                    scored.extend(s);
+                    scored.extend(s.map(|(mut child, score, fits)| {
+                        if !child.partial.home_weights() {
+                            child.history = snapshots[parent].clone();
+                        }
+                        (child, score, fits)
+                    }));
                     for h in kept {
                         if !pool.iter().any(|p| Arc::ptr_eq(p, &h)) {
                             pool.push(h);
@@ -740,27 +782,28 @@ fn beam(graph: &Graph, target: &Target, width: usize, previous: Option<(&Graph, 
     // A program that carries no home-weights prefix gets the pool's longest compatible one.
     #[allow(clippy::type_complexity)]
     let far_limit = tile_bytes(target).saturating_mul(FAR_OVER_MEMORY);
-    let completed: Vec<(Arc<Oriented>, Option<Arc<HomePrefix>>, Result<(Attempt, usize), LowerError>, bool)> = states
+    let completed: Vec<(Arc<Oriented>, Option<Arc<HomePrefix>>, Result<(Attempt, usize), LowerError>, bool, Option<Arc<Snapshot>>)> = states
         .into_par_iter()
         .map(|s| {
             let home = s.partial.home_from();
             let far = score(&s.partial, target.chip.tiles)[4] > far_limit;
             let memo = s.home.or_else(|| longest_compatible(&pool, &s.oriented, s.oriented.graph.operations.len()).cloned());
             let attempt = complete(s.partial, &s.oriented, target, &[]).map(|a| (a, home));
-            (s.oriented, memo, attempt, far)
+            (s.oriented, memo, attempt, far, s.history)
         })
         .collect();
-    let (mut programs, mut far_over) = (Vec::new(), Vec::new());
-    for (oriented, memo, attempt, far) in completed {
+    let (mut programs, mut far_over, mut histories) = (Vec::new(), Vec::new(), Vec::new());
+    for (oriented, memo, attempt, far, history) in completed {
         match attempt {
             Ok(a) => {
                 programs.push((oriented, Some(a), memo));
                 far_over.push(far);
+                histories.push(history);
             }
             Err(e) => note(e, &mut first_error),
         }
     }
-    Beam { programs, far: far_over, first_error, steps, resumed, searched }
+    Beam { programs, far: far_over, histories, first_error, steps, resumed, searched }
 }
 
 /// What [`beam`] ends with.
@@ -772,6 +815,8 @@ struct Beam {
     /// Per program: whether its peak bytes on a tile, as the beam scored it, are far over tile
     /// memory (`FAR_OVER_MEMORY`).
     far: Vec<bool>,
+    /// Per program: its replicated prefixes (`State::history`).
+    histories: Vec<Option<Arc<Snapshot>>>,
     /// The first error met.
     first_error: Option<LowerError>,
     /// The beam's trace (`BeamTrace::steps`).
@@ -811,14 +856,14 @@ pub fn finalists_resuming(graph: &Graph, target: &Target, keep: usize, previous:
         debug!(searched_steps = run.searched, "searched the plan beam from the start");
     }
     let trace = BeamTrace { workload: workload_structure(graph), width: width as u64, steps: run.steps };
-    (feasible_finalists(graph, target, keep, run.programs, &run.far, run.first_error).0, trace)
+    (feasible_finalists(graph, target, keep, run.programs, &run.far, &run.histories, run.first_error).0, trace)
 }
 
 /// The beam's programs made feasible, the best `keep` of them (`finalists`). Programs far over
 /// tile memory (`far`, `FAR_OVER_MEMORY`) are made feasible only when none of the others fits;
 /// with the finalists, how many were not.
 #[allow(clippy::type_complexity)]
-fn feasible_finalists(graph: &Graph, target: &Target, keep: usize, programs: Vec<(Arc<Oriented>, Option<(Attempt, usize)>, Option<Arc<HomePrefix>>)>, far: &[bool], mut first_error: Option<LowerError>) -> (Result<Vec<Lowered>, LowerError>, usize) {
+fn feasible_finalists(graph: &Graph, target: &Target, keep: usize, programs: Vec<(Arc<Oriented>, Option<(Attempt, usize)>, Option<Arc<HomePrefix>>)>, far: &[bool], histories: &[Option<Arc<Snapshot>>], mut first_error: Option<LowerError>) -> (Result<Vec<Lowered>, LowerError>, usize) {
     let mut found: Vec<(bool, u64, usize, usize, Feasible)> = Vec::new();
     // The beam's programs are made feasible in parallel, the far ones after the others and only
     // when none of those fits; results are taken in beam order.
@@ -826,7 +871,7 @@ fn feasible_finalists(graph: &Graph, target: &Target, keep: usize, programs: Vec
     let (far_ones, near): (Vec<_>, Vec<_>) = programs.into_iter().enumerate().partition(|(i, _)| far.get(*i).copied().unwrap_or(false));
     #[allow(clippy::type_complexity)]
     let make_feasible = |items: Vec<(usize, (Arc<Oriented>, Option<(Attempt, usize)>, Option<Arc<HomePrefix>>))>| -> Vec<(usize, Result<Feasible, LowerError>)> {
-        items.into_par_iter().map(|(i, (oriented, first, memo))| (i, lower_feasible(&oriented, target, first, memo.as_deref()))).collect()
+        items.into_par_iter().map(|(i, (oriented, first, memo))| (i, lower_feasible(&oriented, target, first, memo.as_deref(), histories.get(i).and_then(|h| h.as_deref())))).collect()
     };
     let mut feasible = make_feasible(near);
     let mut skipped = 0;
@@ -907,7 +952,7 @@ type Feasible = (Lowered, Option<(u64, u64)>);
 /// the beam chose, or, when replicated weights do not fit, the latest start that covers their
 /// overflow by [`mixed_from`]); every weight on home tiles aligned to the program's period;
 /// rotating with every weight.
-fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attempt, usize)>, memo: Option<&HomePrefix>) -> Result<Feasible, LowerError> {
+fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attempt, usize)>, memo: Option<&HomePrefix>, history: Option<&Snapshot>) -> Result<Feasible, LowerError> {
     let operations = oriented.graph.operations.len();
     let mut last: Option<Lowered> = None;
     let mut first_error: Option<LowerError> = None;
@@ -940,6 +985,12 @@ fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attem
             let attempt = match given.map(Ok).unwrap_or_else(|| match memo {
                 // No reserves yet: the (aligned) home-weights prefix extends to the whole program.
                 Some(m) if home_weights && aligned && round == 0 => home_lowering(Some(m), oriented, target, operations).and_then(|p| complete(p, oriented, target, &reserves)),
+                // No reserves yet: a mixed program extends the longest replicated prefix of the
+                // beam's lineage that ends before its start.
+                _ if aligned && round == 0 && !home_weights && home_from < usize::MAX => match history.and_then(|h| h.longest(oriented, end_before(oriented, Some(home_from)))) {
+                    Some(prefix) => extend(prefix.partial.clone().home_later(home_from), oriented, target, &reserves, operations).and_then(|p| complete(p, oriented, target, &reserves)),
+                    None => lower_homing_from(oriented, target, home_from, &reserves),
+                },
                 _ if aligned => lower_homing_from(oriented, target, home_from, &reserves),
                 _ => lower_with_rotated_homes(oriented, target, &reserves),
             }) {
@@ -1009,7 +1060,7 @@ fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attem
 /// program it switched to them), else from replicated weights.
 pub(crate) fn lower_feasible_alone(oriented: &Oriented, target: &Target, home_from: usize) -> Result<(Lowered, bool), LowerError> {
     let first = if home_from < usize::MAX { Some((lower_homing_from(oriented, target, home_from, &[])?, home_from)) } else { None };
-    lower_feasible(oriented, target, first, None).map(|(l, peaks)| (l, peaks.is_some()))
+    lower_feasible(oriented, target, first, None, None).map(|(l, peaks)| (l, peaks.is_some()))
 }
 
 /// The latest original operation before `before` from which keeping the products' weights on
@@ -1179,6 +1230,41 @@ mod tests {
         Graph::parse(&row_partitioned_text(blocks), "mlp.toml").unwrap()
     }
 
+    /// A mixed program made from the beam's replicated prefixes (`Snapshot::longest`, then
+    /// `home_later`) is the program lowered with those weights homed from the start, for every
+    /// start and over orientations whose later products differ from the prefixes'.
+    #[test]
+    fn mixed_programs_from_snapshots_equal_whole_lowerings() {
+        let (graph, target) = (mlp(3), small16());
+        let products = swappable(&graph);
+        // A replicated lineage over the all-normal orientation, snapshotted at every product.
+        let normal = Arc::new(orient(&graph, &BTreeSet::new()).unwrap());
+        let mut history: Option<Arc<Snapshot>> = None;
+        let mut partial = Partial::new(false);
+        for &p in &products {
+            let end = end_before(&normal, Some(p));
+            partial = extend(partial, &normal, &target, &[], end).unwrap();
+            history = Some(Arc::new(Snapshot { oriented: normal.clone(), partial: partial.clone(), earlier: history }));
+        }
+        let history = history.unwrap();
+        let mut extended = 0;
+        for swapped_from in [products.len(), products.len() - 1, 1] {
+            let swapped: BTreeSet<usize> = products[swapped_from..].iter().copied().collect();
+            let oriented = orient(&graph, &swapped).unwrap();
+            for &from in &products[1..] {
+                let cut = end_before(&oriented, Some(from));
+                let expected = lower_homing_from(&oriented, &target, from, &[]).unwrap().lowered;
+                let Some(prefix) = history.longest(&oriented, cut) else { continue };
+                assert!(prefix.partial.lowered_operations() <= cut);
+                let reserves = vec![Reserve::default(); oriented.graph.operations.len()];
+                let p = extend(prefix.partial.clone().home_later(from), &oriented, &target, &reserves, oriented.graph.operations.len()).unwrap();
+                assert_eq!(complete(p, &oriented, &target, &reserves).unwrap().lowered, expected, "swapped from {swapped_from}, homed from {from}");
+                extended += (prefix.partial.lowered_operations() > 0) as usize;
+            }
+        }
+        assert!(extended >= products.len() - 1, "prefixes extended: {extended}");
+    }
+
     /// Programs far over tile memory are made feasible only when no nearer one fits, and
     /// skipping them leaves the finalists as making every program feasible gives them: over
     /// MLPs whose beams end with programs at 2.5-3.1x tile memory beside ones that fit.
@@ -1190,8 +1276,8 @@ mod tests {
             let graph = Graph::parse(&mlp_text(blocks, tokens, dim, hidden), "mlp.toml").unwrap();
             let (a, b) = (beam(&graph, &target, DEFAULT_FINALISTS, None), beam(&graph, &target, DEFAULT_FINALISTS, None));
             let everything = vec![false; b.programs.len()];
-            let (with, n) = feasible_finalists(&graph, &target, DEFAULT_FINALISTS, a.programs, &a.far, a.first_error);
-            let (without, none) = feasible_finalists(&graph, &target, DEFAULT_FINALISTS, b.programs, &everything, b.first_error);
+            let (with, n) = feasible_finalists(&graph, &target, DEFAULT_FINALISTS, a.programs, &a.far, &a.histories, a.first_error);
+            let (without, none) = feasible_finalists(&graph, &target, DEFAULT_FINALISTS, b.programs, &everything, &b.histories, b.first_error);
             assert_eq!(none, 0);
             assert_eq!(n, a.far.iter().filter(|&&f| f).count(), "{blocks} blocks of {tokens}x{dim}x{hidden}: a near program fits");
             assert_eq!(with.unwrap(), without.unwrap(), "{blocks} blocks of {tokens}x{dim}x{hidden}");
@@ -1203,7 +1289,7 @@ mod tests {
         let graph = Graph::parse(&mlp_text(4, 128, 512, 1536), "mlp.toml").unwrap();
         let run = beam(&graph, &target, DEFAULT_FINALISTS, None);
         assert!(!run.far.is_empty() && run.far.iter().all(|&f| f));
-        assert_eq!(feasible_finalists(&graph, &target, DEFAULT_FINALISTS, run.programs, &run.far, run.first_error).1, 0);
+        assert_eq!(feasible_finalists(&graph, &target, DEFAULT_FINALISTS, run.programs, &run.far, &run.histories, run.first_error).1, 0);
     }
 
     /// A prefix lowered over one orientation and extended over another (later products
@@ -1328,7 +1414,7 @@ mod tests {
     #[test]
     fn retention_is_pareto_then_estimate() {
         let graph = mlp(1);
-        let state = |n: usize| State { swapped: (0..n).collect(), oriented: Arc::new(orient(&graph, &BTreeSet::new()).unwrap()), partial: Partial::new(false), home: None };
+        let state = |n: usize| State { swapped: (0..n).collect(), oriented: Arc::new(orient(&graph, &BTreeSet::new()).unwrap()), partial: Partial::new(false), home: None, history: None };
         let scored = vec![
             (state(0), [100, 10, 5, 5, 10], true),
             (state(1), [90, 20, 5, 5, 10], true),
@@ -1351,7 +1437,7 @@ mod tests {
             .filter_map(|start| {
                 let swapped: BTreeSet<usize> = products[start..].iter().copied().collect();
                 let o = orient(&graph, &swapped).ok()?;
-                lower_feasible(&o, &target, None, None).ok().filter(|r| r.1.is_some()).map(|r| estimated_cycles(&r.0))
+                lower_feasible(&o, &target, None, None, None).ok().filter(|r| r.1.is_some()).map(|r| estimated_cycles(&r.0))
             })
             .min()
             .unwrap();
