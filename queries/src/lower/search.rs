@@ -780,8 +780,8 @@ fn beam(graph: &Graph, target: &Target, width: usize, previous: Option<(&Graph, 
     }
     // The programs are completed in parallel; results (and errors) are taken in beam order.
     // A program that carries no home-weights prefix gets the pool's longest compatible one.
-    #[allow(clippy::type_complexity)]
     let far_limit = tile_bytes(target).saturating_mul(FAR_OVER_MEMORY);
+    #[allow(clippy::type_complexity)]
     let completed: Vec<(Arc<Oriented>, Option<Arc<HomePrefix>>, Result<(Attempt, usize), LowerError>, bool, Option<Arc<Snapshot>>)> = states
         .into_par_iter()
         .map(|s| {
