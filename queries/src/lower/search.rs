@@ -38,7 +38,7 @@
 //! sharing their common prefixes) and searches on from the next product: the same programs
 //! as a beam from the start, so an edit in the last block searches only that block's products.
 //!
-//! This file is long (about 1400 lines) because the beam, its trace and resumption, the
+//! This file is long (about 1600 lines) because the beam, its trace and resumption, the
 //! feasibility step and the mixed-weights start share their helpers and their small-program
 //! tests.
 
