@@ -1809,6 +1809,18 @@ mod tests {
     use super::{panel_width, Moves, Place, Transfer};
     use crate::exchange::synthetic::SplitMix64;
 
+    /// `moves` pushed into `table` in order, then drained: the transfers and the buffers touched.
+    fn push_and_drain(table: &mut Moves, moves: &[(Place, u32, Place)]) -> (Vec<Transfer>, std::collections::BTreeSet<u32>) {
+        for &(source, words, destination) in moves {
+            table.push(source, words, destination);
+        }
+        let mut touched = std::collections::BTreeSet::new();
+        let transfers = table.drain_into_transfers(|b| {
+            touched.insert(b);
+        });
+        (transfers, touched)
+    }
+
     /// The plain construction of a phase's transfers: all moves sorted by (source, words,
     /// destination), one transfer per (source, words) with its destinations, then transfers
     /// whose source and destinations continue the previous one's merged.
@@ -1874,13 +1886,7 @@ mod tests {
             if round % 2 == 1 {
                 moves.sort_by_key(|&(s, w, (d, at))| (at, s, w, d));
             }
-            for &(source, words, destination) in &moves {
-                table.push(source, words, destination);
-            }
-            let mut touched = std::collections::BTreeSet::new();
-            let transfers = table.drain_into_transfers(|b| {
-                touched.insert(b);
-            });
+            let (transfers, touched) = push_and_drain(&mut table, &moves);
             assert_eq!(transfers, expected, "round {round}");
             assert!(table.is_empty());
             let buffers: std::collections::BTreeSet<u32> = moves.iter().flat_map(|m| [m.0 .0, m.2 .0]).collect();
@@ -1912,13 +1918,7 @@ mod tests {
             let merged = plain_transfers(moves);
             let mut table = Moves::default();
             for round in 0..2 {
-                for &(source, words, destination) in moves.iter() {
-                    table.push(source, words, destination);
-                }
-                let mut touched = std::collections::BTreeSet::new();
-                let transfers = table.drain_into_transfers(|b| {
-                    touched.insert(b);
-                });
+                let (transfers, touched) = push_and_drain(&mut table, moves);
                 assert_eq!(transfers, merged, "round {round}");
                 assert!(table.is_empty());
                 assert_eq!(touched.into_iter().collect::<Vec<_>>(), vec![3, 7, 9, 20, 21, 22]);
