@@ -533,7 +533,7 @@ fn tile_bytes(target: &Target) -> u64 {
 /// resident bytes (`lower_feasible`) is for programs that nearly fit, so such a program is
 /// made feasible only when none nearer fits (`feasible_finalists`). On the four-block MLP the
 /// beam ends with three programs that keep every weight on home tiles at 1.2-2.5 MB per tile
-/// against 540 KB; each failed every re-planning round in both home arrangements (about a
+/// against the 588,720 B a tile has; each failed every re-planning round in both home arrangements (about a
 /// fifth of the build).
 const FAR_OVER_MEMORY: u64 = 2;
 
