@@ -311,7 +311,7 @@ impl Database {
             Some((digest, body)) if Digest::of_bytes(body).0[..] == digest[..] => {
                 let mut aligned = rkyv::util::AlignedVec::<16>::new();
                 aligned.extend_from_slice(body);
-                rkyv::from_bytes::<BeamTrace, rkyv::rancor::Error>(&aligned).map_err(|e| e.to_string())
+                value_from::<BeamTrace>(&aligned).map_err(|e| e.0)
             }
             _ => Err("the digest does not match the bytes".to_string()),
         };

@@ -696,6 +696,17 @@ mod tests {
     use crate::db::sources;
     use crate::target::fixtures;
 
+    /// Takes the memo's entry under `key` away (it must be there) and puts `altered` under each
+    /// of `keys` (none of them `key`): a stage that reads the memo must then miss.
+    fn only_under_other_keys<T: Clone>(memo: &std::sync::Mutex<HashMap<Digest, Arc<T>>>, key: Digest, keys: &[Digest], altered: &T) {
+        let mut memo = memo.lock().unwrap();
+        assert!(memo.remove(&key).is_some());
+        for &k in keys {
+            assert_ne!(k, key);
+            memo.insert(k, Arc::new(altered.clone()));
+        }
+    }
+
     const WORKLOAD: &str = include_str!("../../fixtures/workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml");
 
     /// A built program's sizing inputs: the exchange view's digest and value, the program, its
@@ -758,13 +769,7 @@ mod tests {
             sizing_key(x.digest, l.digest, &one_schedule, budget),
             sizing_key(x.digest, l.digest, &sch.value.digests, budget + 1),
         ];
-        let mut memo = db.sizing_memo.lock().unwrap();
-        assert!(memo.remove(&key).is_some());
-        for k in keys {
-            assert_ne!(k, key);
-            memo.insert(k, Arc::new(altered.clone()));
-        }
-        drop(memo);
+        only_under_other_keys(&db.sizing_memo, key, &keys, &altered);
         assert_eq!(*code_sizes(&db, s).unwrap().value, totals);
     }
 
@@ -798,13 +803,7 @@ mod tests {
         let (m, l, c, key) = inputs(&db, s);
         let other = Digest::of_bytes(b"another input");
         let keys = [baseline_key(other, l.digest, c.digest), baseline_key(m.digest, other, c.digest), baseline_key(m.digest, l.digest, other)];
-        let mut memo = db.baseline_memo.lock().unwrap();
-        assert!(memo.remove(&key).is_some());
-        for k in keys {
-            assert_ne!(k, key);
-            memo.insert(k, Arc::new(altered.clone()));
-        }
-        drop(memo);
+        only_under_other_keys(&db.baseline_memo, key, &keys, &altered);
         assert_eq!(*placement(&db, s).unwrap().value, fresh);
     }
 
