@@ -166,21 +166,77 @@ pub(crate) fn compact(problem: &Problem, mut pieces: Vec<Piece>, reverse: Option
 }
 
 /// Earliest send-cycle interval at or after `at` in which every touched port is free.
+///
+/// The least common free cycle is a fixpoint: a port that is busy at `at` moves it to the start
+/// of its next free interval, and no cycle skipped that way is free on that port. The ports are
+/// visited round-robin from the last one that moved `at`, and the search ends once every port
+/// has been seen free at the same `at` (one full round without a move), so a piece sent to
+/// hundreds of tiles costs one round plus the ports visited between moves, not a whole round
+/// per move.
 fn common_free(ports: &[Port], touched: &[(usize, u32)], mut at: u32) -> (u32, u32) {
-    loop {
-        let mut moved = false;
-        let mut end = u32::MAX;
-        for &(port, shift) in touched {
-            let (a, b) = ports[port].free_from(at + shift);
-            let (a, b) = (a - shift, b.saturating_sub(shift));
-            if a > at {
-                at = a;
-                moved = true;
-            }
+    let n = touched.len();
+    let mut end = u32::MAX;
+    // Ports seen free at `at` since it last moved (`end` is the least of their interval ends).
+    let mut settled = 0;
+    let mut i = 0;
+    while settled < n {
+        let (port, shift) = touched[i];
+        let (a, b) = ports[port].free_from(at + shift);
+        let (a, b) = (a - shift, b.saturating_sub(shift));
+        if a > at {
+            at = a;
+            end = b;
+            settled = 1;
+        } else {
             end = end.min(b);
+            settled += 1;
         }
-        if !moved && end > at {
-            return (at, end);
+        i = if i + 1 == n { 0 } else { i + 1 };
+    }
+    (at, end)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every cycle of `[at, ..)` checked in turn: the first one free on every port, and how far
+    /// that stays so (the definition `common_free` must meet, at any cost).
+    fn first_common_by_scan(ports: &[Port], touched: &[(usize, u32)], at: u32) -> (u32, u32) {
+        let free = |t: u32| touched.iter().all(|&(p, s)| ports[p].free_from(t + s).0 == t + s);
+        let start = (at..).find(|&t| free(t)).expect("a common free cycle");
+        let end = touched.iter().map(|&(p, s)| ports[p].free_from(start + s).1.saturating_sub(s)).min().expect("ports");
+        (start, end)
+    }
+
+    #[test]
+    fn common_free_is_the_first_cycle_free_on_every_port() {
+        // A small deterministic generator (xorshift) over ports with random busy intervals.
+        let mut state = 0x2545_f491_4f6c_dd1d_u64;
+        let mut next = |bound: u32| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % bound as u64) as u32
+        };
+        for _ in 0..300 {
+            let mut ports = vec![Port::default(); 8];
+            for port in ports.iter_mut() {
+                let mut cycle = 0;
+                for _ in 0..next(12) {
+                    let start = cycle + next(40);
+                    let end = start + 1 + next(30);
+                    let (a, b) = port.free_from(start);
+                    if a == start && end <= b {
+                        port.take(start, end);
+                    }
+                    cycle = end;
+                }
+            }
+            let count = 1 + next(8) as usize;
+            let touched: Vec<(usize, u32)> = (0..count).map(|_| (next(8) as usize, next(20))).collect();
+            let at = next(200);
+            assert_eq!(common_free(&ports, &touched, at), first_common_by_scan(&ports, &touched, at), "ports {:?} touched {touched:?} at {at}", ports.iter().map(|p| (&p.gaps, p.tail)).collect::<Vec<_>>());
         }
     }
 }
