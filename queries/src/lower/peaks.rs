@@ -15,6 +15,8 @@
 //! T trails the prefix's last step by `LAG` steps, so that values read again within that many
 //! steps (a residual) do not force a sweep from scratch.
 
+use std::cell::Cell;
+
 use tracing::debug;
 
 use super::chunked::Chunked;
@@ -26,6 +28,12 @@ use crate::package::AllocationKind;
 /// from scratch at 28 of the build's 55 scores (values read again a few steps later), 16 steps
 /// back at one, each score then sweeping about 100k open buffers.
 pub const LAG: u32 = 16;
+
+thread_local! {
+    /// The event table of the thread's last [`update`], for the next one (a fresh table of
+    /// hundreds of thousands of events costs more in page faults than its use).
+    static SPARE_EVENTS: Cell<Vec<(u32, i64, i64)>> = const { Cell::new(Vec::new()) };
+}
 
 /// What the builder watches for the cache of the prefix it extends (see the module docs).
 #[derive(Clone, Copy, Debug, Default)]
@@ -141,7 +149,10 @@ pub fn update(buffers: &Chunked<BufferDecl, 9>, marks: &Chunked<u32, 10>, watch:
     for k in 0..span {
         starts[k + 1] += starts[k];
     }
-    let mut events = vec![(0u32, 0i64, 0i64); starts[span]];
+    // Every slot is written once below (two events per swept buffer).
+    let mut events = SPARE_EVENTS.with(Cell::take);
+    events.clear();
+    events.resize(starts[span], (0, 0, 0));
     for &(j, h) in &swept {
         let b = &buffers[j as usize];
         let (first, last) = range(b, h);
@@ -210,6 +221,7 @@ pub fn update(buffers: &Chunked<BufferDecl, 9>, marks: &Chunked<u32, 10>, watch:
         peak = (peak.0.max(early.0).max(l.0), peak.1.max(early.1).max(l.1), peak.2.max(early.2).max(l.2));
         (ps, pi, pt) = (ps.max(peak.0), pi.max(peak.1), pt.max(peak.2));
     }
+    SPARE_EVENTS.with(|spare| spare.set(events));
     let open = swept.into_iter().filter(|&(j, h)| range(&buffers[j as usize], h).1 >= t_next).collect();
     let next = PeakCache { buffers: buffers.len(), marks: marks.len(), changed: watch.changed, step: t_next, zero: zero_next, early: early_next, open };
     ((ps as u64, pi as u64, pt as u64), next)
