@@ -2,7 +2,7 @@
 //! the tiles that need them (host segments, exchange transfers, local copies or aliases), and
 //! records the BSP steps, vertex calls and buffer lifetimes.
 //!
-//! This file is long (about 1950 lines) because gathering, planning glue and step bookkeeping
+//! This file is long (about 2000 lines) because gathering, planning glue and step bookkeeping
 //! share one builder state; each part is a method with one job.
 
 use std::cell::Cell;
