@@ -2,7 +2,7 @@
 //! the tiles that need them (host segments, exchange transfers, local copies or aliases), and
 //! records the BSP steps, vertex calls and buffer lifetimes.
 //!
-//! This file is long (about 1950 lines) because gathering, planning glue and step bookkeeping
+//! This file is long (about 2000 lines) because gathering, planning glue and step bookkeeping
 //! share one builder state; each part is a method with one job.
 
 use std::cell::Cell;
@@ -12,7 +12,9 @@ use std::sync::Arc;
 use tracing::debug;
 
 use super::grid::{block_elements_stored, offset_in_block, row_stride, split, Grid, ViewChain};
+use super::chunked::Chunked;
 use super::orient::Oriented;
+use super::peaks::{PeakCache, Watch};
 use super::candidates;
 use super::plan::{column_reduction, MatMulPlan, MatMulProblem};
 use super::{BufferDecl, Call, LCheckpoint, LHostTensor, LSegment, LStep, Loc, Lowered, OperationPlan, Transfer};
@@ -139,18 +141,18 @@ struct LocalCopy {
 struct Builder<'a> {
     graph: &'a Graph,
     target: &'a Target,
-    labels: Vec<String>,
-    buffers: Vec<BufferDecl>,
+    labels: Labels,
+    buffers: Buffers,
     steps: Vec<LStep>,
     compute_sets: Vec<Arc<Vec<(u32, Call)>>>,
     phases: Vec<Arc<Vec<Transfer>>>,
     phase_plans: Vec<u32>,
-    stored: BTreeMap<ValueId, Stored>,
+    stored: BTreeMap<ValueId, Arc<Stored>>,
     host: BTreeMap<ValueId, Arc<LHostTensor>>,
     /// Word moves of the exchange phase being gathered.
     pending: Moves,
     copies: Vec<LocalCopy>,
-    plans: Vec<OperationPlan>,
+    plans: Plans,
     checkpoints: Vec<Arc<LCheckpoint>>,
     gemm_flops: u64,
     operation_name: String,
@@ -174,7 +176,7 @@ struct Builder<'a> {
     checkpoint_value: &'a BTreeMap<ValueId, ValueId>,
     /// The operation being lowered, and the owner of each buffer.
     operation_index: usize,
-    owners: Vec<u32>,
+    owners: Owners,
     /// Per operation index: the first and last step it uses.
     spans: BTreeMap<u32, (u32, u32)>,
     interleaved_weights: std::collections::BTreeSet<u32>,
@@ -183,6 +185,11 @@ struct Builder<'a> {
     /// of receiving the words again. Values are never overwritten, so the buffer stays valid;
     /// its lifetime grows to the last reader.
     gathered: Gathered,
+    /// Buffers the host writes (each at least once; see `peaks`), and what the peak cache of
+    /// the prefix being extended watches.
+    host_marks: HostMarks,
+    watch: Watch,
+    peaks: Option<Arc<PeakCache>>,
 }
 
 /// A source cell `gather` met: (cell, its block as held there, its tile).
@@ -196,6 +203,14 @@ type GatherKey = (u32, Vec<(u32, u32)>, u32, bool, bool);
 /// lowered prefix and its extensions until one gathers a block of that value (a prefix is
 /// copied once per extension the search makes; most values gather no more blocks later).
 type Gathered = BTreeMap<ValueId, Arc<BTreeMap<GatherKey, (u32, DType, u32)>>>;
+
+/// A lowering's buffers, buffer owners, labels and operation plans: shared chunk by chunk
+/// between a prefix and its extensions (`Chunked`).
+pub type Buffers = Chunked<BufferDecl, 9>;
+type Owners = Chunked<u32, 10>;
+type Labels = Chunked<String, 5>;
+type Plans = Chunked<OperationPlan, 4>;
+type HostMarks = Chunked<u32, 10>;
 
 /// Bytes per tile that other operations keep live while an operation runs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
@@ -260,26 +275,30 @@ pub(crate) fn aligned_home_slot(graph: &Graph, weight: ValueId) -> Option<usize>
 /// `extend` to the end, then `complete`).
 #[derive(Clone)]
 pub struct Partial {
-    labels: Vec<String>,
-    buffers: Vec<BufferDecl>,
+    labels: Labels,
+    buffers: Buffers,
     steps: Vec<LStep>,
     compute_sets: Vec<Arc<Vec<(u32, Call)>>>,
     phases: Vec<Arc<Vec<Transfer>>>,
     phase_plans: Vec<u32>,
-    stored: BTreeMap<ValueId, Stored>,
+    stored: BTreeMap<ValueId, Arc<Stored>>,
     host: BTreeMap<ValueId, Arc<LHostTensor>>,
     pending: Moves,
     copies: Vec<LocalCopy>,
-    plans: Vec<OperationPlan>,
+    plans: Plans,
     checkpoints: Vec<Arc<LCheckpoint>>,
     gemm_flops: u64,
     home_from: usize,
     home_rotation: usize,
     home_aligned: bool,
-    owners: Vec<u32>,
+    owners: Owners,
     spans: BTreeMap<u32, (u32, u32)>,
     interleaved_weights: std::collections::BTreeSet<u32>,
     gathered: Gathered,
+    host_marks: HostMarks,
+    watch: Watch,
+    /// The peak live bytes per tile as last scored (`Partial::peaks`).
+    peaks: Option<Arc<PeakCache>>,
     /// Operations of the oriented graph lowered so far (a prefix of them).
     lowered: usize,
 }
@@ -287,8 +306,8 @@ pub struct Partial {
 impl Partial {
     pub fn new(home_weights: bool) -> Partial {
         Partial {
-            labels: vec!["code".into()],
-            buffers: Vec::new(),
+            labels: ["code".to_string()].into_iter().collect(),
+            buffers: Chunked::default(),
             steps: Vec::new(),
             compute_sets: Vec::new(),
             phases: Vec::new(),
@@ -297,16 +316,19 @@ impl Partial {
             host: BTreeMap::new(),
             pending: Moves::default(),
             copies: Vec::new(),
-            plans: Vec::new(),
+            plans: Chunked::default(),
             checkpoints: Vec::new(),
             gemm_flops: 0,
             home_from: if home_weights { 0 } else { usize::MAX },
             home_rotation: 0,
             home_aligned: true,
-            owners: Vec::new(),
+            owners: Chunked::default(),
             spans: BTreeMap::new(),
             interleaved_weights: Default::default(),
             gathered: BTreeMap::new(),
+            host_marks: Chunked::default(),
+            watch: Watch::default(),
+            peaks: None,
             lowered: 0,
         }
     }
@@ -346,17 +368,33 @@ impl Partial {
         Partial { home_aligned: false, ..Partial::new(true) }
     }
 
-    pub fn plans(&self) -> &[OperationPlan] {
-        &self.plans
+    pub fn plans(&self) -> impl Iterator<Item = &OperationPlan> + '_ {
+        self.plans.iter()
     }
 
-    pub fn buffers(&self) -> &[BufferDecl] {
+    pub fn buffers(&self) -> &Buffers {
         &self.buffers
     }
 
     /// Buffers the host writes (resident from the start of the run once the program is complete).
+    #[cfg(test)]
     pub fn host_buffers(&self) -> impl Iterator<Item = u32> + '_ {
         self.host.values().flat_map(|t| t.segments.iter().map(|s| s.buffer))
+    }
+
+    /// The peak (standard, interleaved, total) live bytes on any tile (host-written buffers
+    /// live from the start, as in the finished program), from the peaks last scored of the
+    /// prefix this one extends where they still hold (`peaks`); kept for the extensions.
+    pub fn peaks(&mut self, tiles: u32) -> (u64, u64, u64) {
+        self.peaks_lagging(tiles, super::peaks::LAG)
+    }
+
+    /// `peaks`, the cache's boundary `lag` steps before the last.
+    pub(crate) fn peaks_lagging(&mut self, tiles: u32, lag: u32) -> (u64, u64, u64) {
+        let (peaks, cache) = super::peaks::update(&self.buffers, &self.host_marks, self.watch, self.steps.len(), self.peaks.as_deref(), tiles, lag);
+        self.watch = cache.watch();
+        self.peaks = Some(Arc::new(cache));
+        peaks
     }
 }
 
@@ -526,6 +564,9 @@ impl<'a> Builder<'a> {
             spans: p.spans,
             interleaved_weights: p.interleaved_weights,
             gathered: p.gathered,
+            host_marks: p.host_marks,
+            watch: p.watch,
+            peaks: p.peaks,
         }
     }
 
@@ -552,6 +593,9 @@ impl<'a> Builder<'a> {
             spans: self.spans,
             interleaved_weights: self.interleaved_weights,
             gathered: self.gathered,
+            host_marks: self.host_marks,
+            watch: self.watch,
+            peaks: self.peaks,
             lowered,
         }
     }
@@ -559,7 +603,8 @@ impl<'a> Builder<'a> {
 
 impl<'a> Builder<'a> {
     fn label(&mut self, name: &str) -> u32 {
-        if let Some(i) = self.labels.iter().position(|l| l == name) {
+        // Labels are distinct; a buffer mostly takes a recent one.
+        if let Some(i) = (0..self.labels.len()).rev().find(|&i| self.labels[i] == name) {
             return i as u32;
         }
         self.labels.push(name.to_string());
@@ -574,7 +619,14 @@ impl<'a> Builder<'a> {
     }
 
     fn touch(&mut self, buffer: u32, step: u32) {
-        touch(&mut self.buffers, buffer, step);
+        touch(&mut self.buffers, &mut self.watch, buffer, step);
+    }
+
+    /// Note that the host writes `buffer` (see `peaks`).
+    fn mark_host(&mut self, buffer: u32) {
+        if self.host_marks.last() != Some(&buffer) {
+            self.host_marks.push(buffer);
+        }
     }
 
     fn reserve(&self) -> Reserve {
@@ -639,6 +691,7 @@ impl<'a> Builder<'a> {
             let offset_stride = if r1 - r0 > 1 { (held.loc(&[r0 + 1, c0]).offset - held.loc(&[r0, c0]).offset) * dtype.bytes() } else { 0 };
             let element_stride = if r1 - r0 > 1 { 1 } else { 0 };
             entry.segments.push(LSegment { buffer, offset, element: c0 * base_cols + r0, count: c1 - c0, rows: r1 - r0, element_stride, offset_stride, element_step: base_cols });
+            self.mark_host(buffer);
             return Ok(held);
         }
         let rank = block.len();
@@ -685,6 +738,7 @@ impl<'a> Builder<'a> {
                         let element = flatten(base_index, &chain.base_shape);
                         let entry = self.host_tensor(chain.base, base, *role, dtype);
                         push_segment(&mut entry.segments, LSegment { buffer, offset: dst_offset, element: element as u32, count: run, rows: 1, element_stride: 0, offset_stride: 0, element_step: 1 }, dtype.bytes());
+                        self.mark_host(buffer);
                         c += run;
                     }
                     _ => {
@@ -785,7 +839,7 @@ impl<'a> Builder<'a> {
             self.steps.push(LStep::Exchange(self.phases.len() as u32));
             // Sorted moves, source buffer by source buffer: one transfer per (source, words),
             // destinations in order, consecutive rows merged (`Moves::drain_into_transfers`).
-            let transfers = self.pending.drain_into_transfers(|buffer| touch(&mut self.buffers, buffer, step));
+            let transfers = self.pending.drain_into_transfers(|buffer| touch(&mut self.buffers, &mut self.watch, buffer, step));
             self.phases.push(Arc::new(transfers));
             // The operation being built records its plan after its phases: its index is next.
             self.phase_plans.push(self.plans.len() as u32);
@@ -815,7 +869,7 @@ impl<'a> Builder<'a> {
 
     fn record(&mut self, index: usize, output: ValueId, grid: Grid, dtype: DType, step: u32, mut plan: OperationPlan) {
         let value = self.graph.value(output).clone();
-        self.stored.insert(output, Stored { grid, dtype });
+        self.stored.insert(output, Arc::new(Stored { grid, dtype }));
         // Checkpoints and plans speak of the original operation and value.
         let original = self.origin.get(index).copied().unwrap_or(index as u32);
         plan.operation = original;
@@ -1201,8 +1255,18 @@ impl<'a> Builder<'a> {
             grid.buffers.push(buffer);
         }
         self.home_rotation += 1;
-        self.host.insert(weight, Arc::new(LHostTensor { name: value.name.clone(), shape: value.shape.clone(), dtype: value.dtype, role: HostRole::Weight, segments }));
-        self.stored.insert(weight, Stored { grid, dtype: value.dtype });
+        let marked: Vec<u32> = segments.iter().map(|s| s.buffer).collect();
+        let replaced = self.host.insert(weight, Arc::new(LHostTensor { name: value.name.clone(), shape: value.shape.clone(), dtype: value.dtype, role: HostRole::Weight, segments }));
+        if replaced.is_some() {
+            // The buffers of the segments replaced are no longer written by the host.
+            self.host_marks = self.host.values().flat_map(|t| t.segments.iter().map(|s| s.buffer)).collect();
+            self.watch.changed += 1;
+        } else {
+            for b in marked {
+                self.mark_host(b);
+            }
+        }
+        self.stored.insert(weight, Arc::new(Stored { grid, dtype: value.dtype }));
     }
 
     /// Reduce the inner partials of each (batch, row, column) block by column panels: member j
@@ -1453,7 +1517,7 @@ impl<'a> Builder<'a> {
             let mut cuts = grid.cuts[..grid.cuts.len() - 1].to_vec();
             cuts.push(vec![0, 1]);
             let r_grid = Grid { cuts, tiles: grid.tiles.clone(), buffers: r_buffers };
-            self.stored.insert(r, Stored { grid: r_grid, dtype: DType::F32 });
+            self.stored.insert(r, Arc::new(Stored { grid: r_grid, dtype: DType::F32 }));
         }
         self.record(index, output, grid, out.dtype, step, plan);
         Ok(())
@@ -1485,8 +1549,8 @@ impl<'a> Builder<'a> {
         let logical_shards = self.stored.values().map(|s| s.grid.tiles.len() as u32).sum();
         let lowered = Lowered {
             tiles: self.target.chip.tiles,
-            labels: self.labels,
-            buffers: self.buffers,
+            labels: self.labels.into_vec(),
+            buffers: self.buffers.into_vec(),
             steps: self.steps,
             compute_sets: self.compute_sets.into_iter().map(unshare).collect(),
             phases: self.phases.into_iter().map(unshare).collect(),
@@ -1495,11 +1559,11 @@ impl<'a> Builder<'a> {
             inputs,
             outputs,
             checkpoints: self.checkpoints.into_iter().map(unshare).collect(),
-            plans: self.plans,
+            plans: self.plans.into_vec(),
             gemm_flops: self.gemm_flops,
             logical_shards,
         };
-        Ok(Attempt { lowered, owners: self.owners, spans: self.spans, interleaved_weights: self.interleaved_weights })
+        Ok(Attempt { lowered, owners: self.owners.into_vec(), spans: self.spans, interleaved_weights: self.interleaved_weights })
     }
 }
 
@@ -1640,10 +1704,15 @@ fn merge_segments(mut segments: Vec<LSegment>, dtype: DType) -> Vec<LSegment> {
 }
 
 /// Widen a buffer's lifetime to include `step`.
-fn touch(buffers: &mut [BufferDecl], buffer: u32, step: u32) {
-    let b = &mut buffers[buffer as usize];
-    b.first_step = b.first_step.min(step);
-    b.last_step = b.last_step.max(step);
+fn touch(buffers: &mut Buffers, watch: &mut Watch, buffer: u32, step: u32) {
+    let b = &buffers[buffer as usize];
+    // Written only when it widens (a write copies a chunk a prefix shares).
+    if step < b.first_step || step > b.last_step {
+        watch.touch(buffer, b.first_step, b.last_step, step);
+        let b = &mut buffers[buffer as usize];
+        b.first_step = b.first_step.min(step);
+        b.last_step = b.last_step.max(step);
+    }
 }
 
 /// A word move's sort key within its source buffer: (source byte offset, words, destination

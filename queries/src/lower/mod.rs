@@ -8,11 +8,13 @@
 
 pub mod build;
 pub mod candidates;
+pub mod chunked;
 pub mod elementwise;
 pub mod grid;
 pub mod host;
 pub mod plan;
 pub mod orient;
+pub mod peaks;
 pub mod screen;
 pub mod search;
 pub mod select;

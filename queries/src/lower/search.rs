@@ -418,20 +418,21 @@ fn longest_compatible<'a>(memos: impl IntoIterator<Item = &'a Arc<HomePrefix>>, 
 /// What the beam compares partial programs by: estimated cycles, estimated exchange cycles,
 /// and the peak standard, interleaved and total bytes on any tile (host-written buffers live
 /// from the start, as in the finished program).
-fn score(partial: &Partial, tiles: u32) -> [u64; 5] {
-    let cycles = partial.plans().iter().map(|p| p.estimated_compute_cycles + p.estimated_exchange_cycles).sum();
-    let exchange = partial.plans().iter().map(|p| p.estimated_exchange_cycles).sum();
-    let mut host = vec![false; partial.buffers().len()];
-    for b in partial.host_buffers() {
-        host[b as usize] = true;
-    }
-    let (standard, interleaved, total) = peaks(partial.buffers(), &host, tiles);
+///
+/// The peaks are those of `peaks` over every buffer, kept up to date from the prefix this one
+/// extends (`Partial::peaks`, `peaks.rs`), so that scoring an extension sweeps only its recent
+/// buffers.
+fn score(partial: &mut Partial, tiles: u32) -> [u64; 5] {
+    let cycles = partial.plans().map(|p| p.estimated_compute_cycles + p.estimated_exchange_cycles).sum();
+    let exchange = partial.plans().map(|p| p.estimated_exchange_cycles).sum();
+    let (standard, interleaved, total) = partial.peaks(tiles);
     [cycles, exchange, standard, interleaved, total]
 }
 
 /// Peak live bytes per tile over the steps, in standard and interleaved memory (buffers that
 /// claim interleaved memory first: partials, and weights that prefer it) and in total.
-fn peaks(buffers: &[BufferDecl], host: &[bool], tiles: u32) -> (u64, u64, u64) {
+#[cfg(test)]
+fn peaks<'a>(buffers: impl Iterator<Item = &'a BufferDecl> + Clone, host: &[bool], tiles: u32) -> (u64, u64, u64) {
     let (mut ps, mut pi, mut pt) = (0u64, 0u64, 0u64);
     tile_peaks(buffers, host, tiles, |_, (s, i, t)| {
         ps = ps.max(s);
@@ -455,14 +456,14 @@ thread_local! {
 /// region only shrinks, then only grows, so a tile's peaks are those of its live bytes at the
 /// ends of steps: the buffers' starts and ends are bucketed by step (one counting pass, no
 /// sort), then swept in step order over running per-tile sums.
-fn tile_peaks(buffers: &[BufferDecl], host: &[bool], tiles: u32, mut each: impl FnMut(u32, (u64, u64, u64))) {
+fn tile_peaks<'a>(buffers: impl Iterator<Item = &'a BufferDecl> + Clone, host: &[bool], tiles: u32, mut each: impl FnMut(u32, (u64, u64, u64))) {
     // (first step, step after the last) of a buffer.
     let range = |i: usize, b: &BufferDecl| -> (usize, usize) {
         let last = b.last_step.max(if b.first_step == u32::MAX { 0 } else { b.first_step });
         let first = if host[i] || b.first_step == u32::MAX { 0 } else { b.first_step };
         (first as usize, last as usize + 1)
     };
-    let on_chip = || buffers.iter().enumerate().filter(|(_, b)| b.tile < tiles);
+    let on_chip = || buffers.clone().enumerate().filter(|(_, b)| b.tile < tiles);
     // Events per step: counted, then placed step by step in one table (`starts[k + 1]` ends
     // step k's events once placed).
     let mut starts = vec![0usize];
@@ -608,29 +609,48 @@ fn beam(graph: &Graph, target: &Target, width: usize, previous: Option<(&Graph, 
         let reuse = prefix_compatible(&state.oriented, &oriented, lowered);
         let mut kept: Vec<Arc<HomePrefix>> = Vec::new();
         // This program lowered with home-tile weights up to `end`, from the longest compatible
-        // prefix of the pool (the same program from any: `extended_prefixes_equal_whole_lowerings`).
-        let lower_home = |kept: &mut Vec<Arc<HomePrefix>>| -> Result<Partial, LowerError> {
+        // prefix of the pool (the same program from any: `extended_prefixes_equal_whole_lowerings`),
+        // with the prefixes it keeps in the pool.
+        let lower_home = || -> (Result<Partial, LowerError>, Vec<Arc<HomePrefix>>) {
             let memo = longest_compatible(state.home.iter().chain(pool), &oriented, end);
             let from = memo.map_or(0, |m| m.partial.lowered_operations());
-            kept.extend(memo.cloned());
+            let mut kept: Vec<Arc<HomePrefix>> = memo.cloned().into_iter().collect();
             debug!(from, end, "lowering with home-tile weights");
             if !reuse || from >= lowered || lowered >= end {
-                return home_lowering(memo.map(|m| &**m), &oriented, target, end);
+                return (home_lowering(memo.map(|m| &**m), &oriented, target, end), kept);
             }
-            let prefix = home_lowering(memo.map(|m| &**m), &oriented, target, lowered)?;
+            let prefix = match home_lowering(memo.map(|m| &**m), &oriented, target, lowered) {
+                Ok(p) => p,
+                Err(e) => return (Err(e), kept),
+            };
             kept.push(Arc::new(HomePrefix { oriented: oriented.clone(), partial: prefix.clone() }));
-            extend(prefix, &oriented, target, &[], end)
+            (extend(prefix, &oriented, target, &[], end), kept)
         };
         let home = reuse && state.partial.home_weights();
         let start = if reuse { state.partial.clone() } else { Partial::new(false) };
-        let mut partial = match extend(start, &oriented, target, &[], end) {
-            Ok(p) => Some(p),
+        let replicated = || match extend(start, &oriented, target, &[], end) {
+            Ok(p) => Ok(Some(p)),
             // A replicated weight that no plan fits: this program keeps (some) weights on
             // home tiles.
-            Err(LowerError::NoPlan { .. }) if !home => None,
-            Err(e) => return Err(e),
+            Err(LowerError::NoPlan { .. }) if !home => Ok(None),
+            Err(e) => Err(e),
         };
-        let mut scored = partial.as_ref().map_or([0; 5], |p| score(p, target.chip.tiles));
+        // While the beam carries home-weights prefixes, a program with replicated weights
+        // lowers its home-weights one too (carried, or switched to where the replicated
+        // weights do not fit), unless a mixed program fits: both are lowered side by side.
+        let (partial, mut ahead) = if carry && !home {
+            let (partial, ahead) = rayon::join(replicated, lower_home);
+            (partial, Some(ahead))
+        } else {
+            (replicated(), None)
+        };
+        let mut partial = partial?;
+        let mut lower_home = |kept: &mut Vec<Arc<HomePrefix>>| -> Result<Partial, LowerError> {
+            let (result, memos) = ahead.take().unwrap_or_else(lower_home);
+            kept.extend(memos);
+            result
+        };
+        let mut scored = partial.as_mut().map_or([0; 5], |p| score(p, target.chip.tiles));
         let mut fits = partial.is_some() && within_memory(&scored, target);
         let mut tried_home = false;
         if !fits && !partial.as_ref().is_some_and(|p| p.home_weights()) {
@@ -644,8 +664,8 @@ fn beam(graph: &Graph, target: &Target, width: usize, previous: Option<(&Graph, 
             let mixed = (reuse && lowered > 0 && from < state.partial.home_from())
                 .then(|| extend(state.partial.clone().home_later(from), &oriented, target, &[], end).ok())
                 .flatten()
-                .map(|p| {
-                    let s = score(&p, target.chip.tiles);
+                .map(|mut p| {
+                    let s = score(&mut p, target.chip.tiles);
                     (p, s)
                 })
                 .filter(|(_, s)| within_memory(s, target));
@@ -655,8 +675,8 @@ fn beam(graph: &Graph, target: &Target, width: usize, previous: Option<(&Graph, 
                 fits = true;
             } else {
                 match lower_home(&mut kept) {
-                    Ok(p) => {
-                        scored = score(&p, target.chip.tiles);
+                    Ok(mut p) => {
+                        scored = score(&mut p, target.chip.tiles);
                         fits = within_memory(&scored, target);
                         partial = Some(p);
                     }
@@ -784,9 +804,9 @@ fn beam(graph: &Graph, target: &Target, width: usize, previous: Option<(&Graph, 
     #[allow(clippy::type_complexity)]
     let completed: Vec<(Arc<Oriented>, Option<Arc<HomePrefix>>, Result<(Attempt, usize), LowerError>, bool, Option<Arc<Snapshot>>)> = states
         .into_par_iter()
-        .map(|s| {
+        .map(|mut s| {
             let home = s.partial.home_from();
-            let far = score(&s.partial, target.chip.tiles)[4] > far_limit;
+            let far = score(&mut s.partial, target.chip.tiles)[4] > far_limit;
             let memo = s.home.or_else(|| longest_compatible(&pool, &s.oriented, s.oriented.graph.operations.len()).cloned());
             let attempt = complete(s.partial, &s.oriented, target, &[]).map(|a| (a, home));
             (s.oriented, memo, attempt, far, s.history)
@@ -1110,7 +1130,7 @@ fn mixed_from(oriented: &Oriented, buffers: &[BufferDecl], tensors: &[LHostTenso
     let m = &target.memory;
     let capacity = ((m.loader_limit - m.base) as u64).saturating_sub(CODE_RESERVE_BYTES);
     let mut overflow = vec![0u64; tiles as usize];
-    tile_peaks(buffers, &host, tiles, |tile, (_, _, total)| overflow[tile as usize] = total.saturating_sub(capacity));
+    tile_peaks(buffers.iter(), &host, tiles, |tile, (_, _, total)| overflow[tile as usize] = total.saturating_sub(capacity));
     if let Some(o) = overflow.get_mut(failure.tile as usize) {
         *o = (*o).max(failure.bytes as u64);
     }
@@ -1191,6 +1211,20 @@ pub fn describe(l: &Lowered) -> String {
         })
         .collect::<Vec<_>>()
         .join(" ")
+}
+
+#[cfg(test)]
+pub(super) mod tests_support {
+    use super::{peaks, Partial};
+
+    /// `Partial::peaks` as swept over every buffer of the program.
+    pub fn full_peaks(partial: &Partial, tiles: u32) -> (u64, u64, u64) {
+        let mut host = vec![false; partial.buffers().len()];
+        for b in partial.host_buffers() {
+            host[b as usize] = true;
+        }
+        peaks(partial.buffers().iter(), &host, tiles)
+    }
 }
 
 #[cfg(test)]
@@ -1404,7 +1438,7 @@ mod tests {
                 }
             }
             let mut got = vec![(0u64, 0u64, 0u64); tiles as usize];
-            tile_peaks(&buffers, &host, tiles, |t, p| got[t as usize] = p);
+            tile_peaks(buffers.iter(), &host, tiles, |t, p| got[t as usize] = p);
             assert_eq!(got, expected, "round {round}");
         }
     }
