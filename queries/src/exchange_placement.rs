@@ -49,13 +49,15 @@ pub fn exchange_rules(lowered: &Lowered, receive_offset: u32) -> ExchangeRules {
         .phases
         .par_iter()
         .map(|phase| {
-            // (tile, role, buffer): role 0 sends, 1 receives.
-            let mut roles: Vec<(u32, u8, u32)> = Vec::new();
+            // (tile, role, buffer), role 0 sends and 1 receives, packed in one integer whose
+            // order is the tuple's: tile in the high 64 bits, then role, then buffer.
+            let role = |tile: u32, role: u128, buffer: u32| ((tile as u128) << 64) | (role << 32) | buffer as u128;
+            let mut roles: Vec<u128> = Vec::new();
             let mut received: Vec<u32> = Vec::new();
             for t in phase {
-                roles.push((lowered.buffers[t.source.0 as usize].tile, 0, t.source.0));
+                roles.push(role(lowered.buffers[t.source.0 as usize].tile, 0, t.source.0));
                 for d in &t.destinations {
-                    roles.push((lowered.buffers[d.0 as usize].tile, 1, d.0));
+                    roles.push(role(lowered.buffers[d.0 as usize].tile, 1, d.0));
                     received.push(d.0);
                 }
             }
@@ -63,14 +65,15 @@ pub fn exchange_rules(lowered: &Lowered, receive_offset: u32) -> ExchangeRules {
             roles.dedup();
             // (buffer, its opposite), both ways.
             let mut pairs: Vec<(u32, u32)> = Vec::new();
-            for group in roles.chunk_by(|a, b| a.0 == b.0) {
-                let split = group.partition_point(|r| r.1 == 0);
+            for group in roles.chunk_by(|a, b| a >> 64 == b >> 64) {
+                let split = group.partition_point(|r| (r >> 32) & 1 == 0);
                 let (senders, receivers) = group.split_at(split);
-                for s in senders {
-                    for r in receivers {
-                        if s.2 != r.2 {
-                            pairs.push((s.2, r.2));
-                            pairs.push((r.2, s.2));
+                for &s in senders {
+                    for &r in receivers {
+                        let (s, r) = (s as u32, r as u32);
+                        if s != r {
+                            pairs.push((s, r));
+                            pairs.push((r, s));
                         }
                     }
                 }
@@ -92,7 +95,7 @@ pub fn exchange_rules(lowered: &Lowered, receive_offset: u32) -> ExchangeRules {
         o.sort_unstable();
         o.dedup();
     });
-    ExchangeRules { opposites, receives, receive_offset }
+    ExchangeRules { opposites: Arc::new(opposites), receives: Arc::new(receives), receive_offset }
 }
 
 /// Tables of every phase under a placement (`check`: validated, as the final tables are).
