@@ -98,7 +98,7 @@ pub fn finalists(db: &dyn Db, sources: Sources) -> StageResult<Vec<Lowered>> {
         };
         let mut sized: Vec<Screened> = Vec::new();
         let mut remember = |prepared: Lowered, digests: &[Digest], bytes: &[u32]| {
-            sized.push(Screened { lowering: t.digest, budget, prepared, sizing: std::sync::OnceLock::new(), schedules: digests.to_vec(), bytes: Arc::new(bytes.to_vec()) });
+            sized.push(Screened { lowering: t.digest, budget, prepared, schedules: digests.to_vec(), bytes: Arc::new(bytes.to_vec()) });
         };
         let kept = crate::lower::screen::screen_tables(&g.value, &t.value, found, budget, &mut schedule, &mut remember);
         *db.schedule_memo.lock().expect("phase memo lock") = screened.into_inner();
@@ -111,22 +111,21 @@ pub fn finalists(db: &dyn Db, sources: Sources) -> StageResult<Vec<Lowered>> {
 /// Table bytes lower_mid's screen found for a program it kept, and what they are of: the
 /// lowering view (the sizing reads its delays), the budget, the program as the screen
 /// prepared it, each phase's schedule. select_finalist takes them for a program whose sizing
-/// reads the same (`sizing::sizing_digest`): the screen's program is digested only then (on
-/// a rayon worker, beside the finalist's own digest), not on lower_mid's serial path.
+/// reads the same (`sizing::same_sizing_input`, what `sizing::sizing_digest` digests),
+/// compared in place (on a rayon worker, beside the finalist's own digest), not on
+/// lower_mid's serial path.
 pub(crate) struct Screened {
     lowering: Digest,
     budget: u32,
     prepared: Lowered,
-    sizing: std::sync::OnceLock<Digest>,
     schedules: Vec<Digest>,
     bytes: Arc<Vec<u32>>,
 }
 
 impl Screened {
-    /// Whether these are the bytes of `program` (sizing digest `sizing`) over these schedules,
-    /// lowering view and budget.
-    fn holds(&self, lowering: Digest, budget: u32, sizing: Digest, schedules: &[Digest]) -> bool {
-        self.lowering == lowering && self.budget == budget && self.schedules == schedules && *self.sizing.get_or_init(|| crate::sizing::sizing_digest(&self.prepared)) == sizing
+    /// Whether these are the bytes of `program` over these schedules, lowering view and budget.
+    fn holds(&self, lowering: Digest, budget: u32, program: &Lowered, schedules: &[Digest]) -> bool {
+        self.lowering == lowering && self.budget == budget && self.schedules == schedules && crate::sizing::same_sizing_input(&self.prepared, program)
     }
 }
 
@@ -196,8 +195,7 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
             if screened.is_empty() || verifying {
                 return None;
             }
-            let sizing = crate::sizing::sizing_digest(l);
-            let found = screened.iter().find(|s| s.holds(lt.digest, budget, sizing, digests)).map(|s| s.bytes.clone());
+            let found = screened.iter().find(|s| s.holds(lt.digest, budget, l, digests)).map(|s| s.bytes.clone());
             tracing::debug!(found = found.is_some(), "exchange-table bytes from lower_mid's screen");
             found
         };
@@ -323,9 +321,10 @@ fn chosen_key(finalists: Digest, chosen: u32, selection_view: Digest) -> Digest 
     KeyHasher::new("ipuq chosen program v1").add(&finalists).add(&chosen).add(&selection_view).finish()
 }
 
-/// The exchange requests of every phase, with addresses from `address(buffer, offset)`.
-pub fn requests(lowered: &Lowered, address: impl Fn(u32, u32) -> u32) -> Vec<PhaseRequest> {
-    (0..lowered.phases.len()).map(|index| phase_request(lowered, index, &address)).collect()
+/// The exchange requests of every phase, with addresses from `address(buffer, offset)`
+/// (phases written in parallel, collected in order).
+pub fn requests(lowered: &Lowered, address: impl Fn(u32, u32) -> u32 + Sync) -> Vec<PhaseRequest> {
+    (0..lowered.phases.len()).into_par_iter().map(|index| phase_request(lowered, index, &address)).collect()
 }
 
 /// Phase `index`'s exchange request, with addresses from `address(buffer, offset)`.
