@@ -717,6 +717,51 @@ mod tests {
     }
 
     #[test]
+    fn sizing_digest_streams_the_bytes_it_used_to_gather() {
+        // The digest as it was computed: every word gathered in one buffer, hashed with its length.
+        fn gathered(l: &Lowered) -> Digest {
+            let mut words: Vec<u32> = vec![l.tiles, l.buffers.len() as u32];
+            for b in &l.buffers {
+                words.extend([b.tile, b.bytes]);
+            }
+            words.push(l.phases.len() as u32);
+            for phase in &l.phases {
+                words.push(phase.len() as u32);
+                for t in phase {
+                    words.extend([t.source.0, t.source.1, t.words, t.destinations.len() as u32]);
+                    for d in &t.destinations {
+                        words.extend([d.0, d.1]);
+                    }
+                }
+            }
+            let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+            KeyHasher::new("ipuq table sizing input v1").bytes(&bytes).finish()
+        }
+        let db = Database::default();
+        let s = sources(&db, WORKLOAD.into(), "mlp.toml".into(), fixtures::SMALL16.into(), "small16".into());
+        let l = lowered(&db, s).unwrap();
+        let program = (*l.value).clone();
+        assert_eq!(crate::sizing::sizing_digest(&program), gathered(&program));
+        assert!(crate::sizing::same_sizing_input(&program, &program));
+        // What sizing reads changes both the digest and the comparison; what it does not, neither.
+        let mut other = program.clone();
+        other.buffers[0].first_step += 1;
+        other.labels.push("unread".into());
+        assert_eq!(crate::sizing::sizing_digest(&other), crate::sizing::sizing_digest(&program));
+        assert!(crate::sizing::same_sizing_input(&program, &other));
+        let mut moved = program.clone();
+        moved.buffers[0].bytes += 16;
+        assert_ne!(crate::sizing::sizing_digest(&moved), crate::sizing::sizing_digest(&program));
+        assert!(!crate::sizing::same_sizing_input(&program, &moved));
+        let mut rerouted = program.clone();
+        let phase = rerouted.phases.iter_mut().find(|p| !p.is_empty()).expect("an exchange phase");
+        phase[0].words += 1;
+        assert_eq!(crate::sizing::sizing_digest(&rerouted), gathered(&rerouted));
+        assert_ne!(crate::sizing::sizing_digest(&rerouted), crate::sizing::sizing_digest(&program));
+        assert!(!crate::sizing::same_sizing_input(&program, &rerouted));
+    }
+
+    #[test]
     fn stage_digests_are_blake3_of_the_bytes_a_store_would_hold() {
         // Without a store, outputs are digested as they are serialised (`digest_of`), and the
         // chosen program's digest is select_finalist's: each must be the digest of the bytes

@@ -214,3 +214,52 @@ fn first_fit(range: (u32, u32), placed: &[Placed], avoid: &[(u32, u32)], bytes: 
     }
     (start as u64 + bytes as u64 <= range.1 as u64).then_some(start)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{align, first_fit, Placed};
+
+    /// The first fit as it was: every placed buffer alive at the time and every avoided range,
+    /// gathered and sorted whole.
+    fn reference(range: (u32, u32), placed: &[Placed], avoid: &[(u32, u32)], bytes: u32, alignment: u32, first: u32, last: u32) -> Option<u32> {
+        let mut busy: Vec<(u32, u32)> = placed.iter().filter(|p| p.first <= last && first <= p.last).map(|p| (p.start, p.end)).collect();
+        busy.extend_from_slice(avoid);
+        busy.sort_unstable();
+        let mut start = align(range.0, alignment);
+        for (s, e) in busy {
+            if start as u64 + bytes as u64 <= s as u64 {
+                break;
+            }
+            if e > start {
+                start = align(e, alignment);
+            }
+        }
+        (start as u64 + bytes as u64 <= range.1 as u64).then_some(start)
+    }
+
+    #[test]
+    fn merged_first_fit_finds_what_sorting_everything_found() {
+        let mut x = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = |m: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % m) as u32
+        };
+        for case in 0..2000 {
+            let mut placed: Vec<Placed> = (0..next(40))
+                .map(|_| {
+                    let (start, bytes, first) = (next(64) * 16, 16 + next(48) * 16, next(20));
+                    Placed { start, end: start + bytes, first, last: first + next(10) }
+                })
+                .collect();
+            placed.sort_by_key(|p| (p.start, p.end));
+            let mut avoid: Vec<(u32, u32)> = (0..next(6)).map(|_| (next(32) * 64, 64 + next(32) * 64)).collect();
+            avoid.sort_unstable();
+            let (bytes, alignment, first) = (8 + next(40) * 8, [8, 16][next(2) as usize], next(25));
+            let last = first + next(8);
+            let range = (next(4) * 8, 1024 + next(2048));
+            assert_eq!(first_fit(range, &placed, &avoid, bytes, alignment, first, last), reference(range, &placed, &avoid, bytes, alignment, first, last), "case {case}");
+        }
+    }
+}
