@@ -762,6 +762,48 @@ mod tests {
     }
 
     #[test]
+    fn exchange_rules_pair_what_sorting_every_role_paired() {
+        // The opposites as they were found: every (tile, role, buffer) of a phase sorted whole.
+        fn sorted_whole(l: &Lowered) -> (Vec<Vec<u32>>, Vec<bool>) {
+            let mut opposites: Vec<Vec<u32>> = vec![Vec::new(); l.buffers.len()];
+            let mut receives = vec![false; l.buffers.len()];
+            for phase in &l.phases {
+                let mut roles: Vec<(u32, u8, u32)> = Vec::new();
+                for t in phase {
+                    roles.push((l.buffers[t.source.0 as usize].tile, 0, t.source.0));
+                    for d in &t.destinations {
+                        roles.push((l.buffers[d.0 as usize].tile, 1, d.0));
+                        receives[d.0 as usize] = true;
+                    }
+                }
+                roles.sort_unstable();
+                roles.dedup();
+                for group in roles.chunk_by(|a, b| a.0 == b.0) {
+                    let (senders, receivers) = group.split_at(group.partition_point(|r| r.1 == 0));
+                    for s in senders {
+                        for r in receivers.iter().filter(|r| r.2 != s.2) {
+                            opposites[s.2 as usize].push(r.2);
+                            opposites[r.2 as usize].push(s.2);
+                        }
+                    }
+                }
+            }
+            for o in &mut opposites {
+                o.sort_unstable();
+                o.dedup();
+            }
+            (opposites, receives)
+        }
+        let db = Database::default();
+        let s = sources(&db, WORKLOAD.into(), "mlp.toml".into(), fixtures::SMALL16.into(), "small16".into());
+        let l = lowered(&db, s).unwrap();
+        let rules = crate::exchange_placement::exchange_rules(&l.value, 4096);
+        let (opposites, receives) = sorted_whole(&l.value);
+        assert!(opposites.iter().any(|o| !o.is_empty()));
+        assert_eq!((&*rules.opposites, &*rules.receives, rules.receive_offset), (&opposites, &receives, 4096));
+    }
+
+    #[test]
     fn stage_digests_are_blake3_of_the_bytes_a_store_would_hold() {
         // Without a store, outputs are digested as they are serialised (`digest_of`), and the
         // chosen program's digest is select_finalist's: each must be the digest of the bytes
