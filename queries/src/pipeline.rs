@@ -17,7 +17,7 @@
 //! memory view, build_tile_images the whole target (it embeds it). Every key also holds the
 //! compiler fingerprint (`Database::key`).
 //!
-//! This file is long (about 830 lines) because it holds every stage's query with its key and the
+//! This file is long (about 930 lines) because it holds every stage's query with its key and the
 //! in-process memos that hand one stage's work to the next (sizing, placement, validation), and
 //! their tests; each stage's work itself lives in its own module.
 
