@@ -49,28 +49,57 @@ pub fn exchange_rules(lowered: &Lowered, receive_offset: u32) -> ExchangeRules {
         .phases
         .par_iter()
         .map(|phase| {
-            // (tile, role, buffer): role 0 sends, 1 receives.
-            let mut roles: Vec<(u32, u8, u32)> = Vec::new();
+            // (role, buffer) per tile, role 0 sends and 1 receives, packed in one word whose
+            // order is the pair's: dealt into their tiles (a counting sort), each tile's sorted
+            // and deduplicated alone (what sorting all (tile, role, buffer) gives, tile by tile).
+            let tiles = lowered.tiles as usize;
+            let tile_of = |buffer: u32| (lowered.buffers[buffer as usize].tile as usize).min(tiles);
+            let mut first = vec![0usize; tiles + 2];
             let mut received: Vec<u32> = Vec::new();
             for t in phase {
-                roles.push((lowered.buffers[t.source.0 as usize].tile, 0, t.source.0));
+                first[tile_of(t.source.0) + 1] += 1;
                 for d in &t.destinations {
-                    roles.push((lowered.buffers[d.0 as usize].tile, 1, d.0));
+                    first[tile_of(d.0) + 1] += 1;
+                }
+            }
+            for tile in 0..=tiles {
+                first[tile + 1] += first[tile];
+            }
+            let mut fill = first.clone();
+            let mut roles = vec![0u64; first[tiles + 1]];
+            let mut deal = |buffer: u32, role: u64| {
+                let tile = tile_of(buffer);
+                roles[fill[tile]] = (role << 32) | buffer as u64;
+                fill[tile] += 1;
+            };
+            for t in phase {
+                deal(t.source.0, 0);
+                for d in &t.destinations {
+                    deal(d.0, 1);
                     received.push(d.0);
                 }
             }
-            roles.sort_unstable();
-            roles.dedup();
             // (buffer, its opposite), both ways.
             let mut pairs: Vec<(u32, u32)> = Vec::new();
-            for group in roles.chunk_by(|a, b| a.0 == b.0) {
-                let split = group.partition_point(|r| r.1 == 0);
+            for tile in 0..=tiles {
+                let group = &mut roles[first[tile]..first[tile + 1]];
+                group.sort_unstable();
+                let mut kept = 0;
+                for i in 0..group.len() {
+                    if kept == 0 || group[kept - 1] != group[i] {
+                        group[kept] = group[i];
+                        kept += 1;
+                    }
+                }
+                let group = &group[..kept];
+                let split = group.partition_point(|r| r >> 32 == 0);
                 let (senders, receivers) = group.split_at(split);
-                for s in senders {
-                    for r in receivers {
-                        if s.2 != r.2 {
-                            pairs.push((s.2, r.2));
-                            pairs.push((r.2, s.2));
+                for &s in senders {
+                    for &r in receivers {
+                        let (s, r) = (s as u32, r as u32);
+                        if s != r {
+                            pairs.push((s, r));
+                            pairs.push((r, s));
                         }
                     }
                 }
@@ -92,7 +121,7 @@ pub fn exchange_rules(lowered: &Lowered, receive_offset: u32) -> ExchangeRules {
         o.sort_unstable();
         o.dedup();
     });
-    ExchangeRules { opposites, receives, receive_offset }
+    ExchangeRules { opposites: Arc::new(opposites), receives: Arc::new(receives), receive_offset }
 }
 
 /// Tables of every phase under a placement (`check`: validated, as the final tables are).

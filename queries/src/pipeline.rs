@@ -17,7 +17,7 @@
 //! memory view, build_tile_images the whole target (it embeds it). Every key also holds the
 //! compiler fingerprint (`Database::key`).
 //!
-//! This file is long (about 830 lines) because it holds every stage's query with its key and the
+//! This file is long (about 930 lines) because it holds every stage's query with its key and the
 //! in-process memos that hand one stage's work to the next (sizing, placement, validation), and
 //! their tests; each stage's work itself lives in its own module.
 
@@ -98,7 +98,7 @@ pub fn finalists(db: &dyn Db, sources: Sources) -> StageResult<Vec<Lowered>> {
         };
         let mut sized: Vec<Screened> = Vec::new();
         let mut remember = |prepared: Lowered, digests: &[Digest], bytes: &[u32]| {
-            sized.push(Screened { lowering: t.digest, budget, prepared, sizing: std::sync::OnceLock::new(), schedules: digests.to_vec(), bytes: Arc::new(bytes.to_vec()) });
+            sized.push(Screened { lowering: t.digest, budget, prepared, schedules: digests.to_vec(), bytes: Arc::new(bytes.to_vec()) });
         };
         let kept = crate::lower::screen::screen_tables(&g.value, &t.value, found, budget, &mut schedule, &mut remember);
         *db.schedule_memo.lock().expect("phase memo lock") = screened.into_inner();
@@ -111,22 +111,21 @@ pub fn finalists(db: &dyn Db, sources: Sources) -> StageResult<Vec<Lowered>> {
 /// Table bytes lower_mid's screen found for a program it kept, and what they are of: the
 /// lowering view (the sizing reads its delays), the budget, the program as the screen
 /// prepared it, each phase's schedule. select_finalist takes them for a program whose sizing
-/// reads the same (`sizing::sizing_digest`): the screen's program is digested only then (on
-/// a rayon worker, beside the finalist's own digest), not on lower_mid's serial path.
+/// reads the same (`sizing::same_sizing_input`, what `sizing::sizing_digest` digests),
+/// compared in place (on a rayon worker, beside the finalist's own digest), not on
+/// lower_mid's serial path.
 pub(crate) struct Screened {
     lowering: Digest,
     budget: u32,
     prepared: Lowered,
-    sizing: std::sync::OnceLock<Digest>,
     schedules: Vec<Digest>,
     bytes: Arc<Vec<u32>>,
 }
 
 impl Screened {
-    /// Whether these are the bytes of `program` (sizing digest `sizing`) over these schedules,
-    /// lowering view and budget.
-    fn holds(&self, lowering: Digest, budget: u32, sizing: Digest, schedules: &[Digest]) -> bool {
-        self.lowering == lowering && self.budget == budget && self.schedules == schedules && *self.sizing.get_or_init(|| crate::sizing::sizing_digest(&self.prepared)) == sizing
+    /// Whether these are the bytes of `program` over these schedules, lowering view and budget.
+    fn holds(&self, lowering: Digest, budget: u32, program: &Lowered, schedules: &[Digest]) -> bool {
+        self.lowering == lowering && self.budget == budget && self.schedules == schedules && crate::sizing::same_sizing_input(&self.prepared, program)
     }
 }
 
@@ -196,8 +195,7 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
             if screened.is_empty() || verifying {
                 return None;
             }
-            let sizing = crate::sizing::sizing_digest(l);
-            let found = screened.iter().find(|s| s.holds(lt.digest, budget, sizing, digests)).map(|s| s.bytes.clone());
+            let found = screened.iter().find(|s| s.holds(lt.digest, budget, l, digests)).map(|s| s.bytes.clone());
             tracing::debug!(found = found.is_some(), "exchange-table bytes from lower_mid's screen");
             found
         };
@@ -323,9 +321,10 @@ fn chosen_key(finalists: Digest, chosen: u32, selection_view: Digest) -> Digest 
     KeyHasher::new("ipuq chosen program v1").add(&finalists).add(&chosen).add(&selection_view).finish()
 }
 
-/// The exchange requests of every phase, with addresses from `address(buffer, offset)`.
-pub fn requests(lowered: &Lowered, address: impl Fn(u32, u32) -> u32) -> Vec<PhaseRequest> {
-    (0..lowered.phases.len()).map(|index| phase_request(lowered, index, &address)).collect()
+/// The exchange requests of every phase, with addresses from `address(buffer, offset)`
+/// (phases written in parallel, collected in order).
+pub fn requests(lowered: &Lowered, address: impl Fn(u32, u32) -> u32 + Sync) -> Vec<PhaseRequest> {
+    (0..lowered.phases.len()).into_par_iter().map(|index| phase_request(lowered, index, &address)).collect()
 }
 
 /// Phase `index`'s exchange request, with addresses from `address(buffer, offset)`.
@@ -715,6 +714,93 @@ mod tests {
         let (x, l, sch) = (exchange_target(db, s).unwrap(), lowered(db, s).unwrap(), schedules(db, s).unwrap());
         let key = sizing_key(x.digest, l.digest, &sch.value.digests, db.table_budget());
         (x, l, sch, key)
+    }
+
+    #[test]
+    fn sizing_digest_streams_the_bytes_it_used_to_gather() {
+        // The digest as it was computed: every word gathered in one buffer, hashed with its length.
+        fn gathered(l: &Lowered) -> Digest {
+            let mut words: Vec<u32> = vec![l.tiles, l.buffers.len() as u32];
+            for b in &l.buffers {
+                words.extend([b.tile, b.bytes]);
+            }
+            words.push(l.phases.len() as u32);
+            for phase in &l.phases {
+                words.push(phase.len() as u32);
+                for t in phase {
+                    words.extend([t.source.0, t.source.1, t.words, t.destinations.len() as u32]);
+                    for d in &t.destinations {
+                        words.extend([d.0, d.1]);
+                    }
+                }
+            }
+            let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+            KeyHasher::new("ipuq table sizing input v1").bytes(&bytes).finish()
+        }
+        let db = Database::default();
+        let s = sources(&db, WORKLOAD.into(), "mlp.toml".into(), fixtures::SMALL16.into(), "small16".into());
+        let l = lowered(&db, s).unwrap();
+        let program = (*l.value).clone();
+        assert_eq!(crate::sizing::sizing_digest(&program), gathered(&program));
+        assert!(crate::sizing::same_sizing_input(&program, &program));
+        // What sizing reads changes both the digest and the comparison; what it does not, neither.
+        let mut other = program.clone();
+        other.buffers[0].first_step += 1;
+        other.labels.push("unread".into());
+        assert_eq!(crate::sizing::sizing_digest(&other), crate::sizing::sizing_digest(&program));
+        assert!(crate::sizing::same_sizing_input(&program, &other));
+        let mut moved = program.clone();
+        moved.buffers[0].bytes += 16;
+        assert_ne!(crate::sizing::sizing_digest(&moved), crate::sizing::sizing_digest(&program));
+        assert!(!crate::sizing::same_sizing_input(&program, &moved));
+        let mut rerouted = program.clone();
+        let phase = rerouted.phases.iter_mut().find(|p| !p.is_empty()).expect("an exchange phase");
+        phase[0].words += 1;
+        assert_eq!(crate::sizing::sizing_digest(&rerouted), gathered(&rerouted));
+        assert_ne!(crate::sizing::sizing_digest(&rerouted), crate::sizing::sizing_digest(&program));
+        assert!(!crate::sizing::same_sizing_input(&program, &rerouted));
+    }
+
+    #[test]
+    fn exchange_rules_pair_what_sorting_every_role_paired() {
+        // The opposites as they were found: every (tile, role, buffer) of a phase sorted whole.
+        fn sorted_whole(l: &Lowered) -> (Vec<Vec<u32>>, Vec<bool>) {
+            let mut opposites: Vec<Vec<u32>> = vec![Vec::new(); l.buffers.len()];
+            let mut receives = vec![false; l.buffers.len()];
+            for phase in &l.phases {
+                let mut roles: Vec<(u32, u8, u32)> = Vec::new();
+                for t in phase {
+                    roles.push((l.buffers[t.source.0 as usize].tile, 0, t.source.0));
+                    for d in &t.destinations {
+                        roles.push((l.buffers[d.0 as usize].tile, 1, d.0));
+                        receives[d.0 as usize] = true;
+                    }
+                }
+                roles.sort_unstable();
+                roles.dedup();
+                for group in roles.chunk_by(|a, b| a.0 == b.0) {
+                    let (senders, receivers) = group.split_at(group.partition_point(|r| r.1 == 0));
+                    for s in senders {
+                        for r in receivers.iter().filter(|r| r.2 != s.2) {
+                            opposites[s.2 as usize].push(r.2);
+                            opposites[r.2 as usize].push(s.2);
+                        }
+                    }
+                }
+            }
+            for o in &mut opposites {
+                o.sort_unstable();
+                o.dedup();
+            }
+            (opposites, receives)
+        }
+        let db = Database::default();
+        let s = sources(&db, WORKLOAD.into(), "mlp.toml".into(), fixtures::SMALL16.into(), "small16".into());
+        let l = lowered(&db, s).unwrap();
+        let rules = crate::exchange_placement::exchange_rules(&l.value, 4096);
+        let (opposites, receives) = sorted_whole(&l.value);
+        assert!(opposites.iter().any(|o| !o.is_empty()));
+        assert_eq!((&*rules.opposites, &*rules.receives, rules.receive_offset), (&opposites, &receives, 4096));
     }
 
     #[test]

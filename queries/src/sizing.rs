@@ -104,24 +104,37 @@ pub fn sizing_tables(target: &Target, lowered: &Lowered, schedules: &[Schedule],
 /// schedules: the tile count, each buffer's tile and size (its sizing address) and every
 /// phase's transfers (the requests). Far cheaper than the digest of the whole program.
 pub fn sizing_digest(lowered: &Lowered) -> crate::hash::Digest {
-    // Little-endian words, written straight into one buffer (no intermediate word list).
-    let mut bytes: Vec<u8> = Vec::with_capacity(4 * (3 + 2 * lowered.buffers.len()));
-    let mut put = |words: &[u32]| words.iter().for_each(|w| bytes.extend_from_slice(&w.to_le_bytes()));
-    put(&[lowered.tiles, lowered.buffers.len() as u32]);
+    // The digest of one byte string (its length, then little-endian words), streamed into the
+    // hasher word by word: the length is counted first, so no buffer of the words is built.
+    let transfers: usize = lowered.phases.iter().map(|phase| phase.iter().map(|t| 4 + 2 * t.destinations.len()).sum::<usize>()).sum();
+    let words = 3 + 2 * lowered.buffers.len() + lowered.phases.len() + transfers;
+    let mut h = crate::hash::KeyHasher::new("ipuq table sizing input v1");
+    h.add(&(4 * words as u64));
+    h.add(&lowered.tiles).add(&(lowered.buffers.len() as u32));
     for b in &lowered.buffers {
-        put(&[b.tile, b.bytes]);
+        h.add(&b.tile).add(&b.bytes);
     }
-    put(&[lowered.phases.len() as u32]);
+    h.add(&(lowered.phases.len() as u32));
     for phase in &lowered.phases {
-        put(&[phase.len() as u32]);
+        h.add(&(phase.len() as u32));
         for t in phase {
-            put(&[t.source.0, t.source.1, t.words, t.destinations.len() as u32]);
+            h.add(&t.source.0).add(&t.source.1).add(&t.words).add(&(t.destinations.len() as u32));
             for d in &t.destinations {
-                put(&[d.0, d.1]);
+                h.add(&d.0).add(&d.1);
             }
         }
     }
-    crate::hash::KeyHasher::new("ipuq table sizing input v1").bytes(&bytes).finish()
+    h.finish()
+}
+
+/// Whether two programs give the same [`sizing_digest`]: what sizing reads of them (the tile
+/// count, each buffer's tile and size, every phase's transfers) is equal. Compared in place,
+/// stopping at the first difference: neither program is hashed.
+pub fn same_sizing_input(a: &Lowered, b: &Lowered) -> bool {
+    a.tiles == b.tiles
+        && a.buffers.len() == b.buffers.len()
+        && a.buffers.iter().zip(&b.buffers).all(|(x, y)| x.tile == y.tile && x.bytes == y.bytes)
+        && a.phases == b.phases
 }
 
 /// A tile whose exchange tables exceed the budget, and the phase contributing most of them.

@@ -55,10 +55,12 @@ pub fn place_storage(target: &Target, lowered: &Lowered, code_bytes: &[u32]) -> 
 /// tile that it sends against or receives against in some phase (they must not share a memory
 /// element with it, where room allows), and the offset from the region start at which
 /// receive buffers start their search (in 4 KiB steps; the search wraps to the region start).
+/// The opposites and receive flags are shared (candidates at other offsets take them
+/// without a copy).
 #[derive(Clone, Debug, Default)]
 pub struct ExchangeRules {
-    pub opposites: Vec<Vec<u32>>,
-    pub receives: Vec<bool>,
+    pub opposites: std::sync::Arc<Vec<Vec<u32>>>,
+    pub receives: std::sync::Arc<Vec<bool>>,
     pub receive_offset: u32,
 }
 
@@ -82,21 +84,30 @@ pub fn place_storage_with(target: &Target, lowered: &Lowered, code_bytes: &[u32]
                 let b = &lowered.buffers[i as usize];
                 (b.first_step, std::cmp::Reverse(b.bytes), i)
             });
+            // Per region: the placed buffers still alive at the current start step, sorted by
+            // (start, end). Buffers come by start step, so one that ended before it can never
+            // overlap a later buffer and is dropped: each first fit scans only what is alive.
             let mut placed_std: Vec<Placed> = Vec::new();
             let mut placed_int: Vec<Placed> = Vec::new();
+            let mut pruned_at: Option<u32> = None;
             let mut out: Vec<(u32, u32)> = Vec::with_capacity(order.len());
             let mut at: std::collections::HashMap<u32, u32> = std::collections::HashMap::new();
             let (mut peak_s, mut peak_i) = (code_end, m.interleaved_start);
             for i in order {
                 let b = &lowered.buffers[i as usize];
+                if pruned_at != Some(b.first_step) {
+                    pruned_at = Some(b.first_step);
+                    placed_std.retain(|p| p.last >= b.first_step);
+                    placed_int.retain(|p| p.last >= b.first_step);
+                }
                 let alignment = if b.kind == AllocationKind::Partials { m.partial_alignment } else { m.data_alignment };
                 let regions: &[bool] = match (b.kind, b.prefer_interleaved) {
                     (AllocationKind::Partials, _) => &[true],
                     (_, true) => &[true, false],
                     _ => &[false, true],
                 };
-                // Element ranges of placed buffers this one exchanges against.
-                let avoid: Vec<(u32, u32)> = rules
+                // Element ranges of placed buffers this one exchanges against, sorted.
+                let mut avoid: Vec<(u32, u32)> = rules
                     .opposites
                     .get(i as usize)
                     .into_iter()
@@ -104,6 +115,7 @@ pub fn place_storage_with(target: &Target, lowered: &Lowered, code_bytes: &[u32]
                     .filter_map(|o| at.get(o).map(|&s| (s, s + lowered.buffers[*o as usize].bytes)))
                     .map(|(s, e)| (element_range(m, s).0, element_range(m, e.saturating_sub(1).max(s)).1))
                     .collect();
+                avoid.sort_unstable();
                 let offset = if rules.receives.get(i as usize).copied().unwrap_or(false) { rules.receive_offset } else { 0 };
                 // Try: away from opposite elements from the offset, then from the region start,
                 // then (room is short) anywhere.
@@ -114,7 +126,9 @@ pub fn place_storage_with(target: &Target, lowered: &Lowered, code_bytes: &[u32]
                         let (range, placed) = if inter { (interleaved, &mut placed_int) } else { (standard, &mut placed_std) };
                         let from = (range.0.saturating_add(offset).min(range.1), range.1);
                         if let Some(start) = first_fit(from, placed, avoid, b.bytes, alignment, b.first_step, b.last_step) {
-                            placed.push(Placed { start, end: start + b.bytes, first: b.first_step, last: b.last_step });
+                            let end = start + b.bytes;
+                            let slot = placed.partition_point(|p| (p.start, p.end) <= (start, end));
+                            placed.insert(slot, Placed { start, end, first: b.first_step, last: b.last_step });
                             if inter { peak_i = peak_i.max(start + b.bytes) } else { peak_s = peak_s.max(start + b.bytes) }
                             out.push((i, start));
                             at.insert(i, start);
@@ -177,13 +191,20 @@ fn align(x: u32, a: u32) -> u32 {
     x.div_ceil(a) * a
 }
 
-/// Lowest aligned start in `range` not overlapping any placed buffer alive at the same time.
+/// Lowest aligned start in `range` not overlapping any placed buffer alive at the same time
+/// nor any `avoid` range. `placed` and `avoid` are sorted by (start, end): the busy ranges are
+/// met in that order, merged, as one sorted list of both would give them.
 fn first_fit(range: (u32, u32), placed: &[Placed], avoid: &[(u32, u32)], bytes: u32, alignment: u32, first: u32, last: u32) -> Option<u32> {
-    let mut busy: Vec<(u32, u32)> = placed.iter().filter(|p| p.first <= last && first <= p.last).map(|p| (p.start, p.end)).collect();
-    busy.extend_from_slice(avoid);
-    busy.sort_unstable();
+    let mut alive = placed.iter().filter(|p| p.first <= last && first <= p.last).map(|p| (p.start, p.end)).peekable();
+    let mut avoid = avoid.iter().copied().peekable();
     let mut start = align(range.0, alignment);
-    for (s, e) in busy {
+    loop {
+        let next = match (alive.peek(), avoid.peek()) {
+            (Some(&a), Some(&v)) if v < a => avoid.next(),
+            (Some(_), _) => alive.next(),
+            (None, _) => avoid.next(),
+        };
+        let Some((s, e)) = next else { break };
         if start as u64 + bytes as u64 <= s as u64 {
             break;
         }
@@ -192,4 +213,53 @@ fn first_fit(range: (u32, u32), placed: &[Placed], avoid: &[(u32, u32)], bytes: 
         }
     }
     (start as u64 + bytes as u64 <= range.1 as u64).then_some(start)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{align, first_fit, Placed};
+
+    /// The first fit as it was: every placed buffer alive at the time and every avoided range,
+    /// gathered and sorted whole.
+    fn reference(range: (u32, u32), placed: &[Placed], avoid: &[(u32, u32)], bytes: u32, alignment: u32, first: u32, last: u32) -> Option<u32> {
+        let mut busy: Vec<(u32, u32)> = placed.iter().filter(|p| p.first <= last && first <= p.last).map(|p| (p.start, p.end)).collect();
+        busy.extend_from_slice(avoid);
+        busy.sort_unstable();
+        let mut start = align(range.0, alignment);
+        for (s, e) in busy {
+            if start as u64 + bytes as u64 <= s as u64 {
+                break;
+            }
+            if e > start {
+                start = align(e, alignment);
+            }
+        }
+        (start as u64 + bytes as u64 <= range.1 as u64).then_some(start)
+    }
+
+    #[test]
+    fn merged_first_fit_finds_what_sorting_everything_found() {
+        let mut x = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = |m: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % m) as u32
+        };
+        for case in 0..2000 {
+            let mut placed: Vec<Placed> = (0..next(40))
+                .map(|_| {
+                    let (start, bytes, first) = (next(64) * 16, 16 + next(48) * 16, next(20));
+                    Placed { start, end: start + bytes, first, last: first + next(10) }
+                })
+                .collect();
+            placed.sort_by_key(|p| (p.start, p.end));
+            let mut avoid: Vec<(u32, u32)> = (0..next(6)).map(|_| (next(32) * 64, 64 + next(32) * 64)).collect();
+            avoid.sort_unstable();
+            let (bytes, alignment, first) = (8 + next(40) * 8, [8, 16][next(2) as usize], next(25));
+            let last = first + next(8);
+            let range = (next(4) * 8, 1024 + next(2048));
+            assert_eq!(first_fit(range, &placed, &avoid, bytes, alignment, first, last), reference(range, &placed, &avoid, bytes, alignment, first, last), "case {case}");
+        }
+    }
 }

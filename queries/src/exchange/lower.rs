@@ -15,7 +15,7 @@ use tracing::info;
 use crate::package::{ExchangePhase, ReceiveEntry, SendEntry, TileExchange};
 use crate::target::Target;
 
-use super::problem::{alignment_class, prepare, Problem};
+use super::problem::{alignment_class, prepare, prepare_for_fit, Problem};
 use super::validate::validate;
 use super::types::{Destination, ExchangeError, PhaseRequest, Schedule, ScheduleKind, Transfer};
 
@@ -187,7 +187,7 @@ pub fn relocate(target: &Target, phase: &PhaseRequest, cached: &Schedule, check:
     if !check {
         return Ok(written.unwrap_or_else(|| write_tables(target, phase, cached)));
     }
-    let problem = prepare(target, phase)?;
+    let problem = prepare_for_fit(target, phase)?;
     relocate_checked(target, &problem, phase, cached, written)
 }
 
@@ -195,7 +195,7 @@ pub fn relocate(target: &Target, phase: &PhaseRequest, cached: &Schedule, check:
 /// `relocate` wrote for this phase and schedule, without taking them: `relocate(…, true,
 /// Some(tables))` returns `tables` exactly when this is `Ok`.
 pub fn check_relocated(target: &Target, phase: &PhaseRequest, cached: &Schedule, tables: &ExchangePhase) -> Result<(), ExchangeError> {
-    let problem = prepare(target, phase)?;
+    let problem = prepare_for_fit(target, phase)?;
     check_fits(&problem, phase, cached)?;
     validate(target, phase, tables).map_err(|source| ExchangeError::Invalid { phase: phase.index, source })
 }

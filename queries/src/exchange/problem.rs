@@ -138,6 +138,16 @@ const MAXIMUM_PORT_CYCLES: u64 = 1 << 30;
 
 /// Check a request and build its `Problem`; the error names the first bad transfer.
 pub(crate) fn prepare(target: &Target, phase: &PhaseRequest) -> Result<Problem, ExchangeError> {
+    prepare_with(target, phase, true)
+}
+
+/// `prepare` without the receiver classes (left empty): the same checks and errors, for a
+/// cached schedule's fit check (`lower::check_fits` reads only the jobs and their pairing).
+pub(crate) fn prepare_for_fit(target: &Target, phase: &PhaseRequest) -> Result<Problem, ExchangeError> {
+    prepare_with(target, phase, false)
+}
+
+fn prepare_with(target: &Target, phase: &PhaseRequest, classes: bool) -> Result<Problem, ExchangeError> {
     let tiles = target.chip.tiles;
     let bad = |transfer: usize, message: String| ExchangeError::Malformed { phase: phase.index, transfer: transfer as u32, message };
     let mut jobs = Vec::with_capacity(phase.transfers.len());
@@ -223,7 +233,7 @@ pub(crate) fn prepare(target: &Target, phase: &PhaseRequest) -> Result<Problem, 
             }
         }
     }
-    let (receiver_class, class_sizes) = receiver_classes(tiles, &jobs, &ordinary_ports);
+    let (receiver_class, class_sizes) = if classes { receiver_classes(tiles, &jobs, &ordinary_ports) } else { (Vec::new(), Vec::new()) };
     let members = (0..jobs.len() as u32).map(|transfer| Member { transfer, start: 0 }).collect();
     Ok(Problem { tiles, jobs, ordinary_ports, paired_ports, receiver_class, class_sizes, members })
 }

@@ -230,7 +230,9 @@ fn plan_tensor(l: &Lowered, tensor: &LHostTensor, sends: &mut [u64]) -> Plan {
             groups.entry(shape).or_default().entry(b.tile).or_insert((buffer, base));
         }
     }
-    let mut replaced = vec![false; l.buffers.len()];
+    // The buffers whose copies move by exchange (sorted once filled): a set of this tensor's
+    // buffers, not a flag per buffer of the program (the pass plans every input).
+    let mut replaced: Vec<u32> = Vec::new();
     let mut receives = vec![0u64; l.tiles as usize];
     let mut group_sends = vec![0u64; l.tiles as usize];
     let (mut transfers, mut saved_bytes) = (Vec::new(), 0u64);
@@ -244,7 +246,7 @@ fn plan_tensor(l: &Lowered, tensor: &LHostTensor, sends: &mut [u64]) -> Plan {
         group_sends[home_tile as usize] += words;
         let copies: Vec<(u32, u32, u32)> = members.iter().filter(|(&t, _)| t != home_tile).map(|(&t, &(b, base))| (t, b, base)).collect();
         for &(tile, buffer, _) in &copies {
-            replaced[buffer as usize] = true;
+            replaced.push(buffer);
             receives[tile as usize] += words;
             saved_bytes += shape.segments.iter().map(|s| s.1 as u64 * s.2.max(1) as u64 * bytes as u64).sum::<u64>();
         }
@@ -254,7 +256,8 @@ fn plan_tensor(l: &Lowered, tensor: &LHostTensor, sends: &mut [u64]) -> Plan {
         }
     }
     let bound_words = receives.iter().chain(&group_sends).copied().max().unwrap_or(0);
-    let host_segments = tensor.segments.iter().filter(|s| !replaced[s.buffer as usize]).copied().collect();
+    replaced.sort_unstable();
+    let host_segments = tensor.segments.iter().filter(|s| replaced.binary_search(&s.buffer).is_err()).copied().collect();
     Plan { host_segments, transfers, saved_bytes, bound_words }
 }
 
