@@ -19,7 +19,10 @@
 //! being extended, the prefix up to there, which the product's other orientations share): a
 //! switch, or the start of carrying, extends the longest compatible one, so only the first
 //! switch of a program lowers home-tile weights from the start, and the beam's work stays
-//! linear in the number of operations.
+//! linear in the number of operations. Before any program keeps weights on home tiles, a step
+//! that leaves a thread idle (one program to extend) lowers that program's parent with
+//! home-tile weights beside it, product by product while the step lasts, into the pool: the
+//! first switch then extends that prefix too (speed only, as any pool prefix).
 //!
 //! Whole-program feasibility: a program is kept only if every tile's buffers,
 //! all operations together, can be placed in their regions (the same placement the pipeline
@@ -38,12 +41,13 @@
 //! sharing their common prefixes) and searches on from the next product: the same programs
 //! as a beam from the start, so an edit in the last block searches only that block's products.
 //!
-//! This file is long (about 1600 lines) because the beam, its trace and resumption, the
+//! This file is long (about 1650 lines) because the beam, its trace and resumption, the
 //! feasibility step and the mixed-weights start share their helpers and their small-program
 //! tests.
 
 use std::cell::Cell;
 use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use rayon::prelude::*;
@@ -739,6 +743,8 @@ fn beam(graph: &Graph, target: &Target, width: usize, previous: Option<(&Graph, 
     };
     let (resumed, searched) = (first_product, products.len() - first_product);
     let mut pool: Vec<Arc<HomePrefix>> = Vec::new();
+    // A home-weights prefix lowered ahead, beside steps that leave a core idle (see below).
+    let mut shadow: Option<Arc<HomePrefix>> = None;
     for (j, &product) in products.iter().enumerate().skip(first_product) {
         let next = products.get(j + 1).copied();
         let options = options_for(product, &must, &must_not);
@@ -752,22 +758,62 @@ fn beam(graph: &Graph, target: &Target, width: usize, previous: Option<(&Graph, 
         // the last step's home lowerings extended or passed (a prefix unused for a step is
         // dropped: a speed matter only). Read only during the step (no job's choice depends on
         // another's), renewed in job order after it.
-        for h in states.iter().filter_map(|s| s.home.as_ref()) {
+        for h in states.iter().filter_map(|s| s.home.as_ref()).chain(&shadow) {
             if !pool.iter().any(|p| Arc::ptr_eq(p, h)) {
                 pool.push(h.clone());
             }
         }
-        #[allow(clippy::type_complexity)]
-        let grown: Vec<Result<(Option<(State, [u64; 5], bool)>, Vec<Arc<HomePrefix>>), LowerError>> = jobs
-            .par_iter()
-            .map(|&(i, swap)| {
-                let mut swapped = states[i].swapped.clone();
-                if swap {
-                    swapped.insert(product);
+        let swapped_of = |&(i, swap): &(usize, bool)| {
+            let mut swapped = states[i].swapped.clone();
+            if swap {
+                swapped.insert(product);
+            }
+            swapped
+        };
+        // Before the beam carries home-weights prefixes, a step whose orientations leave fewer
+        // programs to extend than there are threads lowers, beside them and until they are
+        // done, the one extended program's parent with home-tile weights towards where it was
+        // lowered, product by product (extending the longest prefix of the pool, which holds
+        // the last such one): a later switch to home-tile weights (or the start of carrying)
+        // extends it instead of lowering from the start. Speed only: any compatible prefix
+        // extends to the same program, and no choice of the beam reads the pool.
+        let ahead_of = if carry || next.is_none() {
+            None
+        } else {
+            let live: Vec<usize> = jobs.iter().filter(|job| orient_until(graph, &swapped_of(job), next.unwrap_or(usize::MAX)).is_ok()).map(|&(i, _)| i).collect();
+            live.first().copied().filter(|&i| live.len() < rayon::current_num_threads() && live.iter().all(|&l| l == i) && states[i].partial.home_from() == usize::MAX)
+        };
+        let jobs_done = AtomicBool::new(false);
+        let lower_ahead = |i: usize| -> Option<Arc<HomePrefix>> {
+            let s = &states[i];
+            let end = s.partial.lowered_operations();
+            let memo = longest_compatible(&pool, &s.oriented, end);
+            let mut partial = memo.map_or_else(|| Partial::new(true), |m| m.partial.clone());
+            let start = partial.lowered_operations();
+            for &p in &products {
+                let to = end_before(&s.oriented, Some(p));
+                if to <= partial.lowered_operations() {
+                    continue;
                 }
-                grow(&states[i], swapped, next, carry_now, &pool)
-            })
-            .collect();
+                if to > end || jobs_done.load(Ordering::Relaxed) {
+                    break;
+                }
+                partial = extend(partial, &s.oriented, target, &[], to).ok()?;
+            }
+            (partial.lowered_operations() > start).then(|| Arc::new(HomePrefix { oriented: s.oriented.clone(), partial }))
+        };
+        #[allow(clippy::type_complexity)]
+        let (grown, ahead): (Vec<Result<(Option<(State, [u64; 5], bool)>, Vec<Arc<HomePrefix>>), LowerError>>, Option<Arc<HomePrefix>>) = rayon::join(
+            || {
+                let grown = jobs.par_iter().map(|job| grow(&states[job.0], swapped_of(job), next, carry_now, &pool)).collect();
+                jobs_done.store(true, Ordering::Relaxed);
+                grown
+            },
+            || ahead_of.and_then(lower_ahead),
+        );
+        if ahead.is_some() {
+            shadow = ahead;
+        }
         // The states' replicated prefixes (their programs before this product), which the
         // children that keep some weights replicated hold as their history.
         let snapshots: Vec<Option<Arc<Snapshot>>> = std::mem::take(&mut states)
