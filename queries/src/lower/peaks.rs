@@ -135,20 +135,11 @@ pub fn update(buffers: &Chunked<BufferDecl, 9>, marks: &Chunked<u32, 10>, watch:
         }
     }
     // Events per step from T (counting sort, as `search::tile_peaks`).
-    let mut starts = vec![0usize];
-    for &(j, h) in &swept {
+    let mut starts = super::search::event_offsets(swept.iter().map(|&(j, h)| {
         let (first, last) = range(&buffers[j as usize], h);
-        let (first, end) = ((first.max(t) - t) as usize, (last - t) as usize + 1);
-        if starts.len() < end + 2 {
-            starts.resize(end + 2, 0);
-        }
-        starts[first + 1] += 1;
-        starts[end + 1] += 1;
-    }
+        ((first.max(t) - t) as usize, (last - t) as usize + 1)
+    }));
     let span = starts.len() - 1;
-    for k in 0..span {
-        starts[k + 1] += starts[k];
-    }
     // Every slot is written once below (two events per swept buffer).
     let mut events = SPARE_EVENTS.with(Cell::take);
     events.clear();

@@ -453,6 +453,26 @@ thread_local! {
     static SPARE_EVENTS: Cell<Vec<(u32, i64, i64)>> = const { Cell::new(Vec::new()) };
 }
 
+/// The counting sort of lifetimes into steps that the peak sweeps share: each `[first, end)`
+/// range (steps) has a start event at `first` and an end event at `end`; returns the offsets
+/// at which each step's events are placed (`starts[k + 1]` is where step k's go, advanced as
+/// they are placed, so that once placed it ends them) and, last, the number of events.
+pub(super) fn event_offsets(ranges: impl Iterator<Item = (usize, usize)>) -> Vec<usize> {
+    let mut starts = vec![0usize];
+    for (first, end) in ranges {
+        if starts.len() < end + 2 {
+            starts.resize(end + 2, 0);
+        }
+        starts[first + 1] += 1;
+        starts[end + 1] += 1;
+    }
+    let steps = starts.len() - 1;
+    for k in 0..steps {
+        starts[k + 1] += starts[k];
+    }
+    starts
+}
+
 /// [`peaks`] tile by tile: `each(tile, (standard, interleaved, total))` for every tile.
 ///
 /// Each buffer is live from its first step to its last, inclusive (host-written ones from step
@@ -470,19 +490,8 @@ fn tile_peaks<'a>(buffers: impl Iterator<Item = &'a BufferDecl> + Clone, host: &
     let on_chip = || buffers.clone().enumerate().filter(|(_, b)| b.tile < tiles);
     // Events per step: counted, then placed step by step in one table (`starts[k + 1]` ends
     // step k's events once placed).
-    let mut starts = vec![0usize];
-    for (i, b) in on_chip() {
-        let (first, end) = range(i, b);
-        if starts.len() < end + 2 {
-            starts.resize(end + 2, 0);
-        }
-        starts[first + 1] += 1;
-        starts[end + 1] += 1;
-    }
+    let mut starts = event_offsets(on_chip().map(|(i, b)| range(i, b)));
     let steps = starts.len() - 1;
-    for k in 0..steps {
-        starts[k + 1] += starts[k];
-    }
     let mut events = SPARE_EVENTS.with(Cell::take);
     events.clear();
     events.resize(starts[steps], (0, 0, 0));
