@@ -239,13 +239,8 @@ mod tests {
 
     #[test]
     fn merged_first_fit_finds_what_sorting_everything_found() {
-        let mut x = 0x2545_F491_4F6C_DD1Du64;
-        let mut next = |m: u64| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x % m) as u32
-        };
+        let mut rng = crate::exchange::synthetic::SplitMix64(0x2545_F491_4F6C_DD1D);
+        let mut next = |bound: u32| rng.below(bound);
         for case in 0..2000 {
             let mut placed: Vec<Placed> = (0..next(40))
                 .map(|_| {

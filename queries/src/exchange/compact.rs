@@ -211,14 +211,9 @@ mod tests {
 
     #[test]
     fn common_free_is_the_first_cycle_free_on_every_port() {
-        // A small deterministic generator (xorshift) over ports with random busy intervals.
-        let mut state = 0x2545_f491_4f6c_dd1d_u64;
-        let mut next = |bound: u32| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state % bound as u64) as u32
-        };
+        // Ports with random busy intervals, from the tests' deterministic generator.
+        let mut rng = crate::exchange::synthetic::SplitMix64(0x2545_f491_4f6c_dd1d);
+        let mut next = |bound: u32| rng.below(bound);
         for _ in 0..300 {
             let mut ports = vec![Port::default(); 8];
             for port in ports.iter_mut() {
