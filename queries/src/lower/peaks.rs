@@ -30,9 +30,10 @@ use crate::package::AllocationKind;
 pub const LAG: u32 = 16;
 
 thread_local! {
-    /// The event table of the thread's last [`update`], for the next one (a fresh table of
-    /// hundreds of thousands of events costs more in page faults than its use).
-    static SPARE_EVENTS: Cell<Vec<(u32, i64, i64)>> = const { Cell::new(Vec::new()) };
+    /// The event table of the thread's last peak sweep (`update`, `search::tile_peaks`), for
+    /// the next one (a fresh table of hundreds of thousands of events costs more in page
+    /// faults than its use).
+    pub(super) static SPARE_EVENTS: Cell<Vec<(u32, i64, i64)>> = const { Cell::new(Vec::new()) };
 }
 
 /// What the builder watches for the cache of the prefix it extends (see the module docs).
@@ -54,6 +55,26 @@ impl Watch {
             self.changed += 1;
         }
     }
+}
+
+/// The counting sort of lifetimes into steps that the peak sweeps share: each `[first, end)`
+/// range (steps) has a start event at `first` and an end event at `end`; returns the offsets
+/// at which each step's events are placed (`starts[k + 1]` is where step k's go, advanced as
+/// they are placed, so that once placed it ends them) and, last, the number of events.
+pub(super) fn event_offsets(ranges: impl Iterator<Item = (usize, usize)>) -> Vec<usize> {
+    let mut starts = vec![0usize];
+    for (first, end) in ranges {
+        if starts.len() < end + 2 {
+            starts.resize(end + 2, 0);
+        }
+        starts[first + 1] += 1;
+        starts[end + 1] += 1;
+    }
+    let steps = starts.len() - 1;
+    for k in 0..steps {
+        starts[k + 1] += starts[k];
+    }
+    starts
 }
 
 /// Peaks of a scored prefix (see the module docs).
@@ -79,7 +100,7 @@ impl PeakCache {
 }
 
 /// (standard, interleaved) bytes of a buffer.
-fn bytes(b: &BufferDecl) -> (i64, i64) {
+pub(super) fn bytes(b: &BufferDecl) -> (i64, i64) {
     let n = b.bytes as i64;
     if b.kind == AllocationKind::Partials || b.prefer_interleaved {
         (0, n)
@@ -89,13 +110,14 @@ fn bytes(b: &BufferDecl) -> (i64, i64) {
 }
 
 /// (first step, last step) of a buffer's lifetime.
-fn range(b: &BufferDecl, host: bool) -> (u32, u32) {
+pub(super) fn range(b: &BufferDecl, host: bool) -> (u32, u32) {
     let last = b.last_step.max(if b.first_step == u32::MAX { 0 } else { b.first_step });
     let first = if host || b.first_step == u32::MAX { 0 } else { b.first_step };
     (first, last)
 }
 
-fn raise(p: &mut (i64, i64, i64), (s, i): (i64, i64)) {
+/// Raise peaks (standard, interleaved, total) to live (standard, interleaved) bytes.
+pub(super) fn raise(p: &mut (i64, i64, i64), (s, i): (i64, i64)) {
     *p = (p.0.max(s), p.1.max(i), p.2.max(s + i));
 }
 
@@ -134,8 +156,8 @@ pub fn update(buffers: &Chunked<BufferDecl, 9>, marks: &Chunked<u32, 10>, watch:
             swept.push((j as u32, h));
         }
     }
-    // Events per step from T (counting sort, as `search::tile_peaks`).
-    let mut starts = super::search::event_offsets(swept.iter().map(|&(j, h)| {
+    // Events per step from T (counting sort, as in `search::tile_peaks`).
+    let mut starts = event_offsets(swept.iter().map(|&(j, h)| {
         let (first, last) = range(&buffers[j as usize], h);
         ((first.max(t) - t) as usize, (last - t) as usize + 1)
     }));

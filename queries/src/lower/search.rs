@@ -54,6 +54,7 @@ use rayon::prelude::*;
 
 use tracing::{debug, info, warn};
 
+use super::peaks;
 use super::build::{complete, extend, lower_homing_from, lower_with_rotated_homes, prefix_compatible, prefix_identical_across_graphs, Attempt, Partial, Reserve, CODE_RESERVE_BYTES};
 use super::orient::{orient, orient_until, swappable, Oriented};
 use super::{BufferDecl, LHostTensor, LowerError, Lowered};
@@ -446,33 +447,6 @@ fn peaks<'a>(buffers: impl Iterator<Item = &'a BufferDecl> + Clone, host: &[bool
     (ps, pi, pt)
 }
 
-thread_local! {
-    /// The event table of the thread's last [`tile_peaks`] (emptied), for the next one: the beam
-    /// scores every extension over the whole program, and a fresh table of that size costs
-    /// more in page faults than its use.
-    static SPARE_EVENTS: Cell<Vec<(u32, i64, i64)>> = const { Cell::new(Vec::new()) };
-}
-
-/// The counting sort of lifetimes into steps that the peak sweeps share: each `[first, end)`
-/// range (steps) has a start event at `first` and an end event at `end`; returns the offsets
-/// at which each step's events are placed (`starts[k + 1]` is where step k's go, advanced as
-/// they are placed, so that once placed it ends them) and, last, the number of events.
-pub(super) fn event_offsets(ranges: impl Iterator<Item = (usize, usize)>) -> Vec<usize> {
-    let mut starts = vec![0usize];
-    for (first, end) in ranges {
-        if starts.len() < end + 2 {
-            starts.resize(end + 2, 0);
-        }
-        starts[first + 1] += 1;
-        starts[end + 1] += 1;
-    }
-    let steps = starts.len() - 1;
-    for k in 0..steps {
-        starts[k + 1] += starts[k];
-    }
-    starts
-}
-
 /// [`peaks`] tile by tile: `each(tile, (standard, interleaved, total))` for every tile.
 ///
 /// Each buffer is live from its first step to its last, inclusive (host-written ones from step
@@ -483,22 +457,20 @@ pub(super) fn event_offsets(ranges: impl Iterator<Item = (usize, usize)>) -> Vec
 fn tile_peaks<'a>(buffers: impl Iterator<Item = &'a BufferDecl> + Clone, host: &[bool], tiles: u32, mut each: impl FnMut(u32, (u64, u64, u64))) {
     // (first step, step after the last) of a buffer.
     let range = |i: usize, b: &BufferDecl| -> (usize, usize) {
-        let last = b.last_step.max(if b.first_step == u32::MAX { 0 } else { b.first_step });
-        let first = if host[i] || b.first_step == u32::MAX { 0 } else { b.first_step };
+        let (first, last) = peaks::range(b, host[i]);
         (first as usize, last as usize + 1)
     };
     let on_chip = || buffers.clone().enumerate().filter(|(_, b)| b.tile < tiles);
     // Events per step: counted, then placed step by step in one table (`starts[k + 1]` ends
     // step k's events once placed).
-    let mut starts = event_offsets(on_chip().map(|(i, b)| range(i, b)));
+    let mut starts = peaks::event_offsets(on_chip().map(|(i, b)| range(i, b)));
     let steps = starts.len() - 1;
-    let mut events = SPARE_EVENTS.with(Cell::take);
+    let mut events = peaks::SPARE_EVENTS.with(Cell::take);
     events.clear();
     events.resize(starts[steps], (0, 0, 0));
     for (i, b) in on_chip() {
         let (first, end) = range(i, b);
-        let bytes = b.bytes as i64;
-        let (standard, interleaved) = if b.kind == AllocationKind::Partials || b.prefer_interleaved { (0, bytes) } else { (bytes, 0) };
+        let (standard, interleaved) = peaks::bytes(b);
         events[starts[first]] = (b.tile, standard, interleaved);
         starts[first] += 1;
         events[starts[end]] = (b.tile, -standard, -interleaved);
@@ -518,12 +490,10 @@ fn tile_peaks<'a>(buffers: impl Iterator<Item = &'a BufferDecl> + Clone, host: &
             l.1 += di;
         }
         for &(tile, _, _) in e {
-            let (s, i) = live[tile as usize];
-            let p = &mut peak[tile as usize];
-            *p = (p.0.max(s), p.1.max(i), p.2.max(s + i));
+            peaks::raise(&mut peak[tile as usize], live[tile as usize]);
         }
     }
-    SPARE_EVENTS.with(|spare| spare.set(events));
+    peaks::SPARE_EVENTS.with(|spare| spare.set(events));
     for (tile, &(ps, pi, pt)) in peak.iter().enumerate() {
         each(tile as u32, (ps as u64, pi as u64, pt as u64));
     }
