@@ -183,6 +183,7 @@ fn compute(operation: &Operation, dtype: DType, inputs: &[(&[f32], &[u32])]) -> 
         }),
         (OpKind::Reshape { .. }, [(x, _)]) => x.to_vec(),
         (OpKind::Transpose { perm }, [(x, shape)]) => transpose(x, shape, perm)?,
+        (OpKind::TransposeCopy, [(x, shape)]) => transpose(x, shape, &[1, 0])?,
         (kind, _) => return Err(format!("{} got {} inputs", kind.name(), inputs.len())),
     })
 }

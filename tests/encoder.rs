@@ -159,3 +159,34 @@ fn biases_fold_into_products_of_either_orientation_and_match_the_host_reference(
         }
     }
 }
+
+/// Encoder products the workload constrains to swapped whose results readers by rows read
+/// (the residual adds, the attention products through head views, a normal product after a
+/// swapped one): each such result is written out transposed on its tiles
+/// (`transpose_copy`), and the runs match the host reference checkpoint by checkpoint.
+#[test]
+fn swapped_products_read_by_rows_are_written_out_transposed_and_match_the_host_reference() {
+    let dir = tempfile::tempdir().unwrap();
+    let sites: [&[&str]; 2] = [&["q", "k", "v", "attn_out", "mlp_down"], &["mlp_up"]];
+    for (i, sites) in sites.into_iter().enumerate() {
+        let mut text = tiny(LayerStyle::PreNorm, Activation::GeluTanh, false, 1);
+        for layer in 0..2 {
+            for site in sites {
+                text += &format!("\n[[constraint]]\noperation = \"l{layer}.{site}.product\"\norientation = \"swapped\"\n");
+            }
+        }
+        let file = format!("swapped{i}.toml");
+        let out = run_file(dir.path(), &file, &text);
+        assert_pass(&out);
+        assert_eq!(field(&out.stdout, "diagnosticCheckpoints=", "numericalTest").as_deref(), Some("PASS"), "{sites:?}");
+        let plans = ipuq(&["plans", &file, "--target", "small16"], dir.path());
+        assert_eq!(plans.code, 0, "{}", plans.stderr);
+        let chosen = plans.stdout.lines().find(|l| l.contains('*')).unwrap_or_default().to_string();
+        for layer in 0..2 {
+            for site in sites {
+                assert!(chosen.contains(&format!("l{layer}.{site}.product:swapped")), "{site}: {chosen}");
+            }
+        }
+        assert!(chosen.contains("transpose_copy"), "{chosen}");
+    }
+}

@@ -573,6 +573,33 @@ fn add_softmax_and_copy_match_the_reference() {
 }
 
 #[test]
+fn a_transpose_writes_each_element_at_its_mirrored_place() {
+    // x: 3 rows of 5 at stride 8; t = xᵀ: 5 rows of 3 at stride 4. Costed as the target's
+    // transpose: the copy's overhead and the per-element term.
+    let (rows, cols) = (3u32, 5u32);
+    let mut b = Build::new();
+    b.alloc(2, "x", IL, 48, AllocationKind::Data);
+    b.alloc(2, "t", IL + 0x100, 40, AllocationKind::Data);
+    b.call(2, 0, VertexCall::Transpose { rows, cols, input: op(IL, 8), output: op(IL + 0x100, 4) });
+    b.steps = vec![Step::Compute { index: 0 }];
+    let x_view = tensor("x", vec![rows, cols], HostRole::Input, (0..rows).map(|r| segment(2, IL + r * 16, r * cols, cols)).collect());
+    let t_view = tensor("t", vec![cols, rows], HostRole::Input, (0..cols).map(|c| segment(2, IL + 0x100 + c * 8, c * rows, rows)).collect());
+    let mut device = load(&b.finish()).unwrap();
+    let x = values((rows * cols) as usize, 11);
+    device.write_tensor(&x_view, &to_bytes(&x)).unwrap();
+    let report = device.run(&[]).unwrap();
+    let got = from_bytes(&device.read_tensor(&t_view).unwrap());
+    for r in 0..rows as usize {
+        for c in 0..cols as usize {
+            assert_eq!(got[c * rows as usize + r], x[r * cols as usize + c].to_f32(), "t[{c}][{r}]");
+        }
+    }
+    let t = target();
+    assert_eq!(report.timeline.cycles(), cost::transpose(&t, rows, cols));
+    assert_eq!(cost::transpose(&t, rows, cols), t.costs.kernel_launch + t.costs.copy_overhead + 15 * t.costs.transpose_cycles_per_element);
+}
+
+#[test]
 fn a_softmax_reads_a_panelled_input_with_a_tight_last_panel_as_its_row_major_twin() {
     // 3 rows of 10: one panel of 8 columns (stride 8), then the last 2 columns at their own
     // stride of 4 (72 bytes in all), against the same values row-major (stride 12).

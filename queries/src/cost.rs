@@ -180,6 +180,14 @@ pub fn copy(t: &Target, bytes: u64, both_interleaved: bool) -> u64 {
     c.kernel_launch + c.copy_overhead + ceil_div(bytes, rate)
 }
 
+/// A local transpose of rows x cols f16 elements: the measured copy's call overhead, then
+/// `transpose_cycles_per_element` per element (no 64-bit loads or stores apply: each element
+/// is loaded and stored alone). The per-element term is an assumption (`[INF]` in the target).
+pub fn transpose(t: &Target, rows: u32, cols: u32) -> u64 {
+    let c = &t.costs;
+    c.kernel_launch + c.copy_overhead + rows as u64 * cols as u64 * c.transpose_cycles_per_element
+}
+
 /// Cycles of an exchange phase with the given horizon, sync included.
 pub fn exchange_phase(t: &Target, horizon: u32) -> u64 {
     t.exchange.sync_cycles + horizon as u64
@@ -265,6 +273,7 @@ pub fn vertex_constants(t: &Target, call: &VertexCall) -> Vec<&'static str> {
             "chip.workers",
         ]),
         VertexCall::Copy { .. } => keys.extend(["costs.copy_overhead", "costs.copy_standard_bytes_per_cycle", "costs.copy_interleaved_bytes_per_cycle"]),
+        VertexCall::Transpose { .. } => keys.extend(["costs.copy_overhead", "costs.transpose_cycles_per_element"]),
     }
     keys
 }
@@ -304,6 +313,7 @@ pub fn vertex_with<O>(t: &Target, call: &VertexCall<O>, interleaved: impl Fn(&O)
         VertexCall::Copy { rows, cols, dtype, input, output } => {
             copy(t, *rows as u64 * *cols as u64 * dtype.bytes() as u64, interleaved(input) && interleaved(output))
         }
+        VertexCall::Transpose { rows, cols, .. } => transpose(t, *rows, *cols),
     }
 }
 

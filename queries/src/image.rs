@@ -103,6 +103,7 @@ fn scalars<O>(call: &VertexCall<O>) -> (u32, Vec<u32>) {
         VertexCall::GeluErf { rows, cols, .. } => (8, vec![*rows, *cols]),
         VertexCall::BiasAdd { rows, cols, .. } => (9, vec![*rows, *cols]),
         VertexCall::LayerNorm { rows, cols, eps, .. } => (10, vec![*rows, *cols, eps.to_bits()]),
+        VertexCall::Transpose { rows, cols, .. } => (11, vec![*rows, *cols]),
     }
 }
 
@@ -198,6 +199,7 @@ fn decode_call(kind: u32, s: &[u32], o: &[Operand]) -> Result<VertexCall, String
             shape(3, 4)?;
             VertexCall::LayerNorm { rows: s[0], cols: s[1], eps: f32::from_bits(s[2]), input: o[0], gamma: o[1], beta: o[2], output: o[3] }
         }
+        11 => unary(|rows, cols, input, output| VertexCall::Transpose { rows, cols, input, output })?,
         _ => return Err(format!("unknown vertex kind {kind}")),
     })
 }
@@ -508,6 +510,7 @@ mod tests {
             VertexCall::GeluErf { rows: 1, cols: 2, input: op(3, 4), output: op(5, 6) },
             VertexCall::BiasAdd { rows: 1, cols: 2, input: op(3, 4), bias: op(5, 6), output: op(7, 8) },
             VertexCall::LayerNorm { rows: 1, cols: 2, eps: 1e-6, input: op(3, 4), gamma: op(5, 6), beta: op(7, 8), output: op(9, 10) },
+            VertexCall::Transpose { rows: 3, cols: 5, input: op(3, 6), output: op(5, 4) },
         ]
     }
 

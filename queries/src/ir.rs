@@ -173,6 +173,10 @@ pub enum OpKind {
     Add,
     Reshape { shape: Vec<u32> },
     Transpose { perm: Vec<u32> },
+    /// A rank-2 transpose written out in tile memory (not a view): only the orientation
+    /// rewrite (`lower/orient.rs`) makes it, for a consumer that reads a swapped product's
+    /// result by rows; workload files cannot name it.
+    TransposeCopy,
 }
 
 impl OpKind {
@@ -188,6 +192,7 @@ impl OpKind {
             OpKind::Add => "add",
             OpKind::Reshape { .. } => "reshape",
             OpKind::Transpose { .. } => "transpose",
+            OpKind::TransposeCopy => "transpose_copy",
         }
     }
     /// Views move no data of their own: consumers read through them.
@@ -519,6 +524,13 @@ fn infer(kind: &OpKind, inputs: &[&Value]) -> Result<(Vec<u32>, DType), String> 
                 return Err(format!("perm {perm:?} moves the innermost axis; ipuq moves whole words, so use matmul's transpose_b instead"));
             }
             Ok((perm.iter().map(|&p| inputs[0].shape[p as usize]).collect(), inputs[0].dtype))
+        }
+        OpKind::TransposeCopy => {
+            arity(kind, inputs, 1)?;
+            if inputs[0].shape.len() != 2 {
+                return Err(format!("transpose_copy needs a rank-2 value, got {:?}", inputs[0].shape));
+            }
+            Ok((vec![inputs[0].shape[1], inputs[0].shape[0]], inputs[0].dtype))
         }
     }
 }

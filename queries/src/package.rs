@@ -248,6 +248,9 @@ pub enum VertexCall<O = Operand> {
     LayerNorm { rows: u32, cols: u32, eps: f32, input: O, gamma: O, beta: O, output: O },
     /// Local copy of rows x cols elements of `dtype`.
     Copy { rows: u32, cols: u32, dtype: DType, input: O, output: O },
+    /// Local transpose, f16: `input` is rows x cols (row stride `input.row_stride`), `output`
+    /// cols x rows (row stride `output.row_stride`), output[c][r] = input[r][c].
+    Transpose { rows: u32, cols: u32, input: O, output: O },
 }
 
 impl<O> VertexCall<O> {
@@ -278,6 +281,7 @@ impl<O> VertexCall<O> {
                 VertexCall::LayerNorm { rows: *rows, cols: *cols, eps: *eps, input: f(input), gamma: f(gamma), beta: f(beta), output: f(output) }
             }
             VertexCall::Copy { rows, cols, dtype, input, output } => VertexCall::Copy { rows: *rows, cols: *cols, dtype: *dtype, input: f(input), output: f(output) },
+            VertexCall::Transpose { rows, cols, input, output } => VertexCall::Transpose { rows: *rows, cols: *cols, input: f(input), output: f(output) },
         }
     }
 
@@ -286,7 +290,7 @@ impl<O> VertexCall<O> {
         match self {
             VertexCall::MatMul { a, b, c, add, .. } => [a, b, c].into_iter().chain(add.as_ref().map(|x| &x.operand)).collect(),
             VertexCall::Reduce { parts, out, add, .. } => parts.iter().chain([out]).chain(add.as_ref().map(|x| &x.operand)).collect(),
-            VertexCall::Gelu { input, output, .. } | VertexCall::Scale { input, output, .. } | VertexCall::Copy { input, output, .. } => vec![input, output],
+            VertexCall::Gelu { input, output, .. } | VertexCall::Scale { input, output, .. } | VertexCall::Copy { input, output, .. } | VertexCall::Transpose { input, output, .. } => vec![input, output],
             VertexCall::Softmax { input, output, reciprocals, .. } => [input, output].into_iter().chain(reciprocals.as_ref()).collect(),
             VertexCall::Add { a, b, output, .. } => vec![a, b, output],
             VertexCall::GeluErf { input, output, .. } => vec![input, output],

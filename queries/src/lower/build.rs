@@ -174,6 +174,7 @@ struct Builder<'a> {
     /// Per operation: the original operation it computes; stored swapped value -> its view.
     origin: &'a [u32],
     checkpoint_value: &'a BTreeMap<ValueId, ValueId>,
+    row_read: &'a std::collections::BTreeSet<ValueId>,
     /// The operation being lowered, and the owner of each buffer.
     operation_index: usize,
     owners: Owners,
@@ -465,7 +466,7 @@ pub fn prefix_identical_across_graphs(old: &Oriented, new: &Oriented, end: usize
             return false;
         }
         let named = |o: &Oriented| o.checkpoint_value.get(&id).map(|&c| (c, o.graph.values.get(c.0 as usize).map(|v| v.name.clone())));
-        if named(old) != named(new) {
+        if named(old) != named(new) || old.row_read.contains(&id) != new.row_read.contains(&id) {
             return false;
         }
     }
@@ -516,6 +517,7 @@ pub fn extend(partial: Partial, oriented: &Oriented, target: &Target, reserves: 
                 });
                 b.matmul(index, operation.inputs[0], operation.inputs[1], *transpose_b, operation.output, fold, operation.inputs.get(2).copied())?
             }
+            OpKind::TransposeCopy => b.transpose_copy(index, operation.inputs[0], operation.output)?,
             OpKind::Softmax if folded.contains_key(&index) => {
                 let (scale_op, factor) = folded[&index];
                 let input = graph.operations[scale_op].inputs[0];
@@ -559,6 +561,7 @@ impl<'a> Builder<'a> {
             reserves,
             origin: &oriented.origin,
             checkpoint_value: &oriented.checkpoint_value,
+            row_read: &oriented.row_read,
             operation_index: 0,
             owners: p.owners,
             spans: p.spans,
@@ -770,6 +773,12 @@ impl<'a> Builder<'a> {
                         let src = src_held.loc(base_index);
                         if src_tile == tile {
                             let dst = held.loc(&index);
+                            // A local copy loads and stores 64 bits at a time: both ends start
+                            // at the target's data alignment.
+                            let align = self.target.memory.data_alignment;
+                            if !(src.offset * dtype.bytes()).is_multiple_of(align) || !(dst.offset * dtype.bytes()).is_multiple_of(align) {
+                                return Err(LowerError::Unsupported { operation: self.operation_name.clone(), message: format!("a local copy of value '{name}' from element {} would not start {align}-byte aligned", base_index[last]) });
+                            }
                             self.local_copy(piece, src, dst);
                         } else {
                             let bytes = piece * dtype.bytes();
@@ -812,6 +821,13 @@ impl<'a> Builder<'a> {
             return String::new();
         }
         format!("{}", crate::hash::KeyHasher::new("gathered blocks").bytes(format!("{blocks:?}").as_bytes()).finish())
+    }
+
+    /// Elements (f16) a row cut of a swapped value written out transposed falls on a multiple
+    /// of: its rows become columns of what is written out, which move in whole words and copy
+    /// locally from the target's data alignment only.
+    fn row_read_align(&self) -> u32 {
+        (self.target.memory.data_alignment / 2).max(2)
     }
 
     fn local_copy(&mut self, cols: u32, src: Loc, dst: Loc) {
@@ -876,7 +892,9 @@ impl<'a> Builder<'a> {
         let shown = self.checkpoint_value.get(&output).copied().unwrap_or(output);
         // A softmax whose normalisation is deferred stores exp(x - max), not its value: no
         // checkpoint can be compared with the reference.
-        if reciprocals_of(self.graph, index).is_none() {
+        // A transpose written out holds a value already checkpointed where its swapped
+        // original was stored.
+        if reciprocals_of(self.graph, index).is_none() && !matches!(self.graph.operations[index].kind, OpKind::TransposeCopy) {
             let tensor = self.host_view(shown, HostRole::Intermediate);
             self.checkpoints.push(Arc::new(LCheckpoint { operation: original, after_step: step, tensor }));
         }
@@ -1094,7 +1112,8 @@ impl<'a> Builder<'a> {
         let original_name = graph.value(self.checkpoint_value.get(&product).copied().unwrap_or(product)).name.clone();
         let constraint = graph.file.constraints.iter().find(|c| c.operation == original_name);
         let epilogue = fold.map(|f| f.broadcast).or(row_scale.map(|_| Broadcast::RowScale));
-        let problem = MatMulProblem { batches, m, k, n, b_transposed, whole_rows, epilogue, remote_a_words: &remote_a, remote_b_words: &remote_b, gather_bound: &gather_bound, memory_budget: self.budget(), interleaved_budget: self.interleaved_budget(), standard_budget: self.standard_budget(), constraint };
+        let m_align = if self.row_read.contains(&output) { self.row_read_align() } else { 1 };
+        let problem = MatMulProblem { batches, m, k, n, b_transposed, whole_rows, m_align, epilogue, remote_a_words: &remote_a, remote_b_words: &remote_b, gather_bound: &gather_bound, memory_budget: self.budget(), interleaved_budget: self.interleaved_budget(), standard_budget: self.standard_budget(), constraint };
         let layout = |chain: &ViewChain| match self.stored.get(&chain.base) {
             Some(s) => format!("{} stored {:?} {:?}", chain.signature(), s.grid.cuts, s.grid.tiles),
             None => format!("{} host", chain.signature()),
@@ -1179,7 +1198,7 @@ impl<'a> Builder<'a> {
             final_step = if by_columns {
                 self.reduce_by_columns(&plan, &partials, a_rank3, &out_name, &mut grid, fold, row_scale)?
             } else {
-                self.reduce(&plan, &partials, a_rank3, &out_name, &mut grid, fold, row_scale)?
+                self.reduce(&plan, m_align, &partials, a_rank3, &out_name, &mut grid, fold, row_scale)?
             };
         }
         let swapped = self.checkpoint_value.contains_key(&product);
@@ -1358,18 +1377,18 @@ impl<'a> Builder<'a> {
     /// Reduce the inner partials of each (batch, row, column) block: member j of a group owns
     /// row chunk j, receives the others' partials for it, and sums them into f16.
     #[allow(clippy::too_many_arguments)]
-    fn reduce(&mut self, plan: &MatMulPlan, partials: &[(u32, u32)], rank3: bool, name: &str, grid: &mut Grid, fold: Option<Epilogue>, row_scale: Option<ValueId>) -> Result<u32, LowerError> {
+    fn reduce(&mut self, plan: &MatMulPlan, m_align: u32, partials: &[(u32, u32)], rank3: bool, name: &str, grid: &mut Grid, fold: Option<Epilogue>, row_scale: Option<ValueId>) -> Result<u32, LowerError> {
         let (nb, nm, nn, nk) = (plan.b_cuts.len() - 1, plan.m_cuts.len() - 1, plan.n_cuts.len() - 1, plan.k_cuts.len() - 1);
         let mut row_cuts = vec![0u32];
         for im in 0..nm {
-            for c in split(plan.m_cuts[im + 1] - plan.m_cuts[im], nk as u32, 1).into_iter().skip(1) {
+            for c in split(plan.m_cuts[im + 1] - plan.m_cuts[im], nk as u32, m_align).into_iter().skip(1) {
                 row_cuts.push(plan.m_cuts[im] + c);
             }
         }
         let mut reductions = Vec::new();
         for ib in 0..nb {
             for im in 0..nm {
-                let chunks = split(plan.m_cuts[im + 1] - plan.m_cuts[im], nk as u32, 1);
+                let chunks = split(plan.m_cuts[im + 1] - plan.m_cuts[im], nk as u32, m_align);
                 for i_n in 0..nn {
                     let cols = plan.n_cuts[i_n + 1] - plan.n_cuts[i_n];
                     let stride32 = row_stride(cols, DType::F32);
@@ -1427,7 +1446,10 @@ impl<'a> Builder<'a> {
             let mut cells = 1u32;
             for (a, cut) in cuts.iter_mut().enumerate().take(rank.saturating_sub(1)) {
                 let parts = out.shape[a].min(self.target.chip.tiles / cells).max(1);
-                *cut = split(out.shape[a], parts, 1);
+                // A swapped value written out transposed for a reader by rows: its rows are
+                // that value's columns, which move in whole words from even offsets only.
+                let align = if a + 2 == rank && self.row_read.contains(&output) { self.row_read_align() } else { 1 };
+                *cut = split(out.shape[a], parts.div_ceil(align), align);
                 cells *= (cut.len() - 1) as u32;
             }
             if rank == 1 {
@@ -1520,6 +1542,62 @@ impl<'a> Builder<'a> {
             self.stored.insert(r, Arc::new(Stored { grid: r_grid, dtype: DType::F32 }));
         }
         self.record(index, output, grid, out.dtype, step, plan);
+        Ok(())
+    }
+
+    /// A swapped value written out transposed for readers that read it by rows: each cell is
+    /// transposed on its own tile, in the compute set open at the time (no exchange), into a
+    /// cell of the transposed grid.
+    fn transpose_copy(&mut self, index: usize, input: ValueId, output: ValueId) -> Result<(), LowerError> {
+        let out = self.graph.value(output).clone();
+        let stored = match self.stored.get(&input) {
+            Some(s) if s.grid.cuts.len() == 2 && s.dtype == DType::F16 => s.clone(),
+            _ => return Err(LowerError::Unsupported { operation: out.name.clone(), message: "a transpose written out needs a stored rank-2 f16 value".into() }),
+        };
+        let grid = &stored.grid;
+        let (nr, nc) = (grid.cuts[0].len() - 1, grid.cuts[1].len() - 1);
+        let mut cells = vec![(0u32, 0u32); nr * nc];
+        let step = self.open_compute();
+        let mut per_tile: BTreeMap<u32, (u64, u64)> = BTreeMap::new();
+        for i in 0..nr {
+            for j in 0..nc {
+                let cell = i * nc + j;
+                let tile = grid.tiles[cell];
+                let block = grid.cell_block(cell);
+                let transposed = vec![block[1], block[0]];
+                let source = Held::plain(grid.buffers[cell], block.clone(), stored.dtype);
+                let target = Held::plain(u32::MAX, transposed.clone(), stored.dtype);
+                let bytes = target.stored_elements() * stored.dtype.bytes() as u64;
+                let buffer = self.buffer(tile, bytes, AllocationKind::Data, false, &out.name);
+                let call = Call::Transpose {
+                    rows: block[0].1 - block[0].0,
+                    cols: block[1].1 - block[1].0,
+                    input: source.loc(&[block[0].0, block[1].0]),
+                    output: Held { buffer, ..target }.loc(&[block[1].0, block[0].0]),
+                };
+                let entry = per_tile.entry(tile).or_default();
+                entry.0 += cost::vertex_with(self.target, &call, |_| false);
+                entry.1 += bytes + source.stored_elements() * stored.dtype.bytes() as u64;
+                self.emit(step, tile, call);
+                cells[j * nr + i] = (tile, buffer);
+            }
+        }
+        let out_grid = Grid { cuts: vec![grid.cuts[1].clone(), grid.cuts[0].clone()], tiles: cells.iter().map(|c| c.0).collect(), buffers: cells.iter().map(|c| c.1).collect() };
+        let plan = OperationPlan {
+            operation: index as u32,
+            value: out.name.clone(),
+            kind: OpKind::TransposeCopy.name().into(),
+            orientation: String::new(),
+            weight_memory: String::new(),
+            constraint: String::new(),
+            matching_plans: 0,
+            partitions: [(nr * nc) as u32, 1, 1, 1],
+            tiles: per_tile.len() as u32,
+            estimated_compute_cycles: per_tile.values().map(|p| p.0).max().unwrap_or(0),
+            estimated_exchange_cycles: 0,
+            peak_bytes: per_tile.values().map(|p| p.1).max().unwrap_or(0),
+        };
+        self.record(index, output, out_grid, stored.dtype, step, plan);
         Ok(())
     }
 

@@ -29,13 +29,14 @@ fn memo() -> &'static Memo {
 /// read (operand views, producer grids, dtypes, ranks), the target included.
 pub fn signature(target: &Target, problem: &MatMulProblem, parts: &str) -> Digest {
     let text = format!(
-        "{target:?}|{} {} {} {} {} {} {:?}|{} {} {}|{:?}|{parts}",
+        "{target:?}|{} {} {} {} {} {} {} {:?}|{} {} {}|{:?}|{parts}",
         problem.batches,
         problem.m,
         problem.k,
         problem.n,
         problem.b_transposed,
         problem.whole_rows,
+        problem.m_align,
         problem.epilogue,
         problem.memory_budget,
         problem.interleaved_budget,

@@ -26,10 +26,50 @@ pub struct Oriented {
     pub origin: Vec<u32>,
     /// Stored swapped value -> the view with the original name (checkpoints report that one).
     pub checkpoint_value: BTreeMap<ValueId, ValueId>,
+    /// The stored swapped values whose original value some reader may read by rows (so it is
+    /// written out transposed): their rows, the columns of what is written out, are cut at
+    /// even offsets. Decided from the original graph alone ([`read_by_rows`]), so two
+    /// orientations agree on every value they share.
+    pub row_read: BTreeSet<ValueId>,
 }
 
 /// Suffix of the stored value of a swapped operation.
 pub const SWAPPED: &str = ".swapped";
+
+/// Suffix of a swapped value's transpose written out for readers that read it by rows (and of
+/// the views over it those readers read).
+pub const MATERIALIZED: &str = ".rows";
+
+/// Whether some reader of `value` (an original graph's value), directly or through GELUs,
+/// scales and bias adds, reads it by rows: anything but the host and a rank-2 product that
+/// the workload constrains to swapped (`swapped`; such a product reads a stored transpose as
+/// it is). An add is counted as such a reader (its other operand is rarely swapped too).
+pub fn read_by_rows(graph: &Graph, value: ValueId, swapped: &BTreeSet<usize>) -> bool {
+    graph.operations.iter().enumerate().any(|(i, o)| {
+        o.inputs.contains(&value)
+            && match o.kind {
+                OpKind::MatMul { .. } => !swapped.contains(&i) || o.inputs.iter().chain([&o.output]).any(|&v| graph.value(v).shape.len() != 2),
+                OpKind::Gelu | OpKind::GeluErf | OpKind::Scale { .. } => read_by_rows(graph, o.output, swapped),
+                OpKind::BiasAdd => o.inputs[0] != value || read_by_rows(graph, o.output, swapped),
+                _ => true,
+            }
+    })
+}
+
+/// The value `value` is a view of, and the view operations from `value` back to it (nearest
+/// first), in a graph being built.
+fn view_ops(values: &[Value], operations: &[Operation], value: ValueId) -> (ValueId, Vec<usize>) {
+    let mut chain = Vec::new();
+    let mut current = value;
+    while let Producer::Operation(op) = values[current.0 as usize].producer {
+        if !operations[op].kind.is_view() {
+            break;
+        }
+        chain.push(op);
+        current = operations[op].inputs[0];
+    }
+    (current, chain)
+}
 
 /// The rank-2 matrix products of `graph` (operation indices) that may be swapped. A product
 /// feeding a bias add only when the bias folds into its epilogue (`elementwise::folded_add`):
@@ -107,6 +147,13 @@ pub fn orient_until(graph: &Graph, swapped: &BTreeSet<usize>, until: usize) -> R
     // Original value -> the stored value (new graph) holding its transpose.
     let mut transposed: BTreeMap<ValueId, ValueId> = BTreeMap::new();
     let mut checkpoint_value = BTreeMap::new();
+    // Stored swapped value -> its transpose written out (`OpKind::TransposeCopy`).
+    let mut materialized: BTreeMap<ValueId, ValueId> = BTreeMap::new();
+    let mut row_read: BTreeSet<ValueId> = BTreeSet::new();
+    // Stored swapped value -> the original product it derives from; the products the
+    // workload constrains to swapped, whose results readers by rows may read written out.
+    let mut stored_product: BTreeMap<ValueId, usize> = BTreeMap::new();
+    let (constrained, _) = super::search::orientation_constraints(graph);
     let push = |values: &mut Vec<Value>, operations: &mut Vec<Operation>, origin: &mut Vec<u32>, kind: OpKind, inputs: Vec<ValueId>, name: String, shape: Vec<u32>, dtype: DType, index: usize| {
         let id = ValueId(values.len() as u32);
         values.push(Value { name, shape, dtype, producer: Producer::Operation(operations.len()) });
@@ -148,6 +195,10 @@ pub fn orient_until(graph: &Graph, swapped: &BTreeSet<usize>, until: usize) -> R
             map.insert(operation.output, view);
             transposed.insert(operation.output, stored);
             checkpoint_value.insert(stored, view);
+            stored_product.insert(stored, index);
+            if constrained.contains(&index) && read_by_rows(graph, operation.output, &constrained) {
+                row_read.insert(stored);
+            }
             continue;
         }
         let is_host = |v: ValueId| matches!(graph.value(v).producer, Producer::Tensor { .. });
@@ -175,9 +226,47 @@ pub fn orient_until(graph: &Graph, swapped: &BTreeSet<usize>, until: usize) -> R
             map.insert(operation.output, view);
             transposed.insert(operation.output, stored);
             checkpoint_value.insert(stored, view);
+            // A follower derives from the product behind its first swapped input.
+            let product = operation.inputs.iter().find_map(|i| transposed.get(i)).and_then(|t| stored_product.get(t)).copied().unwrap_or(usize::MAX);
+            stored_product.insert(stored, product);
+            if constrained.contains(&product) && read_by_rows(graph, operation.output, &constrained) {
+                row_read.insert(stored);
+            }
             continue;
         }
         let mut inputs: Vec<ValueId> = operation.inputs.iter().map(|i| map[i]).collect();
+        if !operation.kind.is_view() && index < until {
+            for input in inputs.iter_mut() {
+                // A computing reader of a swapped value through its transpose (by rows: a
+                // product in normal orientation, a residual add, a LayerNorm) reads the value
+                // written out transposed, once, just before the first such reader, where the
+                // workload constrains the product behind it to swapped (the search does not
+                // weigh these transposes itself: see the README).
+                let (base, chain) = view_ops(&values, &operations, *input);
+                let Some(&view) = checkpoint_value.get(&base).filter(|_| !chain.is_empty()) else { continue };
+                if !stored_product.get(&base).is_some_and(|p| constrained.contains(p)) {
+                    continue;
+                }
+                let rows = match materialized.get(&base) {
+                    Some(&m) => m,
+                    None => {
+                        let v = values[view.0 as usize].clone();
+                        let m = push(&mut values, &mut operations, &mut origin, OpKind::TransposeCopy, vec![base], format!("{}{MATERIALIZED}", v.name), v.shape.clone(), v.dtype, index);
+                        materialized.insert(base, m);
+                        m
+                    }
+                };
+                // The views between the original value and the reader, over the written-out
+                // value (the first, the transpose that was the original value, is dropped).
+                let mut current = rows;
+                for &op in chain.iter().rev().skip(1) {
+                    let (kind, out) = (operations[op].kind.clone(), operations[op].output);
+                    let v = values[out.0 as usize].clone();
+                    current = push(&mut values, &mut operations, &mut origin, kind, vec![current], format!("{}{MATERIALIZED}", v.name), v.shape.clone(), v.dtype, index);
+                }
+                *input = current;
+            }
+        }
         if let Some((softmax, _)) = deferred.iter().find(|(_, &c)| c == index) {
             inputs.push(reciprocals[softmax]);
         }
@@ -206,7 +295,7 @@ pub fn orient_until(graph: &Graph, swapped: &BTreeSet<usize>, until: usize) -> R
             }
         }
     }
-    Ok(Oriented { graph: rewritten, origin, checkpoint_value })
+    Ok(Oriented { graph: rewritten, origin, checkpoint_value, row_read })
 }
 
 #[cfg(test)]
@@ -343,5 +432,55 @@ inputs = ["g", "w2"]
         // Nothing swapped: the same operations.
         let same = orient(&g, &BTreeSet::new()).unwrap();
         assert_eq!(same.graph.operations, g.operations);
+    }
+
+    /// A reader by rows of a swapped value (here the second product in normal orientation
+    /// reading the gelu of a swapped first product) reads it written out transposed, once,
+    /// right before that reader; the stored transpose keeps its checkpoint view.
+    #[test]
+    fn a_reader_by_rows_reads_the_swapped_value_written_out() {
+        // Only where the workload constrains the product to swapped (else, as before, the
+        // orientation is no candidate).
+        assert!(orient(&Graph::parse(MLP, "mlp").unwrap(), &[0].into_iter().collect()).is_err());
+        let g = Graph::parse(&format!("{MLP}[[constraint]]\noperation = \"h\"\norientation = \"swapped\"\n"), "mlp").unwrap();
+        let o = orient(&g, &[0].into_iter().collect()).unwrap();
+        let id = |n: &str| o.graph.find(n).unwrap();
+        let copies: Vec<usize> = (0..o.graph.operations.len()).filter(|&i| o.graph.operations[i].kind == OpKind::TransposeCopy).collect();
+        assert_eq!(copies.len(), 1);
+        let copy = &o.graph.operations[copies[0]];
+        assert_eq!((copy.inputs.clone(), copy.output), (vec![id("g.swapped")], id(&format!("g{MATERIALIZED}"))));
+        assert_eq!(o.graph.value(copy.output).shape, vec![5, 12]);
+        // The next operation is the product, reading it as A; both serve the original product.
+        let reader = &o.graph.operations[copies[0] + 1];
+        assert_eq!((reader.kind.clone(), reader.inputs.clone(), reader.output), (OpKind::MatMul { transpose_b: false }, vec![copy.output, id("w2")], id("y")));
+        assert_eq!((o.origin[copies[0]], o.origin[copies[0] + 1]), (2, 2));
+        assert_eq!(o.checkpoint_value.get(&id("g.swapped")), Some(&id("g")));
+        // The gelu's only reader is a product not constrained to swapped, which reads it by
+        // rows: the first product's row cuts (and the gelu's, on its grid) fall on whole
+        // 64-bit groups.
+        assert_eq!(o.row_read, [id("h.swapped"), id("g.swapped")].into_iter().collect());
+        // Both swapped: nothing is written out.
+        let both = orient(&g, &[0, 2].into_iter().collect()).unwrap();
+        assert!(both.graph.operations.iter().all(|op| op.kind != OpKind::TransposeCopy));
+    }
+
+    /// A swapped product (constrained so) whose result a residual add reads by rows: its stored
+    /// transpose is row-read (its row cuts fall on whole 64-bit groups).
+    #[test]
+    fn a_residual_read_marks_the_swapped_product_row_read() {
+        let text = MLP.replace("name = \"y\"\nop = \"matmul\"\ninputs = [\"g\", \"w2\"]", "name = \"y0\"\nop = \"matmul\"\ninputs = [\"g\", \"w2\"]\n[[operation]]\nname = \"y\"\nop = \"add\"\ninputs = [\"y0\", \"x\"]");
+        let g = Graph::parse(&(text.clone() + "[[constraint]]\noperation = \"y0\"\norientation = \"swapped\"\n"), "mlp").unwrap();
+        let y0 = g.find("y0").unwrap();
+        let (constrained, _) = super::super::search::orientation_constraints(&g);
+        // y0 reaches an add; g only the product, which the workload constrains to swapped.
+        assert!(read_by_rows(&g, y0, &constrained) && !read_by_rows(&g, g.find("g").unwrap(), &constrained));
+        assert!(read_by_rows(&g, g.find("g").unwrap(), &BTreeSet::new()));
+        let o = orient(&g, &[2].into_iter().collect()).unwrap();
+        // The add follows the swapped product (its other operand is a host input), so the
+        // graph output is read by the host: nothing written out, but the value is row-read.
+        assert_eq!(o.row_read, [o.graph.find("y0.swapped").unwrap()].into_iter().collect());
+        // Unconstrained, nothing is row-read (the plans are those of before).
+        let free = Graph::parse(&text, "mlp").unwrap();
+        assert!(orient(&free, &[2].into_iter().collect()).unwrap().row_read.is_empty());
     }
 }

@@ -52,6 +52,10 @@ pub struct MatMulProblem<'a> {
     /// A consumer needs whole rows (softmax): column partitions then cost a re-gather of the
     /// output by rows before that consumer.
     pub whole_rows: bool,
+    /// Row cuts fall on multiples of this (2 when the product's result is written out
+    /// transposed for a reader by rows: its rows become that value's columns, which move in
+    /// whole 32-bit words only from even offsets).
+    pub m_align: u32,
     /// An add folded into the epilogue (a bias broadcast by rows or columns, or a whole
     /// block): the product's call, or the reduction finishing it, pays its per-vector add and
     /// holds the addend's block.
@@ -201,7 +205,7 @@ fn search(t: &Target, p: &MatMulProblem, constraint: Option<&PlanConstraint>, fo
                     None => vec![pm_max],
                 };
                 for pm in pms {
-                    let m_cuts = split(p.m, pm, 1);
+                    let m_cuts = split(p.m, pm, p.m_align);
                     let weights = constraint.and_then(|c| c.weight_memory.as_deref());
                     if let Some(candidate) = cost_plan(t, p, b_cuts.clone(), m_cuts, n_cuts.clone(), k_cuts.clone(), sync, max_delay, weights) {
                         found(candidate);

@@ -328,7 +328,7 @@ impl Replay<'_> {
 }
 
 /// The user's orientation constraints: products that must, and that must not, be swapped.
-fn orientation_constraints(graph: &Graph) -> (BTreeSet<usize>, BTreeSet<usize>) {
+pub(crate) fn orientation_constraints(graph: &Graph) -> (BTreeSet<usize>, BTreeSet<usize>) {
     let mut must: BTreeSet<usize> = BTreeSet::new();
     let mut must_not: BTreeSet<usize> = BTreeSet::new();
     for c in &graph.file.constraints {

@@ -65,6 +65,7 @@ fn vertex_name(call: &VertexCall) -> &'static str {
         VertexCall::BiasAdd { .. } => "BiasAdd",
         VertexCall::LayerNorm { .. } => "LayerNorm",
         VertexCall::Copy { .. } => "Copy",
+        VertexCall::Transpose { .. } => "Transpose",
     }
 }
 
@@ -133,6 +134,7 @@ fn accesses(call: &VertexCall) -> Vec<Access> {
             let tensor = |name, op| Access { name, op, rows: *rows, cols: *cols, element_bytes: bytes, need: Need::Tensor };
             vec![tensor("input", *input), tensor("output", *output)]
         }
+        VertexCall::Transpose { rows, cols, input, output } => vec![half("input", *input, *rows, *cols), half("output", *output, *cols, *rows)],
     }
 }
 
@@ -335,6 +337,11 @@ pub fn execute(memory: &mut TileMemory, call: &VertexCall, s: &mut Scratch) {
         }
         VertexCall::Copy { rows, cols, dtype, input, output } => {
             memory.copy(*input, *output, *rows, *cols, dtype.bytes(), &mut s.bytes);
+        }
+        VertexCall::Transpose { rows, cols, input, output } => {
+            memory.read_f16(*input, *rows, *cols, &mut s.bits, &mut s.a);
+            kernels::transpose(&s.a, *rows as usize, *cols as usize, &mut s.b);
+            memory.write_f16(*output, *cols, *rows, &s.b, &mut s.halves);
         }
     }
 }
