@@ -1447,9 +1447,9 @@ impl<'a> Builder<'a> {
             for (a, cut) in cuts.iter_mut().enumerate().take(rank.saturating_sub(1)) {
                 let parts = out.shape[a].min(self.target.chip.tiles / cells).max(1);
                 // A swapped value written out transposed for a reader by rows: its rows are
-                // that value's columns, which move in whole words from even offsets only.
+                // that value's columns, which move and copy from aligned offsets only.
                 let align = if a + 2 == rank && self.row_read.contains(&output) { self.row_read_align() } else { 1 };
-                *cut = split(out.shape[a], parts.div_ceil(align), align);
+                *cut = split(out.shape[a], parts, align);
                 cells *= (cut.len() - 1) as u32;
             }
             if rank == 1 {
