@@ -121,6 +121,16 @@ pub(super) fn raise(p: &mut (i64, i64, i64), (s, i): (i64, i64)) {
     *p = (p.0.max(s), p.1.max(i), p.2.max(s + i));
 }
 
+/// Apply one step's events (tile, standard bytes, interleaved bytes; negative when a buffer
+/// dies) to the running live bytes per tile.
+pub(super) fn apply(live: &mut [(i64, i64)], events: &[(u32, i64, i64)]) {
+    for &(tile, ds, di) in events {
+        let l = &mut live[tile as usize];
+        l.0 += ds;
+        l.1 += di;
+    }
+}
+
 /// The peak (standard, interleaved, total) live bytes on any tile of a lowering with
 /// `buffers` (the host writes those in `marks`) and `steps` steps, from `previous`, the cache
 /// of a prefix it extends (when still valid); and the cache for this lowering, its boundary
@@ -186,11 +196,7 @@ pub fn update(buffers: &Chunked<BufferDecl, 9>, marks: &Chunked<u32, 10>, watch:
         let step = t + k as u32;
         let e = &events[from..to];
         from = to;
-        for &(tile, ds, di) in e {
-            let l = &mut live[tile as usize];
-            l.0 += ds;
-            l.1 += di;
-        }
+        apply(&mut live, e);
         let peaks = if step < t_next { &mut mid } else { &mut late };
         if step == 0 {
             zero_swept.copy_from_slice(&live);

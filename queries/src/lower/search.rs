@@ -484,11 +484,7 @@ fn tile_peaks<'a>(buffers: impl Iterator<Item = &'a BufferDecl> + Clone, host: &
     for &to in &starts[..steps] {
         let e = &events[from..to];
         from = to;
-        for &(tile, ds, di) in e {
-            let l = &mut live[tile as usize];
-            l.0 += ds;
-            l.1 += di;
-        }
+        peaks::apply(&mut live, e);
         for &(tile, _, _) in e {
             peaks::raise(&mut peak[tile as usize], live[tile as usize]);
         }
