@@ -8,6 +8,7 @@ use common::{assert_pass, field, fixture, ipuq, tail};
 
 const MLP: &str = "workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml";
 const ATTENTION: &str = "workloads/attention-grouped-materialized-gaussian-f16-b1-t29-h4-kv2-d8.toml";
+const ENCODER: &str = "workloads/siglip-encoder-f16-b1-t29-d64-h4-m96-l3.toml";
 
 fn workdir() -> tempfile::TempDir {
     tempfile::tempdir().expect("temporary folder")
@@ -84,6 +85,25 @@ fn an_infeasible_constraint_exits_2_naming_the_operation_and_the_field() {
     let out = ipuq(&["build", "gelu.toml", "--target", "small16", "-o", "out"], dir.path());
     assert_eq!(out.code, 2);
     assert!(out.stderr.contains("g_0") && out.stderr.contains("only matrix products take plan constraints"), "{}", out.stderr);
+}
+
+/// `weights = "home"` keeps the weights of a product and the later ones on home tiles (the
+/// earlier ones replicated): the run passes; a value other than "home", or a product without a
+/// weight operand, exits 2 naming the operation and the field.
+#[test]
+fn a_home_weights_constraint_runs_and_bad_ones_are_named() {
+    let dir = workdir();
+    let text = std::fs::read_to_string(fixture(ENCODER)).unwrap();
+    std::fs::write(dir.path().join("home.toml"), format!("{text}\n[[constraint]]\noperation = \"l1.q.product\"\nweights = \"home\"\n")).unwrap();
+    let out = ipuq(&["run", "home.toml", "--target", "small16", "-o", "out", "--checkpoints"], dir.path());
+    assert_pass(&out);
+    assert_eq!(field(&out.stdout, "diagnosticCheckpoints=", "numericalTest").as_deref(), Some("PASS"));
+    for (value, operation, expected) in [("\"replicated\"", "l1.q.product", "weights must be \"home\""), ("\"home\"", "l1.scores", "needs a product whose second operand is a rank-2 weight tensor")] {
+        std::fs::write(dir.path().join("bad.toml"), format!("{text}\n[[constraint]]\noperation = \"{operation}\"\nweights = {value}\n")).unwrap();
+        let out = ipuq(&["build", "bad.toml", "--target", "small16", "-o", "out"], dir.path());
+        assert_eq!(out.code, 2, "{}", out.stderr);
+        assert!(out.stderr.contains(&format!("operation '{operation}'")) && out.stderr.contains(expected), "{}", out.stderr);
+    }
 }
 
 #[test]

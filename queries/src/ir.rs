@@ -129,6 +129,14 @@ pub struct PlanConstraint {
     pub inner_partitions: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub weight_memory: Option<String>,
+    /// `"home"`: this product's weights, and those of every later product, are kept once on
+    /// a home tile each and multicast to the tiles that need them; the earlier products keep
+    /// theirs replicated where tile memory allows (a mixed program; the search homes earlier
+    /// ones too when the replicated ones do not fit). Weights a product reads as its B operand
+    /// (normal orientation): a swapped product's weights are its A operand, replicated on its
+    /// column partitions either way.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weights: Option<String>,
 }
 
 impl PlanConstraint {
@@ -145,6 +153,9 @@ impl PlanConstraint {
         }
         if let Some(w) = &self.weight_memory {
             parts.push(format!("weight_memory={w}"));
+        }
+        if let Some(w) = &self.weights {
+            parts.push(format!("weights={w}"));
         }
         parts.join(",")
     }
@@ -394,6 +405,15 @@ impl Graph {
             if let Some(w) = &c.weight_memory {
                 if w != "interleaved" && w != "standard" {
                     return Err(invalid(location, format!("weight_memory must be \"interleaved\" or \"standard\", got {w:?}")));
+                }
+            }
+            if let Some(w) = &c.weights {
+                if w != "home" {
+                    return Err(invalid(location, format!("weights must be \"home\" (this product's and the later products' weights kept on home tiles), got {w:?}")));
+                }
+                let weight = op.inputs.get(1).map(|&v| &values[v.0 as usize]);
+                if !weight.is_some_and(|v| v.shape.len() == 2 && matches!(v.producer, Producer::Tensor { role: Role::Weight, .. })) {
+                    return Err(invalid(location, "weights = \"home\" needs a product whose second operand is a rank-2 weight tensor".into()));
                 }
             }
             for (name, v) in [("row_partitions", c.row_partitions), ("column_partitions", c.column_partitions), ("inner_partitions", c.inner_partitions)] {

@@ -154,7 +154,7 @@ fn options_for(product: usize, must: &BTreeSet<usize>, must_not: &BTreeSet<usize
 /// key holds the target; the width is checked).
 #[allow(clippy::too_many_arguments)]
 fn identical_steps(old: &Graph, trace: &BeamTrace, graph: &Graph, width: usize, products: &[usize], must: &BTreeSet<usize>, must_not: &BTreeSet<usize>) -> usize {
-    if trace.width != width as u64 {
+    if trace.width != width as u64 || home_constraint(old) != home_constraint(graph) {
         return 0;
     }
     let old_products = swappable(old);
@@ -324,6 +324,36 @@ impl Replay<'_> {
             return members.into_iter().map(|i| (i, None)).collect();
         };
         self.groups(&members, split).into_par_iter().map(|group| self.lower_group(group, split, Some(shared.clone()))).flatten().collect()
+    }
+}
+
+/// The original operation from which the user's constraints keep products' weights on home
+/// tiles (`weights = "home"`: the earliest such product), or None.
+fn home_constraint(graph: &Graph) -> Option<usize> {
+    graph
+        .file
+        .constraints
+        .iter()
+        .filter(|c| c.weights.as_deref() == Some("home"))
+        .filter_map(|c| match graph.value(graph.find(&c.operation)?).producer {
+            crate::ir::Producer::Operation(o) => Some(o),
+            _ => None,
+        })
+        .min()
+}
+
+/// The program the beam starts from: every weight replicated, or (the user's
+/// `weights = "home"`) the products' weights from that operation on kept on home tiles, all
+/// of them when no earlier product has a weight.
+fn root_partial(graph: &Graph, products: &[usize]) -> Partial {
+    let from = home_constraint(graph);
+    if let Some(from) = from {
+        debug!(home_from = from, "weights of the products from the constrained one on kept on home tiles");
+    }
+    match from {
+        None => Partial::new(false),
+        Some(from) if products.iter().any(|&p| p < from && graph.operations[p].inputs.get(1).is_some_and(|&w| matches!(graph.value(w).producer, crate::ir::Producer::Tensor { role: crate::ir::Role::Weight, .. }))) => Partial::homing_from(from),
+        Some(_) => Partial::new(true),
     }
 }
 
@@ -699,7 +729,7 @@ fn beam(graph: &Graph, target: &Target, width: usize, previous: Option<(&Graph, 
         }
         None => {
             let root = match orient_until(graph, &BTreeSet::new(), products.first().copied().unwrap_or(usize::MAX)) {
-                Ok(o) => State { swapped: BTreeSet::new(), oriented: Arc::new(o), partial: Partial::new(false), home: None, history: None },
+                Ok(o) => State { swapped: BTreeSet::new(), oriented: Arc::new(o), partial: root_partial(graph, &products), home: None, history: None },
                 Err(message) => {
                     let first_error = Some(LowerError::Unsupported { operation: graph.name.clone(), message });
                     return Beam { programs: Vec::new(), far: Vec::new(), histories: Vec::new(), first_error, steps, resumed: 0, searched: products.len() };
@@ -1283,6 +1313,35 @@ mod tests {
     /// weight takes a quarter of itself (96 KiB) on every tile.
     fn row_partitioned_mlp(blocks: usize) -> Graph {
         Graph::parse(&row_partitioned_text(blocks), "mlp.toml").unwrap()
+    }
+
+    /// `weights = "home"` on a product: the beam starts from the mixed program homing that
+    /// product's weights and the later ones, so the earlier blocks' weights stay replicated and
+    /// the later (normal) products' are written once (to their home tiles); without it the
+    /// small program keeps every weight replicated. An edit of the constraint resumes no beam
+    /// step.
+    #[test]
+    fn a_home_weights_constraint_starts_the_beam_from_a_mixed_program() {
+        let target = small16();
+        let text = mlp_text(3, 37, 64, 96);
+        let free = Graph::parse(&text, "mlp.toml").unwrap();
+        // Normal products (a swapped product streams its weight as its A operand, replicated).
+        let normal: String = ["y_1", "h_2", "y_2"].iter().map(|p| format!("[[constraint]]\noperation = \"{p}\"\norientation = \"normal\"\n")).collect();
+        let homed = Graph::parse(&format!("{text}[[constraint]]\noperation = \"h_1\"\norientation = \"normal\"\nweights = \"home\"\n{normal}"), "mlp.toml").unwrap();
+        let replicas = |l: &Lowered, name: &str| {
+            let t = l.inputs.iter().find(|t| t.name == name).unwrap();
+            t.streamed_elements() / t.elements()
+        };
+        let best = &finalists(&free, &target, 1).unwrap()[0];
+        assert!(["w1_0", "w2_0", "w1_1", "w2_1", "w1_2", "w2_2"].iter().all(|w| replicas(best, w) > 1), "the free program replicates every weight");
+        let best = &finalists(&homed, &target, 1).unwrap()[0];
+        assert!(replicas(best, "w1_0") > 1 && replicas(best, "w2_0") > 1, "block 0 keeps its weights replicated");
+        for w in ["w1_1", "w2_1", "w1_2", "w2_2"] {
+            assert_eq!(replicas(best, w), 1, "{w} is kept once, on its home tiles");
+        }
+        let (_, trace) = finalists_resuming(&free, &target, 4, None);
+        assert_eq!(identical_steps(&free, &trace, &homed, 4, &swappable(&homed), &BTreeSet::new(), &BTreeSet::new()), 0);
+        assert_eq!(identical_steps(&free, &trace, &free, 4, &swappable(&free), &BTreeSet::new(), &BTreeSet::new()), trace.steps.len());
     }
 
     /// A mixed program made from the beam's replicated prefixes (`Snapshot::longest`, then

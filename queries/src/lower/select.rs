@@ -304,6 +304,7 @@ pub fn steer_away(plan: &super::OperationPlan, user: Option<&crate::ir::PlanCons
         column_partitions: None,
         inner_partitions: None,
         weight_memory: None,
+        weights: None,
     });
     let user_sets = |f: fn(&crate::ir::PlanConstraint) -> Option<u32>| user.is_some_and(|u| f(u).is_some());
     if !user_sets(|u| u.inner_partitions) && inner > 1 {
@@ -342,7 +343,7 @@ mod tests {
     }
 
     fn user(inner: Option<u32>, columns: Option<u32>) -> PlanConstraint {
-        PlanConstraint { operation: "down".into(), orientation: Some("swapped".into()), row_partitions: None, column_partitions: columns, inner_partitions: inner, weight_memory: None }
+        PlanConstraint { operation: "down".into(), orientation: Some("swapped".into()), row_partitions: None, column_partitions: columns, inner_partitions: inner, weight_memory: None, weights: None }
     }
 
     #[test]
