@@ -235,6 +235,11 @@ impl Value {
     pub fn elements(&self) -> u64 {
         self.shape.iter().map(|&d| d as u64).product()
     }
+
+    /// A rank-2 weight tensor: what a matrix product can keep replicated or on home tiles.
+    pub fn is_matrix_weight(&self) -> bool {
+        self.shape.len() == 2 && matches!(self.producer, Producer::Tensor { role: Role::Weight, .. })
+    }
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -411,8 +416,7 @@ impl Graph {
                 if w != "home" {
                     return Err(invalid(location, format!("weights must be \"home\" (this product's and the later products' weights kept on home tiles), got {w:?}")));
                 }
-                let weight = op.inputs.get(1).map(|&v| &values[v.0 as usize]);
-                if !weight.is_some_and(|v| v.shape.len() == 2 && matches!(v.producer, Producer::Tensor { role: Role::Weight, .. })) {
+                if !op.inputs.get(1).is_some_and(|&v| values[v.0 as usize].is_matrix_weight()) {
                     return Err(invalid(location, "weights = \"home\" needs a product whose second operand is a rank-2 weight tensor".into()));
                 }
             }

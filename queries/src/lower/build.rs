@@ -261,7 +261,7 @@ pub(crate) fn aligned_home_slot(graph: &Graph, weight: ValueId) -> Option<usize>
         .values
         .iter()
         .enumerate()
-        .filter(|(_, v)| v.shape.len() == 2 && matches!(v.producer, Producer::Tensor { role: Role::Weight, .. }))
+        .filter(|(_, v)| v.is_matrix_weight())
         .collect();
     let position = weights.iter().position(|(i, _)| *i == weight.0 as usize)?;
     let same = |a: &Value, b: &Value| a.shape == b.shape && a.dtype == b.dtype;
@@ -459,10 +459,9 @@ pub fn prefix_identical_across_graphs(old: &Oriented, new: &Oriented, end: usize
     let (f, t) = (&old.graph, &new.graph);
     // The values the prefix reads or writes (as prefix_compatible counts them): equal in both.
     let used = f.operations[..end].iter().flat_map(|o| o.inputs.iter().chain([&o.output])).map(|v| v.0 as usize + 1).chain((0..end).filter_map(|i| reciprocals_of(f, i)).map(|v| v.0 as usize + 1)).max().unwrap_or(0);
-    let is_weight = |v: &Value| v.shape.len() == 2 && matches!(v.producer, Producer::Tensor { role: Role::Weight, .. });
     for (i, v) in f.values[..used].iter().enumerate() {
         let id = ValueId(i as u32);
-        if is_weight(v) && aligned_home_slot(f, id) != aligned_home_slot(t, id) {
+        if v.is_matrix_weight() && aligned_home_slot(f, id) != aligned_home_slot(t, id) {
             return false;
         }
         let named = |o: &Oriented| o.checkpoint_value.get(&id).map(|&c| (c, o.graph.values.get(c.0 as usize).map(|v| v.name.clone())));

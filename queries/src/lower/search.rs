@@ -58,7 +58,7 @@ use super::peaks;
 use super::build::{complete, extend, lower_homing_from, lower_with_rotated_homes, prefix_compatible, prefix_identical_across_graphs, Attempt, Partial, Reserve, CODE_RESERVE_BYTES};
 use super::orient::{orient, orient_until, swappable, Oriented};
 use super::{BufferDecl, LHostTensor, LowerError, Lowered};
-use crate::ir::{Graph, OpKind, Producer, Role};
+use crate::ir::{Graph, OpKind};
 use crate::package::{AllocationKind, HostRole};
 use crate::storage::{place_storage, PlacementError};
 use crate::target::Target;
@@ -330,16 +330,15 @@ impl Replay<'_> {
 /// The original operation from which the user's constraints keep products' weights on home
 /// tiles (`weights = "home"`: the earliest such product), or None.
 fn home_constraint(graph: &Graph) -> Option<usize> {
-    graph
-        .file
-        .constraints
-        .iter()
-        .filter(|c| c.weights.as_deref() == Some("home"))
-        .filter_map(|c| match graph.value(graph.find(&c.operation)?).producer {
-            crate::ir::Producer::Operation(o) => Some(o),
-            _ => None,
-        })
-        .min()
+    constrained_operations(graph).filter(|(_, c)| c.weights.as_deref() == Some("home")).map(|(o, _)| o).min()
+}
+
+/// Each user plan constraint with the index of the operation it names.
+fn constrained_operations(graph: &Graph) -> impl Iterator<Item = (usize, &crate::ir::PlanConstraint)> + '_ {
+    graph.file.constraints.iter().filter_map(|c| match graph.value(graph.find(&c.operation)?).producer {
+        crate::ir::Producer::Operation(o) => Some((o, c)),
+        _ => None,
+    })
 }
 
 /// The program the beam starts from: every weight replicated, or (the user's
@@ -352,7 +351,7 @@ fn root_partial(graph: &Graph, products: &[usize]) -> Partial {
     }
     match from {
         None => Partial::new(false),
-        Some(from) if products.iter().any(|&p| p < from && graph.operations[p].inputs.get(1).is_some_and(|&w| matches!(graph.value(w).producer, crate::ir::Producer::Tensor { role: crate::ir::Role::Weight, .. }))) => Partial::homing_from(from),
+        Some(from) if products.iter().any(|&p| p < from && graph.operations[p].inputs.get(1).is_some_and(|&w| graph.value(w).is_matrix_weight())) => Partial::homing_from(from),
         Some(_) => Partial::new(true),
     }
 }
@@ -361,13 +360,7 @@ fn root_partial(graph: &Graph, products: &[usize]) -> Partial {
 pub(crate) fn orientation_constraints(graph: &Graph) -> (BTreeSet<usize>, BTreeSet<usize>) {
     let mut must: BTreeSet<usize> = BTreeSet::new();
     let mut must_not: BTreeSet<usize> = BTreeSet::new();
-    for c in &graph.file.constraints {
-        let Some(index) = graph.find(&c.operation).and_then(|v| match graph.value(v).producer {
-            crate::ir::Producer::Operation(o) => Some(o),
-            _ => None,
-        }) else {
-            continue;
-        };
+    for (index, c) in constrained_operations(graph) {
         match c.orientation.as_deref() {
             Some("swapped") => must.insert(index),
             Some("normal") => must_not.insert(index),
@@ -1155,7 +1148,7 @@ fn mixed_from(oriented: &Oriented, buffers: &[BufferDecl], tensors: &[LHostTenso
             continue;
         };
         let v = graph.value(weight);
-        if v.shape.len() == 2 && matches!(v.producer, Producer::Tensor { role: Role::Weight, .. }) {
+        if v.is_matrix_weight() {
             let origin = oriented.origin.get(i).map_or(i, |&o| o as usize);
             let e = first_use.entry(v.name.as_str()).or_insert(origin);
             *e = (*e).min(origin);
