@@ -97,6 +97,7 @@ fn a_home_weights_constraint_runs_and_bad_ones_are_named() {
     std::fs::write(dir.path().join("home.toml"), format!("{text}\n[[constraint]]\noperation = \"l1.q.product\"\nweights = \"home\"\n")).unwrap();
     let out = ipuq(&["run", "home.toml", "--target", "small16", "-o", "out", "--checkpoints"], dir.path());
     assert_pass(&out);
+    assert!(!out.stderr.contains("the weights constraint could not be kept"), "{}", out.stderr);
     assert_eq!(field(&out.stdout, "diagnosticCheckpoints=", "numericalTest").as_deref(), Some("PASS"));
     for (value, operation, expected) in [("\"replicated\"", "l1.q.product", "weights must be \"home\""), ("\"home\"", "l1.scores", "needs a product whose second operand is a rank-2 weight tensor")] {
         std::fs::write(dir.path().join("bad.toml"), format!("{text}\n[[constraint]]\noperation = \"{operation}\"\nweights = {value}\n")).unwrap();

@@ -940,7 +940,7 @@ fn feasible_finalists(graph: &Graph, target: &Target, keep: usize, programs: Vec
     let mut feasible = make_feasible(near);
     let mut skipped = 0;
     if !far_ones.is_empty() {
-        if feasible.iter().any(|(_, r)| matches!(r, Ok((_, Some(_))))) {
+        if feasible.iter().any(|(_, r)| matches!(r, Ok((_, Some(_), _)))) {
             skipped = far_ones.len();
             debug!(skipped, "programs far over tile memory are not planned again: a nearer one fits");
         } else {
@@ -950,9 +950,9 @@ fn feasible_finalists(graph: &Graph, target: &Target, keep: usize, programs: Vec
     feasible.sort_by_key(|(i, _)| *i);
     for (index, result) in feasible {
         match result {
-            Ok((l, peaks)) => {
+            Ok((l, peaks, from)) => {
                 let swapped = l.plans.iter().filter(|p| p.orientation == "swapped").count();
-                found.push((peaks.is_none(), estimated_cycles(&l), swapped, index, (l, peaks)))
+                found.push((peaks.is_none(), estimated_cycles(&l), swapped, index, (l, peaks, from)))
             }
             Err(e) => {
                 debug!(error = %e, "program does not lower");
@@ -972,8 +972,10 @@ fn feasible_finalists(graph: &Graph, target: &Target, keep: usize, programs: Vec
         found.retain(|f| !f.0);
     }
     found.truncate(keep.max(1));
-    let (finalists, peaks): (Vec<Lowered>, Vec<Option<(u64, u64)>>) = found.into_iter().map(|f| f.4).unzip();
-    for (i, (l, peaks)) in finalists.iter().zip(peaks).enumerate() {
+    warn_given_up_home_constraint(graph, found[0].4 .2);
+    #[allow(clippy::type_complexity)]
+    let (finalists, peaks): (Vec<Lowered>, Vec<(Option<(u64, u64)>, usize)>) = found.into_iter().map(|f| (f.4 .0, (f.4 .1, f.4 .2))).unzip();
+    for (i, (l, (peaks, home_from))) in finalists.iter().zip(peaks).enumerate() {
         // The peaks of the placement that found the program feasible (none: it does not fit).
         let (standard, interleaved) = peaks.unwrap_or((0, 0));
         let active: BTreeSet<u32> = l.plans.iter().map(|p| p.tiles).collect();
@@ -987,6 +989,7 @@ fn feasible_finalists(graph: &Graph, target: &Target, keep: usize, programs: Vec
             peak_interleaved_bytes = interleaved,
             peak_total_bytes = standard + interleaved,
             active_tile_counts = ?active,
+            home_weights_from = %home_from_name(graph, home_from),
             plans = %describe(l),
             "retained operator-plan finalist"
         );
@@ -994,9 +997,42 @@ fn feasible_finalists(graph: &Graph, target: &Target, keep: usize, programs: Vec
     (Ok(finalists), skipped)
 }
 
+/// The first product from original operation `from` on whose weights a program keeping the
+/// weights of the products from `from` on on home tiles keeps there, by name ("none": every
+/// weight replicated).
+fn home_from_name(graph: &Graph, from: usize) -> String {
+    let weighted = |op: &crate::ir::Operation| matches!(op.kind, OpKind::MatMul { .. }) && op.inputs.get(1).is_some_and(|&w| graph.value(w).is_matrix_weight());
+    match graph.operations.iter().skip(from).find(|op| weighted(op)) {
+        Some(op) => graph.value(op.output).name.clone(),
+        None => "none".into(),
+    }
+}
+
+/// The user asked (`weights = "home"`) for the weights of the products before a product to
+/// stay replicated, and the best program keeps earlier ones on home tiles too, because the
+/// replicated ones did not fit in tile memory: say so, naming both operations.
+fn warn_given_up_home_constraint(graph: &Graph, home_from: usize) {
+    if let Some((constrained, kept)) = given_up_home_constraint(graph, home_from) {
+        warn!(
+            operation = %constrained,
+            home_weights_from = %kept,
+            "the weights constraint could not be kept as given: the weights replicated before operation {constrained} do not fit in tile memory, so the products' weights from operation {kept} on are kept on home tiles"
+        );
+    }
+}
+
+/// The constrained operation and the one a program homes weights from instead, when the
+/// program (its products' weights homed from original operation `home_from`) keeps weights
+/// on home tiles that the user's `weights = "home"` asked to stay replicated.
+fn given_up_home_constraint(graph: &Graph, home_from: usize) -> Option<(String, String)> {
+    home_constraint(graph).filter(|&c| home_from < c).map(|c| (home_from_name(graph, c), home_from_name(graph, home_from)))
+}
+
 /// A program `lower_feasible` made, and the peak standard and interleaved bytes per tile of
 /// the placement that found it feasible (none: it does not fit).
-type Feasible = (Lowered, Option<(u64, u64)>);
+/// With them, the original operation from which its products keep their weights on home
+/// tiles (`Partial::home_from`; usize::MAX: every weight replicated).
+type Feasible = (Lowered, Option<(u64, u64)>, usize);
 
 /// Lower an oriented graph to a program whose buffers fit, whole-program. A program that fits
 /// but whose placement pushes weights the planner costed as interleaved into standard memory
@@ -1018,16 +1054,25 @@ type Feasible = (Lowered, Option<(u64, u64)>);
 /// rotating with every weight.
 fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attempt, usize)>, memo: Option<&HomePrefix>, history: Option<&Snapshot>) -> Result<Feasible, LowerError> {
     let operations = oriented.graph.operations.len();
-    let mut last: Option<Lowered> = None;
+    let mut last: Option<(Lowered, usize)> = None;
     let mut first_error: Option<LowerError> = None;
     // A program the beam already lowered with (some) home-tile weights found replicated ones
     // too big. Home tiles aligned to the program's period come first (repeated blocks then
     // share their multicast patterns); rotating with every weight, when those do not fit.
     // (home_from, aligned, rounds).
-    let mut modes: Vec<(usize, bool, usize)> = match first.as_ref().map_or(usize::MAX, |f| f.1) {
+    let beam_from = first.as_ref().map_or(usize::MAX, |f| f.1);
+    let mut modes: Vec<(usize, bool, usize)> = match beam_from {
         0 => vec![(0, true, ROUNDS), (0, false, ROUNDS)],
         from => vec![(from, true, ROUNDS), (0, true, ROUNDS), (0, false, ROUNDS)],
     };
+    // The user's `weights = "home"` asked for the weights of the products before one to stay
+    // replicated, and the beam homed earlier ones (the mixed program it started from
+    // overflowed): that mixed program comes first, then the latest earlier starts that cover
+    // its overflow (`mixed_from`), before the beam's own arrangement.
+    if let Some(constrained) = home_constraint(&oriented.graph).map(|o| oriented.origin.get(o).map_or(o, |&x| x as usize)).filter(|&c| beam_from < c) {
+        debug!(beam_from, constrained, "the beam gave up the weights constraint; trying the constrained mixed program first");
+        modes.insert(0, (constrained, true, ROUNDS));
+    }
     let mut mode = 0;
     let mut mixed_tries = 0;
     while let Some(&(home_from, aligned, rounds)) = modes.get(mode) {
@@ -1072,7 +1117,7 @@ fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attem
                 (p.peak_standard.iter().map(|&a| (a - m.base) as u64).max().unwrap_or(0), p.peak_interleaved.iter().map(|&a| (a - m.interleaved_start) as u64).max().unwrap_or(0))
             });
             if let Some(peaks) = peaks.filter(|_| !displaced || round + 1 == ROUNDS || fitting.is_some()) {
-                return Ok((attempt.lowered, Some(peaks)));
+                return Ok((attempt.lowered, Some(peaks), home_from));
             }
             let merged: Vec<Reserve> = reserves
                 .iter()
@@ -1090,7 +1135,7 @@ fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attem
                     if let Some(failure) = failure.filter(|_| round == 0 && home_from > 0 && mixed_tries < MIXED_TRIES) {
                         mixed = mixed_from(oriented, &attempt.lowered.buffers, &attempt.lowered.inputs, &failure, target, home_from);
                     }
-                    last = Some(attempt.lowered);
+                    last = Some((attempt.lowered, home_from));
                 }
             }
             if merged == reserves {
@@ -1099,7 +1144,7 @@ fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attem
             reserves = merged;
         }
         if let Some((l, peaks)) = fitting {
-            return Ok((l, Some(peaks)));
+            return Ok((l, Some(peaks), home_from));
         }
         if let Some(from) = mixed {
             // One lowering each, no reserve rounds: an overflow left names the next start.
@@ -1115,7 +1160,7 @@ fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attem
         }
     }
     // Nothing fits: hand on the last program so placement names the buffer that overflows.
-    last.map(|l| (l, None)).ok_or_else(|| first_error.expect("an attempt either lowers or fails"))
+    last.map(|(l, from)| (l, None, from)).ok_or_else(|| first_error.expect("an attempt either lowers or fails"))
 }
 
 /// [`lower_feasible`] with no beam attempt at hand, for the table screen's steered finalists
@@ -1124,7 +1169,7 @@ fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attem
 /// program it switched to them), else from replicated weights.
 pub(crate) fn lower_feasible_alone(oriented: &Oriented, target: &Target, home_from: usize) -> Result<(Lowered, bool), LowerError> {
     let first = if home_from < usize::MAX { Some((lower_homing_from(oriented, target, home_from, &[])?, home_from)) } else { None };
-    lower_feasible(oriented, target, first, None, None).map(|(l, peaks)| (l, peaks.is_some()))
+    lower_feasible(oriented, target, first, None, None).map(|(l, peaks, _)| (l, peaks.is_some()))
 }
 
 /// The latest original operation before `before` from which keeping the products' weights on
@@ -1335,6 +1380,36 @@ mod tests {
         let (_, trace) = finalists_resuming(&free, &target, 4, None);
         assert_eq!(identical_steps(&free, &trace, &homed, 4, &swappable(&homed), &BTreeSet::new(), &BTreeSet::new()), 0);
         assert_eq!(identical_steps(&free, &trace, &free, 4, &swappable(&free), &BTreeSet::new(), &BTreeSet::new()), trace.steps.len());
+    }
+
+    /// A weights constraint whose mixed program does not fit is given up no further than tile
+    /// memory requires: the feasibility step tries the constrained program, then the latest
+    /// earlier starts that cover its overflow, before the beam's own arrangement (every weight
+    /// on home tiles, as without the constraint), and the given-up constraint is named.
+    #[test]
+    fn a_home_weights_constraint_that_does_not_fit_is_given_up_no_further_than_memory_requires() {
+        let target = small16();
+        let text = row_partitioned_text(4);
+        let h2 = "operation = \"h_2\"\norientation = \"normal\"\nrow_partitions = 4\n";
+        assert!(text.contains(h2));
+        let graph = Graph::parse(&text.replace(h2, &format!("{h2}weights = \"home\"\n")), "mlp.toml").unwrap();
+        let replicas = |l: &Lowered, name: &str| {
+            let t = l.inputs.iter().find(|t| t.name == name).unwrap();
+            t.streamed_elements() / t.elements()
+        };
+        let free = &finalists(&row_partitioned_mlp(4), &target, 1).unwrap()[0];
+        assert_eq!(replicas(free, "w1_0"), 1, "without the constraint every weight is on home tiles");
+        let best = &finalists(&graph, &target, 1).unwrap()[0];
+        assert!(replicas(best, "w1_0") > 1 && replicas(best, "w2_0") > 1, "block 0 keeps its weights replicated");
+        for w in ["w1_1", "w2_1", "w1_2", "w2_2", "w1_3", "w2_3"] {
+            assert_eq!(replicas(best, w), 1, "{w} is kept once, on its home tiles");
+        }
+        assert_eq!(given_up_home_constraint(&graph, 3), Some(("h_2".to_string(), "h_1".to_string())));
+        // Named by the first product whose weights are homed (h_1 from operation 2, y_0).
+        assert_eq!(given_up_home_constraint(&graph, 0), Some(("h_2".to_string(), "h_0".to_string())));
+        assert_eq!(given_up_home_constraint(&graph, 1), Some(("h_2".to_string(), "y_0".to_string())));
+        assert_eq!(given_up_home_constraint(&graph, 6), None);
+        assert_eq!(given_up_home_constraint(&row_partitioned_mlp(4), 0), None);
     }
 
     /// A mixed program made from the beam's replicated prefixes (`Snapshot::longest`, then
