@@ -107,6 +107,30 @@ fn a_home_weights_constraint_runs_and_bad_ones_are_named() {
     }
 }
 
+/// A weights constraint whose mixed program does not fit tile memory: the build homes earlier
+/// products' weights too, no further than memory requires, says so naming both products, and
+/// the program runs and passes. Four MLP blocks of 64 x 256 x 768 held at four row partitions
+/// on 16 tiles: with the constraint on the third block, the first two blocks' replicated
+/// weights do not fit; the first block's do.
+#[test]
+fn a_home_weights_constraint_that_does_not_fit_is_given_up_with_a_warning() {
+    let dir = workdir();
+    let out = ipuq(&["workload", "siglip-mlp", "--blocks", "4", "--tokens", "64", "--dim", "256", "--hidden", "768", "-o", "m.toml"], dir.path());
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let mut text = std::fs::read_to_string(dir.path().join("m.toml")).unwrap();
+    for b in 0..4 {
+        for p in ["h", "y"] {
+            let home = if (p, b) == ("h", 2) { "weights = \"home\"\n" } else { "" };
+            text += &format!("\n[[constraint]]\noperation = \"{p}_{b}\"\norientation = \"normal\"\nrow_partitions = 4\n{home}");
+        }
+    }
+    std::fs::write(dir.path().join("m.toml"), text).unwrap();
+    let out = ipuq(&["run", "m.toml", "--target", "small16", "-o", "out"], dir.path());
+    assert_pass(&out);
+    let warning = out.stderr.lines().find(|l| l.contains("the weights constraint could not be kept")).unwrap_or_else(|| panic!("no warning:\n{}", tail(&out.stderr)));
+    assert!(warning.contains("operation=h_2") && warning.contains("home_weights_from=h_1"), "{warning}");
+}
+
 #[test]
 fn the_attention_scale_is_folded_into_the_softmax_and_passes() {
     let dir = workdir();
