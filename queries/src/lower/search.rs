@@ -1105,6 +1105,7 @@ fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attem
             }) {
                 Ok(a) => a,
                 Err(e) => {
+                    debug!(home_from, aligned, round, error = %e, "the program does not lower with these resident bytes");
                     first_error.get_or_insert(e);
                     break;
                 }
