@@ -997,9 +997,9 @@ fn feasible_finalists(graph: &Graph, target: &Target, keep: usize, programs: Vec
     (Ok(finalists), skipped)
 }
 
-/// The first product from original operation `from` on whose weights a program keeping the
-/// weights of the products from `from` on on home tiles keeps there, by name ("none": every
-/// weight replicated).
+/// By name, the first product with a weight at or after original operation `from` (the first
+/// whose weights a program homing from `from` keeps on home tiles); "none" when there is no
+/// such product (every weight replicated).
 fn home_from_name(graph: &Graph, from: usize) -> String {
     let weighted = |op: &crate::ir::Operation| matches!(op.kind, OpKind::MatMul { .. }) && op.inputs.get(1).is_some_and(|&w| graph.value(w).is_matrix_weight());
     match graph.operations.iter().skip(from).find(|op| weighted(op)) {
