@@ -1069,10 +1069,16 @@ fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attem
     // replicated, and the beam homed earlier ones (the mixed program it started from
     // overflowed): that mixed program comes first, then the latest earlier starts that cover
     // its overflow (`mixed_from`), before the beam's own arrangement.
-    if let Some(constrained) = home_constraint(&oriented.graph).map(|o| oriented.origin.get(o).map_or(o, |&x| x as usize)).filter(|&c| beam_from < c) {
+    let constrained = home_constraint(&oriented.graph).map(|o| oriented.origin.get(o).map_or(o, |&x| x as usize));
+    if let Some(constrained) = constrained.filter(|&c| beam_from < c) {
         debug!(beam_from, constrained, "the beam gave up the weights constraint; trying the constrained mixed program first");
         modes.insert(0, (constrained, true, ROUNDS));
     }
+    // Later starts: one lowering each, no reserve rounds (an overflow left names the next
+    // start); with reserve rounds where the user asked for replicated weights (a constraint),
+    // since a start may fit only with them and keeping the most weights replicated is what
+    // was asked.
+    let descent_rounds = if constrained.is_some() { ROUNDS } else { 1 };
     let mut mode = 0;
     let mut mixed_tries = 0;
     while let Some(&(home_from, aligned, rounds)) = modes.get(mode) {
@@ -1148,9 +1154,8 @@ fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attem
             return Ok((l, Some(peaks), home_from));
         }
         if let Some(from) = mixed {
-            // One lowering each, no reserve rounds: an overflow left names the next start.
             debug!(home_from, mixed_from = from, "replicated weights do not fit in tile memory; keeping the weight blocks of the products from this operation on once on a home tile");
-            modes.insert(mode, (from, true, 1));
+            modes.insert(mode, (from, true, descent_rounds));
             mixed_tries += 1;
         } else if home_from == usize::MAX {
             debug!("replicated weights do not fit in tile memory; keeping each weight block once on a home tile");
