@@ -271,6 +271,14 @@ impl Graph {
     pub fn value(&self, id: ValueId) -> &Value {
         &self.values[id.0 as usize]
     }
+
+    /// The rank-2 weight tensor operation `op` multiplies by, when it is a matrix product whose
+    /// second operand is one (what the weight arrangements replicate or keep on home tiles).
+    pub fn matrix_weight_of(&self, op: usize) -> Option<ValueId> {
+        let operation = self.operations.get(op)?;
+        let &weight = operation.inputs.get(1).filter(|_| matches!(operation.kind, OpKind::MatMul { .. }))?;
+        self.value(weight).is_matrix_weight().then_some(weight)
+    }
     pub fn find(&self, name: &str) -> Option<ValueId> {
         self.values.iter().position(|v| v.name == name).map(|i| ValueId(i as u32))
     }

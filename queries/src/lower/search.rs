@@ -58,7 +58,7 @@ use super::peaks;
 use super::build::{complete, extend, lower_homing_from, lower_with_rotated_homes, prefix_compatible, prefix_identical_across_graphs, Attempt, Partial, Reserve, CODE_RESERVE_BYTES};
 use super::orient::{orient, orient_until, swappable, Oriented};
 use super::{BufferDecl, LHostTensor, LowerError, Lowered};
-use crate::ir::{Graph, OpKind};
+use crate::ir::Graph;
 use crate::package::{AllocationKind, HostRole};
 use crate::storage::{place_storage, PlacementError};
 use crate::target::Target;
@@ -351,7 +351,7 @@ fn root_partial(graph: &Graph, products: &[usize]) -> Partial {
     }
     match from {
         None => Partial::new(false),
-        Some(from) if products.iter().any(|&p| p < from && graph.operations[p].inputs.get(1).is_some_and(|&w| graph.value(w).is_matrix_weight())) => Partial::homing_from(from),
+        Some(from) if products.iter().any(|&p| p < from && graph.matrix_weight_of(p).is_some()) => Partial::homing_from(from),
         Some(_) => Partial::new(true),
     }
 }
@@ -1001,9 +1001,8 @@ fn feasible_finalists(graph: &Graph, target: &Target, keep: usize, programs: Vec
 /// whose weights a program homing from `from` keeps on home tiles); "none" when there is no
 /// such product (every weight replicated).
 fn home_from_name(graph: &Graph, from: usize) -> String {
-    let weighted = |op: &crate::ir::Operation| matches!(op.kind, OpKind::MatMul { .. }) && op.inputs.get(1).is_some_and(|&w| graph.value(w).is_matrix_weight());
-    match graph.operations.iter().skip(from).find(|op| weighted(op)) {
-        Some(op) => graph.value(op.output).name.clone(),
+    match (from..graph.operations.len()).find(|&op| graph.matrix_weight_of(op).is_some()) {
+        Some(op) => graph.value(graph.operations[op].output).name.clone(),
         None => "none".into(),
     }
 }
@@ -1194,16 +1193,10 @@ fn mixed_from(oriented: &Oriented, buffers: &[BufferDecl], tensors: &[LHostTenso
     let tiles = target.chip.tiles;
     // Each replicable weight's first product (original operation index).
     let mut first_use: std::collections::BTreeMap<&str, usize> = std::collections::BTreeMap::new();
-    for (i, operation) in graph.operations.iter().enumerate() {
-        let Some(&weight) = operation.inputs.get(1).filter(|_| matches!(operation.kind, OpKind::MatMul { .. })) else {
-            continue;
-        };
-        let v = graph.value(weight);
-        if v.is_matrix_weight() {
-            let origin = oriented.origin.get(i).map_or(i, |&o| o as usize);
-            let e = first_use.entry(v.name.as_str()).or_insert(origin);
-            *e = (*e).min(origin);
-        }
+    for (i, weight) in (0..graph.operations.len()).filter_map(|i| Some((i, graph.matrix_weight_of(i)?))) {
+        let origin = oriented.origin.get(i).map_or(i, |&o| o as usize);
+        let e = first_use.entry(graph.value(weight).name.as_str()).or_insert(origin);
+        *e = (*e).min(origin);
     }
     let mut host = vec![false; buffers.len()];
     // Per first product: (tile, bytes) of its weights' replicas.
