@@ -168,6 +168,12 @@ struct Builder<'a> {
     /// (`aligned_home_slot`), so that repeated blocks multicast from the same tiles and share
     /// exchange patterns; else they rotate with every weight (less memory on the fullest tile).
     home_aligned: bool,
+    /// The most replicas a replicated rank-2 weight may have: a normal product's B block is
+    /// replicated on its row partitions, a swapped product's A block (the weight) on its
+    /// column partitions (u32::MAX: no cap). Chosen when replicated weights at the planner's
+    /// own partitions do not fit: fewer replicas, every weight still resident where it is read
+    /// (`Partial::replication_capped`).
+    replication_cap: u32,
     /// Per operation index: bytes per tile that other operations keep live while it runs
     /// (total, and in interleaved memory), from an earlier lowering of the whole program.
     reserves: &'a [Reserve],
@@ -241,6 +247,11 @@ pub fn lower_homing_from(oriented: &Oriented, target: &Target, from: usize, rese
     lower_from(Partial::homing_from(from), oriented, target, reserves)
 }
 
+/// `lower_with` every weight replicated on at most `cap` tiles (`Partial::replication_capped`).
+pub fn lower_replication_capped(oriented: &Oriented, target: &Target, cap: u32, reserves: &[Reserve]) -> Result<Attempt, LowerError> {
+    lower_from(Partial::replication_capped(cap), oriented, target, reserves)
+}
+
 /// `lower_with` home-tile weights that rotate with every weight (`Partial::rotated_homes`).
 pub fn lower_with_rotated_homes(oriented: &Oriented, target: &Target, reserves: &[Reserve]) -> Result<Attempt, LowerError> {
     lower_from(Partial::rotated_homes(), oriented, target, reserves)
@@ -292,6 +303,7 @@ pub struct Partial {
     home_from: usize,
     home_rotation: usize,
     home_aligned: bool,
+    replication_cap: u32,
     owners: Owners,
     spans: BTreeMap<u32, (u32, u32)>,
     interleaved_weights: std::collections::BTreeSet<u32>,
@@ -323,6 +335,7 @@ impl Partial {
             home_from: if home_weights { 0 } else { usize::MAX },
             home_rotation: 0,
             home_aligned: true,
+            replication_cap: u32::MAX,
             owners: Chunked::default(),
             spans: BTreeMap::new(),
             interleaved_weights: Default::default(),
@@ -367,6 +380,19 @@ impl Partial {
     /// program's period): the fallback when aligned homes do not fit.
     pub fn rotated_homes() -> Partial {
         Partial { home_aligned: false, ..Partial::new(true) }
+    }
+
+    /// A program with every weight replicated, each rank-2 weight block on at most `cap`
+    /// tiles (`Builder::replication_cap`): the products plan with at most `cap` row partitions
+    /// (column partitions when swapped), so the weights of a program whose replicas at the
+    /// planner's own partitions do not fit may still all be resident where they are read.
+    pub fn replication_capped(cap: u32) -> Partial {
+        Partial { replication_cap: cap.max(1), ..Partial::new(false) }
+    }
+
+    /// The most replicas a replicated weight may have (u32::MAX: no cap).
+    pub fn replication_cap(&self) -> u32 {
+        self.replication_cap
     }
 
     pub fn plans(&self) -> impl Iterator<Item = &OperationPlan> + '_ {
@@ -557,6 +583,7 @@ impl<'a> Builder<'a> {
             home_from: p.home_from,
             home_rotation: p.home_rotation,
             home_aligned: p.home_aligned,
+            replication_cap: p.replication_cap,
             reserves,
             origin: &oriented.origin,
             checkpoint_value: &oriented.checkpoint_value,
@@ -591,6 +618,7 @@ impl<'a> Builder<'a> {
             home_from: self.home_from,
             home_rotation: self.home_rotation,
             home_aligned: self.home_aligned,
+            replication_cap: self.replication_cap,
             owners: self.owners,
             spans: self.spans,
             interleaved_weights: self.interleaved_weights,
@@ -1112,7 +1140,12 @@ impl<'a> Builder<'a> {
         let constraint = graph.file.constraints.iter().find(|c| c.operation == original_name);
         let epilogue = fold.map(|f| f.broadcast).or(row_scale.map(|_| Broadcast::RowScale));
         let m_align = if self.row_read.contains(&output) { self.row_read_align() } else { 1 };
-        let problem = MatMulProblem { batches, m, k, n, b_transposed, whole_rows, m_align, epilogue, remote_a_words: &remote_a, remote_b_words: &remote_b, gather_bound: &gather_bound, memory_budget: self.budget(), interleaved_budget: self.interleaved_budget(), standard_budget: self.standard_budget(), constraint };
+        // A replicated weight has one replica per row partition (B) or column partition (A, a
+        // swapped product's weight): the program's replication cap bounds those partitions.
+        let is_weight = |base: ValueId| matches!(graph.value(base).producer, Producer::Tensor { role: Role::Weight, .. });
+        let max_row_partitions = if !b_stored && !home_b && !b_rank3 && is_weight(b_chain.base) { self.replication_cap } else { u32::MAX };
+        let max_column_partitions = if !a_stored && !a_rank3 && is_weight(a_chain.base) { self.replication_cap } else { u32::MAX };
+        let problem = MatMulProblem { batches, m, k, n, b_transposed, whole_rows, m_align, epilogue, remote_a_words: &remote_a, remote_b_words: &remote_b, gather_bound: &gather_bound, memory_budget: self.budget(), interleaved_budget: self.interleaved_budget(), standard_budget: self.standard_budget(), constraint, max_row_partitions, max_column_partitions };
         let layout = |chain: &ViewChain| match self.stored.get(&chain.base) {
             Some(s) => format!("{} stored {:?} {:?}", chain.signature(), s.grid.cuts, s.grid.tiles),
             None => format!("{} host", chain.signature()),

@@ -76,6 +76,10 @@ pub struct MatMulProblem<'a> {
     pub standard_budget: u64,
     /// The user's constraint on this product's plan, if any.
     pub constraint: Option<&'a PlanConstraint>,
+    /// At most this many row (column) partitions where the constraint does not set them: a
+    /// replicated weight's replicas, capped (`Partial::replication_capped`; u32::MAX: none).
+    pub max_row_partitions: u32,
+    pub max_column_partitions: u32,
 }
 
 /// The plan chosen, and how many feasible candidates matched the user's constraint.
@@ -189,7 +193,7 @@ fn search(t: &Target, p: &MatMulProblem, constraint: Option<&PlanConstraint>, fo
             let pns = match constraint.and_then(|c| c.column_partitions) {
                 Some(v) if v <= n_limit => vec![v],
                 Some(_) => vec![],
-                None => distinct_partitions(n_limit, tiles / (cuts_len(&b_cuts) * cuts_len(&k_cuts)).max(1)),
+                None => distinct_partitions(n_limit, (tiles / (cuts_len(&b_cuts) * cuts_len(&k_cuts)).max(1)).min(p.max_column_partitions)),
             };
             for pn in pns {
                 let n_cuts = split(p.n, pn, block);
@@ -201,6 +205,8 @@ fn search(t: &Target, p: &MatMulProblem, constraint: Option<&PlanConstraint>, fo
                 let pms = match constraint.and_then(|c| c.row_partitions) {
                     Some(v) if v <= pm_max => vec![v],
                     Some(_) => vec![],
+                    None if pm_max > p.max_row_partitions && p.max_row_partitions > 1 => vec![p.max_row_partitions, p.max_row_partitions.div_ceil(2)],
+                    None if pm_max > p.max_row_partitions => vec![1],
                     None if pm_max > 1 => vec![pm_max, pm_max.div_ceil(2)],
                     None => vec![pm_max],
                 };

@@ -55,7 +55,7 @@ use rayon::prelude::*;
 use tracing::{debug, info, warn};
 
 use super::peaks;
-use super::build::{complete, extend, lower_homing_from, lower_with_rotated_homes, prefix_compatible, prefix_identical_across_graphs, Attempt, Partial, Reserve, CODE_RESERVE_BYTES};
+use super::build::{complete, extend, lower_homing_from, lower_replication_capped, lower_with_rotated_homes, prefix_compatible, prefix_identical_across_graphs, Attempt, Partial, Reserve, CODE_RESERVE_BYTES};
 use super::orient::{orient, orient_until, swappable, Oriented};
 use super::{BufferDecl, LHostTensor, LowerError, Lowered};
 use crate::ir::Graph;
@@ -69,6 +69,17 @@ const ROUNDS: usize = 3;
 /// Mixed programs `lower_feasible` tries when replicated weights do not fit (each one
 /// lowering; each overflow left names the next, earlier start), before every weight is homed.
 const MIXED_TRIES: usize = 3;
+
+/// Replication caps `capped_program` tries (side by side), from the one memory suggests down,
+/// one fewer replica each; the most replicas that fit win. Fewer replicas trade weight bytes
+/// for larger operand blocks and partials, so caps far below the first seldom fit where it
+/// does not (six full-size encoder layers: 3, 2 and 1 all overflow).
+const CAP_TRIES: u32 = 2;
+
+/// The share of a tile's bytes (1 / this) `capped_program`'s first cap leaves unclaimed: the
+/// partitions of a product need not divide the tiles evenly (the fullest tile holds more than
+/// the mean), and placement loses bytes to regions and alignment.
+const CAP_MARGIN: u64 = 32;
 
 /// Finalists kept by default (`--plan-finalists`).
 pub const DEFAULT_FINALISTS: usize = 4;
@@ -920,31 +931,34 @@ pub fn finalists_resuming(graph: &Graph, target: &Target, keep: usize, previous:
         debug!(searched_steps = run.searched, "searched the plan beam from the start");
     }
     let trace = BeamTrace { workload: workload_structure(graph), width: width as u64, steps: run.steps };
-    (feasible_finalists(graph, target, keep, run.programs, &run.far, &run.histories, run.first_error).0, trace)
+    (feasible_finalists(graph, target, keep, run.programs, &run.far, true, &run.histories, run.first_error).0, trace)
 }
 
 /// The beam's programs made feasible, the best `keep` of them (`finalists`). Programs far over
-/// tile memory (`far`, `FAR_OVER_MEMORY`) are made feasible only when none of the others fits;
-/// with the finalists, how many were not.
+/// tile memory (`far`, `FAR_OVER_MEMORY`) are made feasible only when none of the others fits
+/// (or, `skip_far` false, always, for tests), and only then with the try of replicated weights
+/// on fewer tiles (`capped_program`); with the finalists, how many were not.
 #[allow(clippy::type_complexity)]
-fn feasible_finalists(graph: &Graph, target: &Target, keep: usize, programs: Vec<(Arc<Oriented>, Option<(Attempt, usize)>, Option<Arc<HomePrefix>>)>, far: &[bool], histories: &[Option<Arc<Snapshot>>], mut first_error: Option<LowerError>) -> (Result<Vec<Lowered>, LowerError>, usize) {
+#[allow(clippy::too_many_arguments)]
+fn feasible_finalists(graph: &Graph, target: &Target, keep: usize, programs: Vec<(Arc<Oriented>, Option<(Attempt, usize)>, Option<Arc<HomePrefix>>)>, far: &[bool], skip_far: bool, histories: &[Option<Arc<Snapshot>>], mut first_error: Option<LowerError>) -> (Result<Vec<Lowered>, LowerError>, usize) {
     let mut found: Vec<(bool, u64, usize, usize, Feasible)> = Vec::new();
     // The beam's programs are made feasible in parallel, the far ones after the others and only
     // when none of those fits; results are taken in beam order.
     #[allow(clippy::type_complexity)]
     let (far_ones, near): (Vec<_>, Vec<_>) = programs.into_iter().enumerate().partition(|(i, _)| far.get(*i).copied().unwrap_or(false));
     #[allow(clippy::type_complexity)]
-    let make_feasible = |items: Vec<(usize, (Arc<Oriented>, Option<(Attempt, usize)>, Option<Arc<HomePrefix>>))>| -> Vec<(usize, Result<Feasible, LowerError>)> {
-        items.into_par_iter().map(|(i, (oriented, first, memo))| (i, lower_feasible(&oriented, target, first, memo.as_deref(), histories.get(i).and_then(|h| h.as_deref())))).collect()
+    let make_feasible = |items: Vec<(usize, (Arc<Oriented>, Option<(Attempt, usize)>, Option<Arc<HomePrefix>>))>, capped: bool| -> Vec<(usize, Result<Feasible, LowerError>)> {
+        items.into_par_iter().map(|(i, (oriented, first, memo))| (i, lower_feasible(&oriented, target, first, memo.as_deref(), histories.get(i).and_then(|h| h.as_deref()), capped))).collect()
     };
-    let mut feasible = make_feasible(near);
+    let mut feasible = make_feasible(near, true);
     let mut skipped = 0;
     if !far_ones.is_empty() {
-        if feasible.iter().any(|(_, r)| matches!(r, Ok((_, Some(_), _)))) {
+        let near_fits = feasible.iter().any(|(_, r)| matches!(r, Ok((_, Some(_), _))));
+        if near_fits && skip_far {
             skipped = far_ones.len();
             debug!(skipped, "programs far over tile memory are not planned again: a nearer one fits");
         } else {
-            feasible.extend(make_feasible(far_ones));
+            feasible.extend(make_feasible(far_ones, !near_fits));
         }
     }
     feasible.sort_by_key(|(i, _)| *i);
@@ -1041,6 +1055,10 @@ type Feasible = (Lowered, Option<(u64, u64)>, usize);
 /// found it feasible (none: nothing fit; the last attempt is returned so that placement can
 /// name the buffer that overflows).
 ///
+/// `try_capped`: when the beam's program keeps weights on home tiles, first try every weight
+/// replicated on fewer tiles (`capped_program`; not for programs far over tile memory while a
+/// nearer one fits, `feasible_finalists`).
+///
 /// `first`: the program already lowered with no reserves (and the original operation from
 /// which its products keep their weights on home tiles: `Partial::home_from`), which stands
 /// for that first attempt. `memo`: a prefix of the program lowered with home-tile weights,
@@ -1051,7 +1069,7 @@ type Feasible = (Lowered, Option<(u64, u64)>, usize);
 /// the beam chose, or, when replicated weights do not fit, the latest start that covers their
 /// overflow by [`mixed_from`]); every weight on home tiles aligned to the program's period;
 /// rotating with every weight.
-fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attempt, usize)>, memo: Option<&HomePrefix>, history: Option<&Snapshot>) -> Result<Feasible, LowerError> {
+fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attempt, usize)>, memo: Option<&HomePrefix>, history: Option<&Snapshot>, try_capped: bool) -> Result<Feasible, LowerError> {
     let operations = oriented.graph.operations.len();
     let mut last: Option<(Lowered, usize)> = None;
     let mut first_error: Option<LowerError> = None;
@@ -1078,6 +1096,18 @@ fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attem
     // since a start may fit only with them and keeping the most weights replicated is what
     // was asked.
     let descent_rounds = if constrained.is_some() { ROUNDS } else { 1 };
+    // The beam kept weights on home tiles because replicated ones did not fit at the planner's
+    // own partitions: every weight replicated on fewer tiles may fit, and beat the multicasts
+    // (not when the user asked for home-tile weights).
+    // One estimated slower than the beam's program is kept in case no arrangement below fits.
+    let mut capped_fallback: Option<Feasible> = None;
+    if try_capped && beam_from < usize::MAX && home_constraint(&oriented.graph).is_none() {
+        match first.as_ref().and_then(|(beam, _)| capped_program(oriented, target, beam)) {
+            Some((capped, true)) => return Ok(capped),
+            Some((capped, false)) => capped_fallback = Some(capped),
+            None => {}
+        }
+    }
     let mut mode = 0;
     let mut mixed_tries = 0;
     while let Some(&(home_from, aligned, rounds)) = modes.get(mode) {
@@ -1164,8 +1194,115 @@ fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attem
             debug!("home tiles aligned to the program's period do not fit; rotating them with every weight");
         }
     }
+    if let Some(capped) = capped_fallback {
+        debug!("no home-tile arrangement fits; keeping the weights replicated on fewer tiles");
+        return Ok(capped);
+    }
     // Nothing fits: hand on the last program so placement names the buffer that overflows.
     last.map(|(l, from)| (l, None, from)).ok_or_else(|| first_error.expect("an attempt either lowers or fails"))
+}
+
+/// A program that fits, and the peak standard and interleaved bytes per tile of its placement.
+type Fitted = (Lowered, (u64, u64));
+
+/// Every weight replicated, on at most `cap` tiles each (`Partial::replication_capped`), made
+/// feasible like a weight arrangement of [`lower_feasible`] (re-planned with the other
+/// operations' resident bytes, up to `ROUNDS`): the program and its placement's peak standard
+/// and interleaved bytes per tile, or None when it does not fit.
+fn fit_capped(oriented: &Oriented, target: &Target, cap: u32) -> Option<Fitted> {
+    let operations = oriented.graph.operations.len();
+    let mut reserves = vec![Reserve::default(); operations];
+    let mut fitting: Option<Fitted> = None;
+    for round in 0..ROUNDS {
+        let attempt = match lower_replication_capped(oriented, target, cap, &reserves) {
+            Ok(a) => a,
+            Err(e) => {
+                debug!(cap, round, error = %e, "the capped program does not lower with these resident bytes");
+                break;
+            }
+        };
+        let code = vec![CODE_RESERVE_BYTES as u32; attempt.lowered.tiles as usize];
+        let placed = place_storage(target, &attempt.lowered, &code);
+        let displaced = placed.as_ref().is_ok_and(|p| weights_displaced(&attempt, &p.addresses, target));
+        let peaks = placed.as_ref().ok().map(|p| {
+            let m = &target.memory;
+            (p.peak_standard.iter().map(|&a| (a - m.base) as u64).max().unwrap_or(0), p.peak_interleaved.iter().map(|&a| (a - m.interleaved_start) as u64).max().unwrap_or(0))
+        });
+        if let Some(peaks) = peaks.filter(|_| !displaced || round + 1 == ROUNDS || fitting.is_some()) {
+            return Some((attempt.lowered, peaks));
+        }
+        debug!(cap, round, fits = peaks.is_some(), failure = ?placed.as_ref().err(), "the capped program does not fit as planned; planning again with other operations' resident bytes");
+        let merged: Vec<Reserve> = reserves
+            .iter()
+            .zip(reserves_of(&attempt, operations))
+            .map(|(a, b)| Reserve { total: a.total.max(b.total), interleaved: a.interleaved.max(b.interleaved) })
+            .collect();
+        if let Some(peaks) = peaks {
+            fitting = Some((attempt.lowered, peaks));
+        }
+        if merged == reserves {
+            break;
+        }
+        reserves = merged;
+    }
+    fitting
+}
+
+/// When the beam kept weights on home tiles (`beam`, its program) because replicated ones did
+/// not fit at the planner's own partitions: the program with every weight replicated on fewer
+/// tiles (`fit_capped`) when one fits, and whether its estimate is no worse than the beam's,
+/// which pays a multicast of each homed weight block at every product that reads it (when it
+/// is worse, [`lower_feasible`] keeps it only if no home-tile arrangement fits: a swapped
+/// product's weights, its A operand, cannot be homed).
+///
+/// The first cap tried is what memory suggests: the most replicas r for which the program's
+/// rank-2 weights, spread over tiles / r tiles (one replica set), fit in the bytes a tile has
+/// beside the code reserve (less a margin, `CAP_MARGIN`) and the most that the beam's program
+/// keeps live on a tile in buffers the host does not write (activations, partials, gathered
+/// operands: a replicated program holds about as much); then one replica fewer each try
+/// (`CAP_TRIES`). The most replicas that fit win: fewer replicas mean fewer partitions and
+/// larger operand gathers.
+fn capped_program(oriented: &Oriented, target: &Target, beam: &Attempt) -> Option<(Feasible, bool)> {
+    let graph = &oriented.graph;
+    let tiles = target.chip.tiles;
+    let weight_bytes: u64 = graph.values.iter().filter(|v| v.is_matrix_weight()).map(|v| v.shape.iter().map(|&d| d as u64).product::<u64>() * v.dtype.bytes() as u64).sum();
+    if weight_bytes == 0 {
+        return None;
+    }
+    let l = &beam.lowered;
+    let mut host = vec![false; l.buffers.len()];
+    for t in &l.inputs {
+        for s in &t.segments {
+            host[s.buffer as usize] = true;
+        }
+    }
+    let transient: Vec<&BufferDecl> = l.buffers.iter().enumerate().filter(|(i, _)| !host[*i]).map(|(_, b)| b).collect();
+    let mut live = 0u64;
+    tile_peaks(transient.iter().copied(), &vec![false; transient.len()], tiles, |_, (_, _, total)| live = live.max(total));
+    // With r replicas a weight's blocks spread over at most tiles / r tiles (one replica set).
+    let room = tile_bytes(target).saturating_sub(tile_bytes(target) / CAP_MARGIN).saturating_sub(live);
+    let start = (1..=tiles).take_while(|&r| weight_bytes.div_ceil((tiles / r).max(1) as u64) <= room).last().unwrap_or(0);
+    let beam_estimate = estimated_cycles(l);
+    debug!(weight_bytes, transient_peak = live, start, beam_estimate, "replicated weights did not fit; trying fewer replicas");
+    // The caps are lowered side by side; the most replicas that fit wins (the same choice at
+    // any thread count).
+    let caps: Vec<u32> = (1..=start).rev().take(CAP_TRIES as usize).collect();
+    let fitted: Vec<(u32, Option<Fitted>)> = caps.into_par_iter().map(|cap| (cap, fit_capped(oriented, target, cap))).collect();
+    for (cap, fitted) in fitted {
+        let Some((lowered, peaks)) = fitted else {
+            debug!(cap, "replicated weights on this many tiles do not fit");
+            continue;
+        };
+        let estimate = estimated_cycles(&lowered);
+        let better = estimate <= beam_estimate;
+        if better {
+            info!(replicas = cap, estimated_cycles = estimate, home_weights_estimated_cycles = beam_estimate, "replicated weights fit on fewer tiles each; keeping every weight resident where it is read");
+        } else {
+            debug!(cap, estimate, beam_estimate, "replicated weights on this many tiles fit but are estimated slower than home-tile weights");
+        }
+        return Some(((lowered, Some(peaks), usize::MAX), better));
+    }
+    None
 }
 
 /// [`lower_feasible`] with no beam attempt at hand, for the table screen's steered finalists
@@ -1174,7 +1311,7 @@ fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attem
 /// program it switched to them), else from replicated weights.
 pub(crate) fn lower_feasible_alone(oriented: &Oriented, target: &Target, home_from: usize) -> Result<(Lowered, bool), LowerError> {
     let first = if home_from < usize::MAX { Some((lower_homing_from(oriented, target, home_from, &[])?, home_from)) } else { None };
-    lower_feasible(oriented, target, first, None, None).map(|(l, peaks, _)| (l, peaks.is_some()))
+    lower_feasible(oriented, target, first, None, None, true).map(|(l, peaks, _)| (l, peaks.is_some()))
 }
 
 /// The latest original operation before `before` from which keeping the products' weights on
@@ -1456,9 +1593,8 @@ mod tests {
         for (blocks, tokens, dim, hidden) in [(3, 128, 256, 1024), (4, 64, 384, 1152), (2, 64, 256, 768)] {
             let graph = Graph::parse(&mlp_text(blocks, tokens, dim, hidden), "mlp.toml").unwrap();
             let (a, b) = (beam(&graph, &target, DEFAULT_FINALISTS, None), beam(&graph, &target, DEFAULT_FINALISTS, None));
-            let everything = vec![false; b.programs.len()];
-            let (with, n) = feasible_finalists(&graph, &target, DEFAULT_FINALISTS, a.programs, &a.far, &a.histories, a.first_error);
-            let (without, none) = feasible_finalists(&graph, &target, DEFAULT_FINALISTS, b.programs, &everything, &b.histories, b.first_error);
+            let (with, n) = feasible_finalists(&graph, &target, DEFAULT_FINALISTS, a.programs, &a.far, true, &a.histories, a.first_error);
+            let (without, none) = feasible_finalists(&graph, &target, DEFAULT_FINALISTS, b.programs, &b.far, false, &b.histories, b.first_error);
             assert_eq!(none, 0);
             assert_eq!(n, a.far.iter().filter(|&&f| f).count(), "{blocks} blocks of {tokens}x{dim}x{hidden}: a near program fits");
             assert_eq!(with.unwrap(), without.unwrap(), "{blocks} blocks of {tokens}x{dim}x{hidden}");
@@ -1470,7 +1606,7 @@ mod tests {
         let graph = Graph::parse(&mlp_text(4, 128, 512, 1536), "mlp.toml").unwrap();
         let run = beam(&graph, &target, DEFAULT_FINALISTS, None);
         assert!(!run.far.is_empty() && run.far.iter().all(|&f| f));
-        assert_eq!(feasible_finalists(&graph, &target, DEFAULT_FINALISTS, run.programs, &run.far, &run.histories, run.first_error).1, 0);
+        assert_eq!(feasible_finalists(&graph, &target, DEFAULT_FINALISTS, run.programs, &run.far, true, &run.histories, run.first_error).1, 0);
     }
 
     /// A prefix lowered over one orientation and extended over another (later products
@@ -1618,7 +1754,7 @@ mod tests {
             .filter_map(|start| {
                 let swapped: BTreeSet<usize> = products[start..].iter().copied().collect();
                 let o = orient(&graph, &swapped).ok()?;
-                lower_feasible(&o, &target, None, None, None).ok().filter(|r| r.1.is_some()).map(|r| estimated_cycles(&r.0))
+                lower_feasible(&o, &target, None, None, None, true).ok().filter(|r| r.1.is_some()).map(|r| estimated_cycles(&r.0))
             })
             .min()
             .unwrap();
@@ -1751,5 +1887,32 @@ mod tests {
         let replicated = chosen_written.iter().take_while(|&&e| e == 4 * once).count();
         assert!(replicated > 0 && replicated < 8 && chosen_written[replicated..].iter().all(|&e| e == once), "{chosen_written:?}");
         assert!(estimated_cycles(&chosen) < estimated_cycles(&homed), "mixed {} homed {}", estimated_cycles(&chosen), estimated_cycles(&homed));
+    }
+
+    /// Four MLP blocks of 64 tokens, dimension 256 and hidden dimension 768 on 16 tiles: the
+    /// beam's programs swap every product, whose weights (their A operands) cannot be kept on
+    /// home tiles, and replicated at the planner's own partitions they do not fit (the build
+    /// failed with a placement error). Every weight replicated on fewer tiles fits: the
+    /// program keeps every weight resident, at most two replicas each, and passes placement.
+    #[test]
+    fn replicated_weights_on_fewer_tiles_fit_where_home_tiles_cannot() {
+        let (graph, target) = (Graph::parse(&mlp_text(4, 64, 256, 768), "mlp.toml").unwrap(), small16());
+        let found = finalists(&graph, &target, 1).unwrap();
+        let chosen = &found[0];
+        assert!(fits(chosen, &target), "{}", describe(chosen));
+        // Replicas per weight: elements the host writes over the weight's elements.
+        let replicas = |l: &Lowered| -> Vec<u64> { l.inputs.iter().filter(|t| t.role == HostRole::Weight).map(|t| t.streamed_elements() / t.elements()).collect() };
+        let chosen_replicas = replicas(chosen);
+        assert_eq!(chosen_replicas.len(), 8);
+        assert!(chosen_replicas.iter().all(|&r| (1..=2).contains(&r)), "{chosen_replicas:?}: {}", describe(chosen));
+        // The same orientation at the planner's own partitions: more replicas, and no fit.
+        let swapped: BTreeSet<usize> = chosen.plans.iter().filter(|p| p.orientation == "swapped").map(|p| p.operation as usize).collect();
+        let oriented = orient(&graph, &swapped).unwrap();
+        let uncapped = lower_with(&oriented, &target, false, &[]).unwrap().lowered;
+        assert!(!fits(&uncapped, &target));
+        assert!(replicas(&uncapped).iter().max() > chosen_replicas.iter().max(), "{:?}", replicas(&uncapped));
+        // The capped lowering is deterministic and equals the one the search kept.
+        let again = finalists(&graph, &target, 1).unwrap();
+        assert_eq!(describe(&again[0]), describe(chosen));
     }
 }
