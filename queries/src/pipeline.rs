@@ -284,7 +284,12 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
             let mut graph = (*g.value).clone();
             graph.file.constraints.retain(|c| !steered.iter().any(|s| s.operation == c.operation));
             graph.file.constraints.extend(steered.iter().cloned());
-            replanned = Some(search::finalists(&graph, &lt.value, k).map_err(CompileError::from)?);
+            // A finalist lowered under a replication cap is lowered again alone with it (the
+            // whole search would end with the same program); others by the whole search.
+            replanned = Some(match search::lower_capped_alone(&graph, &lt.value, &candidates[first as usize]) {
+                Some(l) => vec![l],
+                None => search::finalists(&graph, &lt.value, k).map_err(CompileError::from)?,
+            });
         }
         Err(CompileError("no finalist can be placed".into()))
     })

@@ -247,6 +247,9 @@ pub fn lower_homing_from(oriented: &Oriented, target: &Target, from: usize, rese
     lower_from(Partial::homing_from(from), oriented, target, reserves)
 }
 
+/// How a plan's `constraint` names the replication cap it was planned under (`replicas_at_most=4`).
+pub const REPLICAS_AT_MOST: &str = "replicas_at_most=";
+
 /// `lower_with` every weight replicated on at most `cap` tiles (`Partial::replication_capped`).
 pub fn lower_replication_capped(oriented: &Oriented, target: &Target, cap: u32, reserves: &[Reserve]) -> Result<Attempt, LowerError> {
     lower_from(Partial::replication_capped(cap), oriented, target, reserves)
@@ -1240,7 +1243,9 @@ impl<'a> Builder<'a> {
             kind: "matmul".into(),
             orientation: if swapped { "swapped" } else { "normal" }.into(),
             weight_memory: if plan.weights_standard { "standard" } else { "interleaved" }.into(),
-            constraint: constraint.map(|c| c.describe()).unwrap_or_default(),
+            // The user's constraint, and the program's replication cap where it bounded this
+            // plan (`replicas_at_most=N`, which a re-plan of the program reads back).
+            constraint: [constraint.map(|c| c.describe()), (max_row_partitions.min(max_column_partitions) < u32::MAX).then(|| format!("{REPLICAS_AT_MOST}{}", self.replication_cap))].into_iter().flatten().filter(|d| !d.is_empty()).collect::<Vec<_>>().join(" "),
             matching_plans: planned.matching_plans,
             partitions: [plan.pb, plan.pm, plan.pn, plan.pk],
             tiles: plan.tiles(),

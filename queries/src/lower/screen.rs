@@ -31,7 +31,7 @@ use std::collections::BTreeSet;
 use tracing::{debug, info};
 
 use super::orient::orient;
-use super::search::{estimated_cycles, lower_feasible_alone};
+use super::search::{estimated_cycles, lower_capped_alone, lower_feasible_alone, replication_cap_of};
 use super::select::{steer_away, EXACT_COST_MARGIN_PERCENT};
 use super::Lowered;
 use crate::exchange::{PhaseRequest, Schedule};
@@ -214,7 +214,11 @@ fn steer_within(graph: &Graph, target: &Target, index: usize, finalist: Lowered,
             }
         };
         let start = std::time::Instant::now();
-        let lowered = lower_feasible_alone(&oriented, target, home_from(graph, l));
+        // A program lowered under a replication cap keeps it (`lower_capped_alone`).
+        let lowered = match replication_cap_of(l) {
+            Some(_) => Ok(lower_capped_alone(&steered, target, l).map_or_else(|| (l.clone(), false), |next| (next, true))),
+            None => lower_feasible_alone(&oriented, target, home_from(graph, l)),
+        };
         debug!(finalist = index, home_from = home_from(graph, l), elapsed_ms = start.elapsed().as_millis() as u64, "lowered the steered finalist");
         match lowered {
             Ok((next, true)) => current = Some(next),

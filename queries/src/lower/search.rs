@@ -55,7 +55,7 @@ use rayon::prelude::*;
 use tracing::{debug, info, warn};
 
 use super::peaks;
-use super::build::{complete, extend, lower_homing_from, lower_replication_capped, lower_with_rotated_homes, prefix_compatible, prefix_identical_across_graphs, Attempt, Partial, Reserve, CODE_RESERVE_BYTES};
+use super::build::{complete, extend, lower_homing_from, lower_replication_capped, lower_with_rotated_homes, prefix_compatible, prefix_identical_across_graphs, Attempt, Partial, Reserve, CODE_RESERVE_BYTES, REPLICAS_AT_MOST};
 use super::orient::{orient, orient_until, swappable, Oriented};
 use super::{BufferDecl, LHostTensor, LowerError, Lowered};
 use crate::ir::Graph;
@@ -71,10 +71,11 @@ const ROUNDS: usize = 3;
 const MIXED_TRIES: usize = 3;
 
 /// Replication caps `capped_program` tries (side by side), from the one memory suggests down,
-/// one fewer replica each; the most replicas that fit win. Fewer replicas trade weight bytes
-/// for larger operand blocks and partials, so caps far below the first seldom fit where it
-/// does not (six full-size encoder layers: 3, 2 and 1 all overflow).
-const CAP_TRIES: u32 = 2;
+/// one fewer replica each; the most replicas that fit win. One: fewer replicas trade weight
+/// bytes for larger operand blocks and partials, so a lower cap seldom fits where the first
+/// does not (six full-size encoder layers: 3, 2 and 1 all overflow, and trying 3 and 2 cost
+/// about 20 s of a 74 s build).
+const CAP_TRIES: u32 = 1;
 
 /// The share of a tile's bytes (1 / this) `capped_program`'s first cap leaves unclaimed: the
 /// partitions of a product need not divide the tiles evenly (the fullest tile holds more than
@@ -1305,6 +1306,26 @@ fn capped_program(oriented: &Oriented, target: &Target, beam: &Attempt) -> Optio
     None
 }
 
+/// The replication cap a program was lowered under (`capped_program`), as its plans record it
+/// (`REPLICAS_AT_MOST`); None for a program lowered without one.
+pub(crate) fn replication_cap_of(l: &Lowered) -> Option<u32> {
+    l.plans.iter().flat_map(|p| p.constraint.split(' ')).find_map(|c| c.strip_prefix(REPLICAS_AT_MOST)?.parse().ok())
+}
+
+/// A program lowered under a replication cap (`capped_program`), lowered again alone over
+/// `graph` (the same graph with steering constraints added) in its own orientation and with its
+/// cap, when it fits: a steer re-plans the finalist, not the whole search (whose beam would
+/// end where it did and whose capped try would lower this again). None when the program has no
+/// cap, cannot be oriented so, or no longer fits.
+pub(crate) fn lower_capped_alone(graph: &Graph, target: &Target, l: &Lowered) -> Option<Lowered> {
+    let cap = replication_cap_of(l)?;
+    let swapped: BTreeSet<usize> = l.plans.iter().filter(|p| p.orientation == "swapped").map(|p| p.operation as usize).collect();
+    let oriented = orient(graph, &swapped).ok()?;
+    let fitted = fit_capped(&oriented, target, cap).map(|f| f.0);
+    debug!(cap, fits = fitted.is_some(), "lowered the capped program again alone");
+    fitted
+}
+
 /// [`lower_feasible`] with no beam attempt at hand, for the table screen's steered finalists
 /// (`screen.rs`): with `home_from` below usize::MAX, from the program lowered with the weights
 /// of the products from that original operation on kept on home tiles (as the beam hands on a
@@ -1911,8 +1932,13 @@ mod tests {
         let uncapped = lower_with(&oriented, &target, false, &[]).unwrap().lowered;
         assert!(!fits(&uncapped, &target));
         assert!(replicas(&uncapped).iter().max() > chosen_replicas.iter().max(), "{:?}", replicas(&uncapped));
-        // The capped lowering is deterministic and equals the one the search kept.
+        // The search is deterministic; the program records its cap, and lowered again alone
+        // with it (a steer's re-plan) it is the same program.
         let again = finalists(&graph, &target, 1).unwrap();
         assert_eq!(describe(&again[0]), describe(chosen));
+        let cap = replication_cap_of(chosen).expect("the capped program records its cap");
+        assert_eq!(Some(&cap), chosen_replicas.iter().max().map(|&r| r as u32).as_ref());
+        assert_eq!(lower_capped_alone(&graph, &target, chosen).as_ref(), Some(chosen));
+        assert_eq!(replication_cap_of(&uncapped), None);
     }
 }
