@@ -1146,28 +1146,17 @@ fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attem
                     break;
                 }
             };
-            let code = vec![CODE_RESERVE_BYTES as u32; attempt.lowered.tiles as usize];
-            let placed = place_storage(target, &attempt.lowered, &code);
-            let displaced = placed.as_ref().is_ok_and(|p| weights_displaced(&attempt, &p.addresses, target));
-            let peaks = placed.as_ref().ok().map(|p| {
-                let m = &target.memory;
-                (p.peak_standard.iter().map(|&a| (a - m.base) as u64).max().unwrap_or(0), p.peak_interleaved.iter().map(|&a| (a - m.interleaved_start) as u64).max().unwrap_or(0))
-            });
+            let Placed { peaks, displaced, failure } = place_attempt(&attempt, target);
             if let Some(peaks) = peaks.filter(|_| !displaced || round + 1 == ROUNDS || fitting.is_some()) {
                 return Ok((attempt.lowered, Some(peaks), home_from));
             }
-            let merged: Vec<Reserve> = reserves
-                .iter()
-                .zip(reserves_of(&attempt, operations))
-                .map(|(a, b)| Reserve { total: a.total.max(b.total), interleaved: a.interleaved.max(b.interleaved) })
-                .collect();
-            match (peaks, placed) {
-                (Some(peaks), _) => {
+            let merged = merged_reserves(&reserves, &attempt, operations);
+            match peaks {
+                Some(peaks) => {
                     debug!("weights costed in interleaved memory were placed in standard memory; planning again with resident bytes");
                     fitting = Some((attempt.lowered, peaks));
                 }
-                (None, placed) => {
-                    let failure = placed.err();
+                None => {
                     debug!(home_weights, home_from, aligned, failure = ?failure, "the program does not fit; planning again with other operations' resident bytes");
                     if let Some(failure) = failure.filter(|_| round == 0 && home_from > 0 && mixed_tries < MIXED_TRIES) {
                         mixed = mixed_from(oriented, &attempt.lowered.buffers, &attempt.lowered.inputs, &failure, target, home_from);
@@ -1203,6 +1192,32 @@ fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attem
     last.map(|(l, from)| (l, None, from)).ok_or_else(|| first_error.expect("an attempt either lowers or fails"))
 }
 
+/// An attempt placed beside the code reserve (`place_attempt`): the peak standard and
+/// interleaved bytes per tile (None: it does not fit, `failure` says where), and whether weights
+/// the planner costed in interleaved memory were placed in standard memory.
+struct Placed {
+    peaks: Option<(u64, u64)>,
+    displaced: bool,
+    failure: Option<PlacementError>,
+}
+
+fn place_attempt(attempt: &Attempt, target: &Target) -> Placed {
+    let code = vec![CODE_RESERVE_BYTES as u32; attempt.lowered.tiles as usize];
+    let placed = place_storage(target, &attempt.lowered, &code);
+    let displaced = placed.as_ref().is_ok_and(|p| weights_displaced(attempt, &p.addresses, target));
+    let peaks = placed.as_ref().ok().map(|p| {
+        let m = &target.memory;
+        (p.peak_standard.iter().map(|&a| (a - m.base) as u64).max().unwrap_or(0), p.peak_interleaved.iter().map(|&a| (a - m.interleaved_start) as u64).max().unwrap_or(0))
+    });
+    Placed { peaks, displaced, failure: placed.err() }
+}
+
+/// `reserves` raised, operation by operation, to what `attempt`'s other operations keep resident
+/// (`reserves_of`): the budgets of the next re-planning round.
+fn merged_reserves(reserves: &[Reserve], attempt: &Attempt, operations: usize) -> Vec<Reserve> {
+    reserves.iter().zip(reserves_of(attempt, operations)).map(|(a, b)| Reserve { total: a.total.max(b.total), interleaved: a.interleaved.max(b.interleaved) }).collect()
+}
+
 /// A program that fits, and the peak standard and interleaved bytes per tile of its placement.
 type Fitted = (Lowered, (u64, u64));
 
@@ -1222,22 +1237,12 @@ fn fit_capped(oriented: &Oriented, target: &Target, cap: u32) -> Option<Fitted> 
                 break;
             }
         };
-        let code = vec![CODE_RESERVE_BYTES as u32; attempt.lowered.tiles as usize];
-        let placed = place_storage(target, &attempt.lowered, &code);
-        let displaced = placed.as_ref().is_ok_and(|p| weights_displaced(&attempt, &p.addresses, target));
-        let peaks = placed.as_ref().ok().map(|p| {
-            let m = &target.memory;
-            (p.peak_standard.iter().map(|&a| (a - m.base) as u64).max().unwrap_or(0), p.peak_interleaved.iter().map(|&a| (a - m.interleaved_start) as u64).max().unwrap_or(0))
-        });
+        let Placed { peaks, displaced, failure } = place_attempt(&attempt, target);
         if let Some(peaks) = peaks.filter(|_| !displaced || round + 1 == ROUNDS || fitting.is_some()) {
             return Some((attempt.lowered, peaks));
         }
-        debug!(cap, round, fits = peaks.is_some(), failure = ?placed.as_ref().err(), "the capped program does not fit as planned; planning again with other operations' resident bytes");
-        let merged: Vec<Reserve> = reserves
-            .iter()
-            .zip(reserves_of(&attempt, operations))
-            .map(|(a, b)| Reserve { total: a.total.max(b.total), interleaved: a.interleaved.max(b.interleaved) })
-            .collect();
+        debug!(cap, round, fits = peaks.is_some(), failure = ?failure, "the capped program does not fit as planned; planning again with other operations' resident bytes");
+        let merged = merged_reserves(&reserves, &attempt, operations);
         if let Some(peaks) = peaks {
             fitting = Some((attempt.lowered, peaks));
         }
