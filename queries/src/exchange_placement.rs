@@ -471,11 +471,12 @@ fn search_from(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_
         Some((f, c, x)) => (f.placement, f.tables.1, f.conflicts, c, x),
         None => {
             // The baseline kept (no candidate accepted, or the accepted one did not
-            // validate): the caller's tables are checked here.
+            // validate): the caller's tables are checked here, unless conflicts remain (the
+            // device would reject the baseline, and `select_finalist` drops such a finalist).
             if accepted_any {
                 debug!("keeping the baseline after the accepted candidate failed validation");
             }
-            if handed {
+            if handed && base_conflicts == 0 {
                 validated = Some(std::sync::Arc::new(check(baseline, base_tables)?));
             } else {
                 validated = None;
