@@ -286,7 +286,7 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
             graph.file.constraints.extend(steered.iter().cloned());
             // A finalist lowered under a replication cap is lowered again alone with it (the
             // whole search would end with the same program); others by the whole search.
-            replanned = Some(match search::lower_capped_alone(&graph, &lt.value, &candidates[first as usize]) {
+            replanned = Some(match search::relower_capped(&graph, &lt.value, &candidates[first as usize]) {
                 Some(l) => vec![l],
                 None => search::finalists(&graph, &lt.value, k).map_err(CompileError::from)?,
             });

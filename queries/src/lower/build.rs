@@ -393,11 +393,6 @@ impl Partial {
         Partial { replication_cap: cap.max(1), ..Partial::new(false) }
     }
 
-    /// The most replicas a replicated weight may have (u32::MAX: no cap).
-    pub fn replication_cap(&self) -> u32 {
-        self.replication_cap
-    }
-
     pub fn plans(&self) -> impl Iterator<Item = &OperationPlan> + '_ {
         self.plans.iter()
     }
@@ -1237,15 +1232,22 @@ impl<'a> Builder<'a> {
             };
         }
         let swapped = self.checkpoint_value.contains_key(&product);
+        // The user's constraint, and the program's replication cap where it bounded this plan
+        // (`replicas_at_most=N`, which a re-plan of the program reads back).
+        let mut described = constraint.map(|c| c.describe()).unwrap_or_default();
+        if max_row_partitions.min(max_column_partitions) < u32::MAX {
+            if !described.is_empty() {
+                described.push(' ');
+            }
+            described += &format!("{REPLICAS_AT_MOST}{}", self.replication_cap);
+        }
         let op_plan = OperationPlan {
             operation: index as u32,
             value: original_name.clone(),
             kind: "matmul".into(),
             orientation: if swapped { "swapped" } else { "normal" }.into(),
             weight_memory: if plan.weights_standard { "standard" } else { "interleaved" }.into(),
-            // The user's constraint, and the program's replication cap where it bounded this
-            // plan (`replicas_at_most=N`, which a re-plan of the program reads back).
-            constraint: [constraint.map(|c| c.describe()), (max_row_partitions.min(max_column_partitions) < u32::MAX).then(|| format!("{REPLICAS_AT_MOST}{}", self.replication_cap))].into_iter().flatten().filter(|d| !d.is_empty()).collect::<Vec<_>>().join(" "),
+            constraint: described,
             matching_plans: planned.matching_plans,
             partitions: [plan.pb, plan.pm, plan.pn, plan.pk],
             tiles: plan.tiles(),

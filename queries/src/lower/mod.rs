@@ -146,3 +146,11 @@ pub struct Lowered {
     pub gemm_flops: u64,
     pub logical_shards: u32,
 }
+
+impl Lowered {
+    /// The operations this program computes swapped (Cᵀ = Bᵀ·Aᵀ): its orientation, as `orient`
+    /// takes it.
+    pub fn swapped_operations(&self) -> std::collections::BTreeSet<usize> {
+        self.plans.iter().filter(|p| p.orientation == "swapped").map(|p| p.operation as usize).collect()
+    }
+}

@@ -202,13 +202,13 @@ fn search(t: &Target, p: &MatMulProblem, constraint: Option<&PlanConstraint>, fo
                     continue;
                 }
                 let pm_max = (tiles / used).min(p.m).max(1);
+                // Unconstrained rows: at most the replication cap (a replicated B's replicas).
+                let pm_top = pm_max.min(p.max_row_partitions.max(1));
                 let pms = match constraint.and_then(|c| c.row_partitions) {
                     Some(v) if v <= pm_max => vec![v],
                     Some(_) => vec![],
-                    None if pm_max > p.max_row_partitions && p.max_row_partitions > 1 => vec![p.max_row_partitions, p.max_row_partitions.div_ceil(2)],
-                    None if pm_max > p.max_row_partitions => vec![1],
-                    None if pm_max > 1 => vec![pm_max, pm_max.div_ceil(2)],
-                    None => vec![pm_max],
+                    None if pm_top > 1 => vec![pm_top, pm_top.div_ceil(2)],
+                    None => vec![pm_top],
                 };
                 for pm in pms {
                     let m_cuts = split(p.m, pm, p.m_align);

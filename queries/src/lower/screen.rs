@@ -26,8 +26,6 @@
 //! The table bytes of each finalist kept are handed to `select_finalist` (`remember`), which
 //! sizes the same program over the same schedules and so need not encode its tables again.
 
-use std::collections::BTreeSet;
-
 use tracing::{debug, info};
 
 use super::orient::orient;
@@ -205,8 +203,7 @@ fn steer_within(graph: &Graph, target: &Target, index: usize, finalist: Lowered,
         steered.file.constraints.retain(|c| c.operation != constraint.operation);
         steered.file.constraints.push(constraint);
         // The finalist's own orientation, lowered again under the constraint.
-        let swapped: BTreeSet<usize> = l.plans.iter().filter(|p| p.orientation == "swapped").map(|p| p.operation as usize).collect();
-        let oriented = match orient(&steered, &swapped) {
+        let oriented = match orient(&steered, &l.swapped_operations()) {
             Ok(o) => o,
             Err(message) => {
                 debug!(finalist = index, %message, "steered finalist cannot be oriented");
@@ -214,15 +211,16 @@ fn steer_within(graph: &Graph, target: &Target, index: usize, finalist: Lowered,
             }
         };
         let start = std::time::Instant::now();
-        // A program lowered under a replication cap keeps it (`lower_capped_alone`).
+        // A program lowered under a replication cap keeps it (`lower_capped_alone`); None:
+        // the steered program does not fit.
         let lowered = match replication_cap_of(l) {
-            Some(_) => Ok(lower_capped_alone(&steered, target, l).map_or_else(|| (l.clone(), false), |next| (next, true))),
-            None => lower_feasible_alone(&oriented, target, home_from(graph, l)),
+            Some(cap) => Ok(lower_capped_alone(&oriented, target, cap)),
+            None => lower_feasible_alone(&oriented, target, home_from(graph, l)).map(|(next, fits)| fits.then_some(next)),
         };
         debug!(finalist = index, home_from = home_from(graph, l), elapsed_ms = start.elapsed().as_millis() as u64, "lowered the steered finalist");
         match lowered {
-            Ok((next, true)) => current = Some(next),
-            Ok((_, false)) => {
+            Ok(Some(next)) => current = Some(next),
+            Ok(None) => {
                 debug!(finalist = index, "steered finalist does not fit tile memory");
                 break;
             }

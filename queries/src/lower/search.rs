@@ -70,13 +70,6 @@ const ROUNDS: usize = 3;
 /// lowering; each overflow left names the next, earlier start), before every weight is homed.
 const MIXED_TRIES: usize = 3;
 
-/// Replication caps `capped_program` tries (side by side), from the one memory suggests down,
-/// one fewer replica each; the most replicas that fit win. One: fewer replicas trade weight
-/// bytes for larger operand blocks and partials, so a lower cap seldom fits where the first
-/// does not (six full-size encoder layers: 3, 2 and 1 all overflow, and trying 3 and 2 cost
-/// about 20 s of a 74 s build).
-const CAP_TRIES: u32 = 1;
-
 /// The share of a tile's bytes (1 / this) `capped_program`'s first cap leaves unclaimed: the
 /// partitions of a product need not divide the tiles evenly (the fullest tile holds more than
 /// the mean), and placement loses bytes to regions and alignment.
@@ -1265,9 +1258,10 @@ fn fit_capped(oriented: &Oriented, target: &Target, cap: u32) -> Option<Fitted> 
 /// rank-2 weights, spread over tiles / r tiles (one replica set), fit in the bytes a tile has
 /// beside the code reserve (less a margin, `CAP_MARGIN`) and the most that the beam's program
 /// keeps live on a tile in buffers the host does not write (activations, partials, gathered
-/// operands: a replicated program holds about as much); then one replica fewer each try
-/// (`CAP_TRIES`). The most replicas that fit win: fewer replicas mean fewer partitions and
-/// larger operand gathers.
+/// operands: a replicated program holds about as much). Only that cap is tried: fewer replicas
+/// trade weight bytes for larger operand blocks and partials, so a lower cap seldom fits where
+/// it does not (six full-size encoder layers: 3, 2 and 1 all overflow; trying 3 and 2 side by
+/// side cost about 20 s of a 74 s build).
 fn capped_program(oriented: &Oriented, target: &Target, beam: &Attempt) -> Option<(Feasible, bool)> {
     let graph = &oriented.graph;
     let tiles = target.chip.tiles;
@@ -1290,25 +1284,21 @@ fn capped_program(oriented: &Oriented, target: &Target, beam: &Attempt) -> Optio
     let start = (1..=tiles).take_while(|&r| weight_bytes.div_ceil((tiles / r).max(1) as u64) <= room).last().unwrap_or(0);
     let beam_estimate = estimated_cycles(l);
     debug!(weight_bytes, transient_peak = live, start, beam_estimate, "replicated weights did not fit; trying fewer replicas");
-    // The caps are lowered side by side; the most replicas that fit wins (the same choice at
-    // any thread count).
-    let caps: Vec<u32> = (1..=start).rev().take(CAP_TRIES as usize).collect();
-    let fitted: Vec<(u32, Option<Fitted>)> = caps.into_par_iter().map(|cap| (cap, fit_capped(oriented, target, cap))).collect();
-    for (cap, fitted) in fitted {
-        let Some((lowered, peaks)) = fitted else {
-            debug!(cap, "replicated weights on this many tiles do not fit");
-            continue;
-        };
-        let estimate = estimated_cycles(&lowered);
-        let better = estimate <= beam_estimate;
-        if better {
-            info!(replicas = cap, estimated_cycles = estimate, home_weights_estimated_cycles = beam_estimate, "replicated weights fit on fewer tiles each; keeping every weight resident where it is read");
-        } else {
-            debug!(cap, estimate, beam_estimate, "replicated weights on this many tiles fit but are estimated slower than home-tile weights");
-        }
-        return Some(((lowered, Some(peaks), usize::MAX), better));
+    if start == 0 {
+        return None;
     }
-    None
+    let Some((lowered, peaks)) = fit_capped(oriented, target, start) else {
+        debug!(cap = start, "replicated weights on this many tiles do not fit");
+        return None;
+    };
+    let estimate = estimated_cycles(&lowered);
+    let better = estimate <= beam_estimate;
+    if better {
+        info!(replicas = start, estimated_cycles = estimate, home_weights_estimated_cycles = beam_estimate, "replicated weights fit on fewer tiles each; keeping every weight resident where it is read");
+    } else {
+        debug!(cap = start, estimate, beam_estimate, "replicated weights on this many tiles fit but are estimated slower than home-tile weights");
+    }
+    Some(((lowered, Some(peaks), usize::MAX), better))
 }
 
 /// The replication cap a program was lowered under (`capped_program`), as its plans record it
@@ -1317,18 +1307,21 @@ pub(crate) fn replication_cap_of(l: &Lowered) -> Option<u32> {
     l.plans.iter().flat_map(|p| p.constraint.split(' ')).find_map(|c| c.strip_prefix(REPLICAS_AT_MOST)?.parse().ok())
 }
 
-/// A program lowered under a replication cap (`capped_program`), lowered again alone over
-/// `graph` (the same graph with steering constraints added) in its own orientation and with its
-/// cap, when it fits: a steer re-plans the finalist, not the whole search (whose beam would
-/// end where it did and whose capped try would lower this again). None when the program has no
-/// cap, cannot be oriented so, or no longer fits.
-pub(crate) fn lower_capped_alone(graph: &Graph, target: &Target, l: &Lowered) -> Option<Lowered> {
-    let cap = replication_cap_of(l)?;
-    let swapped: BTreeSet<usize> = l.plans.iter().filter(|p| p.orientation == "swapped").map(|p| p.operation as usize).collect();
-    let oriented = orient(graph, &swapped).ok()?;
-    let fitted = fit_capped(&oriented, target, cap).map(|f| f.0);
+/// A program lowered under replication cap `cap` (`capped_program`), lowered again alone in
+/// `oriented` (its own orientation of the graph with steering constraints added), when it
+/// fits: a steer re-plans the finalist, not the whole search (whose beam would end where it did
+/// and whose capped try would lower this again).
+pub(crate) fn lower_capped_alone(oriented: &Oriented, target: &Target, cap: u32) -> Option<Lowered> {
+    let fitted = fit_capped(oriented, target, cap).map(|f| f.0);
     debug!(cap, fits = fitted.is_some(), "lowered the capped program again alone");
     fitted
+}
+
+/// [`lower_capped_alone`] for finalist `l` over `graph`: None when `l` has no replication cap,
+/// cannot be oriented so, or no longer fits.
+pub(crate) fn relower_capped(graph: &Graph, target: &Target, l: &Lowered) -> Option<Lowered> {
+    let cap = replication_cap_of(l)?;
+    lower_capped_alone(&orient(graph, &l.swapped_operations()).ok()?, target, cap)
 }
 
 /// [`lower_feasible`] with no beam attempt at hand, for the table screen's steered finalists
@@ -1932,8 +1925,7 @@ mod tests {
         assert_eq!(chosen_replicas.len(), 8);
         assert!(chosen_replicas.iter().all(|&r| (1..=2).contains(&r)), "{chosen_replicas:?}: {}", describe(chosen));
         // The same orientation at the planner's own partitions: more replicas, and no fit.
-        let swapped: BTreeSet<usize> = chosen.plans.iter().filter(|p| p.orientation == "swapped").map(|p| p.operation as usize).collect();
-        let oriented = orient(&graph, &swapped).unwrap();
+        let oriented = orient(&graph, &chosen.swapped_operations()).unwrap();
         let uncapped = lower_with(&oriented, &target, false, &[]).unwrap().lowered;
         assert!(!fits(&uncapped, &target));
         assert!(replicas(&uncapped).iter().max() > chosen_replicas.iter().max(), "{:?}", replicas(&uncapped));
@@ -1943,7 +1935,7 @@ mod tests {
         assert_eq!(describe(&again[0]), describe(chosen));
         let cap = replication_cap_of(chosen).expect("the capped program records its cap");
         assert_eq!(Some(&cap), chosen_replicas.iter().max().map(|&r| r as u32).as_ref());
-        assert_eq!(lower_capped_alone(&graph, &target, chosen).as_ref(), Some(chosen));
+        assert_eq!(relower_capped(&graph, &target, chosen).as_ref(), Some(chosen));
         assert_eq!(replication_cap_of(&uncapped), None);
     }
 }
