@@ -4,7 +4,9 @@
 //! For every exchange phase and tile, the buffers the tile sends from and the buffers it
 //! receives into are "opposites": placed in different elements they can never conflict,
 //! whatever the schedule. Candidates re-run placement with that rule, receive buffers starting
-//! their search at offsets of 0, 4, …, 28 KiB into their region. Each candidate (and the
+//! their search at offsets of 0, 4, …, 28 KiB into their region (a tile that the rule
+//! fragments so much that a buffer no longer fits is placed again, largest buffers first,
+//! `storage::place_storage_with`). Each candidate (and the
 //! baseline placement) is scored on the cached schedules with relocated addresses:
 //! score = conflicting tile-cycles × 2^20 + the exchange cycles the memory-element bound
 //! forces above the horizons (two offsets at a time, stopping once two distinct placements

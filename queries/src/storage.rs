@@ -76,83 +76,28 @@ pub fn place_storage_with(target: &Target, lowered: &Lowered, code_bytes: &[u32]
         .enumerate()
         .map(|(tile, ids)| {
             let code = code_bytes.get(tile).copied().unwrap_or(0);
-            let code_end = data_start(m.base, code);
-            let standard = (code_end, m.interleaved_start);
-            let interleaved = (m.interleaved_start, m.loader_limit);
             let mut order = ids.clone();
             order.sort_by_key(|&i| {
                 let b = &lowered.buffers[i as usize];
                 (b.first_step, std::cmp::Reverse(b.bytes), i)
             });
-            // Per region: the placed buffers still alive at the current start step, sorted by
-            // (start, end). Buffers come by start step, so one that ended before it can never
-            // overlap a later buffer and is dropped: each first fit scans only what is alive.
-            let mut placed_std: Vec<Placed> = Vec::new();
-            let mut placed_int: Vec<Placed> = Vec::new();
-            let mut pruned_at: Option<u32> = None;
-            let mut out: Vec<(u32, u32)> = Vec::with_capacity(order.len());
-            let mut at: std::collections::HashMap<u32, u32> = std::collections::HashMap::new();
-            let (mut peak_s, mut peak_i) = (code_end, m.interleaved_start);
-            for i in order {
-                let b = &lowered.buffers[i as usize];
-                if pruned_at != Some(b.first_step) {
-                    pruned_at = Some(b.first_step);
-                    placed_std.retain(|p| p.last >= b.first_step);
-                    placed_int.retain(|p| p.last >= b.first_step);
-                }
-                let alignment = if b.kind == AllocationKind::Partials { m.partial_alignment } else { m.data_alignment };
-                let regions: &[bool] = match (b.kind, b.prefer_interleaved) {
-                    (AllocationKind::Partials, _) => &[true],
-                    (_, true) => &[true, false],
-                    _ => &[false, true],
-                };
-                // Element ranges of placed buffers this one exchanges against, sorted.
-                let mut avoid: Vec<(u32, u32)> = rules
-                    .opposites
-                    .get(i as usize)
-                    .into_iter()
-                    .flatten()
-                    .filter_map(|o| at.get(o).map(|&s| (s, s + lowered.buffers[*o as usize].bytes)))
-                    .map(|(s, e)| (element_range(m, s).0, element_range(m, e.saturating_sub(1).max(s)).1))
-                    .collect();
-                avoid.sort_unstable();
-                let offset = if rules.receives.get(i as usize).copied().unwrap_or(false) { rules.receive_offset } else { 0 };
-                // Try: away from opposite elements from the offset, then from the region start,
-                // then (room is short) anywhere.
-                let attempts: [(&[(u32, u32)], u32); 3] = [(&avoid, offset), (&avoid, 0), (&[], 0)];
-                let mut done = false;
-                'attempts: for (avoid, offset) in attempts {
-                    for &inter in regions {
-                        let (range, placed) = if inter { (interleaved, &mut placed_int) } else { (standard, &mut placed_std) };
-                        let from = (range.0.saturating_add(offset).min(range.1), range.1);
-                        if let Some(start) = first_fit(from, placed, avoid, b.bytes, alignment, b.first_step, b.last_step) {
-                            let end = start + b.bytes;
-                            let slot = placed.partition_point(|p| (p.start, p.end) <= (start, end));
-                            placed.insert(slot, Placed { start, end, first: b.first_step, last: b.last_step });
-                            if inter { peak_i = peak_i.max(start + b.bytes) } else { peak_s = peak_s.max(start + b.bytes) }
-                            out.push((i, start));
-                            at.insert(i, start);
-                            done = true;
-                            break 'attempts;
-                        }
-                    }
-                }
-                if !done {
-                    let inter = regions[0];
-                    let range = if inter { interleaved } else { standard };
-                    return Err(PlacementError {
-                        tile: tile as u32,
-                        label: lowered.labels[b.label as usize].clone(),
-                        bytes: b.bytes,
-                        region: if inter { "interleaved" } else { "standard" },
-                        capacity: range.1 - range.0,
-                        first: b.first_step,
-                        last: b.last_step,
-                    });
-                }
+            let first = place_tile(m, lowered, rules, tile, code, &order, true);
+            if first.is_ok() || rules.opposites.is_empty() {
+                return first;
             }
-            // The code range is the code itself; what lies between it and the data start is free.
-            Ok((out, (m.base, align(m.base.saturating_add(code), 16)), peak_s, peak_i))
+            // Separating opposites fragmented the tile's memory (the rules move buffers off the
+            // lowest free addresses, and a later large buffer finds no room): the tile is placed
+            // again, the largest buffers first, under the same rules. Only tiles that failed
+            // change, so placements that fitted before are the same; the search scores the
+            // conflicts either order leaves.
+            order.sort_by_key(|&i| {
+                let b = &lowered.buffers[i as usize];
+                (std::cmp::Reverse(b.bytes), b.first_step, i)
+            });
+            match place_tile(m, lowered, rules, tile, code, &order, false) {
+                Ok(p) => Ok(p),
+                Err(_) => first,
+            }
         })
         .collect();
     let mut placement = Placement { addresses: vec![0; lowered.buffers.len()], code: Vec::new(), peak_standard: Vec::new(), peak_interleaved: Vec::new() };
@@ -166,6 +111,83 @@ pub fn place_storage_with(target: &Target, lowered: &Lowered, code_bytes: &[u32]
         placement.peak_interleaved.push(pi);
     }
     Ok(placement)
+}
+
+/// One tile's placement, buffers taken in `order`; `by_start`: the order is by first step,
+/// so buffers that ended before the current one's first step are dropped from the scans.
+fn place_tile(m: &crate::target::Memory, lowered: &Lowered, rules: &ExchangeRules, tile: usize, code: u32, order: &[u32], by_start: bool) -> Result<TilePlacement, PlacementError> {
+    let code_end = data_start(m.base, code);
+    let standard = (code_end, m.interleaved_start);
+    let interleaved = (m.interleaved_start, m.loader_limit);
+    // Per region: the placed buffers, sorted by (start, end). When buffers come by start
+    // step, one that ended before the current start step can never overlap a later buffer
+    // and is dropped: each first fit scans only what is alive.
+    let mut placed_std: Vec<Placed> = Vec::new();
+    let mut placed_int: Vec<Placed> = Vec::new();
+    let mut pruned_at: Option<u32> = None;
+    let mut out: Vec<(u32, u32)> = Vec::with_capacity(order.len());
+    let mut at: std::collections::HashMap<u32, u32> = std::collections::HashMap::new();
+    let (mut peak_s, mut peak_i) = (code_end, m.interleaved_start);
+    for &i in order {
+        let b = &lowered.buffers[i as usize];
+        if by_start && pruned_at != Some(b.first_step) {
+            pruned_at = Some(b.first_step);
+            placed_std.retain(|p| p.last >= b.first_step);
+            placed_int.retain(|p| p.last >= b.first_step);
+        }
+        let alignment = if b.kind == AllocationKind::Partials { m.partial_alignment } else { m.data_alignment };
+        let regions: &[bool] = match (b.kind, b.prefer_interleaved) {
+            (AllocationKind::Partials, _) => &[true],
+            (_, true) => &[true, false],
+            _ => &[false, true],
+        };
+        // Element ranges of placed buffers this one exchanges against, sorted.
+        let mut avoid: Vec<(u32, u32)> = rules
+            .opposites
+            .get(i as usize)
+            .into_iter()
+            .flatten()
+            .filter_map(|o| at.get(o).map(|&s| (s, s + lowered.buffers[*o as usize].bytes)))
+            .map(|(s, e)| (element_range(m, s).0, element_range(m, e.saturating_sub(1).max(s)).1))
+            .collect();
+        avoid.sort_unstable();
+        let offset = if rules.receives.get(i as usize).copied().unwrap_or(false) { rules.receive_offset } else { 0 };
+        // Try: away from opposite elements from the offset, then from the region start,
+        // then (room is short) anywhere.
+        let attempts: [(&[(u32, u32)], u32); 3] = [(&avoid, offset), (&avoid, 0), (&[], 0)];
+        let mut done = false;
+        'attempts: for (avoid, offset) in attempts {
+            for &inter in regions {
+                let (range, placed) = if inter { (interleaved, &mut placed_int) } else { (standard, &mut placed_std) };
+                let from = (range.0.saturating_add(offset).min(range.1), range.1);
+                if let Some(start) = first_fit(from, placed, avoid, b.bytes, alignment, b.first_step, b.last_step) {
+                    let end = start + b.bytes;
+                    let slot = placed.partition_point(|p| (p.start, p.end) <= (start, end));
+                    placed.insert(slot, Placed { start, end, first: b.first_step, last: b.last_step });
+                    if inter { peak_i = peak_i.max(start + b.bytes) } else { peak_s = peak_s.max(start + b.bytes) }
+                    out.push((i, start));
+                    at.insert(i, start);
+                    done = true;
+                    break 'attempts;
+                }
+            }
+        }
+        if !done {
+            let inter = regions[0];
+            let range = if inter { interleaved } else { standard };
+            return Err(PlacementError {
+                tile: tile as u32,
+                label: lowered.labels[b.label as usize].clone(),
+                bytes: b.bytes,
+                region: if inter { "interleaved" } else { "standard" },
+                capacity: range.1 - range.0,
+                first: b.first_step,
+                last: b.last_step,
+            });
+        }
+    }
+    // The code range is the code itself; what lies between it and the data start is free.
+    Ok((out, (m.base, align(m.base.saturating_add(code), 16)), peak_s, peak_i))
 }
 
 /// Data starts at the code's end rounded up to this many bytes, as long as that stays within
@@ -217,7 +239,59 @@ fn first_fit(range: (u32, u32), placed: &[Placed], avoid: &[(u32, u32)], bytes: 
 
 #[cfg(test)]
 mod tests {
-    use super::{align, first_fit, Placed};
+    use super::{align, first_fit, place_storage, place_storage_with, ExchangeRules, Placed};
+    use crate::lower::{BufferDecl, Lowered};
+    use crate::package::AllocationKind;
+    use crate::target::Target;
+
+    /// One tile's buffers (bytes, first step, last step), all partials (interleaved memory).
+    fn partials(buffers: &[(u32, u32, u32)]) -> Lowered {
+        Lowered {
+            tiles: 1,
+            labels: buffers.iter().enumerate().map(|(i, _)| format!("b{i}")).collect(),
+            buffers: buffers.iter().enumerate().map(|(i, &(bytes, first_step, last_step))| BufferDecl { tile: 0, bytes, kind: AllocationKind::Partials, prefer_interleaved: true, label: i as u32, first_step, last_step }).collect(),
+            steps: Vec::new(),
+            compute_sets: Vec::new(),
+            phases: Vec::new(),
+            phase_plans: Vec::new(),
+            initialize: Vec::new(),
+            inputs: Vec::new(),
+            outputs: Vec::new(),
+            checkpoints: Vec::new(),
+            plans: Vec::new(),
+            gemm_flops: 0,
+            logical_shards: 1,
+        }
+    }
+
+    #[test]
+    fn a_tile_that_separating_opposites_fragments_is_placed_largest_first() {
+        let target = Target::from_toml(crate::target::fixtures::SMALL16, "small16.toml").unwrap();
+        let m = &target.memory;
+        let region = m.loader_limit - m.interleaved_start;
+        // A sender and its receiver from step 0, and from step 1 one buffer that needs all of
+        // the interleaved memory but the sender's 1 KiB and the receiver's.
+        let big = region - 2048;
+        let l = partials(&[(1024, 0, 2), (1024, 0, 2), (big, 1, 3)]);
+        let rules = ExchangeRules { opposites: std::sync::Arc::new(vec![vec![1], vec![0], vec![]]), receives: std::sync::Arc::new(vec![false, true, false]), receive_offset: 0 };
+        // Without the rule the three fit by first step; with it, by first step the receiver
+        // moves to the next element and the large buffer no longer fits.
+        assert!(place_storage(&target, &l, &[0]).is_ok());
+        let placed = place_storage_with(&target, &l, &[0], &rules).expect("placed largest first");
+        let a = &placed.addresses;
+        let ends: Vec<u32> = l.buffers.iter().zip(a).map(|(b, &s)| s + b.bytes).collect();
+        assert!(a.iter().all(|&s| s >= m.interleaved_start) && ends.iter().all(|&e| e <= m.loader_limit));
+        for i in 0..3 {
+            for j in i + 1..3 {
+                assert!(ends[i] <= a[j] || ends[j] <= a[i], "buffers {i} and {j} overlap: {a:?}");
+            }
+        }
+        // A tile the rule does not fragment keeps its placement by first step.
+        let small = partials(&[(1024, 0, 2), (1024, 0, 2), (4096, 1, 3)]);
+        let by_start = place_storage_with(&target, &small, &[0], &rules).unwrap();
+        assert_eq!(by_start.addresses[2], m.interleaved_start + 1024, "the third buffer follows the sender");
+        assert!(by_start.addresses[1] >= m.interleaved_start + m.interleaved_element_bytes, "the receiver is in another element");
+    }
 
     /// The first fit as it was: every placed buffer alive at the time and every avoided range,
     /// gathered and sorted whole.
