@@ -182,7 +182,10 @@ fn a_full_size_encoder_layer_with_swapped_mlp_products_passes_faster() {
 /// Four full-size SigLIP encoder layers: replicated at the planner's own partitions their
 /// weights do not fit, and kept once on home tiles every layer multicasts its weights at each
 /// product (4.37 x one layer). Replicated on fewer tiles each (four), they fit, and the stack
-/// runs within issue 9's 4.2 x one layer's cycles (measured: 1,773,122 against 422,410).
+/// runs within issue 9's 4.2 x one layer's cycles (measured: 1,769,352 against 422,410). Their
+/// fullest tile is so full that separating exchange buffers by memory element fragments it;
+/// placing that tile again largest buffers first finds room, so `select_finalist` keeps the
+/// planner's program (before, it steered `l0.q.product` away and planned again).
 #[test]
 fn four_full_size_encoder_layers_run_within_4_2_times_one_layer() {
     let dir = tempfile::tempdir().unwrap();
@@ -195,6 +198,7 @@ fn four_full_size_encoder_layers_run_within_4_2_times_one_layer() {
         assert_pass(&out);
         if layers == "4" {
             assert!(out.stderr.contains("replicated weights fit on fewer tiles each"), "{}", common::tail(&out.stderr));
+            assert!(!out.stderr.contains("no finalist can be placed"), "{}", common::tail(&out.stderr));
         }
         cycles.push(field(&out.stdout, "workload=", "cycles").unwrap().parse::<u64>().unwrap());
     }
