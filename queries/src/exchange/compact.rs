@@ -120,7 +120,7 @@ pub(crate) fn compact(problem: &Problem, mut pieces: Vec<Piece>, reverse: Option
     for piece in pieces {
         let job = &problem.jobs[piece.transfer as usize];
         let receivers = problem.receive_ports(piece.transfer as usize, piece.paired);
-        let farthest = receivers.iter().map(|p| p.delay).max().unwrap_or(0);
+        let farthest = job.max_delay;
         let send_shift = if reverse.is_some() { farthest } else { 0 };
         touched.clear();
         touched.push((2 * job.source as usize, send_shift));

@@ -160,6 +160,28 @@ fn schedules_do_not_depend_on_thread_count() {
     assert_eq!(lower_to_tables(&target, &phase, &many), lower_to_tables(&target, &phase, &one));
 }
 
+/// `Job::max_delay`, which piece ends and compaction read instead of their ports, is the
+/// largest delay over the job's receive ports, ordinary or paired, coalesced or not.
+#[test]
+fn a_jobs_largest_delay_is_its_ports_largest_either_way() {
+    let target = ipu21();
+    let mut rng = SplitMix64(0x9E37_79B9_7F4A_7C15);
+    let mut phases: Vec<PhaseRequest> = (0..40).map(|_| synthetic::random_phase(&mut rng, target.chip.tiles, 60, 96, 40, 20)).collect();
+    phases.extend([row_segments(20, 6, 40, 3), row_segments(8, 12, 16, 5)]);
+    for (case, phase) in phases.iter().enumerate() {
+        let original = problem::prepare(&target, phase).unwrap();
+        let coalesced = coalesce::coalesce(&original);
+        for prepared in [Some(&original), coalesced.as_ref()].into_iter().flatten() {
+            for (j, job) in prepared.jobs.iter().enumerate() {
+                for paired in [false, true].into_iter().filter(|&p| !p || job.paired.is_some()) {
+                    let largest = prepared.receive_ports(j, paired).iter().map(|p| p.delay).max().unwrap_or(0);
+                    assert_eq!(job.max_delay, largest, "case {case} job {j} paired {paired}");
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn empty_phase_has_an_empty_schedule() {
     let target = small16();

@@ -58,9 +58,9 @@ impl Timeline {
 
 /// Cycle after the piece's last word has landed at its farthest destination.
 pub(crate) fn piece_end(problem: &Problem, piece: &Piece) -> u32 {
-    let ports = problem.receive_ports(piece.transfer as usize, piece.paired);
-    let delay = ports.iter().map(|p| p.delay).max().unwrap_or(0);
-    piece.send_cycle + piece.cycles() + delay
+    // The job's largest delay is the largest over its receive ports either way: a paired
+    // piece's ports are the destinations and their partners, each at a destination's delay.
+    piece.send_cycle + piece.cycles() + problem.jobs[piece.transfer as usize].max_delay
 }
 
 pub(crate) fn horizon(problem: &Problem, pieces: &[Piece]) -> u32 {
