@@ -94,10 +94,7 @@ pub fn place_storage_with(target: &Target, lowered: &Lowered, code_bytes: &[u32]
                 let b = &lowered.buffers[i as usize];
                 (std::cmp::Reverse(b.bytes), b.first_step, i)
             });
-            match place_tile(m, lowered, rules, tile, code, &order, false) {
-                Ok(p) => Ok(p),
-                Err(_) => first,
-            }
+            place_tile(m, lowered, rules, tile, code, &order, false).or(first)
         })
         .collect();
     let mut placement = Placement { addresses: vec![0; lowered.buffers.len()], code: Vec::new(), peak_standard: Vec::new(), peak_interleaved: Vec::new() };
