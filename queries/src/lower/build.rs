@@ -402,7 +402,6 @@ impl Partial {
     }
 
     /// Buffers the host writes (resident from the start of the run once the program is complete).
-    #[cfg(test)]
     pub fn host_buffers(&self) -> impl Iterator<Item = u32> + '_ {
         self.host.values().flat_map(|t| t.segments.iter().map(|s| s.buffer))
     }

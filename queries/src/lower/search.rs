@@ -582,7 +582,7 @@ fn beam(graph: &Graph, target: &Target, width: usize, previous: Option<(&Graph, 
             Err(message) => (Vec::new(), Some(LowerError::Unsupported { operation: graph.name.clone(), message })),
         };
         let far = vec![false; programs.len()];
-        return Beam { programs, far, histories: Vec::new(), first_error, steps: Vec::new(), resumed: 0, searched: 0 };
+        return Beam { programs, far, histories: Vec::new(), first_error, steps: Vec::new(), resumed: 0, searched: 0, capped_ahead: None };
     }
     let mut first_error: Option<LowerError> = None;
     let note = |e: LowerError, first_error: &mut Option<LowerError>| {
@@ -730,7 +730,7 @@ fn beam(graph: &Graph, target: &Target, width: usize, previous: Option<(&Graph, 
                 Ok(o) => State { swapped: BTreeSet::new(), oriented: Arc::new(o), partial: root_partial(graph, &products), home: None, history: None },
                 Err(message) => {
                     let first_error = Some(LowerError::Unsupported { operation: graph.name.clone(), message });
-                    return Beam { programs: Vec::new(), far: Vec::new(), histories: Vec::new(), first_error, steps, resumed: 0, searched: products.len() };
+                    return Beam { programs: Vec::new(), far: Vec::new(), histories: Vec::new(), first_error, steps, resumed: 0, searched: products.len(), capped_ahead: None };
                 }
             };
             let states: Vec<State> = match grow(&root, BTreeSet::new(), products.first().copied(), false, &[]) {
@@ -746,6 +746,10 @@ fn beam(graph: &Graph, target: &Target, width: usize, previous: Option<(&Graph, 
     };
     let (resumed, searched) = (first_product, products.len() - first_product);
     let mut pool: Vec<Arc<HomePrefix>> = Vec::new();
+    // The capped try (`lower_feasible`) is made only without a home-weights constraint; it is
+    // lowered beside the beam only where the thread pool has a second thread (an idle core).
+    let ahead_capped = home_constraint(graph).is_none() && rayon::current_num_threads() > 1;
+    let mut capped_ahead: Option<CappedAhead> = None;
     // A home-weights prefix lowered ahead, beside steps that leave a core idle (see below).
     let mut shadow: Option<Arc<HomePrefix>> = None;
     for (j, &product) in products.iter().enumerate().skip(first_product) {
@@ -844,6 +848,14 @@ fn beam(graph: &Graph, target: &Target, width: usize, previous: Option<(&Graph, 
             }
         }
         states = retain(scored, width);
+        // The first step whose best program keeps weights on home tiles: start the capped
+        // program's lowering beside the beam (`CappedAhead`).
+        if ahead_capped && capped_ahead.is_none() && next.is_some() {
+            if let Some(best) = states.first().filter(|b| b.partial.home_from() < usize::MAX) {
+                let partials: Vec<&Partial> = states.iter().map(|s| &s.partial).collect();
+                capped_ahead = CappedAhead::start(graph, target, &best.swapped, &partials, &products);
+            }
+        }
         steps.push(TraceStep { states: states.iter().map(TracedState::of).collect(), noted: first_error.is_some() });
         debug!(product, states = states.len(), "extended the plan beam");
     }
@@ -872,7 +884,7 @@ fn beam(graph: &Graph, target: &Target, width: usize, previous: Option<(&Graph, 
             Err(e) => note(e, &mut first_error),
         }
     }
-    Beam { programs, far: far_over, histories, first_error, steps, resumed, searched }
+    Beam { programs, far: far_over, histories, first_error, steps, resumed, searched, capped_ahead }
 }
 
 /// What [`beam`] ends with.
@@ -893,6 +905,8 @@ struct Beam {
     /// Product steps taken from the previous beam's trace, and product steps searched.
     resumed: usize,
     searched: usize,
+    /// The capped program lowered beside the beam, if one was started (`CappedAhead`).
+    capped_ahead: Option<CappedAhead>,
 }
 
 /// The estimate the search ranks programs by: the sum of every operation's estimate.
@@ -925,7 +939,7 @@ pub fn finalists_resuming(graph: &Graph, target: &Target, keep: usize, previous:
         debug!(searched_steps = run.searched, "searched the plan beam from the start");
     }
     let trace = BeamTrace { workload: workload_structure(graph), width: width as u64, steps: run.steps };
-    (feasible_finalists(graph, target, keep, run.programs, &run.far, true, &run.histories, run.first_error).0, trace)
+    (feasible_finalists(graph, target, keep, run.programs, &run.far, true, &run.histories, run.first_error, run.capped_ahead.as_ref()).0, trace)
 }
 
 /// The beam's programs made feasible, the best `keep` of them (`finalists`). Programs far over
@@ -934,7 +948,7 @@ pub fn finalists_resuming(graph: &Graph, target: &Target, keep: usize, previous:
 /// on fewer tiles (`capped_program`); with the finalists, how many were not.
 #[allow(clippy::type_complexity)]
 #[allow(clippy::too_many_arguments)]
-fn feasible_finalists(graph: &Graph, target: &Target, keep: usize, programs: Vec<(Arc<Oriented>, Option<(Attempt, usize)>, Option<Arc<HomePrefix>>)>, far: &[bool], skip_far: bool, histories: &[Option<Arc<Snapshot>>], mut first_error: Option<LowerError>) -> (Result<Vec<Lowered>, LowerError>, usize) {
+fn feasible_finalists(graph: &Graph, target: &Target, keep: usize, programs: Vec<(Arc<Oriented>, Option<(Attempt, usize)>, Option<Arc<HomePrefix>>)>, far: &[bool], skip_far: bool, histories: &[Option<Arc<Snapshot>>], mut first_error: Option<LowerError>, ahead: Option<&CappedAhead>) -> (Result<Vec<Lowered>, LowerError>, usize) {
     let mut found: Vec<(bool, u64, usize, usize, Feasible)> = Vec::new();
     // The beam's programs are made feasible in parallel, the far ones after the others and only
     // when none of those fits; results are taken in beam order.
@@ -942,7 +956,7 @@ fn feasible_finalists(graph: &Graph, target: &Target, keep: usize, programs: Vec
     let (far_ones, near): (Vec<_>, Vec<_>) = programs.into_iter().enumerate().partition(|(i, _)| far.get(*i).copied().unwrap_or(false));
     #[allow(clippy::type_complexity)]
     let make_feasible = |items: Vec<(usize, (Arc<Oriented>, Option<(Attempt, usize)>, Option<Arc<HomePrefix>>))>, capped: bool| -> Vec<(usize, Result<Feasible, LowerError>)> {
-        items.into_par_iter().map(|(i, (oriented, first, memo))| (i, lower_feasible(&oriented, target, first, memo.as_deref(), histories.get(i).and_then(|h| h.as_deref()), capped))).collect()
+        items.into_par_iter().map(|(i, (oriented, first, memo))| (i, lower_feasible(&oriented, target, first, memo.as_deref(), histories.get(i).and_then(|h| h.as_deref()), capped, ahead))).collect()
     };
     let mut feasible = make_feasible(near, true);
     let mut skipped = 0;
@@ -1063,7 +1077,7 @@ type Feasible = (Lowered, Option<(u64, u64)>, usize);
 /// the beam chose, or, when replicated weights do not fit, the latest start that covers their
 /// overflow by [`mixed_from`]); every weight on home tiles aligned to the program's period;
 /// rotating with every weight.
-fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attempt, usize)>, memo: Option<&HomePrefix>, history: Option<&Snapshot>, try_capped: bool) -> Result<Feasible, LowerError> {
+fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attempt, usize)>, memo: Option<&HomePrefix>, history: Option<&Snapshot>, try_capped: bool, ahead: Option<&CappedAhead>) -> Result<Feasible, LowerError> {
     let operations = oriented.graph.operations.len();
     let mut last: Option<(Lowered, usize)> = None;
     let mut first_error: Option<LowerError> = None;
@@ -1096,7 +1110,7 @@ fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attem
     // One estimated slower than the beam's program is kept in case no arrangement below fits.
     let mut capped_fallback: Option<Feasible> = None;
     if try_capped && beam_from < usize::MAX && home_constraint(&oriented.graph).is_none() {
-        match first.as_ref().and_then(|(beam, _)| capped_program(oriented, target, beam)) {
+        match first.as_ref().and_then(|(beam, _)| capped_program(oriented, target, beam, ahead)) {
             Some((capped, true)) => return Ok(capped),
             Some((capped, false)) => capped_fallback = Some(capped),
             None => {}
@@ -1218,12 +1232,12 @@ type Fitted = (Lowered, (u64, u64));
 /// feasible like a weight arrangement of [`lower_feasible`] (re-planned with the other
 /// operations' resident bytes, up to `ROUNDS`): the program and its placement's peak standard
 /// and interleaved bytes per tile, or None when it does not fit.
-fn fit_capped(oriented: &Oriented, target: &Target, cap: u32) -> Option<Fitted> {
+fn fit_capped(oriented: &Oriented, target: &Target, cap: u32, mut first: Option<Result<Attempt, LowerError>>) -> Option<Fitted> {
     let operations = oriented.graph.operations.len();
     let mut reserves = vec![Reserve::default(); operations];
     let mut fitting: Option<Fitted> = None;
     for round in 0..ROUNDS {
-        let attempt = match lower_replication_capped(oriented, target, cap, &reserves) {
+        let attempt = match first.take().unwrap_or_else(|| lower_replication_capped(oriented, target, cap, &reserves)) {
             Ok(a) => a,
             Err(e) => {
                 debug!(cap, round, error = %e, "the capped program does not lower with these resident bytes");
@@ -1262,10 +1276,8 @@ fn fit_capped(oriented: &Oriented, target: &Target, cap: u32) -> Option<Fitted> 
 /// trade weight bytes for larger operand blocks and partials, so a lower cap seldom fits where
 /// it does not (six full-size encoder layers: 3, 2 and 1 all overflow; trying 3 and 2 side by
 /// side cost about 20 s of a 74 s build).
-fn capped_program(oriented: &Oriented, target: &Target, beam: &Attempt) -> Option<(Feasible, bool)> {
-    let graph = &oriented.graph;
-    let tiles = target.chip.tiles;
-    let weight_bytes: u64 = graph.values.iter().filter(|v| v.is_matrix_weight()).map(|v| v.shape.iter().map(|&d| d as u64).product::<u64>() * v.dtype.bytes() as u64).sum();
+fn capped_program(oriented: &Oriented, target: &Target, beam: &Attempt, ahead: Option<&CappedAhead>) -> Option<(Feasible, bool)> {
+    let weight_bytes = matrix_weight_bytes(&oriented.graph);
     if weight_bytes == 0 {
         return None;
     }
@@ -1276,18 +1288,16 @@ fn capped_program(oriented: &Oriented, target: &Target, beam: &Attempt) -> Optio
             host[s.buffer as usize] = true;
         }
     }
-    let transient: Vec<&BufferDecl> = l.buffers.iter().enumerate().filter(|(i, _)| !host[*i]).map(|(_, b)| b).collect();
-    let mut live = 0u64;
-    tile_peaks(transient.iter().copied(), &vec![false; transient.len()], tiles, |_, (_, _, total)| live = live.max(total));
-    // With r replicas a weight's blocks spread over at most tiles / r tiles (one replica set).
-    let room = tile_bytes(target).saturating_sub(tile_bytes(target) / CAP_MARGIN).saturating_sub(live);
-    let start = (1..=tiles).take_while(|&r| weight_bytes.div_ceil((tiles / r).max(1) as u64) <= room).last().unwrap_or(0);
+    let live = transient_peak(l.buffers.iter(), &host, l.tiles);
+    let start = first_cap(weight_bytes, live, target);
     let beam_estimate = estimated_cycles(l);
     debug!(weight_bytes, transient_peak = live, start, beam_estimate, "replicated weights did not fit; trying fewer replicas");
     if start == 0 {
         return None;
     }
-    let Some((lowered, peaks)) = fit_capped(oriented, target, start) else {
+    // The first lowering of this cap, when it was lowered beside the beam over this orientation.
+    let first = ahead.and_then(|a| a.take(oriented, start));
+    let Some((lowered, peaks)) = fit_capped(oriented, target, start, first) else {
         debug!(cap = start, "replicated weights on this many tiles do not fit");
         return None;
     };
@@ -1301,6 +1311,129 @@ fn capped_program(oriented: &Oriented, target: &Target, beam: &Attempt) -> Optio
     Some(((lowered, Some(peaks), usize::MAX), better))
 }
 
+/// The bytes of a graph's rank-2 weights.
+fn matrix_weight_bytes(graph: &Graph) -> u64 {
+    graph.values.iter().filter(|v| v.is_matrix_weight()).map(|v| v.shape.iter().map(|&d| d as u64).product::<u64>() * v.dtype.bytes() as u64).sum()
+}
+
+/// The most bytes live on any tile in the buffers the host does not write (`host`: per
+/// buffer, whether it does): activations, partials, gathered operands.
+fn transient_peak<'a>(buffers: impl Iterator<Item = &'a BufferDecl> + Clone, host: &[bool], tiles: u32) -> u64 {
+    let transient: Vec<&BufferDecl> = buffers.enumerate().filter(|(i, _)| !host.get(*i).copied().unwrap_or(false)).map(|(_, b)| b).collect();
+    let mut live = 0u64;
+    tile_peaks(transient.iter().copied(), &vec![false; transient.len()], tiles, |_, (_, _, total)| live = live.max(total));
+    live
+}
+
+/// The first replication cap `capped_program` tries (its docs): the most replicas r for which
+/// `weight_bytes` spread over tiles / r tiles fit in a tile's bytes beside the code reserve,
+/// less the margin and `live` transient bytes; 0 when not even one replica set fits.
+fn first_cap(weight_bytes: u64, live: u64, target: &Target) -> u32 {
+    let tiles = target.chip.tiles;
+    let room = tile_bytes(target).saturating_sub(tile_bytes(target) / CAP_MARGIN).saturating_sub(live);
+    (1..=tiles).take_while(|&r| weight_bytes.div_ceil((tiles / r).max(1) as u64) <= room).last().unwrap_or(0)
+}
+
+/// The first lowering of a capped program (`fit_capped`'s round without reserves), started on
+/// a thread of its own at the step where the beam's best program first keeps weights on home
+/// tiles: from there the beam most likely ends with home-tile weights, and then
+/// `capped_program` tries replicas capped, a whole-program lowering on one core; the beam's
+/// last steps mostly extend one or two programs and leave the other core idle. The
+/// orientation is the best program's at that step (later products normal), the cap
+/// `first_cap` of the most transient bytes of the beam's programs there (the best one's homed
+/// products gather their weight blocks, transient bytes that the finished program's cap reads
+/// too); `capped_program` takes the lowering only for the same orientation and cap, so the
+/// programs are those of lowering it there (a speed matter only). Not taken, or dropped, the
+/// thread is told to stop at its next product and joined.
+struct CappedAhead {
+    oriented: Arc<Oriented>,
+    cap: u32,
+    cancel: Arc<AtomicBool>,
+    #[allow(clippy::type_complexity)]
+    handle: std::sync::Mutex<Option<std::thread::JoinHandle<Option<Result<Attempt, LowerError>>>>>,
+}
+
+impl CappedAhead {
+    /// Start lowering `graph` with the products in `swapped` swapped (later ones normal) under
+    /// the cap `first_cap` gives for the most transient bytes of `partials`; `products`: the
+    /// graph's products in order (the thread looks for a stop at each). None when there is no
+    /// cap to try or no thread.
+    fn start(graph: &Graph, target: &Target, swapped: &BTreeSet<usize>, partials: &[&Partial], products: &[usize]) -> Option<CappedAhead> {
+        let weight_bytes = matrix_weight_bytes(graph);
+        let live = partials
+            .iter()
+            .map(|p| {
+                let mut host = vec![false; p.buffers().len()];
+                for b in p.host_buffers() {
+                    if let Some(h) = host.get_mut(b as usize) {
+                        *h = true;
+                    }
+                }
+                transient_peak(p.buffers().iter(), &host, target.chip.tiles)
+            })
+            .max()
+            .unwrap_or(0);
+        let cap = first_cap(weight_bytes, live, target);
+        if weight_bytes == 0 || cap == 0 {
+            return None;
+        }
+        let oriented = Arc::new(orient_until(graph, swapped, usize::MAX).ok()?);
+        let cancel = Arc::new(AtomicBool::new(false));
+        let (o, t, c, products) = (oriented.clone(), target.clone(), cancel.clone(), products.to_vec());
+        let span = tracing::Span::current();
+        let handle = std::thread::Builder::new()
+            .name("ipuq-capped".into())
+            .spawn(move || {
+                let _span = span.enter();
+                let mut partial = Partial::replication_capped(cap);
+                for &p in &products {
+                    let to = end_before(&o, Some(p));
+                    if to <= partial.lowered_operations() {
+                        continue;
+                    }
+                    if c.load(Ordering::Relaxed) {
+                        return None;
+                    }
+                    partial = match extend(partial, &o, &t, &[], to) {
+                        Ok(p) => p,
+                        Err(e) => return Some(Err(e)),
+                    };
+                }
+                if c.load(Ordering::Relaxed) {
+                    return None;
+                }
+                Some(extend(partial, &o, &t, &[], o.graph.operations.len()).and_then(|p| complete(p, &o, &t, &[])))
+            })
+            .ok()?;
+        debug!(cap, swapped = ?swapped, "lowering the capped program beside the beam");
+        Some(CappedAhead { oriented, cap, cancel, handle: std::sync::Mutex::new(Some(handle)) })
+    }
+
+    /// The lowering, when it was made over `oriented` (a program that lowers exactly alike:
+    /// `prefix_identical_across_graphs` over every operation) under `cap` and finished; None
+    /// otherwise.
+    fn take(&self, oriented: &Oriented, cap: u32) -> Option<Result<Attempt, LowerError>> {
+        let n = oriented.graph.operations.len();
+        let same = cap == self.cap && self.oriented.graph.operations.len() == n && self.oriented.graph.values.len() == oriented.graph.values.len() && self.oriented.graph.outputs == oriented.graph.outputs && prefix_identical_across_graphs(&self.oriented, oriented, n);
+        if !same {
+            return None;
+        }
+        let handle = self.handle.lock().ok()?.take()?;
+        let taken = handle.join().ok().flatten();
+        debug!(cap, taken = taken.is_some(), "took the capped program lowered beside the beam");
+        taken
+    }
+}
+
+impl Drop for CappedAhead {
+    fn drop(&mut self) {
+        self.cancel.store(true, Ordering::Relaxed);
+        if let Some(handle) = self.handle.get_mut().ok().and_then(|h| h.take()) {
+            let _ = handle.join();
+        }
+    }
+}
+
 /// The replication cap a program was lowered under (`capped_program`), as its plans record it
 /// (`REPLICAS_AT_MOST`); None for a program lowered without one.
 pub(crate) fn replication_cap_of(l: &Lowered) -> Option<u32> {
@@ -1312,7 +1445,7 @@ pub(crate) fn replication_cap_of(l: &Lowered) -> Option<u32> {
 /// fits: a steer re-plans the finalist, not the whole search (whose beam would end where it did
 /// and whose capped try would lower this again).
 pub(crate) fn lower_capped_alone(oriented: &Oriented, target: &Target, cap: u32) -> Option<Lowered> {
-    let fitted = fit_capped(oriented, target, cap).map(|f| f.0);
+    let fitted = fit_capped(oriented, target, cap, None).map(|f| f.0);
     debug!(cap, fits = fitted.is_some(), "lowered the capped program again alone");
     fitted
 }
@@ -1330,7 +1463,7 @@ pub(crate) fn relower_capped(graph: &Graph, target: &Target, l: &Lowered) -> Opt
 /// program it switched to them), else from replicated weights.
 pub(crate) fn lower_feasible_alone(oriented: &Oriented, target: &Target, home_from: usize) -> Result<(Lowered, bool), LowerError> {
     let first = if home_from < usize::MAX { Some((lower_homing_from(oriented, target, home_from, &[])?, home_from)) } else { None };
-    lower_feasible(oriented, target, first, None, None, true).map(|(l, peaks, _)| (l, peaks.is_some()))
+    lower_feasible(oriented, target, first, None, None, true, None).map(|(l, peaks, _)| (l, peaks.is_some()))
 }
 
 /// The latest original operation before `before` from which keeping the products' weights on
@@ -1612,8 +1745,8 @@ mod tests {
         for (blocks, tokens, dim, hidden) in [(3, 128, 256, 1024), (4, 64, 384, 1152), (2, 64, 256, 768)] {
             let graph = Graph::parse(&mlp_text(blocks, tokens, dim, hidden), "mlp.toml").unwrap();
             let (a, b) = (beam(&graph, &target, DEFAULT_FINALISTS, None), beam(&graph, &target, DEFAULT_FINALISTS, None));
-            let (with, n) = feasible_finalists(&graph, &target, DEFAULT_FINALISTS, a.programs, &a.far, true, &a.histories, a.first_error);
-            let (without, none) = feasible_finalists(&graph, &target, DEFAULT_FINALISTS, b.programs, &b.far, false, &b.histories, b.first_error);
+            let (with, n) = feasible_finalists(&graph, &target, DEFAULT_FINALISTS, a.programs, &a.far, true, &a.histories, a.first_error, None);
+            let (without, none) = feasible_finalists(&graph, &target, DEFAULT_FINALISTS, b.programs, &b.far, false, &b.histories, b.first_error, None);
             assert_eq!(none, 0);
             assert_eq!(n, a.far.iter().filter(|&&f| f).count(), "{blocks} blocks of {tokens}x{dim}x{hidden}: a near program fits");
             assert_eq!(with.unwrap(), without.unwrap(), "{blocks} blocks of {tokens}x{dim}x{hidden}");
@@ -1625,7 +1758,7 @@ mod tests {
         let graph = Graph::parse(&mlp_text(4, 128, 512, 1536), "mlp.toml").unwrap();
         let run = beam(&graph, &target, DEFAULT_FINALISTS, None);
         assert!(!run.far.is_empty() && run.far.iter().all(|&f| f));
-        assert_eq!(feasible_finalists(&graph, &target, DEFAULT_FINALISTS, run.programs, &run.far, true, &run.histories, run.first_error).1, 0);
+        assert_eq!(feasible_finalists(&graph, &target, DEFAULT_FINALISTS, run.programs, &run.far, true, &run.histories, run.first_error, None).1, 0);
     }
 
     /// A prefix lowered over one orientation and extended over another (later products
@@ -1773,7 +1906,7 @@ mod tests {
             .filter_map(|start| {
                 let swapped: BTreeSet<usize> = products[start..].iter().copied().collect();
                 let o = orient(&graph, &swapped).ok()?;
-                lower_feasible(&o, &target, None, None, None, true).ok().filter(|r| r.1.is_some()).map(|r| estimated_cycles(&r.0))
+                lower_feasible(&o, &target, None, None, None, true, None).ok().filter(|r| r.1.is_some()).map(|r| estimated_cycles(&r.0))
             })
             .min()
             .unwrap();
@@ -1937,5 +2070,45 @@ mod tests {
         assert_eq!(Some(&cap), chosen_replicas.iter().max().map(|&r| r as u32).as_ref());
         assert_eq!(relower_capped(&graph, &target, chosen).as_ref(), Some(chosen));
         assert_eq!(replication_cap_of(&uncapped), None);
+    }
+
+    /// The capped program lowered beside the beam (`CappedAhead`) is the program lowered in
+    /// place with its orientation and cap; it is handed over only for that orientation and
+    /// cap, once, and a lowering not taken is stopped and joined when dropped.
+    #[test]
+    fn the_capped_program_lowered_beside_the_beam_is_the_one_lowered_in_place() {
+        let (graph, target) = (row_partitioned_mlp(4), small16());
+        let products = swappable(&graph);
+        let oriented = orient(&graph, &BTreeSet::new()).unwrap();
+        let partial = extend(Partial::new(false), &oriented, &target, &[], end_before(&oriented, products.get(2).copied())).unwrap();
+        let ahead = CappedAhead::start(&graph, &target, &BTreeSet::new(), &[&partial], &products).expect("a cap to try");
+        assert!(ahead.cap >= 1);
+        // Another cap, or another program: not this lowering.
+        assert!(ahead.take(&oriented, ahead.cap + 1).is_none());
+        assert!(ahead.take(&orient(&row_partitioned_mlp(3), &BTreeSet::new()).unwrap(), ahead.cap).is_none());
+        let unconstrained = Graph::parse(&mlp_text(4, 64, 256, 768), "mlp.toml").unwrap();
+        assert!(ahead.take(&orient(&unconstrained, &BTreeSet::new()).unwrap(), ahead.cap).is_none());
+        let taken = ahead.take(&oriented, ahead.cap).expect("lowered").expect("lowers");
+        let in_place = lower_replication_capped(&oriented, &target, ahead.cap, &vec![Reserve::default(); oriented.graph.operations.len()]).unwrap();
+        assert_eq!(taken.lowered, in_place.lowered);
+        assert_eq!(taken.owners, in_place.owners);
+        assert_eq!(taken.spans, in_place.spans);
+        assert_eq!(taken.interleaved_weights, in_place.interleaved_weights);
+        assert!(ahead.take(&oriented, ahead.cap).is_none(), "handed over once");
+        // Dropped untaken: stopped at its next product and joined.
+        drop(CappedAhead::start(&graph, &target, &BTreeSet::new(), &[&partial], &products).expect("a cap to try"));
+    }
+
+    /// The finalists are the same with one thread (no lowering beside the beam) and with two.
+    #[test]
+    fn finalists_are_the_same_at_one_and_two_threads() {
+        let target = small16();
+        for graph in [row_partitioned_mlp(4), Graph::parse(&mlp_text(4, 64, 256, 768), "mlp.toml").unwrap()] {
+            let at = |threads: usize| {
+                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                pool.install(|| finalists(&graph, &target, DEFAULT_FINALISTS).unwrap())
+            };
+            assert_eq!(at(1), at(2));
+        }
     }
 }
