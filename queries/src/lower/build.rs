@@ -401,9 +401,16 @@ impl Partial {
         &self.buffers
     }
 
-    /// Buffers the host writes (resident from the start of the run once the program is complete).
-    pub fn host_buffers(&self) -> impl Iterator<Item = u32> + '_ {
-        self.host.values().flat_map(|t| t.segments.iter().map(|s| s.buffer))
+    /// Per buffer: whether the host writes it (resident from the start of the run once the
+    /// program is complete).
+    pub fn host_flags(&self) -> Vec<bool> {
+        let mut host = vec![false; self.buffers.len()];
+        for b in self.host.values().flat_map(|t| t.segments.iter().map(|s| s.buffer)) {
+            if let Some(h) = host.get_mut(b as usize) {
+                *h = true;
+            }
+        }
+        host
     }
 
     /// The peak (standard, interleaved, total) live bytes on any tile (host-written buffers

@@ -1360,19 +1360,7 @@ impl CappedAhead {
     /// cap to try or no thread.
     fn start(graph: &Graph, target: &Target, swapped: &BTreeSet<usize>, partials: &[&Partial], products: &[usize]) -> Option<CappedAhead> {
         let weight_bytes = matrix_weight_bytes(graph);
-        let live = partials
-            .iter()
-            .map(|p| {
-                let mut host = vec![false; p.buffers().len()];
-                for b in p.host_buffers() {
-                    if let Some(h) = host.get_mut(b as usize) {
-                        *h = true;
-                    }
-                }
-                transient_peak(p.buffers().iter(), &host, target.chip.tiles)
-            })
-            .max()
-            .unwrap_or(0);
+        let live = partials.iter().map(|p| transient_peak(p.buffers().iter(), &p.host_flags(), target.chip.tiles)).max().unwrap_or(0);
         let cap = first_cap(weight_bytes, live, target);
         if weight_bytes == 0 || cap == 0 {
             return None;
@@ -1596,11 +1584,7 @@ pub(super) mod tests_support {
 
     /// `Partial::peaks` as swept over every buffer of the program.
     pub fn full_peaks(partial: &Partial, tiles: u32) -> (u64, u64, u64) {
-        let mut host = vec![false; partial.buffers().len()];
-        for b in partial.host_buffers() {
-            host[b as usize] = true;
-        }
-        peaks(partial.buffers().iter(), &host, tiles)
+        peaks(partial.buffers().iter(), &partial.host_flags(), tiles)
     }
 }
 
