@@ -72,7 +72,7 @@ pub fn support_memory(lowered: &Lowered, table_bytes: &[u32]) -> Vec<SupportMemo
     let mut vertex = vec![0u32; lowered.tiles as usize];
     let mut last_set = vec![u32::MAX; lowered.tiles as usize];
     for (index, set) in lowered.compute_sets.iter().enumerate() {
-        for (tile, call) in set {
+        for (tile, call) in set.iter() {
             let t = *tile as usize;
             if last_set[t] != index as u32 {
                 last_set[t] = index as u32;
@@ -146,7 +146,7 @@ fn host_tensor(placement: &Placement, lowered: &Lowered, t: &LHostTensor) -> Hos
 pub fn estimate_cycles(target: &Target, lowered: &Lowered, placement: &Placement, exchanges: &[ExchangePhase]) -> (u64, u64) {
     let mut set_cycles: Vec<Vec<u64>> = vec![vec![0; lowered.tiles as usize]; lowered.compute_sets.len()];
     for (index, set) in lowered.compute_sets.iter().enumerate() {
-        for (tile, call) in set {
+        for (tile, call) in set.iter() {
             set_cycles[index][*tile as usize] += cost::vertex(target, &vertex(placement, call));
         }
     }
@@ -210,7 +210,7 @@ pub struct TileBody {
 
 /// Every tile's input, in tile order, from the placed program and the final exchange tables
 /// (an error when a tile's tables do not encode).
-pub fn tile_inputs(lowered: &Lowered, placement: &Placement, exchanges: &[PackedPhase]) -> Result<Vec<TileInput>, CompileError> {
+pub fn tile_inputs(lowered: &Lowered, placement: &Placement, exchanges: &[std::sync::Arc<PackedPhase>]) -> Result<Vec<TileInput>, CompileError> {
     let tiles = lowered.tiles as usize;
     let steps = lowered.steps.len() as u32;
     let mut inputs: Vec<TileInput> = placement.code[..tiles]
@@ -218,7 +218,7 @@ pub fn tile_inputs(lowered: &Lowered, placement: &Placement, exchanges: &[Packed
         .map(|&code| TileInput { steps, host_records: Vec::new(), sets: Vec::new(), tables: Vec::new(), bindings: 0, allocations: Vec::new(), code })
         .collect();
     for (index, set) in lowered.compute_sets.iter().enumerate() {
-        for (tile, call) in set {
+        for (tile, call) in set.iter() {
             let sets = &mut inputs[*tile as usize].sets;
             if sets.last().is_none_or(|s| s.index != index as u32) {
                 sets.push(ComputeSet { index: index as u32, calls: Vec::new() });
@@ -287,7 +287,7 @@ pub fn assemble_package(
     graph: &Graph,
     lowered: &Lowered,
     placement: &Placement,
-    exchanges: &[PackedPhase],
+    exchanges: &[std::sync::Arc<PackedPhase>],
     inputs: &[TileInput],
     bodies: &[&TileBody],
 ) -> Result<Package, CompileError> {
@@ -381,9 +381,9 @@ pub fn assemble_package(
 /// Each tile's encoded exchange tables over all phases (bindings, base lists and shared
 /// segments), encoded in parallel over tiles (plain data), in tile order; an error names the
 /// tile and phase whose offsets or slots do not fit a descriptor.
-pub fn tile_tables(tiles: usize, exchanges: &[PackedPhase]) -> Result<Vec<Vec<u8>>, String> {
+pub fn tile_tables<P: std::borrow::Borrow<PackedPhase>>(tiles: usize, exchanges: &[P]) -> Result<Vec<Vec<u8>>, String> {
     let mut per_tile: Vec<Vec<(u32, &PackedTile)>> = vec![Vec::new(); tiles];
-    for phase in exchanges {
+    for phase in exchanges.iter().map(|p| p.borrow()) {
         for t in &phase.tiles {
             if let Some(v) = per_tile.get_mut(t.tile as usize) {
                 v.push((phase.index, t));

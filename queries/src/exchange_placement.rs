@@ -58,7 +58,7 @@ pub fn exchange_rules(lowered: &Lowered, receive_offset: u32) -> ExchangeRules {
             let tile_of = |buffer: u32| (lowered.buffers[buffer as usize].tile as usize).min(tiles);
             let mut first = vec![0usize; tiles + 2];
             let mut received: Vec<u32> = Vec::new();
-            for t in phase {
+            for t in phase.iter() {
                 first[tile_of(t.source.0) + 1] += 1;
                 for d in &t.destinations {
                     first[tile_of(d.0) + 1] += 1;
@@ -74,7 +74,7 @@ pub fn exchange_rules(lowered: &Lowered, receive_offset: u32) -> ExchangeRules {
                 roles[fill[tile]] = (role << 32) | buffer as u64;
                 fill[tile] += 1;
             };
-            for t in phase {
+            for t in phase.iter() {
                 deal(t.source.0, 0);
                 for d in &t.destinations {
                     deal(d.0, 1);
@@ -173,7 +173,7 @@ fn grouped_relocation(target: &Target, lowered: &Lowered, schedules: &[Schedule]
         .map(|(phase, schedule)| {
             let mut h = KeyHasher::new("ipuq relative exchange tables v1");
             h.add(schedule).add(&(phase.len() as u64));
-            for t in phase {
+            for t in phase.iter() {
                 h.add(&tile(t.source.0)).add(&t.words).add(&(t.destinations.len() as u64));
                 for d in &t.destinations {
                     h.add(&tile(d.0));

@@ -575,7 +575,7 @@ fn schedules_key(domain: &str, before: &[Digest], schedules: &[Digest], after: &
 /// phase's key holds its schedule's digest and its request with addresses, so only phases
 /// whose addresses (or schedule) moved are re-validated.
 #[salsa::tracked(returns(clone))]
-pub fn tables(db: &dyn Db, sources: Sources) -> StageResult<Vec<PackedPhase>> {
+pub fn tables(db: &dyn Db, sources: Sources) -> StageResult<Vec<Arc<PackedPhase>>> {
     let t = exchange_target(db, sources)?;
     let l = lowered(db, sources)?;
     let s = schedules(db, sources)?;
@@ -608,7 +608,7 @@ pub fn tables(db: &dyn Db, sources: Sources) -> StageResult<Vec<PackedPhase>> {
         }
         None => exchange::reuse(target, &requests[i], &schedules[i]).map_err(CompileError::from).and_then(|p| crate::tables::pack_phase(&p, &buffers[i]).map_err(CompileError)),
     })?;
-    Ok(Staged { digest: combined("ipuq exchange tables v3", &entries), value: Arc::new(entries.iter().map(|e| (*e.value).clone()).collect()) })
+    Ok(Staged { digest: combined("ipuq exchange tables v3", &entries), value: Arc::new(entries.iter().map(|e| e.value.clone()).collect()) })
 }
 
 /// `build_tile_images`: every tile's image from its own input (`emit::TileInput`: its placed
@@ -732,7 +732,7 @@ mod tests {
             words.push(l.phases.len() as u32);
             for phase in &l.phases {
                 words.push(phase.len() as u32);
-                for t in phase {
+                for t in phase.iter() {
                     words.extend([t.source.0, t.source.1, t.words, t.destinations.len() as u32]);
                     for d in &t.destinations {
                         words.extend([d.0, d.1]);
@@ -759,7 +759,7 @@ mod tests {
         assert_ne!(crate::sizing::sizing_digest(&moved), crate::sizing::sizing_digest(&program));
         assert!(!crate::sizing::same_sizing_input(&program, &moved));
         let mut rerouted = program.clone();
-        let phase = rerouted.phases.iter_mut().find(|p| !p.is_empty()).expect("an exchange phase");
+        let phase = std::sync::Arc::make_mut(rerouted.phases.iter_mut().find(|p| !p.is_empty()).expect("an exchange phase"));
         phase[0].words += 1;
         assert_eq!(crate::sizing::sizing_digest(&rerouted), gathered(&rerouted));
         assert_ne!(crate::sizing::sizing_digest(&rerouted), crate::sizing::sizing_digest(&program));
@@ -774,7 +774,7 @@ mod tests {
             let mut receives = vec![false; l.buffers.len()];
             for phase in &l.phases {
                 let mut roles: Vec<(u32, u8, u32)> = Vec::new();
-                for t in phase {
+                for t in phase.iter() {
                     roles.push((l.buffers[t.source.0 as usize].tile, 0, t.source.0));
                     for d in &t.destinations {
                         roles.push((l.buffers[d.0 as usize].tile, 1, d.0));
@@ -919,7 +919,7 @@ mod tests {
         assert_eq!(validated(&db), 0);
         // A sent buffer moved by 8 bytes: the tables written for the old addresses are not
         // taken as validated for the new ones (the phases that send it are checked again).
-        let first = l.value.phases.iter().flatten().next().expect("a transfer");
+        let first = l.value.phases.iter().flat_map(|p| p.iter()).next().expect("a transfer");
         let mut moved = (*p.value).clone();
         moved.addresses[first.source.0 as usize] += 8;
         assert!(check(&moved, written.clone()).is_err());

@@ -51,7 +51,7 @@ pub fn sizing_bases(lowered: &Lowered) -> Vec<u32> {
 pub fn phase_buffers(lowered: &Lowered, phase: usize, starts: &[u32]) -> PhaseBuffers {
     let mut seen = vec![false; lowered.buffers.len()];
     let mut order: Vec<(u32, u32)> = Vec::new();
-    for t in &lowered.phases[phase] {
+    for t in lowered.phases[phase].iter() {
         for b in std::iter::once(t.source.0).chain(t.destinations.iter().map(|d| d.0)) {
             if !std::mem::replace(&mut seen[b as usize], true) {
                 order.push((lowered.buffers[b as usize].tile, b));
@@ -117,7 +117,7 @@ pub fn sizing_digest(lowered: &Lowered) -> crate::hash::Digest {
     h.add(&(lowered.phases.len() as u32));
     for phase in &lowered.phases {
         h.add(&(phase.len() as u32));
-        for t in phase {
+        for t in phase.iter() {
             h.add(&t.source.0).add(&t.source.1).add(&t.words).add(&(t.destinations.len() as u32));
             for d in &t.destinations {
                 h.add(&d.0).add(&d.1);

@@ -122,14 +122,14 @@ fn replicate_with(mut l: Lowered, target: &Target, every_input: bool) -> (Lowere
         tensor.segments = committed.host_segments;
         if tensor.role == HostRole::Weight {
             l.initialize.push(l.phases.len() as u32);
-            l.phases.push(committed.transfers);
+            l.phases.push(std::sync::Arc::new(committed.transfers));
         } else {
             input_phase.extend(committed.transfers);
         }
     }
     if !input_phase.is_empty() {
         let phase = l.phases.len() as u32;
-        l.phases.push(input_phase);
+        l.phases.push(std::sync::Arc::new(input_phase));
         shift_steps(&mut l);
         l.steps.insert(0, LStep::Exchange(phase));
     }

@@ -130,9 +130,13 @@ pub struct Lowered {
     pub labels: Vec<String>,
     pub buffers: Vec<BufferDecl>,
     pub steps: Vec<LStep>,
-    /// Per compute set: (tile, call) in execution order per tile.
-    pub compute_sets: Vec<Vec<(u32, Call)>>,
-    pub phases: Vec<Vec<Transfer>>,
+    /// Per compute set: (tile, call) in execution order per tile. Shared (`Arc`) so that the
+    /// copies the search, the table screen and `select_finalist` make of a program share its
+    /// compute sets and phases instead of copying them; archived as plain vectors (`Unshare`).
+    #[rkyv(with = rkyv::with::Map<rkyv::with::Unshare>)]
+    pub compute_sets: Vec<std::sync::Arc<Vec<(u32, Call)>>>,
+    #[rkyv(with = rkyv::with::Map<rkyv::with::Unshare>)]
+    pub phases: Vec<std::sync::Arc<Vec<Transfer>>>,
     /// Per exchange phase the lowering built: the index in `plans` of the operation whose
     /// gathers (or reduction) it carries. Phases added later (`host.rs`) have no entry.
     pub phase_plans: Vec<u32>,

@@ -264,7 +264,7 @@ fn cost_placed(
         match step {
             LStep::Compute(i) => {
                 let mut per_tile = vec![0u64; l.tiles as usize];
-                for (tile, call) in &l.compute_sets[*i as usize] {
+                for (tile, call) in l.compute_sets[*i as usize].iter() {
                     per_tile[*tile as usize] += cost::vertex(target, &vertex(&placement, call));
                 }
                 cycles += per_tile.into_iter().max().unwrap_or(0);
