@@ -84,7 +84,7 @@ fn entries<K>(
     let tiles = target.chip.tiles as usize;
     let mut sends: Vec<Vec<(u32, SendEntry)>> = vec![Vec::new(); tiles];
     let mut receives: Vec<Vec<(K, ReceiveEntry)>> = (0..tiles).map(|_| Vec::new()).collect();
-    for piece in &schedule.pieces {
+    for piece in schedule.pieces.iter() {
         let Some(t) = phase.transfers.get(piece.transfer as usize) else { continue };
         if t.source as usize >= tiles {
             continue;

@@ -220,7 +220,7 @@ fn schedule_with(target: &Target, phase: &PhaseRequest, coalescing: bool) -> Res
 
 fn finish(phase: &PhaseRequest, bounds: &bound::Bounds, built: Built, initial: u32, improvements: u32) -> Schedule {
     let schedule = Schedule {
-        pieces: built.pieces,
+        pieces: std::sync::Arc::new(built.pieces),
         horizon: built.horizon,
         endpoint_lower_bound: bounds.endpoint,
         stronger_bound: bounds.stronger.clone(),

@@ -344,7 +344,7 @@ fn relative_tables_refuse_ties_and_repeated_destinations() {
     let target = small16();
     let transfer = |source: u32, address: u32, tiles: &[u32]| Transfer { source, source_address: address, words: 4, destinations: tiles.iter().map(|&tile| Destination { tile, address: address + 0x100 }).collect() };
     let piece = |transfer: u32, send_cycle: u32| Piece { transfer, offset_words: 0, words: 4, send_cycle, paired: false };
-    let schedule = |pieces: Vec<Piece>| Schedule { pieces, horizon: 0, endpoint_lower_bound: 0, stronger_bound: None, kind: ScheduleKind::Reused, initial_horizon: 0, neighborhood_improvements: 0, paired: false };
+    let schedule = |pieces: Vec<Piece>| Schedule { pieces: std::sync::Arc::new(pieces), horizon: 0, endpoint_lower_bound: 0, stronger_bound: None, kind: ScheduleKind::Reused, initial_horizon: 0, neighborhood_improvements: 0, paired: false };
     // Two sends of tile 0 in one cycle: their order would depend on the addresses.
     let phase = PhaseRequest { index: 0, transfers: vec![transfer(0, 0x40, &[1]), transfer(0, 0x80, &[2])] };
     assert!(relative_tables(&target, &phase, &schedule(vec![piece(0, 0), piece(1, 0)])).is_none());

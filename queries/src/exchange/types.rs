@@ -31,8 +31,11 @@ pub struct PhaseRequest {
 /// Address-independent schedule: pieces refer to transfers by index and word offset.
 #[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct Schedule {
-    /// Sorted by (send cycle, transfer, offset).
-    pub pieces: Vec<Piece>,
+    /// Sorted by (send cycle, transfer, offset). Shared (`Arc`): the memoized schedule of a
+    /// pattern is handed to every phase of that pattern, and to each stage that reads it,
+    /// without copying its pieces; archived as a plain vector (`Unshare`).
+    #[rkyv(with = rkyv::with::Unshare)]
+    pub pieces: std::sync::Arc<Vec<Piece>>,
     /// Last receive cycle plus one.
     pub horizon: u32,
     /// See `bound.rs` for exactly what is counted.

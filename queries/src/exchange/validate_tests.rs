@@ -27,7 +27,7 @@ fn piece(transfer: u32, offset_words: u32, words: u32, send_cycle: u32, paired: 
 
 fn tables(pieces: Vec<Piece>) -> ExchangePhase {
     let schedule = Schedule {
-        pieces,
+        pieces: std::sync::Arc::new(pieces),
         horizon: 0,
         endpoint_lower_bound: 0,
         stronger_bound: None,
