@@ -355,6 +355,12 @@ impl Partial {
         self.lowered
     }
 
+    /// The exchange phases lowered so far (tests: which allocations a finished program shares).
+    #[cfg(test)]
+    pub(crate) fn phase_lists(&self) -> &[Arc<Vec<Transfer>>] {
+        &self.phases
+    }
+
     /// Whether every matrix-product weight is kept once on a home tile (else some or all are
     /// replicated).
     pub fn home_weights(&self) -> bool {

@@ -1618,6 +1618,33 @@ mod tests {
         Target::from_toml(fixtures::SMALL16, "small16.toml").unwrap()
     }
 
+    /// A finished program shares the exchange phases of the lowering it was completed from
+    /// (no transfer is copied while another program, a beam state, still holds that lowering),
+    /// and a copy of a finished program (the table screen's sizing view, `select_finalist`'s
+    /// prepared copy) shares them too: the copies the search and selection make of a program
+    /// cost pointers, not its transfers.
+    #[test]
+    fn finished_programs_and_their_copies_share_phases_with_the_prefix() {
+        let target = small16();
+        let graph = mlp(2);
+        let oriented = orient(&graph, &BTreeSet::new()).unwrap();
+        let ops = oriented.graph.operations.len();
+        let prefix = extend(Partial::new(false), &oriented, &target, &[], ops).unwrap();
+        assert!(!prefix.phase_lists().is_empty());
+        let held = prefix.clone();
+        let lowered = complete(prefix, &oriented, &target, &[]).unwrap().lowered;
+        assert!(lowered.phases.len() >= held.phase_lists().len());
+        for (finished, kept) in lowered.phases.iter().zip(held.phase_lists()) {
+            assert!(Arc::ptr_eq(finished, kept), "a finished program copied a phase its prefix holds");
+        }
+        let copy = lowered.clone();
+        assert!(copy.phases.iter().zip(&lowered.phases).all(|(a, b)| Arc::ptr_eq(a, b)));
+        assert!(copy.compute_sets.iter().zip(&lowered.compute_sets).all(|(a, b)| Arc::ptr_eq(a, b)));
+        // The host pass adds phases of its own and leaves the program's shared.
+        let prepared = crate::lower::host::replicate_every_input(lowered.clone(), &target);
+        assert!(prepared.phases.iter().zip(&lowered.phases).all(|(a, b)| Arc::ptr_eq(a, b)));
+    }
+
     /// `blocks` MLP blocks of 64 tokens, dimension 256 and hidden dimension 768, each product
     /// held normal at four row partitions (`[[constraint]]`), so that on 16 tiles a replicated
     /// weight takes a quarter of itself (96 KiB) on every tile.
