@@ -24,7 +24,7 @@ use crate::tables::{self, PackedPhase, PackedTile};
 use crate::ir::Graph;
 use crate::lower::{Call, LHostTensor, LStep, Loc, Lowered};
 use crate::package::{
-    AddressRange, Allocation, AllocationKind, Checkpoint, ComputeSet, ExchangePhase, HostSegment, HostTables, HostTensor, Operand, Package, PhaseSummary, Segment, SharedSegment,
+    AddressRange, Allocation, AllocationKind, Checkpoint, ComputeSet, HostSegment, HostTables, HostTensor, Operand, Package, PhaseSummary, Segment, SharedSegment,
     Step, Summary, TileImage, VertexCall,
 };
 use crate::storage::Placement;
@@ -142,8 +142,8 @@ fn host_tensor(placement: &Placement, lowered: &Lowered, t: &LHostTensor) -> Hos
 
 /// The compiler's estimate of a placed program: (cycles, exchange cycles), from the same cost
 /// formulas the package's summary states (the longest tile per compute set, plus each
-/// exchange phase's sync and horizon).
-pub fn estimate_cycles(target: &Target, lowered: &Lowered, placement: &Placement, exchanges: &[ExchangePhase]) -> (u64, u64) {
+/// exchange phase's sync and horizon, `horizons` per phase of the program).
+pub fn estimate_cycles(target: &Target, lowered: &Lowered, placement: &Placement, horizons: &[u32]) -> (u64, u64) {
     let mut set_cycles: Vec<Vec<u64>> = vec![vec![0; lowered.tiles as usize]; lowered.compute_sets.len()];
     for (index, set) in lowered.compute_sets.iter().enumerate() {
         for (tile, call) in set.iter() {
@@ -155,7 +155,7 @@ pub fn estimate_cycles(target: &Target, lowered: &Lowered, placement: &Placement
         match s {
             LStep::Compute(i) => total += set_cycles[*i as usize].iter().copied().max().unwrap_or(0),
             LStep::Exchange(p) => {
-                let c = exchanges.get(*p as usize).map_or(0, |x| cost::exchange_phase(target, x.horizon));
+                let c = horizons.get(*p as usize).map_or(0, |&h| cost::exchange_phase(target, h));
                 total += c;
                 exchange += c;
             }

@@ -301,11 +301,51 @@ pub struct Baseline {
 struct Scored {
     offset: Option<u32>,
     placement: Placement,
-    /// The placement's relocated tables and their per-phase statistics (computed once, reused
-    /// for the finalists' cycles and the final phase log).
-    tables: (Vec<ExchangePhase>, PhaseStats),
+    /// The placement's relocated tables, kept only for the first offset (`written`): the
+    /// others are written again should one of them be accepted.
+    tables: Option<Vec<ExchangePhase>>,
+    /// Per phase: what the finalists' cycles and the phase log read of the tables, and the
+    /// statistics the score is made of (computed once).
+    summary: Vec<PhaseSummary>,
+    stats: PhaseStats,
     conflicts: u64,
     score: u64,
+}
+
+/// A placement's relocated tables (kept only with `keep`), their summary and statistics: with
+/// `keep` false each phase's tables are written, measured and dropped in turn, so a candidate
+/// the search does not keep never holds a whole program's tables.
+fn written(target: &Target, lowered: &Lowered, schedules: &[Schedule], placement: &Placement, relocation: Option<&Relocation>, keep: bool) -> Result<(Option<Vec<ExchangePhase>>, Vec<PhaseSummary>, PhaseStats), CompileError> {
+    if keep {
+        let tables = write_all(target, lowered, schedules, placement, relocation)?;
+        let (stats, summary) = (phase_stats(target, &tables), summary(&tables));
+        return Ok((Some(tables), summary, stats));
+    }
+    if schedules.len() != lowered.phases.len() || relocation.is_some_and(|r| r.len() != lowered.phases.len()) {
+        return Err(CompileError(format!("exchange placement search: {} schedules for {} exchange phases", schedules.len(), lowered.phases.len())));
+    }
+    let addresses = &placement.addresses;
+    let address = |buffer: u32, offset: u32| addresses[buffer as usize] + offset;
+    let measured: Vec<Result<(PhaseSummary, (Conflicts, u64)), CompileError>> = (0..lowered.phases.len())
+        .into_par_iter()
+        .map(|i| {
+            let phase = match relocation {
+                Some(r) => r.phase_at(target, lowered, schedules, i, &address)?,
+                None => exchange::relocate(target, &phase_request(lowered, i, &address), &schedules[i], false, None).map_err(CompileError::from)?,
+            };
+            Ok(((phase.index, phase.horizon, phase.endpoint_lower_bound), conflicts_and_bound(target, &phase)))
+        })
+        .collect();
+    let (summary, stats): (Vec<PhaseSummary>, PhaseStats) = measured.into_iter().collect::<Result<Vec<_>, _>>()?.into_iter().unzip();
+    Ok((None, summary, stats))
+}
+
+/// Every phase's tables under `placement`: from the relative tables where the caller has them.
+fn write_all(target: &Target, lowered: &Lowered, schedules: &[Schedule], placement: &Placement, relocation: Option<&Relocation>) -> Result<Vec<ExchangePhase>, CompileError> {
+    match relocation {
+        Some(r) => r.tables(target, lowered, schedules, placement),
+        None => placed_tables(target, lowered, schedules, placement, false),
+    }
 }
 
 /// Per phase: its memory-element conflicts and bound (computed once per placement, for the
@@ -316,12 +356,12 @@ fn phase_stats(target: &Target, tables: &[ExchangePhase]) -> PhaseStats {
     tables.par_iter().map(|phase| conflicts_and_bound(target, phase)).collect()
 }
 
-fn score(tables: &[ExchangePhase], stats: &PhaseStats) -> (u64, u64) {
+fn score(phases: &[PhaseSummary], stats: &PhaseStats) -> (u64, u64) {
     let mut conflicts = 0u64;
     let mut forced = 0u64;
-    for (phase, (c, bound)) in tables.iter().zip(stats) {
+    for (&(_, horizon, _), (c, bound)) in phases.iter().zip(stats) {
         conflicts += c.tile_cycles;
-        forced += bound.saturating_sub(phase.horizon as u64);
+        forced += bound.saturating_sub(horizon as u64);
     }
     (conflicts, conflicts * CONFLICT_WEIGHT + forced)
 }
@@ -381,9 +421,15 @@ fn search_from(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_
             (tables, stats, None)
         }
     };
-    let (base_conflicts, base_score) = score(&base_tables, &base_stats);
-    log_phases("baseline", &base_tables, &base_stats);
+    let base_summary = summary(&base_tables);
+    let (base_conflicts, base_score) = score(&base_summary, &base_stats);
+    log_phases("baseline", &base_summary, &base_stats);
     info!(score = base_score, conflicts = base_conflicts, "scored baseline exchange placement");
+    let (base_cycles, base_exchange) = estimate_cycles(target, lowered, baseline, &horizons(&base_summary));
+    // The baseline's tables are needed again only where the baseline may be kept and checked
+    // (handed over, without conflicts); elsewhere they go now, before the candidates' tables
+    // are written (the largest programs' tables hold millions of runs).
+    let mut base_tables = (handed && base_conflicts == 0).then_some(base_tables);
     // Candidates are independent: place and score them two at a time in parallel, in offset
     // order, and stop once `FINALISTS` distinct placements score zero (no conflicts and no
     // forced cycles: later offsets could differ only in cost, which the finalists compare).
@@ -391,20 +437,17 @@ fn search_from(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_
     // The opposites do not depend on the offset: found once, each candidate takes a copy.
     let rules = exchange_rules(lowered, 0);
     for batch in (0..OFFSETS).collect::<Vec<_>>().chunks(FINALISTS) {
-        let candidates: Vec<(u32, Result<Option<(Placement, (Vec<ExchangePhase>, PhaseStats), u64, u64)>, CompileError>)> = batch
+        let candidates: Vec<(u32, Result<Option<Scored>, CompileError>)> = batch
             .par_iter()
             .map(|&k| {
                 let offset = k * OFFSET_STEP;
                 let rules = ExchangeRules { receive_offset: offset, ..rules.clone() };
                 let result = match place_storage_with(target, lowered, code_bytes, &rules) {
-                    Ok(placement) => match &relocation {
-                        Some(r) => r.tables(target, lowered, schedules, &placement),
-                        None => placed_tables(target, lowered, schedules, &placement, false),
-                    }
-                    .map(|tables| {
-                        let stats = phase_stats(target, &tables);
-                        let (conflicts, score) = score(&tables, &stats);
-                        Some((placement, (tables, stats), conflicts, score))
+                    // The first offset keeps its tables: the search takes the first placements
+                    // that score zero, lowest offset first, so that one is the usual winner.
+                    Ok(placement) => written(target, lowered, schedules, &placement, relocation.as_ref(), k == 0).map(|(tables, summary, stats)| {
+                        let (conflicts, score) = score(&summary, &stats);
+                        Some(Scored { offset: Some(offset), placement, tables, summary, stats, conflicts, score })
                     }),
                     Err(e) => {
                         debug!(offset, error = %e, "exchange placement candidate does not fit");
@@ -415,9 +458,9 @@ fn search_from(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_
             })
             .collect();
         for (offset, result) in candidates {
-            if let Some((placement, tables, conflicts, score)) = result? {
-                info!(offset, score, conflicts, "scored exchange placement");
-                scored.push(Scored { offset: Some(offset), placement, tables, conflicts, score });
+            if let Some(candidate) = result? {
+                info!(offset, score = candidate.score, conflicts = candidate.conflicts, "scored exchange placement");
+                scored.push(candidate);
             }
         }
         let mut perfect: Vec<&Placement> = scored.iter().filter(|s| s.score == 0).map(|s| &s.placement).collect();
@@ -434,10 +477,9 @@ fn search_from(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_
             finalists.push(s);
         }
     }
-    let (base_cycles, base_exchange) = estimate_cycles(target, lowered, baseline, &base_tables);
     let mut best: Option<(Scored, u64, u64)> = None;
     for f in finalists {
-        let (cycles, exchange_cycles) = estimate_cycles(target, lowered, &f.placement, &f.tables.0);
+        let (cycles, exchange_cycles) = estimate_cycles(target, lowered, &f.placement, &horizons(&f.summary));
         let better_than_base = f.conflicts < base_conflicts || (f.conflicts == base_conflicts && cycles < base_cycles);
         let better_than_best = best.as_ref().is_none_or(|(b, c, _)| (f.conflicts, cycles) < (b.conflicts, *c));
         let accepted = better_than_base && better_than_best;
@@ -460,8 +502,13 @@ fn search_from(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_
     let mut validated = None;
     let accepted_any = best.is_some();
     if let Some((f, _, _)) = best.as_mut() {
-        // Its tables as scored (written unchecked under its placement), checked as they are.
-        match check(&f.placement, std::mem::take(&mut f.tables.0)) {
+        // Its tables as scored (written unchecked under its placement), or written again the
+        // same way where the candidate did not keep them, checked as they are.
+        let tables = match f.tables.take() {
+            Some(tables) => tables,
+            None => write_all(target, lowered, schedules, &f.placement, relocation.as_ref())?,
+        };
+        match check(&f.placement, tables) {
             Ok(tables) => validated = Some(std::sync::Arc::new(tables)),
             Err(e) => {
                 warn!(offset = f.offset.unwrap_or(0), error = %e, "exchange placement finalist's relocated rows do not validate: keeping the baseline");
@@ -470,7 +517,7 @@ fn search_from(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_
         }
     }
     let (placement, stats, conflicts, cycles, exchange_cycles) = match best {
-        Some((f, c, x)) => (f.placement, f.tables.1, f.conflicts, c, x),
+        Some((f, c, x)) => (f.placement, f.stats, f.conflicts, c, x),
         None => {
             // The baseline kept (no candidate accepted, or the accepted one did not
             // validate): the caller's tables are checked here, unless conflicts remain (the
@@ -478,17 +525,18 @@ fn search_from(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_
             if accepted_any {
                 debug!("keeping the baseline after the accepted candidate failed validation");
             }
-            if handed && base_conflicts == 0 {
-                validated = Some(std::sync::Arc::new(check(baseline, base_tables)?));
-            } else {
-                validated = None;
-                log_phases("final", &base_tables, &base_stats);
+            match base_tables.take() {
+                Some(tables) => validated = Some(std::sync::Arc::new(check(baseline, tables)?)),
+                None => {
+                    validated = None;
+                    log_phases("final", &base_summary, &base_stats);
+                }
             }
             (baseline.clone(), base_stats, base_conflicts, base_cycles, base_exchange)
         }
     };
     if let Some(tables) = &validated {
-        log_phases("final", tables, &stats);
+        log_phases("final", &summary(tables), &stats);
     }
     if conflicts > 0 {
         warn!(conflicts, "memory-element conflicts remain after exchange placement (tile memory too full to separate send and receive buffers)");
@@ -499,19 +547,64 @@ fn search_from(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_
 
 /// Per phase: conflicts and the memory-element bound beside the endpoint bound (the bound
 /// binds where it exceeds the endpoint bound).
-fn log_phases(placement: &str, tables: &[ExchangePhase], stats: &PhaseStats) {
-    for (phase, (c, bound)) in tables.iter().zip(stats) {
+fn log_phases(placement: &str, phases: &[PhaseSummary], stats: &PhaseStats) {
+    for (&(index, horizon, endpoint_lower_bound), (c, bound)) in phases.iter().zip(stats) {
         let bound = *bound;
         info!(
             placement,
-            phase = phase.index,
+            phase = index,
             conflicts = c.tile_cycles,
             conflict_tiles = c.tiles,
             memory_element_bound = bound,
-            endpoint_lower_bound = phase.endpoint_lower_bound,
-            binds = bound > phase.endpoint_lower_bound as u64,
-            horizon = phase.horizon,
+            endpoint_lower_bound,
+            binds = bound > endpoint_lower_bound as u64,
+            horizon,
             "memory-element exchange bound"
         );
+    }
+}
+
+/// What the phase log reads of a phase's tables: (index, horizon, endpoint lower bound).
+type PhaseSummary = (u32, u32, u32);
+
+fn summary(tables: &[ExchangePhase]) -> Vec<PhaseSummary> {
+    tables.iter().map(|p| (p.index, p.horizon, p.endpoint_lower_bound)).collect()
+}
+
+fn horizons(phases: &[PhaseSummary]) -> Vec<u32> {
+    phases.iter().map(|p| p.1).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::db::{Database, Sources};
+    use crate::pipeline::{lowered, placement, schedules};
+    use crate::target::fixtures;
+
+    /// A candidate that does not keep its tables (each phase written, measured and dropped in
+    /// turn) scores exactly as one that keeps them, with and without relative tables, and its
+    /// tables written again (should it win) are the ones it would have kept.
+    #[test]
+    fn candidates_measured_phase_by_phase_score_as_kept_tables_do() {
+        let db = Database::default();
+        let text = include_str!("../../fixtures/workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml");
+        let sources = Sources::new(&db, text.to_string(), "mlp.toml".into(), fixtures::SMALL16.to_string(), "small16".into());
+        let target = Target::from_toml(fixtures::SMALL16, "small16.toml").unwrap();
+        let l = lowered(&db, sources).unwrap();
+        let s = schedules(&db, sources).unwrap();
+        let p = placement(&db, sources).unwrap();
+        let relocated = relocation(&target, &l.value, &s.value.phases, &s.value.digests).unwrap();
+        for relocation in [None, Some(&relocated)] {
+            let (kept, kept_summary, kept_stats) = written(&target, &l.value, &s.value.phases, &p.value, relocation, true).unwrap();
+            let (none, summary, stats) = written(&target, &l.value, &s.value.phases, &p.value, relocation, false).unwrap();
+            let kept = kept.expect("kept tables");
+            assert!(none.is_none());
+            assert!(!kept.is_empty());
+            assert_eq!((&summary, &stats), (&kept_summary, &kept_stats));
+            assert_eq!(score(&summary, &stats), score(&kept_summary, &kept_stats));
+            assert_eq!(write_all(&target, &l.value, &s.value.phases, &p.value, relocation).unwrap(), kept);
+            assert_eq!(horizons(&summary), kept.iter().map(|t| t.horizon).collect::<Vec<_>>());
+        }
     }
 }

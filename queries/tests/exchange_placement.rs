@@ -25,7 +25,7 @@ fn the_final_placement_has_no_memory_element_conflicts_and_costs_no_more() {
         tables.iter().map(|x| phase_conflicts(&t, x).tile_cycles).sum()
     };
     assert_eq!(count(&fin.value), 0, "the optimized placement leaves conflicts");
-    let cost = |p| estimate_cycles(&t, &l.value, p, &placed_tables(&t, &l.value, &s.value.phases, p, true).unwrap()).0;
+    let cost = |p| estimate_cycles(&t, &l.value, p, &placed_tables(&t, &l.value, &s.value.phases, p, true).unwrap().iter().map(|x| x.horizon).collect::<Vec<_>>()).0;
     assert!(cost(&fin.value) <= cost(&base.value) || count(&base.value) > 0);
     // Code ranges are those sized by size_tile_code.
     let c = code_sizes(&db, sources).unwrap();
