@@ -312,10 +312,13 @@ struct Scored {
     score: u64,
 }
 
+/// What `written` gives: the tables (when kept), their summary and statistics per phase.
+type Written = (Option<Vec<ExchangePhase>>, Vec<PhaseSummary>, PhaseStats);
+
 /// A placement's relocated tables (kept only with `keep`), their summary and statistics: with
 /// `keep` false each phase's tables are written, measured and dropped in turn, so a candidate
 /// the search does not keep never holds a whole program's tables.
-fn written(target: &Target, lowered: &Lowered, schedules: &[Schedule], placement: &Placement, relocation: Option<&Relocation>, keep: bool) -> Result<(Option<Vec<ExchangePhase>>, Vec<PhaseSummary>, PhaseStats), CompileError> {
+fn written(target: &Target, lowered: &Lowered, schedules: &[Schedule], placement: &Placement, relocation: Option<&Relocation>, keep: bool) -> Result<Written, CompileError> {
     if keep {
         let tables = write_all(target, lowered, schedules, placement, relocation)?;
         let (stats, summary) = (phase_stats(target, &tables), summary(&tables));
@@ -326,7 +329,7 @@ fn written(target: &Target, lowered: &Lowered, schedules: &[Schedule], placement
     }
     let addresses = &placement.addresses;
     let address = |buffer: u32, offset: u32| addresses[buffer as usize] + offset;
-    let measured: Vec<Result<(PhaseSummary, (Conflicts, u64)), CompileError>> = (0..lowered.phases.len())
+    let measured: Vec<Result<(PhaseSummary, PhaseStat), CompileError>> = (0..lowered.phases.len())
         .into_par_iter()
         .map(|i| {
             let phase = match relocation {
@@ -350,7 +353,10 @@ fn write_all(target: &Target, lowered: &Lowered, schedules: &[Schedule], placeme
 
 /// Per phase: its memory-element conflicts and bound (computed once per placement, for the
 /// score and for the phase log lines).
-type PhaseStats = Vec<(Conflicts, u64)>;
+type PhaseStats = Vec<PhaseStat>;
+
+/// One phase's memory-element conflicts and bound.
+type PhaseStat = (Conflicts, u64);
 
 fn phase_stats(target: &Target, tables: &[ExchangePhase]) -> PhaseStats {
     tables.par_iter().map(|phase| conflicts_and_bound(target, phase)).collect()
