@@ -315,32 +315,42 @@ struct Scored {
 /// What `written` gives: the tables (when kept), their summary and statistics per phase.
 type Written = (Option<Vec<ExchangePhase>>, Vec<PhaseSummary>, PhaseStats);
 
-/// A placement's relocated tables (kept only with `keep`), their summary and statistics: with
-/// `keep` false each phase's tables are written, measured and dropped in turn, so a candidate
-/// the search does not keep never holds a whole program's tables.
+/// One phase as `written` measures it: its tables (when kept), summary and statistics.
+type Measured = (Option<ExchangePhase>, PhaseSummary, PhaseStat);
+
+/// A placement's relocated tables (kept only with `keep`), their summary and statistics, phase
+/// by phase: without `keep` each phase's tables are written, measured and dropped in turn, so a
+/// candidate the search does not keep never holds a whole program's tables.
 fn written(target: &Target, lowered: &Lowered, schedules: &[Schedule], placement: &Placement, relocation: Option<&Relocation>, keep: bool) -> Result<Written, CompileError> {
-    if keep {
-        let tables = write_all(target, lowered, schedules, placement, relocation)?;
-        let (stats, summary) = (phase_stats(target, &tables), summary(&tables));
-        return Ok((Some(tables), summary, stats));
-    }
-    if schedules.len() != lowered.phases.len() || relocation.is_some_and(|r| r.len() != lowered.phases.len()) {
-        return Err(CompileError(format!("exchange placement search: {} schedules for {} exchange phases", schedules.len(), lowered.phases.len())));
+    let phases = lowered.phases.len();
+    if schedules.len() != phases || relocation.is_some_and(|r| r.len() != phases) {
+        return Err(CompileError(format!("exchange placement search: {} schedules for {phases} exchange phases", schedules.len())));
     }
     let addresses = &placement.addresses;
     let address = |buffer: u32, offset: u32| addresses[buffer as usize] + offset;
-    let measured: Vec<Result<(PhaseSummary, PhaseStat), CompileError>> = (0..lowered.phases.len())
+    let measured: Vec<Result<Measured, CompileError>> = (0..phases)
         .into_par_iter()
         .map(|i| {
+            // As `write_all` writes phase i.
             let phase = match relocation {
                 Some(r) => r.phase_at(target, lowered, schedules, i, &address)?,
                 None => exchange::relocate(target, &phase_request(lowered, i, &address), &schedules[i], false, None).map_err(CompileError::from)?,
             };
-            Ok(((phase.index, phase.horizon, phase.endpoint_lower_bound), conflicts_and_bound(target, &phase)))
+            let (summary, stat) = ((phase.index, phase.horizon, phase.endpoint_lower_bound), conflicts_and_bound(target, &phase));
+            Ok((keep.then_some(phase), summary, stat))
         })
         .collect();
-    let (summary, stats): (Vec<PhaseSummary>, PhaseStats) = measured.into_iter().collect::<Result<Vec<_>, _>>()?.into_iter().unzip();
-    Ok((None, summary, stats))
+    let mut tables = keep.then(|| Vec::with_capacity(phases));
+    let (mut summary, mut stats) = (Vec::with_capacity(phases), Vec::with_capacity(phases));
+    for m in measured {
+        let (phase, s, stat) = m?;
+        if let (Some(tables), Some(phase)) = (tables.as_mut(), phase) {
+            tables.push(phase);
+        }
+        summary.push(s);
+        stats.push(stat);
+    }
+    Ok((tables, summary, stats))
 }
 
 /// Every phase's tables under `placement`: from the relative tables where the caller has them.
