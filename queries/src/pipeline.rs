@@ -81,7 +81,11 @@ pub fn finalists(db: &dyn Db, sources: Sources) -> StageResult<Vec<Lowered>> {
         // next: the same finalists either way, only faster (`search::finalists_resuming`).
         let trace_key = db.key(BEAM_TRACE_STAGE, BEAM_TRACE_VERSION, &[t.digest, KeyHasher::new("plan finalists").add(&(k as u64)).finish(), KeyHasher::new("workload name").add(&g.value.name).finish()]);
         let previous = db.beam_trace(trace_key);
-        let (found, trace) = search::finalists_resuming(&g.value, &t.value, k, previous.as_deref());
+        // Phases of a program the search lowers beside its beam, scheduled while it waits for
+        // that program (`search::Warm`): entries the screen below finds made.
+        let warmed: Arc<std::sync::Mutex<HashMap<Digest, Staged<Schedule>>>> = Arc::default();
+        let warm = (!db.verifying()).then(|| warm_schedules(db, &x, &warmed));
+        let (found, trace) = search::finalists_warming(&g.value, &t.value, k, previous.as_deref(), warm);
         db.keep_beam_trace(trace_key, trace);
         let found = found.map_err(CompileError::from)?;
         // Finalists whose exchange tables would exceed the budget are steered within it (or
@@ -89,7 +93,9 @@ pub fn finalists(db: &dyn Db, sources: Sources) -> StageResult<Vec<Lowered>> {
         // The table bytes of the finalists kept go to select_finalist (`screen_memo`). The
         // per-phase memo holds the latest call's entries only: every call of the screen starts
         // from all the entries it scheduled so far, and leaves them all for select_finalist.
-        let screened: std::cell::RefCell<HashMap<Digest, Staged<Schedule>>> = std::cell::RefCell::new(std::mem::take(&mut *db.schedule_memo.lock().expect("phase memo lock")));
+        let mut memo = std::mem::take(&mut *db.schedule_memo.lock().expect("phase memo lock"));
+        memo.extend(std::mem::take(&mut *warmed.lock().expect("warmed schedules lock")));
+        let screened: std::cell::RefCell<HashMap<Digest, Staged<Schedule>>> = std::cell::RefCell::new(memo);
         let mut schedule = |requests: &[PhaseRequest]| {
             *db.schedule_memo.lock().expect("phase memo lock") = screened.borrow().clone();
             let out = schedule_through_memo(db, &x, requests);
@@ -127,6 +133,27 @@ impl Screened {
     fn holds(&self, lowering: Digest, budget: u32, program: &Lowered, schedules: &[Digest]) -> bool {
         self.lowering == lowering && self.budget == budget && self.schedules == schedules && crate::sizing::same_sizing_input(&self.prepared, program)
     }
+}
+
+/// `search::Warm` for `finalists`: a phase's schedule, by the key `schedule_through_memo`
+/// gives it, found in the memo (nothing to do), on disk, or made and stored, into `warmed`.
+/// A phase that does not schedule is left for the screen, which reports it.
+fn warm_schedules(db: &Database, x: &Staged<crate::target::Target>, warmed: &Arc<std::sync::Mutex<HashMap<Digest, Staged<Schedule>>>>) -> Arc<search::Warm> {
+    let (cache, memo, x, warmed): (StageCache, _, _, _) = ((**db).clone(), db.schedule_memo.clone(), x.clone(), warmed.clone());
+    Arc::new(move |request: &PhaseRequest| {
+        let key = cache.key("exchange_schedule", SCHEDULE_VERSION, &[x.digest, exchange::pattern_digest(request)]);
+        if warmed.lock().expect("warmed schedules lock").contains_key(&key) || memo.lock().expect("phase memo lock").contains_key(&key) {
+            return;
+        }
+        let entry = match cache.load::<Schedule>("exchange_schedule", SCHEDULE_VERSION, &key) {
+            Some(hit) => hit,
+            None => match exchange::schedule_phase(&x.value, request).map_err(CompileError::from).and_then(|s| cache.save("exchange_schedule", SCHEDULE_VERSION, key, s)) {
+                Ok(entry) => entry,
+                Err(_) => return,
+            },
+        };
+        warmed.lock().expect("warmed schedules lock").insert(key, entry);
+    })
 }
 
 /// Schedule exchange phases through the per-phase memo (and disk cache), keyed by the
@@ -334,15 +361,22 @@ pub fn requests(lowered: &Lowered, address: impl Fn(u32, u32) -> u32 + Sync) -> 
 
 /// Phase `index`'s exchange request, with addresses from `address(buffer, offset)`.
 pub fn phase_request<F: Fn(u32, u32) -> u32 + ?Sized>(lowered: &Lowered, index: usize, address: &F) -> PhaseRequest {
+    transfers_request(index, &lowered.phases[index], |buffer| lowered.buffers[buffer as usize].tile, address)
+}
+
+/// The exchange request of `transfers` as phase `index`, each buffer on tile `tile(buffer)`,
+/// with addresses from `address(buffer, offset)` (`phase_request`; also for the phases of a
+/// program still being lowered).
+pub fn transfers_request<F: Fn(u32, u32) -> u32 + ?Sized>(index: usize, transfers: &[crate::lower::Transfer], tile: impl Fn(u32) -> u32, address: &F) -> PhaseRequest {
     PhaseRequest {
         index: index as u32,
-        transfers: lowered.phases[index]
+        transfers: transfers
             .iter()
             .map(|t| exchange::Transfer {
-                source: lowered.buffers[t.source.0 as usize].tile,
+                source: tile(t.source.0),
                 source_address: address(t.source.0, t.source.1),
                 words: t.words,
-                destinations: t.destinations.iter().map(|d| Destination { tile: lowered.buffers[d.0 as usize].tile, address: address(d.0, d.1) }).collect(),
+                destinations: t.destinations.iter().map(|d| Destination { tile: tile(d.0), address: address(d.0, d.1) }).collect(),
             })
             .collect(),
     }
@@ -350,16 +384,35 @@ pub fn phase_request<F: Fn(u32, u32) -> u32 + ?Sized>(lowered: &Lowered, index: 
 
 /// A non-overlapping provisional base address for every buffer (per tile, 16-byte aligned).
 pub fn provisional_bases(lowered: &Lowered) -> Vec<u32> {
-    let mut next = vec![0u64; lowered.tiles as usize];
-    lowered
-        .buffers
-        .iter()
-        .map(|b| {
-            let base = next[b.tile as usize];
-            next[b.tile as usize] = (base + b.bytes as u64).div_ceil(16) * 16;
-            base.min(u32::MAX as u64) as u32
-        })
-        .collect()
+    let mut bases = ProvisionalBases::default();
+    bases.extend(lowered.buffers.iter());
+    bases.bases
+}
+
+/// `provisional_bases` made as buffers are declared: a buffer's base depends only on the
+/// buffers declared before it, so the bases of a program's first buffers are those of any
+/// program it grows into.
+#[derive(Clone, Debug, Default)]
+pub struct ProvisionalBases {
+    /// Per buffer so far, its base.
+    pub bases: Vec<u32>,
+    /// Per tile, the next free byte.
+    next: Vec<u64>,
+}
+
+impl ProvisionalBases {
+    /// The bases of the next buffers, in declaration order.
+    pub fn extend<'a>(&mut self, buffers: impl IntoIterator<Item = &'a crate::lower::BufferDecl>) {
+        for b in buffers {
+            let tile = b.tile as usize;
+            if self.next.len() <= tile {
+                self.next.resize(tile + 1, 0);
+            }
+            let base = self.next[tile];
+            self.next[tile] = (base + b.bytes as u64).div_ceil(16) * 16;
+            self.bases.push(base.min(u32::MAX as u64) as u32);
+        }
+    }
 }
 
 /// Every phase's schedule, with each schedule's digest (the key of its tables).

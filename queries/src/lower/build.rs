@@ -355,8 +355,8 @@ impl Partial {
         self.lowered
     }
 
-    /// The exchange phases lowered so far (tests: which allocations a finished program shares).
-    #[cfg(test)]
+    /// The exchange phases lowered so far (tests: which allocations a finished program shares;
+    /// the capped program's lowering beside the beam hands them on as it goes).
     pub(crate) fn phase_lists(&self) -> &[Arc<Vec<Transfer>>] {
         &self.phases
     }

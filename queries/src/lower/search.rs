@@ -924,6 +924,12 @@ pub fn finalists(graph: &Graph, target: &Target, keep: usize) -> Result<Vec<Lowe
 /// over the same target and `keep` (the same finalists as without it: see `beam`), and this
 /// build's trace, for the next build. A trace whose workload does not parse is ignored.
 pub fn finalists_resuming(graph: &Graph, target: &Target, keep: usize, previous: Option<&BeamTrace>) -> (Result<Vec<Lowered>, LowerError>, BeamTrace) {
+    finalists_warming(graph, target, keep, previous, None)
+}
+
+/// [`finalists_resuming`], handing `warm` the exchange phases of a program lowered beside the
+/// beam while the search waits for it (`CappedAhead`): the same finalists and trace.
+pub fn finalists_warming(graph: &Graph, target: &Target, keep: usize, previous: Option<&BeamTrace>, warm: Option<Arc<Warm>>) -> (Result<Vec<Lowered>, LowerError>, BeamTrace) {
     let old = previous.and_then(|t| match Graph::parse(&t.workload, "the previous build's plan beam") {
         Ok(g) => Some((g, t)),
         Err(e) => {
@@ -932,7 +938,10 @@ pub fn finalists_resuming(graph: &Graph, target: &Target, keep: usize, previous:
         }
     });
     let width = keep.max(DEFAULT_FINALISTS);
-    let run = beam(graph, target, width, old.as_ref().map(|(g, t)| (g, *t)));
+    let mut run = beam(graph, target, width, old.as_ref().map(|(g, t)| (g, *t)));
+    if let Some(ahead) = run.capped_ahead.as_mut() {
+        ahead.warm = warm;
+    }
     if previous.is_some() {
         info!(resumed_steps = run.resumed, searched_steps = run.searched, "resumed the plan beam from a previous build");
     } else {
@@ -1345,12 +1354,35 @@ fn first_cap(weight_bytes: u64, live: u64, target: &Target) -> u32 {
 /// too); `capped_program` takes the lowering only for the same orientation and cap, so the
 /// programs are those of lowering it there (a speed matter only). Not taken, or dropped, the
 /// thread is told to stop at its next product and joined.
+///
+/// The thread hands on the exchange phases it lowers as it goes (`HandedOn`); a thread that
+/// waits for the lowering in `take` schedules them meanwhile through `warm` (the pipeline's
+/// per-phase schedule memo, which the table screen reads next), so the screen finds the
+/// patterns of the first layers scheduled on the core the wait would leave idle.
 struct CappedAhead {
     oriented: Arc<Oriented>,
     cap: u32,
     cancel: Arc<AtomicBool>,
     #[allow(clippy::type_complexity)]
     handle: std::sync::Mutex<Option<std::thread::JoinHandle<Option<Result<Attempt, LowerError>>>>>,
+    /// The phases the thread has lowered, as it hands them on.
+    lowering: std::sync::Mutex<Option<std::sync::mpsc::Receiver<HandedOn>>>,
+    /// Told of each phase handed on while a thread waits in `take` (`finalists_warming`).
+    warm: Option<Arc<Warm>>,
+}
+
+/// Told of exchange phases of a program being lowered (with provisional addresses, as
+/// `select_finalist` and the table screen request them) while the thread that asked for the
+/// program waits for it: the pipeline schedules them through its per-phase memo. Whatever it
+/// does, the programs and their schedules are those made without it (a speed matter only).
+pub type Warm = dyn Fn(&crate::exchange::PhaseRequest) + Send + Sync;
+
+/// Exchange phases the capped lowering handed on: phases `first..` of the program, and its
+/// buffers when they were lowered (their tiles and provisional addresses).
+struct HandedOn {
+    first: usize,
+    phases: Vec<Arc<Vec<super::Transfer>>>,
+    buffers: super::build::Buffers,
 }
 
 impl CappedAhead {
@@ -1368,11 +1400,22 @@ impl CappedAhead {
         let oriented = Arc::new(orient_until(graph, swapped, usize::MAX).ok()?);
         let cancel = Arc::new(AtomicBool::new(false));
         let (o, t, c, products) = (oriented.clone(), target.clone(), cancel.clone(), products.to_vec());
+        let (sender, receiver) = std::sync::mpsc::channel::<HandedOn>();
         let span = tracing::Span::current();
         let handle = std::thread::Builder::new()
             .name("ipuq-capped".into())
             .spawn(move || {
                 let _span = span.enter();
+                // Hand on the phases lowered since the last time (a dropped receiver is no
+                // matter: nobody waits).
+                let mut handed = 0;
+                let mut hand_on = |partial: &Partial| {
+                    let phases = partial.phase_lists();
+                    if phases.len() > handed {
+                        let _ = sender.send(HandedOn { first: handed, phases: phases[handed..].to_vec(), buffers: partial.buffers().clone() });
+                        handed = phases.len();
+                    }
+                };
                 let mut partial = Partial::replication_capped(cap);
                 for &p in &products {
                     let to = end_before(&o, Some(p));
@@ -1386,15 +1429,21 @@ impl CappedAhead {
                         Ok(p) => p,
                         Err(e) => return Some(Err(e)),
                     };
+                    hand_on(&partial);
                 }
                 if c.load(Ordering::Relaxed) {
                     return None;
                 }
-                Some(extend(partial, &o, &t, &[], o.graph.operations.len()).and_then(|p| complete(p, &o, &t, &[])))
+                let partial = match extend(partial, &o, &t, &[], o.graph.operations.len()) {
+                    Ok(p) => p,
+                    Err(e) => return Some(Err(e)),
+                };
+                hand_on(&partial);
+                Some(complete(partial, &o, &t, &[]))
             })
             .ok()?;
         debug!(cap, swapped = ?swapped, "lowering the capped program beside the beam");
-        Some(CappedAhead { oriented, cap, cancel, handle: std::sync::Mutex::new(Some(handle)) })
+        Some(CappedAhead { oriented, cap, cancel, handle: std::sync::Mutex::new(Some(handle)), lowering: std::sync::Mutex::new(Some(receiver)), warm: None })
     }
 
     /// The lowering, when it was made over `oriented` (a program that lowers exactly alike:
@@ -1407,10 +1456,63 @@ impl CappedAhead {
             return None;
         }
         let handle = self.handle.lock().ok()?.take()?;
+        let lowering = self.lowering.lock().ok().and_then(|mut r| r.take());
+        if let (Some(warm), Some(lowering)) = (&self.warm, lowering) {
+            warm_while_lowering(&handle, &lowering, warm.as_ref());
+        }
         let taken = handle.join().ok().flatten();
         debug!(cap, taken = taken.is_some(), "took the capped program lowered beside the beam");
         taken
     }
+}
+
+impl HandedOn {
+    /// The provisional bases of the buffers declared since those of `bases`.
+    fn declare(&self, bases: &mut crate::pipeline::ProvisionalBases) {
+        let declared = bases.bases.len();
+        bases.extend((declared..self.buffers.len()).filter_map(|b| self.buffers.get(b)));
+    }
+
+    /// The exchange request of the `k`th phase handed on, over `bases` (`declare`d).
+    fn request(&self, k: usize, bases: &crate::pipeline::ProvisionalBases) -> crate::exchange::PhaseRequest {
+        let tile = |b: u32| self.buffers.get(b as usize).map_or(u32::MAX, |d| d.tile);
+        let address = |b: u32, offset: u32| bases.bases.get(b as usize).copied().unwrap_or(0) + offset;
+        crate::pipeline::transfers_request(self.first + k, &self.phases[k], tile, &address)
+    }
+}
+
+/// While `handle`'s lowering runs, each exchange phase it hands on (`lowering`), in program
+/// order, to `warm`, with the provisional addresses `select_finalist` gives it (those of the
+/// program's buffers declared so far are final: `ProvisionalBases`). Stops once the lowering
+/// has finished (after the phase at hand). `warm` runs on a pool of one thread: the lowering
+/// has the other core, and a scheduler spread over both would slow the lowering waited for.
+fn warm_while_lowering<T>(handle: &std::thread::JoinHandle<T>, lowering: &std::sync::mpsc::Receiver<HandedOn>, warm: &Warm) {
+    let Ok(pool) = rayon::ThreadPoolBuilder::new().num_threads(1).thread_name(|_| "ipuq-warm".into()).build() else {
+        return;
+    };
+    let mut bases = crate::pipeline::ProvisionalBases::default();
+    let mut warmed = 0usize;
+    'wait: while !handle.is_finished() {
+        let next = match lowering.recv_timeout(std::time::Duration::from_millis(2)) {
+            Ok(next) => next,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => continue,
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
+        };
+        next.declare(&mut bases);
+        for k in 0..next.phases.len() {
+            if handle.is_finished() {
+                break 'wait;
+            }
+            let request = next.request(k, &bases);
+            let span = tracing::Span::current();
+            pool.install(|| {
+                let _span = span.enter();
+                warm(&request)
+            });
+            warmed += 1;
+        }
+    }
+    debug!(warmed, "exchange phases of the capped program handed on while it was lowered");
 }
 
 impl Drop for CappedAhead {
@@ -2108,6 +2210,42 @@ mod tests {
         assert!(ahead.take(&oriented, ahead.cap).is_none(), "handed over once");
         // Dropped untaken: stopped at its next product and joined.
         drop(CappedAhead::start(&graph, &target, &BTreeSet::new(), &[&partial], &products).expect("a cap to try"));
+        // The phases it hands on as it goes are the program's, in order, requested as
+        // select_finalist and the table screen request them (the same patterns, so the same
+        // memo entries; the same addresses too).
+        let ahead = CappedAhead::start(&graph, &target, &BTreeSet::new(), &[&partial], &products).expect("a cap to try");
+        let handed = ahead.lowering.lock().unwrap().take().expect("its phases");
+        let taken = ahead.take(&oriented, ahead.cap).expect("lowered").expect("lowers");
+        let mut bases = crate::pipeline::ProvisionalBases::default();
+        let mut requests = Vec::new();
+        for next in handed.try_iter() {
+            next.declare(&mut bases);
+            requests.extend((0..next.phases.len()).map(|k| next.request(k, &bases)));
+        }
+        let provisional = crate::pipeline::provisional_bases(&taken.lowered);
+        assert_eq!(requests.len(), taken.lowered.phases.len());
+        for (i, r) in requests.iter().enumerate() {
+            let expected = crate::pipeline::phase_request(&taken.lowered, i, &|b, offset| provisional[b as usize] + offset);
+            assert_eq!(crate::exchange::pattern_digest(r), crate::exchange::pattern_digest(&expected), "phase {i}");
+            assert_eq!(r, &expected, "phase {i}");
+        }
+    }
+
+    /// A search that hands the capped program's phases to a `Warm` while it waits finds the
+    /// same finalists (the handing on is a speed matter only), and what it hands on are valid
+    /// exchange requests (each schedules).
+    #[test]
+    fn warming_the_capped_programs_phases_leaves_the_finalists_alone() {
+        let (graph, target) = (row_partitioned_mlp(4), small16());
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        let seen: Arc<std::sync::Mutex<Vec<crate::exchange::PhaseRequest>>> = Arc::default();
+        let record = seen.clone();
+        let warm: Arc<Warm> = Arc::new(move |r: &crate::exchange::PhaseRequest| record.lock().unwrap().push(r.clone()));
+        let (plain, warmed) = pool.install(|| (finalists(&graph, &target, DEFAULT_FINALISTS).unwrap(), finalists_warming(&graph, &target, DEFAULT_FINALISTS, None, Some(warm)).0.unwrap()));
+        assert_eq!(plain, warmed);
+        for r in seen.lock().unwrap().iter() {
+            crate::exchange::schedule_phase(&target, r).expect("a phase handed on schedules");
+        }
     }
 
     /// The finalists are the same with one thread (no lowering beside the beam) and with two.
