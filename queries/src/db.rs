@@ -174,6 +174,10 @@ pub struct Database {
     /// Per-phase validations of relocated exchange tables by key (`pipeline::checked_tables_memoized`):
     /// an edit re-validates only the phases whose addresses or schedule moved.
     pub(crate) validation_memo: Arc<crate::phases::Memo<u32>>,
+    /// Relative exchange tables of the patterns lower_mid's table screen sized, for
+    /// select_finalist's relocation of the same program (`exchange_placement::RelativeMemo`):
+    /// cleared when lower_mid starts and when selection ends.
+    pub(crate) relative_memo: Arc<crate::exchange_placement::RelativeMemo>,
     /// Support memory per tile of every finalist `select_finalist` sized, by the key of what
     /// sizing reads (`pipeline::sizing_key`): the stage `size_tile_code` finds the chosen
     /// finalist's there instead of encoding its tables again. Holds the latest selection's
@@ -231,6 +235,7 @@ impl Database {
             sizing_memo: Arc::default(),
             baseline_memo: Arc::default(),
             validation_memo: Arc::default(),
+            relative_memo: Arc::default(),
             validated_memo: Arc::default(),
             selection_memo: Arc::default(),
             chosen_memo: Arc::default(),

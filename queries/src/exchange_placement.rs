@@ -151,16 +151,56 @@ pub struct Relocation {
 /// digest). Phases are grouped by their schedule's digest and what `write_tables` reads of
 /// their transfers (source tile, words, destination tiles, in order).
 pub fn relocation(target: &Target, lowered: &Lowered, schedules: &[Schedule], digests: &[Digest]) -> Result<Relocation, CompileError> {
-    grouped_relocation(target, lowered, schedules, digests, false)
+    grouped_relocation(target, lowered, schedules, digests, false, None)
+}
+
+/// `relocation`, taking the relative tables of a group from `memo` where an earlier relocation
+/// made them, and leaving there those it makes.
+pub fn relocation_memoized(target: &Target, lowered: &Lowered, schedules: &[Schedule], digests: &[Digest], memo: Option<&RelativeMemo>) -> Result<Relocation, CompileError> {
+    grouped_relocation(target, lowered, schedules, digests, false, memo)
 }
 
 /// `relocation` for tables written under one set of addresses only: a phase alone in its
 /// group is written whole (its relative tables would be used once, for no gain).
-pub fn shared_relocation(target: &Target, lowered: &Lowered, schedules: &[Schedule], digests: &[Digest]) -> Result<Relocation, CompileError> {
-    grouped_relocation(target, lowered, schedules, digests, true)
+pub fn shared_relocation(target: &Target, lowered: &Lowered, schedules: &[Schedule], digests: &[Digest], memo: Option<&RelativeMemo>) -> Result<Relocation, CompileError> {
+    grouped_relocation(target, lowered, schedules, digests, true, memo)
 }
 
-fn grouped_relocation(target: &Target, lowered: &Lowered, schedules: &[Schedule], digests: &[Digest], shared_only: bool) -> Result<Relocation, CompileError> {
+/// Relative tables `relocation` and `shared_relocation` made, by what they are made of (the
+/// exchange view, the schedule's digest, the source tile, words and destination tiles of every
+/// transfer): `select_finalist` relocating the program `lower_mid`'s table screen sized takes
+/// the screen's instead of making them again. They are a function of that key, so taking them
+/// changes no table. The pipeline clears it once selection is done (the largest programs'
+/// relative tables hold millions of runs).
+#[derive(Default)]
+pub struct RelativeMemo(std::sync::Mutex<HashMap<Digest, Arc<Option<RelativeTables>>>>);
+
+impl RelativeMemo {
+    /// Drops every entry.
+    pub fn clear(&self) {
+        self.0.lock().expect("relative tables memo lock").clear();
+    }
+
+    fn get(&self, key: &Digest) -> Option<Arc<Option<RelativeTables>>> {
+        self.0.lock().expect("relative tables memo lock").get(key).cloned()
+    }
+
+    fn insert(&self, key: Digest, tables: Arc<Option<RelativeTables>>) {
+        self.0.lock().expect("relative tables memo lock").insert(key, tables);
+    }
+
+    /// Entries held (tests).
+    pub fn len(&self) -> usize {
+        self.0.lock().expect("relative tables memo lock").len()
+    }
+
+    /// Whether it holds none (tests).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+fn grouped_relocation(target: &Target, lowered: &Lowered, schedules: &[Schedule], digests: &[Digest], shared_only: bool, memo: Option<&RelativeMemo>) -> Result<Relocation, CompileError> {
     let n = lowered.phases.len();
     if schedules.len() != n || digests.len() != n {
         return Err(CompileError(format!("{} schedules and {} digests for {} exchange phases", schedules.len(), digests.len(), n)));
@@ -199,10 +239,26 @@ fn grouped_relocation(target: &Target, lowered: &Lowered, schedules: &[Schedule]
     for &g in &groups {
         members[g] += 1;
     }
+    // A memo entry's key: the group's, under the exchange view (what relative tables read of
+    // the target; the views the stages hand over differ elsewhere).
+    let scope = memo.map(|_| target.exchange_view().view_digest("exchange"));
+    let memo_key = |group: &Digest| KeyHasher::new("ipuq relative tables memo v1").add(&scope).add(group).finish();
     let relative: Vec<Arc<Option<RelativeTables>>> = representatives
         .par_iter()
         .zip(members.par_iter())
-        .map(|(&i, &m)| Arc::new(if shared_only && m < 2 { None } else { exchange::relative_tables(target, &phase_request(lowered, i, &|_, _| 0), &schedules[i]) }))
+        .map(|(&i, &m)| {
+            if shared_only && m < 2 {
+                return Arc::new(None);
+            }
+            if let Some(hit) = memo.and_then(|memo| memo.get(&memo_key(&keys[i]))) {
+                return hit;
+            }
+            let made = Arc::new(exchange::relative_tables(target, &phase_request(lowered, i, &|_, _| 0), &schedules[i]));
+            if let Some(memo) = memo {
+                memo.insert(memo_key(&keys[i]), made.clone());
+            }
+            made
+        })
         .collect();
     debug!(phases = n, distinct = representatives.len(), "relative exchange tables per distinct pattern and schedule");
     Ok(Relocation { phases: groups.iter().map(|&g| relative[g].clone()).collect() })
@@ -597,6 +653,32 @@ mod tests {
     use crate::db::{Database, Sources};
     use crate::pipeline::{lowered, placement, schedules};
     use crate::target::fixtures;
+
+    /// Relative tables taken from the memo the table screen's sizing left (the same program,
+    /// schedules and exchange view) write the same tables as those made afresh, and the
+    /// screen's sizing of repeated layers leaves entries there.
+    #[test]
+    fn relative_tables_from_the_screens_memo_write_the_same_tables() {
+        let db = Database::default();
+        let text = include_str!("../../fixtures/workloads/siglip-encoder-f16-b1-t29-d64-h4-m96-l3.toml");
+        let sources = Sources::new(&db, text.to_string(), "enc.toml".into(), fixtures::SMALL16.to_string(), "small16".into());
+        let target = Target::from_toml(fixtures::SMALL16, "small16.toml").unwrap();
+        let l = lowered(&db, sources).unwrap();
+        let s = schedules(&db, sources).unwrap();
+        let p = placement(&db, sources).unwrap();
+        let memo = RelativeMemo::default();
+        // The sizing view (another view of the same target): its entries serve the selection's.
+        let sized = crate::sizing::table_bytes_memoized(&target.lowering_view(), &l.value, &s.value.phases, Some(&s.value.digests), u32::MAX, Some(&memo)).unwrap().unwrap();
+        assert_eq!(sized, crate::sizing::table_bytes_checked(&target, &l.value, &s.value.phases, Some(&s.value.digests), u32::MAX).unwrap().unwrap());
+        assert!(!memo.is_empty(), "three layers share patterns");
+        let shared = memo.len();
+        let taken = relocation_memoized(&target.selection_view(), &l.value, &s.value.phases, &s.value.digests, Some(&memo)).unwrap();
+        let fresh = relocation(&target, &l.value, &s.value.phases, &s.value.digests).unwrap();
+        assert_eq!(taken.tables(&target, &l.value, &s.value.phases, &p.value).unwrap(), fresh.tables(&target, &l.value, &s.value.phases, &p.value).unwrap());
+        assert!(memo.len() >= shared);
+        memo.clear();
+        assert!(memo.is_empty());
+    }
 
     /// A candidate that does not keep its tables (each phase written, measured and dropped in
     /// turn) scores exactly as one that keeps them, with and without relative tables, and its

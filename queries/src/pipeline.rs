@@ -106,7 +106,8 @@ pub fn finalists(db: &dyn Db, sources: Sources) -> StageResult<Vec<Lowered>> {
         let mut remember = |prepared: Lowered, digests: &[Digest], bytes: &[u32]| {
             sized.push(Screened { lowering: t.digest, budget, prepared, schedules: digests.to_vec(), bytes: Arc::new(bytes.to_vec()) });
         };
-        let kept = crate::lower::screen::screen_tables(&g.value, &t.value, found, budget, &mut schedule, &mut remember);
+        db.relative_memo.clear();
+        let kept = crate::lower::screen::screen_tables(&g.value, &t.value, found, budget, &mut schedule, &mut remember, Some(&db.relative_memo));
         *db.schedule_memo.lock().expect("phase memo lock") = screened.into_inner();
         let kept = kept.map_err(CompileError)?;
         *db.screen_memo.lock().expect("screen memo lock") = sized;
@@ -261,6 +262,15 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
         // The finalists of lower_mid, or of the last re-plan (not copied: select_finalist
         // prepares its own copies).
         let mut replanned: Option<Vec<Lowered>> = None;
+        // The screen's relative tables serve this selection only (`RelativeMemo`): dropped
+        // however it ends.
+        struct Cleared<'a>(&'a crate::exchange_placement::RelativeMemo);
+        impl Drop for Cleared<'_> {
+            fn drop(&mut self) {
+                self.0.clear();
+            }
+        }
+        let _cleared = Cleared(&db.relative_memo);
         let mut steered: Vec<crate::ir::PlanConstraint> = Vec::new();
         for round in 0..=REPLANS {
             let candidates: &[Lowered] = replanned.as_deref().unwrap_or(&f.value);
@@ -268,7 +278,7 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
             sized.lock().expect("sizing memo lock").clear();
             baselines.lock().expect("baseline memo lock").clear();
             programs.lock().expect("program digests lock").clear();
-            let failure = match select_finalist(&t.value, candidates, prepare, schedule, digest, size, keep_sizing, &keep_placement, optimize) {
+            let failure = match select_finalist(&t.value, candidates, prepare, schedule, digest, size, keep_sizing, &keep_placement, optimize, Some(&db.relative_memo)) {
                 Ok(mut s) => {
                     s.steered = steered.iter().map(|c| format!("{}: {}", c.operation, c.describe())).collect();
                     if steered.is_empty() {

@@ -17,7 +17,7 @@ use rayon::prelude::*;
 
 use crate::emit::{support_memory, tile_tables, SupportMemory};
 use crate::exchange::{self, Schedule};
-use crate::exchange_placement::shared_relocation;
+use crate::exchange_placement::{shared_relocation, RelativeMemo};
 use crate::hash::Digest;
 use crate::lower::Lowered;
 use crate::pipeline::requests;
@@ -74,11 +74,12 @@ pub fn phase_buffers(lowered: &Lowered, phase: usize, starts: &[u32]) -> PhaseBu
 /// (`digests`), phases that share a pattern and schedule (the same phase of repeated layers)
 /// are written from relative tables made once for them (`exchange_placement::shared_relocation`:
 /// the same tables, sorted and joined once); each phase is packed as soon as it is written.
-pub fn sizing_tables(target: &Target, lowered: &Lowered, schedules: &[Schedule], digests: Option<&[Digest]>) -> Result<Vec<PackedPhase>, String> {
+/// Relative tables come from `memo` where an earlier relocation made them, and are left there.
+pub fn sizing_tables(target: &Target, lowered: &Lowered, schedules: &[Schedule], digests: Option<&[Digest]>, memo: Option<&RelativeMemo>) -> Result<Vec<PackedPhase>, String> {
     let bases = sizing_bases(lowered);
     if let Some(digests) = digests {
         // Each phase written and packed in one go (its tables are dropped once packed).
-        let relocation = shared_relocation(target, lowered, schedules, digests).map_err(|e| e.0)?;
+        let relocation = shared_relocation(target, lowered, schedules, digests, memo).map_err(|e| e.0)?;
         let address = |buffer: u32, offset: u32| bases[buffer as usize].wrapping_add(offset);
         return (0..relocation.len())
             .into_par_iter()
@@ -177,7 +178,12 @@ pub fn support_checked_known(target: &Target, lowered: &Lowered, schedules: &[Sc
 /// or the first tile (lowest) whose tables exceed `budget` bytes, with the phase holding most
 /// of its table bytes.
 pub fn table_bytes_checked(target: &Target, lowered: &Lowered, schedules: &[Schedule], digests: Option<&[Digest]>, budget: u32) -> Result<Result<Vec<u32>, TableOverflow>, String> {
-    let packed = sizing_tables(target, lowered, schedules, digests)?;
+    table_bytes_memoized(target, lowered, schedules, digests, budget, None)
+}
+
+/// `table_bytes_checked`, the relative tables from and into `memo` (`sizing_tables`).
+pub fn table_bytes_memoized(target: &Target, lowered: &Lowered, schedules: &[Schedule], digests: Option<&[Digest]>, budget: u32, memo: Option<&RelativeMemo>) -> Result<Result<Vec<u32>, TableOverflow>, String> {
+    let packed = sizing_tables(target, lowered, schedules, digests, memo)?;
     let table_bytes: Vec<u32> = tile_tables(lowered.tiles as usize, &packed)?.iter().map(|b| b.len() as u32).collect();
     if let Some((tile, &bytes)) = table_bytes.iter().enumerate().find(|(_, b)| **b > budget) {
         // Each phase's share: its tables on that tile encoded alone (largest first, lowest index on ties).

@@ -37,7 +37,8 @@ use crate::hash::Digest;
 use crate::ir::Graph;
 use crate::package::HostRole;
 use crate::pipeline::{provisional_bases, requests};
-use crate::sizing::{table_bytes_checked, TableOverflow};
+use crate::exchange_placement::RelativeMemo;
+use crate::sizing::{table_bytes_memoized, TableOverflow};
 use crate::target::Target;
 
 /// Steered lowerings the screen may make for one finalist (each halves one axis of one
@@ -65,7 +66,9 @@ pub struct Sized {
 /// never fewer table bytes than the link rate's choice gives), each phase scheduled over the
 /// provisional addresses select_finalist uses (the same patterns, so the same memo entries),
 /// the tables encoded over sizing addresses.
-pub fn size_tables(target: &Target, lowered: &Lowered, budget: u32, schedule: &mut ScheduleFn) -> Result<Sized, String> {
+/// The relative tables of its phases' patterns are taken from and left in `relative`
+/// (`exchange_placement::RelativeMemo`), for select_finalist's relocation of the same program.
+pub fn size_tables(target: &Target, lowered: &Lowered, budget: u32, schedule: &mut ScheduleFn, relative: Option<&RelativeMemo>) -> Result<Sized, String> {
     let start = std::time::Instant::now();
     let prepared = super::host::replicate_every_input(sizing_view(lowered), target);
     let bases = provisional_bases(&prepared);
@@ -73,7 +76,7 @@ pub fn size_tables(target: &Target, lowered: &Lowered, budget: u32, schedule: &m
     let prepared_ms = start.elapsed().as_millis() as u64;
     let (schedules, digests): (Vec<Schedule>, Vec<Digest>) = schedule(&phases)?.into_iter().unzip();
     let scheduled_ms = start.elapsed().as_millis() as u64;
-    let tables = table_bytes_checked(target, &prepared, &schedules, Some(&digests), budget)?;
+    let tables = table_bytes_memoized(target, &prepared, &schedules, Some(&digests), budget, relative)?;
     debug!(prepared_ms, scheduled_ms, sized_ms = start.elapsed().as_millis() as u64, "exchange tables sized");
     Ok(Sized { prepared, digests, tables })
 }
@@ -103,7 +106,8 @@ fn sizing_view(l: &Lowered) -> Lowered {
 /// The finalists with the best one over the table budget steered within it, and later ones
 /// over it dropped (module docs), best estimate first (ties: the search's order). `graph` is
 /// the graph the finalists were planned from (the user's constraints are kept when steering).
-pub fn screen_tables(graph: &Graph, target: &Target, finalists: Vec<Lowered>, budget: u32, schedule: &mut ScheduleFn, remember: &mut RememberFn) -> Result<Vec<Lowered>, String> {
+/// `relative`: see `size_tables`.
+pub fn screen_tables(graph: &Graph, target: &Target, finalists: Vec<Lowered>, budget: u32, schedule: &mut ScheduleFn, remember: &mut RememberFn, relative: Option<&RelativeMemo>) -> Result<Vec<Lowered>, String> {
     let mut kept: Vec<Lowered> = Vec::with_capacity(finalists.len());
     let mut first_failure: Option<Lowered> = None;
     let mut steered_any = false;
@@ -119,7 +123,7 @@ pub fn screen_tables(graph: &Graph, target: &Target, finalists: Vec<Lowered>, bu
             continue;
         }
         let steers = if kept.is_empty() { STEERS } else { 0 };
-        match steer_within(graph, target, index, finalist, budget, steers, schedule, remember)? {
+        match steer_within(graph, target, index, finalist, budget, steers, schedule, remember, relative)? {
             // A steered finalist may come out as one already kept.
             Ok((l, steered)) => {
                 if !steered || !kept.contains(&l) {
@@ -141,7 +145,7 @@ pub fn screen_tables(graph: &Graph, target: &Target, finalists: Vec<Lowered>, bu
             continue;
         }
         let steers = if kept.is_empty() { STEERS } else { 0 };
-        match steer_within(graph, target, index, finalist, budget, steers, schedule, remember)? {
+        match steer_within(graph, target, index, finalist, budget, steers, schedule, remember, relative)? {
             Ok((l, steered)) => {
                 kept.push(l);
                 steered_any |= steered;
@@ -165,14 +169,14 @@ pub fn screen_tables(graph: &Graph, target: &Target, finalists: Vec<Lowered>, bu
 /// One finalist within the table budget, and whether it was steered (Ok), or the finalist as
 /// the search planned it when at most `steers` steers cannot bring it within (Err).
 #[allow(clippy::too_many_arguments)]
-fn steer_within(graph: &Graph, target: &Target, index: usize, finalist: Lowered, budget: u32, steers: usize, schedule: &mut ScheduleFn, remember: &mut RememberFn) -> Result<Result<(Lowered, bool), Lowered>, String> {
+fn steer_within(graph: &Graph, target: &Target, index: usize, finalist: Lowered, budget: u32, steers: usize, schedule: &mut ScheduleFn, remember: &mut RememberFn, relative: Option<&RelativeMemo>) -> Result<Result<(Lowered, bool), Lowered>, String> {
     // The finalist steered so far (None: as planned).
     let mut current: Option<Lowered> = None;
     let mut steered = graph.clone();
     for round in 0..=steers {
         let l = current.as_ref().unwrap_or(&finalist);
         let start = std::time::Instant::now();
-        let sized = size_tables(target, l, budget, schedule)?;
+        let sized = size_tables(target, l, budget, schedule, relative)?;
         debug!(finalist = index, round, elapsed_ms = start.elapsed().as_millis() as u64, "sized the finalist's exchange tables");
         let overflow = match sized.tables {
             Ok(bytes) => {
@@ -282,7 +286,7 @@ mod tests {
         let bases = provisional_bases(&prepared);
         let phases = requests(&prepared, |buffer, offset| bases[buffer as usize] + offset);
         let schedules: Vec<Schedule> = schedule(target)(&phases).unwrap().into_iter().map(|s| s.0).collect();
-        table_bytes_checked(target, &prepared, &schedules, None, u32::MAX).unwrap().unwrap()
+        crate::sizing::table_bytes_checked(target, &prepared, &schedules, None, u32::MAX).unwrap().unwrap()
     }
 
     /// The screen's table bytes are those size_tile_code encodes for the program
@@ -295,7 +299,7 @@ mod tests {
         for (name, text) in [("mlp", MLP), ("attention", ATTENTION)] {
             let graph = Graph::parse(text, name).unwrap();
             for (f, l) in finalists(&graph, &target, 4).unwrap().iter().enumerate() {
-                let sized = size_tables(&target, l, u32::MAX, &mut schedule(&target)).unwrap();
+                let sized = size_tables(&target, l, u32::MAX, &mut schedule(&target), None).unwrap();
                 let bound = sized.tables.unwrap();
                 assert!(bound.iter().any(|&b| b > 0), "{name} finalist {f}: no tables");
                 assert_eq!(prepared_bytes(&target, l, 1), bound, "{name} finalist {f}");
@@ -314,18 +318,18 @@ mod tests {
         let target = small16();
         let graph = Graph::parse(MLP, "mlp").unwrap();
         let found = finalists(&graph, &target, 4).unwrap();
-        let need = size_tables(&target, &found[0], u32::MAX, &mut schedule(&target)).unwrap().tables.unwrap().into_iter().max().unwrap();
+        let need = size_tables(&target, &found[0], u32::MAX, &mut schedule(&target), None).unwrap().tables.unwrap().into_iter().max().unwrap();
         let mut remembered: Vec<u32> = Vec::new();
-        let kept = screen_tables(&graph, &target, found.clone(), need, &mut schedule(&target), &mut |_, _, b| remembered.push(b.iter().copied().max().unwrap_or(0))).unwrap();
+        let kept = screen_tables(&graph, &target, found.clone(), need, &mut schedule(&target), &mut |_, _, b| remembered.push(b.iter().copied().max().unwrap_or(0)), None).unwrap();
         assert_eq!(kept[0], found[0]);
         assert!(remembered.iter().all(|&b| b <= need) && remembered.contains(&need), "{remembered:?}");
         let budget = need - 1;
         remembered.clear();
-        let kept = screen_tables(&graph, &target, found.clone(), budget, &mut schedule(&target), &mut |_, _, b| remembered.push(b.iter().copied().max().unwrap_or(0))).unwrap();
+        let kept = screen_tables(&graph, &target, found.clone(), budget, &mut schedule(&target), &mut |_, _, b| remembered.push(b.iter().copied().max().unwrap_or(0)), None).unwrap();
         assert!(!kept.is_empty());
         assert!(remembered.iter().all(|&b| b <= budget), "{remembered:?}");
         let best = estimated_cycles(&kept[0]);
-        let over = |l: &Lowered| size_tables(&target, l, budget, &mut schedule(&target)).unwrap().tables.is_err();
+        let over = |l: &Lowered| size_tables(&target, l, budget, &mut schedule(&target), None).unwrap().tables.is_err();
         if kept.len() == 1 && kept[0] == found[0] {
             assert!(over(&kept[0]), "the best finalist was handed on although it fits");
         } else {

@@ -17,7 +17,7 @@ use crate::emit::vertex;
 use crate::exchange::{self, Schedule};
 use crate::pipeline::{provisional_bases, requests};
 use crate::elements::{conflicts_and_bound, phase_conflicts};
-use crate::exchange_placement::{checked_tables, placed_tables, relocation, Baseline};
+use crate::exchange_placement::{checked_tables, placed_tables, relocation_memoized, Baseline, RelativeMemo};
 use crate::hash::Digest;
 use crate::storage::{place_storage, Placement};
 use crate::target::Target;
@@ -111,6 +111,7 @@ pub fn select_finalist(
     keep_sizing: impl Fn(Digest, &[Digest], &Sizing) + Sync,
     keep_placement: &(impl Fn(Digest, &[u32], &Placement) + Sync),
     optimize: impl Fn(&Lowered, Digest, &[Schedule], &[Digest], &[u32], &Placement, Baseline) -> Result<(Placement, u64), String> + Sync,
+    relative: Option<&RelativeMemo>,
 ) -> Result<Selection, NoFinalist> {
     let prepared: Vec<Lowered> = finalists.par_iter().map(|l| prepare(l.clone())).collect();
     let finalists = &prepared[..];
@@ -161,7 +162,7 @@ pub fn select_finalist(
             );
             let (program, sizing) = (program?, sizing?);
             keep_sizing(program, &digests[f], &sizing);
-            cost_placed(target, f as u32, (l, program), &per_finalist[f], &digests[f], sizing, keep_placement, &optimize)
+            cost_placed(target, f as u32, (l, program), &per_finalist[f], &digests[f], sizing, keep_placement, &optimize, relative)
         })
         .collect();
     let mut ok: Vec<Costed> = Vec::new();
@@ -212,6 +213,7 @@ fn cost_placed(
     sizing: Sizing,
     keep_placement: &(impl Fn(Digest, &[u32], &Placement) + Sync),
     optimize: &(impl Fn(&Lowered, Digest, &[Schedule], &[Digest], &[u32], &Placement, Baseline) -> Result<(Placement, u64), String> + Sync),
+    relative: Option<&RelativeMemo>,
 ) -> Result<Costed, Failure> {
     let blame = |phase: u32| l.phase_plans.get(phase as usize).copied();
     let support = match sizing {
@@ -227,7 +229,8 @@ fn cost_placed(
     // where they are the placement kept: here when they have no conflicts, else by the
     // exchange-placement search when it keeps the baseline (it checks the placement it
     // accepts instead).
-    let relocation = relocation(target, l, schedules, digests).map_err(|e| e.0)?;
+    // (`relative`: those lower_mid's table screen made for this program, where it sized it.)
+    let relocation = relocation_memoized(target, l, schedules, digests, relative).map_err(|e| e.0)?;
     let tables = relocation.tables(target, l, schedules, &placement).map_err(|e| e.0)?;
     let span = tracing::Span::current();
     let stats: Vec<_> = tables
