@@ -654,18 +654,20 @@ mod tests {
     use crate::pipeline::{lowered, placement, schedules};
     use crate::target::fixtures;
 
+    /// A workload's lowered program, schedules and baseline placement on the 16-tile target.
+    fn built(text: &str) -> (Target, crate::db::Staged<Lowered>, crate::db::Staged<crate::pipeline::Schedules>, crate::db::Staged<Placement>) {
+        let db = Database::default();
+        let sources = Sources::new(&db, text.to_string(), "workload.toml".into(), fixtures::SMALL16.to_string(), "small16".into());
+        let target = Target::from_toml(fixtures::SMALL16, "small16.toml").unwrap();
+        (target, lowered(&db, sources).unwrap(), schedules(&db, sources).unwrap(), placement(&db, sources).unwrap())
+    }
+
     /// Relative tables taken from the memo the table screen's sizing left (the same program,
     /// schedules and exchange view) write the same tables as those made afresh, and the
     /// screen's sizing of repeated layers leaves entries there.
     #[test]
     fn relative_tables_from_the_screens_memo_write_the_same_tables() {
-        let db = Database::default();
-        let text = include_str!("../../fixtures/workloads/siglip-encoder-f16-b1-t29-d64-h4-m96-l3.toml");
-        let sources = Sources::new(&db, text.to_string(), "enc.toml".into(), fixtures::SMALL16.to_string(), "small16".into());
-        let target = Target::from_toml(fixtures::SMALL16, "small16.toml").unwrap();
-        let l = lowered(&db, sources).unwrap();
-        let s = schedules(&db, sources).unwrap();
-        let p = placement(&db, sources).unwrap();
+        let (target, l, s, p) = built(include_str!("../../fixtures/workloads/siglip-encoder-f16-b1-t29-d64-h4-m96-l3.toml"));
         let memo = RelativeMemo::default();
         // The sizing view (another view of the same target): its entries serve the selection's.
         let sized = crate::sizing::table_bytes_memoized(&target.lowering_view(), &l.value, &s.value.phases, Some(&s.value.digests), u32::MAX, Some(&memo)).unwrap().unwrap();
@@ -685,13 +687,7 @@ mod tests {
     /// tables written again (should it win) are the ones it would have kept.
     #[test]
     fn candidates_measured_phase_by_phase_score_as_kept_tables_do() {
-        let db = Database::default();
-        let text = include_str!("../../fixtures/workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml");
-        let sources = Sources::new(&db, text.to_string(), "mlp.toml".into(), fixtures::SMALL16.to_string(), "small16".into());
-        let target = Target::from_toml(fixtures::SMALL16, "small16.toml").unwrap();
-        let l = lowered(&db, sources).unwrap();
-        let s = schedules(&db, sources).unwrap();
-        let p = placement(&db, sources).unwrap();
+        let (target, l, s, p) = built(include_str!("../../fixtures/workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml"));
         let relocated = relocation(&target, &l.value, &s.value.phases, &s.value.digests).unwrap();
         for relocation in [None, Some(&relocated)] {
             let (kept, kept_summary, kept_stats) = written(&target, &l.value, &s.value.phases, &p.value, relocation, true).unwrap();
