@@ -137,8 +137,9 @@ impl Screened {
 }
 
 /// `search::Warm` for `finalists`: a phase's schedule, by the key `schedule_through_memo`
-/// gives it, found in the memo (nothing to do), on disk, or made and stored, into `warmed`.
-/// A phase that does not schedule is left for the screen, which reports it.
+/// gives it, found in the memo (nothing to do), else on disk or made and stored
+/// (`StageCache::cached`), into `warmed`. A phase that does not schedule is left for the
+/// screen, which reports it.
 fn warm_schedules(db: &Database, x: &Staged<crate::target::Target>, warmed: &Arc<std::sync::Mutex<HashMap<Digest, Staged<Schedule>>>>) -> Arc<search::Warm> {
     let (cache, memo, x, warmed): (StageCache, _, _, _) = ((**db).clone(), db.schedule_memo.clone(), x.clone(), warmed.clone());
     Arc::new(move |request: &PhaseRequest| {
@@ -146,14 +147,9 @@ fn warm_schedules(db: &Database, x: &Staged<crate::target::Target>, warmed: &Arc
         if warmed.lock().expect("warmed schedules lock").contains_key(&key) || memo.lock().expect("phase memo lock").contains_key(&key) {
             return;
         }
-        let entry = match cache.load::<Schedule>("exchange_schedule", SCHEDULE_VERSION, &key) {
-            Some(hit) => hit,
-            None => match exchange::schedule_phase(&x.value, request).map_err(CompileError::from).and_then(|s| cache.save("exchange_schedule", SCHEDULE_VERSION, key, s)) {
-                Ok(entry) => entry,
-                Err(_) => return,
-            },
-        };
-        warmed.lock().expect("warmed schedules lock").insert(key, entry);
+        if let Ok(entry) = cache.cached("exchange_schedule", SCHEDULE_VERSION, key, || exchange::schedule_phase(&x.value, request).map_err(CompileError::from)) {
+            warmed.lock().expect("warmed schedules lock").insert(key, entry);
+        }
     })
 }
 
