@@ -48,7 +48,12 @@ fn each_new_operation_runs_and_matches_the_host_reference() {
 
 /// A tiny encoder of `style`, written as a workload file.
 fn tiny(style: LayerStyle, activation: Activation, final_norm: bool, batch: u32) -> String {
-    let spec = EncoderSpec { batch, tokens: 11, hidden: 24, heads: 3, intermediate: 40, layers: 2, style, activation, eps: 1e-5, final_norm };
+    tiny_of(style, activation, final_norm, batch, (11, 24, 3, 40))
+}
+
+/// [`tiny`] of (tokens, hidden width, heads, MLP width).
+fn tiny_of(style: LayerStyle, activation: Activation, final_norm: bool, batch: u32, (tokens, hidden, heads, intermediate): (u32, u32, u32, u32)) -> String {
+    let spec = EncoderSpec { batch, tokens, hidden, heads, intermediate, layers: 2, style, activation, eps: 1e-5, final_norm };
     let encoder = build(&spec, |p| Ok::<_, String>(random_parameter(p))).unwrap();
     let file = encoder.into_file(format!("tiny-{style:?}-{batch}").to_lowercase(), Default::default());
     Graph::from_file(file.clone(), "tiny").expect("the builder's workload validates");
@@ -67,6 +72,37 @@ fn two_layer_tiny_encoders_of_both_styles_match_the_host_reference() {
         let out = run_file(dir.path(), &format!("enc{i}.toml"), text);
         assert_pass(&out);
         assert_eq!(field(&out.stdout, "diagnosticCheckpoints=", "numericalTest").as_deref(), Some("PASS"));
+    }
+}
+
+/// LayerNorm rows that leave tiles idle are split into segments on those tiles (each
+/// segment's statistics, one exchange of them, each segment normalised from all of them):
+/// three rows of 256 on the 16 tiles run on 12 and agree with the host reference; rows enough
+/// for every tile stay whole. Encoders whose few tokens leave tiles idle store the residual
+/// adds that feed their LayerNorms in those segments, in both layer styles, and agree too.
+#[test]
+fn layer_norm_rows_split_over_idle_tiles_match_the_host_reference() {
+    let dir = tempfile::tempdir().unwrap();
+    let params = |cols: u32| [("gamma", vec![cols], "uniform"), ("beta", vec![cols], "gaussian")];
+    for (rows, cols, tiles) in [(3, 256, 12), (16, 64, 16)] {
+        let file = format!("ln{rows}.toml");
+        let text = single("layer_norm", "", &params(cols), rows, cols);
+        std::fs::write(dir.path().join(&file), &text).unwrap();
+        let plans = ipuq(&["plans", &file, "--target", "small16"], dir.path());
+        assert_eq!(plans.code, 0, "{}", plans.stderr);
+        assert!(plans.stdout.contains(&format!("y:layer_normx{tiles}")), "{rows} rows: {}", plans.stdout);
+        let out = run_file(dir.path(), &file, &text);
+        assert_pass(&out);
+        assert_eq!(field(&out.stdout, "diagnosticCheckpoints=", "numericalTest").as_deref(), Some("PASS"), "{text}");
+    }
+    for style in [LayerStyle::PreNorm, LayerStyle::PostNorm] {
+        let text = tiny_of(style, Activation::GeluTanh, true, 1, (5, 256, 4, 96));
+        let file = format!("few-{style:?}.toml");
+        let out = run_file(dir.path(), &file, &text);
+        assert_pass(&out);
+        assert_eq!(field(&out.stdout, "diagnosticCheckpoints=", "numericalTest").as_deref(), Some("PASS"), "{style:?}");
+        let plans = ipuq(&["plans", &file, "--target", "small16"], dir.path());
+        assert!(plans.stdout.contains("layer_normx15"), "{style:?}: {}", plans.stdout);
     }
 }
 

@@ -163,7 +163,8 @@ fn four_seed_blocks_fit_whole_program() {
 /// One full-size SigLIP encoder layer with its MLP products constrained to swapped (the up
 /// product in 23 row partitions, so its replicated weights fit beside the layer's others): the
 /// MLP's result reaches the residual add written out transposed, and the layer passes well
-/// under the 422,410 cycles of the generated workload (measured: 377,474).
+/// under the 411,884 cycles of the generated workload (measured: 367,138; 377,474 before the
+/// LayerNorms split their rows over idle tiles).
 #[test]
 fn a_full_size_encoder_layer_with_swapped_mlp_products_passes_faster() {
     let dir = tempfile::tempdir().unwrap();
@@ -182,7 +183,8 @@ fn a_full_size_encoder_layer_with_swapped_mlp_products_passes_faster() {
 /// Four full-size SigLIP encoder layers: replicated at the planner's own partitions their
 /// weights do not fit, and kept once on home tiles every layer multicasts its weights at each
 /// product (4.37 x one layer). Replicated on fewer tiles each (four), they fit, and the stack
-/// runs within issue 9's 4.2 x one layer's cycles (measured: 1,769,352 against 422,410). Their
+/// runs within issue 9's 4.2 x one layer's cycles (measured: 1,728,416 against 411,884,
+/// 4.196 x; 1,769,352 against 422,410 before the LayerNorms split their rows). Their
 /// fullest tile is so full that separating exchange buffers by memory element fragments it;
 /// placing that tile again largest buffers first finds room, so `select_finalist` keeps the
 /// planner's program (before, it steered `l0.q.product` away and planned again).

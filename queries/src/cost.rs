@@ -93,6 +93,33 @@ pub fn layer_norm(t: &Target, rows: u32, cols: u32) -> u64 {
         + binary_half(t, n, c.cpl_add_half)
 }
 
+/// The statistics of one segment of LayerNorm rows (`LayerNormStatistics`): the first two
+/// passes of [`layer_norm`] over the segment, the row sums and the sums of squared deviations
+/// in fp32.
+pub fn layer_norm_statistics(t: &Target, rows: u32, cols: u32) -> u64 {
+    let c = &t.costs;
+    let n = rows as u64 * cols as u64;
+    unary_float(t, n, c.cpl_add_float) + unary_float(t, n, 2 * c.cpl_add_float + c.cpl_mul_float)
+}
+
+/// LayerNorm of one segment of rows from the statistics of `segments` segments
+/// (`LayerNormSegment`): per row (rows spread over the workers, as [`layer_norm`]'s reciprocal
+/// square root), each further segment merged in fp32 (the counts' add, the weight's divide,
+/// the mean's subtract, multiply and add, the squared deviations' two multiplies and two adds:
+/// one divide, three multiplies and five adds), then the reciprocal square root (a divide);
+/// then [`layer_norm`]'s last three passes over the segment (normalise, gamma, beta). The
+/// composition is an assumption (`[INF]`); every per-element term is the target file's.
+pub fn layer_norm_segment(t: &Target, rows: u32, cols: u32, segments: u32) -> u64 {
+    let c = &t.costs;
+    let n = rows as u64 * cols as u64;
+    let w = workers(t);
+    let merge = c.cpl_divide_float + 3 * c.cpl_mul_float + 5 * c.cpl_add_float;
+    w * ceil_div(rows as u64, w) * (segments.saturating_sub(1) as u64 * merge + c.cpl_divide_float)
+        + unary_half(t, n, c.cpl_add_half + c.cpl_mul_half, false)
+        + binary_half(t, n, c.cpl_mul_half)
+        + binary_half(t, n, c.cpl_add_half)
+}
+
 /// poplibs' binary elementwise estimate over n half elements.
 pub fn binary_half(t: &Target, n: u64, cpl: u64) -> u64 {
     let c = &t.costs;
@@ -272,6 +299,28 @@ pub fn vertex_constants(t: &Target, call: &VertexCall) -> Vec<&'static str> {
             "compute.vector_f32_lanes",
             "chip.workers",
         ]),
+        VertexCall::LayerNormStatistics { .. } => keys.extend([
+            "costs.unary_base",
+            "costs.unary_tail",
+            "costs.float_setup",
+            "costs.cpl_add_float",
+            "costs.cpl_mul_float",
+            "compute.vector_f32_lanes",
+            "chip.workers",
+        ]),
+        VertexCall::LayerNormSegment { .. } => keys.extend([
+            "costs.unary_base",
+            "costs.unary_tail",
+            "costs.binary_base",
+            "costs.binary_tail",
+            "costs.cpl_add_float",
+            "costs.cpl_mul_float",
+            "costs.cpl_divide_float",
+            "costs.cpl_add_half",
+            "costs.cpl_mul_half",
+            "compute.vector_f16_lanes",
+            "chip.workers",
+        ]),
         VertexCall::Copy { .. } => keys.extend(["costs.copy_overhead", "costs.copy_standard_bytes_per_cycle", "costs.copy_interleaved_bytes_per_cycle"]),
         VertexCall::Transpose { .. } => keys.extend(["costs.copy_overhead", "costs.transpose_cycles_per_element"]),
     }
@@ -310,6 +359,8 @@ pub fn vertex_with<O>(t: &Target, call: &VertexCall<O>, interleaved: impl Fn(&O)
         VertexCall::GeluErf { rows, cols, .. } => gelu_erf(t, *rows as u64 * *cols as u64),
         VertexCall::BiasAdd { rows, cols, .. } => binary_half(t, *rows as u64 * *cols as u64, t.costs.cpl_add_half),
         VertexCall::LayerNorm { rows, cols, .. } => layer_norm(t, *rows, *cols),
+        VertexCall::LayerNormStatistics { rows, cols, .. } => layer_norm_statistics(t, *rows, *cols),
+        VertexCall::LayerNormSegment { rows, cols, segments, .. } => layer_norm_segment(t, *rows, *cols, *segments),
         VertexCall::Copy { rows, cols, dtype, input, output } => {
             copy(t, *rows as u64 * *cols as u64 * dtype.bytes() as u64, interleaved(input) && interleaved(output))
         }

@@ -458,7 +458,7 @@ pub fn prefix_compatible(from: &Oriented, to: &Oriented, end: usize) -> bool {
         return false;
     }
     f.operations[..end].iter().all(|o| {
-        needs_whole_rows(f, o.output) == needs_whole_rows(t, o.output)
+        row_consumers(f, o.output) == row_consumers(t, o.output)
             && from.checkpoint_value.get(&o.output) == to.checkpoint_value.get(&o.output)
             && f.outputs.contains(&o.output) == t.outputs.contains(&o.output)
     })
@@ -521,7 +521,7 @@ pub fn prefix_identical_across_graphs(old: &Oriented, new: &Oriented, end: usize
     }
     fa.iter().all(|(_, a)| {
         let (Some(x), Some(y)) = (f.operations.get(a.add), t.operations.get(a.add)) else { return false };
-        x == y && f.values.get(x.output.0 as usize) == t.values.get(y.output.0 as usize) && needs_whole_rows(f, x.output) == needs_whole_rows(t, y.output) && f.outputs.contains(&x.output) == t.outputs.contains(&y.output)
+        x == y && f.values.get(x.output.0 as usize) == t.values.get(y.output.0 as usize) && row_consumers(f, x.output) == row_consumers(t, y.output) && f.outputs.contains(&x.output) == t.outputs.contains(&y.output)
     })
 }
 
@@ -1486,6 +1486,11 @@ impl<'a> Builder<'a> {
             // Its bias is one element per stored row: only the product's epilogue adds it so.
             return Err(LowerError::Unsupported { operation: out.name.clone(), message: "a bias add over a swapped product lowers only folded into the product's epilogue".into() });
         }
+        if let OpKind::LayerNorm { eps } = kind {
+            if let Some(cuts) = self.layer_norm_cuts(&out.shape) {
+                return self.layer_norm_segmented(index, eps as f32, inputs, output, cuts);
+            }
+        }
         let reuse = chain.is_identity()
             && self.stored.get(&chain.base).is_some_and(|s| !super::elementwise::needs_whole_rows(&kind) || s.grid.cuts.last().is_some_and(|c| c.len() == 2));
         let (cuts, tiles): (Vec<Vec<u32>>, Vec<u32>) = if reuse {
@@ -1507,6 +1512,16 @@ impl<'a> Builder<'a> {
                 let align = 8 / out.dtype.bytes();
                 cuts[0] = split(out.shape[0], self.target.chip.tiles.min(out.shape[0] / align).max(1), align);
                 cells = (cuts[0].len() - 1) as u32;
+            }
+            // A value that a LayerNorm splitting its rows reads (through operations that keep
+            // its layout) is stored in that LayerNorm's segments, which it then reads in place.
+            if row_consumers(self.graph, output) == (false, true) {
+                if let Some([rows, segments]) = self.layer_norm_cuts(&out.shape) {
+                    if rows == cuts[0] {
+                        cells = ((rows.len() - 1) * (segments.len() - 1)) as u32;
+                        cuts[1] = segments;
+                    }
+                }
             }
             (cuts, (0..cells).collect())
         };
@@ -1592,6 +1607,120 @@ impl<'a> Builder<'a> {
             let r_grid = Grid { cuts, tiles: grid.tiles.clone(), buffers: r_buffers };
             self.stored.insert(r, Arc::new(Stored { grid: r_grid, dtype: DType::F32 }));
         }
+        self.record(index, output, grid, out.dtype, step, plan);
+        Ok(())
+    }
+
+    /// The cuts of a LayerNorm over `shape` whose rows are split into segments on several
+    /// tiles (`elementwise::layer_norm_segments`): rows cut as any elementwise operation's, the
+    /// columns into segments of whole 64-bit words. `None`: whole rows (rank 2 only).
+    fn layer_norm_cuts(&self, shape: &[u32]) -> Option<[Vec<u32>; 2]> {
+        let &[rows, cols] = shape else { return None };
+        let row_cuts = split(rows, rows.min(self.target.chip.tiles).max(1), 1);
+        let row_cells = (row_cuts.len() - 1) as u32;
+        let most_rows = row_cuts.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
+        let segments = super::elementwise::layer_norm_segments(self.target, row_cells, most_rows, cols);
+        if segments < 2 {
+            return None;
+        }
+        let col_cuts = split(cols, segments, 4);
+        (col_cuts.len() > 2).then_some([row_cuts, col_cuts])
+    }
+
+    /// A LayerNorm whose rows are split into segments (`cuts`: rows, then columns), each cell
+    /// on a tile of its own: the cells compute their rows' statistics (`LayerNormStatistics`,
+    /// into their own slot of a per-cell table of every segment's statistics, segment-major),
+    /// one exchange phase brings each cell the other segments' slots of its rows, and each cell
+    /// normalises its block from them (`LayerNormSegment`). The input is read in place when it
+    /// is stored in these cells (an operation that keeps its layout stored it so), else
+    /// gathered onto them.
+    fn layer_norm_segmented(&mut self, index: usize, eps: f32, inputs: &[ValueId], output: ValueId, cuts: [Vec<u32>; 2]) -> Result<(), LowerError> {
+        let out = self.graph.value(output).clone();
+        let chain = ViewChain::resolve(self.graph, inputs[0]);
+        let tiles: Vec<u32> = match self.stored.get(&chain.base) {
+            Some(s) if chain.is_identity() && s.grid.cuts[..] == cuts[..] => s.grid.tiles.clone(),
+            _ => (0..((cuts[0].len() - 1) * (cuts[1].len() - 1)) as u32).collect(),
+        };
+        let segments = (cuts[1].len() - 1) as u32;
+        let mut grid = Grid { cuts: cuts.to_vec(), tiles, buffers: Vec::new() };
+        let statistics_name = format!("{}.statistics", out.name);
+        let words_per_record = super::elementwise::STATISTICS_WORDS as u32;
+        let record_bytes = words_per_record * 4;
+        // Per cell: tile, block, held input, gamma and beta, output buffer, statistics buffer.
+        let mut work = Vec::new();
+        let mut peak = 0u64;
+        for cell in 0..grid.tiles.len() {
+            let tile = grid.tiles[cell];
+            let block = grid.cell_block(cell);
+            let param_block = vec![block[1]];
+            let held: Vec<Held> = inputs
+                .iter()
+                .enumerate()
+                .map(|(i, &v)| self.gather(v, tile, if i > 0 { &param_block } else { &block }, false, 0, i == 0))
+                .collect::<Result<_, _>>()?;
+            let bytes = block_elements_stored(&block, out.dtype) * out.dtype.bytes() as u64;
+            let buffer = self.buffer(tile, bytes, AllocationKind::Data, false, &out.name);
+            grid.buffers.push(buffer);
+            let rows = block[0].1 - block[0].0;
+            let statistics = self.buffer(tile, (segments * rows * record_bytes) as u64, AllocationKind::Data, false, &statistics_name);
+            peak = peak.max(bytes * (inputs.len() as u64 + 1) + (segments * rows * record_bytes) as u64);
+            work.push((tile, block, held, buffer, statistics));
+        }
+        let slot = |segment: u32, rows: u32| Loc { buffer: 0, offset: segment * rows * words_per_record, row_stride: words_per_record, dtype_bytes: 4 };
+        let step = self.open_compute();
+        let mut compute = 0u64;
+        for (cell, (tile, block, held, _, statistics)) in work.iter().enumerate() {
+            let (rows, cols) = (block[0].1 - block[0].0, block[1].1 - block[1].0);
+            let call = Call::LayerNormStatistics { rows, cols, input: held[0].loc(&[block[0].0, block[1].0]), statistics: Loc { buffer: *statistics, ..slot(cell as u32 % segments, rows) } };
+            compute += cost::vertex_with(self.target, &call, |_| false);
+            self.emit(step, *tile, call);
+        }
+        // Each cell receives the other segments' statistics of its rows, slot for slot.
+        let mut words = 0u64;
+        for (cell, (_, block, _, _, statistics)) in work.iter().enumerate() {
+            let (row_cell, own) = (cell as u32 / segments, cell as u32 % segments);
+            let rows = block[0].1 - block[0].0;
+            for segment in (0..segments).filter(|&p| p != own) {
+                let source = work[(row_cell * segments + segment) as usize].4;
+                let offset = segment * rows * record_bytes;
+                self.pending.push((source, offset), rows * words_per_record, (*statistics, offset));
+            }
+            words = words.max(((segments - 1) * rows * words_per_record) as u64);
+        }
+        let step = self.open_compute();
+        for (tile, block, held, buffer, statistics) in work {
+            let (rows, cols) = (block[0].1 - block[0].0, block[1].1 - block[1].0);
+            let first = [block[0].0, block[1].0];
+            let call = Call::LayerNormSegment {
+                rows,
+                cols,
+                segments,
+                eps,
+                input: held[0].loc(&first),
+                statistics: Loc { buffer: statistics, ..slot(0, rows) },
+                gamma: held[1].loc(&first[1..]),
+                beta: held[2].loc(&first[1..]),
+                output: Held::plain(buffer, block.clone(), out.dtype).loc(&first),
+            };
+            compute += cost::vertex_with(self.target, &call, |_| false);
+            self.emit(step, tile, call);
+        }
+        let cells = grid.tiles.len() as u32;
+        let (_, max_delay) = self.target.delay_range();
+        let plan = OperationPlan {
+            operation: index as u32,
+            value: out.name.clone(),
+            kind: OpKind::LayerNorm { eps: eps as f64 }.name().into(),
+            orientation: String::new(),
+            weight_memory: String::new(),
+            constraint: String::new(),
+            matching_plans: 0,
+            partitions: [cells, 1, 1, 1],
+            tiles: cells,
+            estimated_compute_cycles: compute / cells.max(1) as u64,
+            estimated_exchange_cycles: self.target.exchange.sync_cycles + max_delay as u64 + words,
+            peak_bytes: peak,
+        };
         self.record(index, output, grid, out.dtype, step, plan);
         Ok(())
     }
@@ -1765,6 +1894,25 @@ fn needs_whole_rows(graph: &Graph, value: ValueId) -> bool {
     })
 }
 
+
+/// The row consumers of `value`, directly or through elementwise operations that keep its
+/// layout (as [`needs_whole_rows`] counts them): (some softmax, some LayerNorm). A value only
+/// LayerNorms read so is stored in their row segments (`Builder::layer_norm_cuts`).
+fn row_consumers(graph: &Graph, value: ValueId) -> (bool, bool) {
+    let mut found = (false, false);
+    for o in graph.operations.iter().filter(|o| o.inputs.first() == Some(&value)) {
+        match o.kind {
+            OpKind::Softmax => found.0 = true,
+            OpKind::LayerNorm { .. } => found.1 = true,
+            ref kind if super::elementwise::keeps_layout(kind) => {
+                let (softmax, layer_norm) = row_consumers(graph, o.output);
+                found = (found.0 || softmax, found.1 || layer_norm);
+            }
+            _ => {}
+        }
+    }
+    found
+}
 
 fn flatten(index: &[u32], shape: &[u32]) -> u64 {
     index.iter().zip(shape).fold(0u64, |acc, (&i, &d)| acc * d as u64 + i as u64)

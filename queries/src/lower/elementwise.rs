@@ -5,12 +5,45 @@
 
 use super::grid::ViewChain;
 use super::{Call, Loc};
+use crate::cost;
 use crate::ir::{Graph, OpKind, Producer, ValueId};
+use crate::target::Target;
 
 /// Whether the operation needs each row of its input whole on one tile.
 pub fn needs_whole_rows(kind: &OpKind) -> bool {
     matches!(kind, OpKind::Softmax | OpKind::LayerNorm { .. })
 }
+
+/// Into how many segments a LayerNorm splits each row of `cols` columns when its `row_cells`
+/// blocks of up to `rows` rows leave tiles idle: each segment on a tile of its own computes its
+/// rows' statistics (`LayerNormStatistics`), the segments of a row exchange them (one phase,
+/// four fp32 words per row and segment), and each normalises its columns from all of them
+/// (`LayerNormSegment`). The count with the lowest estimate (the cost formulas, plus the
+/// phase's sync, longest delay and received words) among those the idle tiles allow, at
+/// least four columns (one 64-bit word) a segment; 1 (whole rows, one `LayerNorm` call) when
+/// splitting does not pay. Ties go to fewer segments.
+pub fn layer_norm_segments(t: &Target, row_cells: u32, rows: u32, cols: u32) -> u32 {
+    let most = (t.chip.tiles / row_cells.max(1)).min(cols / 4).min(MOST_LAYER_NORM_SEGMENTS).max(1);
+    let (_, max_delay) = t.delay_range();
+    let mut best = (cost::layer_norm(t, rows, cols), 1);
+    for segments in 2..=most {
+        let width = cols.div_ceil(segments).div_ceil(4) * 4;
+        let words = (segments as u64 - 1) * rows as u64 * STATISTICS_WORDS;
+        let estimate = cost::layer_norm_statistics(t, rows, width) + t.exchange.sync_cycles + max_delay as u64 + words + cost::layer_norm_segment(t, rows, width, segments);
+        if estimate < best.0 {
+            best = (estimate, segments);
+        }
+    }
+    best.1
+}
+
+/// The most segments a LayerNorm row is split into (each normalising segment merges every
+/// segment's statistics, so the merge grows with their number).
+pub const MOST_LAYER_NORM_SEGMENTS: u32 = 16;
+
+/// fp32 words of one row's statistics of a LayerNorm segment (count, mean, squared
+/// deviations, 0: `VertexCall::LayerNormStatistics`).
+pub const STATISTICS_WORDS: u64 = 4;
 
 /// Whether the operation's output has its first input's layout, element for element.
 pub fn keeps_layout(kind: &OpKind) -> bool {

@@ -64,6 +64,8 @@ fn vertex_name(call: &VertexCall) -> &'static str {
         VertexCall::GeluErf { .. } => "GeluErf",
         VertexCall::BiasAdd { .. } => "BiasAdd",
         VertexCall::LayerNorm { .. } => "LayerNorm",
+        VertexCall::LayerNormStatistics { .. } => "LayerNormStatistics",
+        VertexCall::LayerNormSegment { .. } => "LayerNormSegment",
         VertexCall::Copy { .. } => "Copy",
         VertexCall::Transpose { .. } => "Transpose",
     }
@@ -125,6 +127,19 @@ fn accesses(call: &VertexCall) -> Vec<Access> {
         }
         VertexCall::LayerNorm { rows, cols, input, gamma, beta, output, .. } => vec![
             half("input", *input, *rows, *cols),
+            half("gamma", *gamma, 1, *cols),
+            half("beta", *beta, 1, *cols),
+            half("output", *output, *rows, *cols),
+        ],
+        VertexCall::LayerNormStatistics { rows, cols, input, statistics } => vec![
+            half("input", *input, *rows, *cols),
+            Access { name: "statistics", op: *statistics, rows: *rows, cols: kernels::STATISTICS, element_bytes: 4, need: Need::Data },
+        ],
+        VertexCall::LayerNormSegment { rows, cols, segments, input, statistics, gamma, beta, output, .. } => vec![
+            half("input", *input, *rows, *cols),
+            // The segments' blocks follow each other at the row stride: one block of
+            // segments x rows rows.
+            Access { name: "statistics", op: *statistics, rows: segments.saturating_mul(*rows), cols: kernels::STATISTICS, element_bytes: 4, need: Need::Data },
             half("gamma", *gamma, 1, *cols),
             half("beta", *beta, 1, *cols),
             half("output", *output, *rows, *cols),
@@ -333,6 +348,19 @@ pub fn execute(memory: &mut TileMemory, call: &VertexCall, s: &mut Scratch) {
             memory.read_f16(*gamma, 1, *cols, &mut s.bits, &mut s.b);
             memory.read_f16(*beta, 1, *cols, &mut s.bits, &mut s.t);
             kernels::layer_norm_rows(&mut s.a, &s.b, &s.t, *eps);
+            memory.write_f16(*output, *rows, *cols, &s.a, &mut s.halves);
+        }
+        VertexCall::LayerNormStatistics { rows, cols, input, statistics } => {
+            memory.read_f16(*input, *rows, *cols, &mut s.bits, &mut s.a);
+            kernels::layer_norm_statistics(&s.a, *cols as usize, &mut s.b);
+            memory.write_f32(*statistics, *rows, kernels::STATISTICS, &s.b);
+        }
+        VertexCall::LayerNormSegment { rows, cols, segments, eps, input, statistics, gamma, beta, output } => {
+            memory.read_f16(*input, *rows, *cols, &mut s.bits, &mut s.a);
+            memory.read_f32(*statistics, segments * rows, kernels::STATISTICS, &mut s.c);
+            memory.read_f16(*gamma, 1, *cols, &mut s.bits, &mut s.b);
+            memory.read_f16(*beta, 1, *cols, &mut s.bits, &mut s.t);
+            kernels::layer_norm_segment(&mut s.a, &s.c, *segments as usize, &s.b, &s.t, *eps);
             memory.write_f16(*output, *rows, *cols, &s.a, &mut s.halves);
         }
         VertexCall::Copy { rows, cols, dtype, input, output } => {

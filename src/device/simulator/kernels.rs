@@ -175,6 +175,64 @@ pub fn layer_norm_rows(values: &mut [f32], gamma: &[f32], beta: &[f32], eps: f32
     }
 }
 
+/// fp32 elements of one row's statistics of a LayerNorm segment: count, mean, sum of squared
+/// deviations from the mean, 0.
+pub const STATISTICS: u32 = 4;
+
+/// The statistics of each row (`cols` elements) of a LayerNorm segment into `out`, four fp32
+/// elements a row (`STATISTICS`): the count, the mean (the sum in increasing column order over
+/// the count), the sum of the squared deviations from it in the same order (two passes, as
+/// `layer_norm_rows`), and 0.
+pub fn layer_norm_statistics(values: &[f32], cols: usize, out: &mut Vec<f32>) {
+    out.clear();
+    if cols == 0 {
+        return;
+    }
+    for row in values.chunks_exact(cols) {
+        let mean = row.iter().sum::<f32>() / cols as f32;
+        let squares = row.iter().map(|&x| (x - mean) * (x - mean)).sum::<f32>();
+        out.extend([cols as f32, mean, squares, 0.0]);
+    }
+}
+
+/// LayerNorm of each row of one segment (`gamma.len()` elements a row) from the statistics of
+/// all `segments` segments of those rows (`statistics`: `segments` blocks of one
+/// `STATISTICS`-element record per row), merged in block order by the pairwise update of
+/// Chan, Golub and LeVeque (1979): n = n_a + n_b, mean = mean_a + (mean_b - mean_a) n_b / n,
+/// m2 = m2_a + m2_b + (mean_b - mean_a)^2 n_a n_b / n; the variance is m2 / n. Then
+/// `(x - mean) * (1 / sqrt(var + eps)) * gamma + beta`, as `layer_norm_rows`.
+pub fn layer_norm_segment(values: &mut [f32], statistics: &[f32], segments: usize, gamma: &[f32], beta: &[f32], eps: f32) {
+    let cols = gamma.len();
+    let width = STATISTICS as usize;
+    if cols == 0 || segments == 0 {
+        return;
+    }
+    let rows = values.len() / cols;
+    for (r, row) in values.chunks_exact_mut(cols).enumerate() {
+        let record = |p: usize| &statistics[(p * rows + r) * width..(p * rows + r + 1) * width];
+        let first = record(0);
+        let (mut n, mut mean, mut m2) = (first[0], first[1], first[2]);
+        for p in 1..segments {
+            let next = record(p);
+            let (nb, mean_b, m2_b) = (next[0], next[1], next[2]);
+            let total = n + nb;
+            if total == 0.0 {
+                continue;
+            }
+            let delta = mean_b - mean;
+            let weight = nb / total;
+            mean += delta * weight;
+            m2 += m2_b + delta * delta * n * weight;
+            n = total;
+        }
+        let variance = if n > 0.0 { m2 / n } else { 0.0 };
+        let inverse = 1.0 / (variance + eps).sqrt();
+        for ((x, &g), &b) in row.iter_mut().zip(gamma).zip(beta) {
+            *x = (*x - mean) * inverse * g + b;
+        }
+    }
+}
+
 pub fn scale(values: &mut [f32], factor: f32) {
     for x in values.iter_mut() {
         *x *= factor;
@@ -282,5 +340,43 @@ mod tests {
         gelu(&mut g);
         assert_eq!(g[0], 0.0);
         assert!((g[1] - g[2] - 1.0).abs() < 1e-6, "gelu(x) - gelu(-x) = x");
+    }
+
+    /// Rows split into segments of unequal widths (as a tile's share may be), each segment's
+    /// statistics merged from every segment's, normalise as the whole rows do.
+    #[test]
+    fn layer_norm_from_merged_segment_statistics_matches_whole_rows() {
+        let (rows, cols) = (3usize, 37usize);
+        let x: Vec<f32> = (0..rows * cols).map(|i| (i as f32 * 0.71).sin() * 3.0 + (i / cols) as f32 * 10.0).collect();
+        let gamma: Vec<f32> = (0..cols).map(|c| 0.5 + c as f32 / cols as f32).collect();
+        let beta: Vec<f32> = (0..cols).map(|c| (c as f32 * 0.3).cos()).collect();
+        let mut whole = x.clone();
+        layer_norm_rows(&mut whole, &gamma, &beta, 1e-5);
+        for cuts in [vec![0, 37], vec![0, 20, 37], vec![0, 4, 8, 36, 37], vec![0, 12, 24, 36, 37]] {
+            let segment = |p: usize| -> (usize, usize) { (cuts[p], cuts[p + 1]) };
+            let block = |p: usize| -> Vec<f32> {
+                let (c0, c1) = segment(p);
+                (0..rows).flat_map(|r| x[r * cols + c0..r * cols + c1].to_vec()).collect()
+            };
+            // Segment-major statistics: every segment's records of the three rows, in order.
+            let mut statistics = Vec::new();
+            for p in 0..cuts.len() - 1 {
+                let mut records = Vec::new();
+                layer_norm_statistics(&block(p), segment(p).1 - segment(p).0, &mut records);
+                assert_eq!(records.len(), rows * STATISTICS as usize);
+                statistics.extend(records);
+            }
+            for p in 0..cuts.len() - 1 {
+                let (c0, c1) = segment(p);
+                let mut values = block(p);
+                layer_norm_segment(&mut values, &statistics, cuts.len() - 1, &gamma[c0..c1], &beta[c0..c1], 1e-5);
+                for r in 0..rows {
+                    for c in c0..c1 {
+                        let (got, want) = (values[r * (c1 - c0) + c - c0], whole[r * cols + c]);
+                        assert!((got - want).abs() < 1e-5 * (1.0 + want.abs()), "cuts {cuts:?} row {r} column {c}: {got} vs {want}");
+                    }
+                }
+            }
+        }
     }
 }
