@@ -15,6 +15,8 @@ use ipuq_queries::target::fixtures;
 const WORKLOADS: &[(&str, &str)] = &[
     ("siglip-mlp-f16-b1-t37-d64-h96-n1", include_str!("../../fixtures/workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml")),
     ("attention-grouped-materialized-gaussian-f16-b1-t29-h4-kv2-d8", include_str!("../../fixtures/workloads/attention-grouped-materialized-gaussian-f16-b1-t29-h4-kv2-d8.toml")),
+    // Five tokens on 16 tiles: the LayerNorms split their rows over the idle tiles.
+    ("siglip-encoder-f16-b1-t5-d256-h4-m96-l1", include_str!("../../fixtures/workloads/siglip-encoder-f16-b1-t5-d256-h4-m96-l1.toml")),
 ];
 
 fn golden_path() -> PathBuf {
