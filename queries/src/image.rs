@@ -105,7 +105,7 @@ fn scalars<O>(call: &VertexCall<O>) -> (u32, Vec<u32>) {
         VertexCall::LayerNorm { rows, cols, eps, .. } => (10, vec![*rows, *cols, eps.to_bits()]),
         VertexCall::Transpose { rows, cols, .. } => (11, vec![*rows, *cols]),
         VertexCall::LayerNormStatistics { rows, cols, .. } => (12, vec![*rows, *cols]),
-        VertexCall::LayerNormSegment { rows, cols, segments, eps, .. } => (13, vec![*rows, *cols, *segments, eps.to_bits()]),
+        VertexCall::LayerNormSegment { rows, cols, segments, segment, eps, .. } => (13, vec![*rows, *cols, *segments, *segment, eps.to_bits()]),
     }
 }
 
@@ -204,8 +204,11 @@ fn decode_call(kind: u32, s: &[u32], o: &[Operand]) -> Result<VertexCall, String
         11 => unary(|rows, cols, input, output| VertexCall::Transpose { rows, cols, input, output })?,
         12 => unary(|rows, cols, input, statistics| VertexCall::LayerNormStatistics { rows, cols, input, statistics })?,
         13 => {
-            shape(4, 5)?;
-            VertexCall::LayerNormSegment { rows: s[0], cols: s[1], segments: s[2], eps: f32::from_bits(s[3]), input: o[0], statistics: o[1], gamma: o[2], beta: o[3], output: o[4] }
+            shape(5, 6)?;
+            if s[3] >= s[2] {
+                return Err(format!("a LayerNorm segment numbered {} of {} segments", s[3], s[2]));
+            }
+            VertexCall::LayerNormSegment { rows: s[0], cols: s[1], segments: s[2], segment: s[3], eps: f32::from_bits(s[4]), input: o[0], statistics: o[1], others: o[2], gamma: o[3], beta: o[4], output: o[5] }
         }
         _ => return Err(format!("unknown vertex kind {kind}")),
     })
@@ -519,7 +522,7 @@ mod tests {
             VertexCall::LayerNorm { rows: 1, cols: 2, eps: 1e-6, input: op(3, 4), gamma: op(5, 6), beta: op(7, 8), output: op(9, 10) },
             VertexCall::Transpose { rows: 3, cols: 5, input: op(3, 6), output: op(5, 4) },
             VertexCall::LayerNormStatistics { rows: 2, cols: 8, input: op(3, 8), statistics: op(5, 4) },
-            VertexCall::LayerNormSegment { rows: 2, cols: 8, segments: 3, eps: 1e-6, input: op(3, 8), statistics: op(5, 4), gamma: op(7, 8), beta: op(9, 8), output: op(11, 8) },
+            VertexCall::LayerNormSegment { rows: 2, cols: 8, segments: 3, segment: 1, eps: 1e-6, input: op(3, 8), statistics: op(5, 4), others: op(13, 4), gamma: op(7, 8), beta: op(9, 8), output: op(11, 8) },
         ]
     }
 

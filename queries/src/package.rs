@@ -257,15 +257,17 @@ pub enum VertexCall<O = Operand> {
     /// from that mean (two passes in fp32, as `LayerNorm`'s), and 0. The statistics of a row's
     /// segments, merged, are the row's (`LayerNormSegment`).
     LayerNormStatistics { rows: u32, cols: u32, input: O, statistics: O },
-    /// LayerNorm of one segment of each row from the statistics of all `segments` segments of
-    /// those rows: `statistics` holds `segments` blocks of `rows` rows x 4 fp32 elements, as
-    /// `LayerNormStatistics` writes them, block p at `statistics.address + p * rows *
-    /// statistics.row_stride * 4`. They are merged in block order (the pairwise update of Chan,
-    /// Golub and LeVeque: counts add, means combine by weight, the sums of squared deviations
-    /// add with n_a n_b / n (mean_b - mean_a)^2), then this segment's `cols` columns are
-    /// normalised: `(x - mean) / sqrt(var + eps) * gamma + beta`, `gamma` and `beta` this
-    /// segment's columns.
-    LayerNormSegment { rows: u32, cols: u32, segments: u32, eps: f32, input: O, statistics: O, gamma: O, beta: O, output: O },
+    /// LayerNorm of segment `segment` of each row from the statistics of all `segments` segments
+    /// of those rows: its own in `statistics` (`rows` rows of 4 fp32 elements at the row
+    /// stride, as `LayerNormStatistics` writes them) and the others' in `others`: `segments - 1`
+    /// blocks of `rows` such rows in segment order without this one, block q at
+    /// `others.address + q * rows * others.row_stride * 4` (two operands, so that the tile
+    /// receives the others' statistics into another buffer than the one it sends its own
+    /// from). They are merged in segment order (the pairwise update of Chan, Golub and
+    /// LeVeque: counts add, means combine by weight, the sums of squared deviations add with
+    /// n_a n_b / n (mean_b - mean_a)^2), then this segment's `cols` columns are normalised:
+    /// `(x - mean) / sqrt(var + eps) * gamma + beta`, `gamma` and `beta` this segment's columns.
+    LayerNormSegment { rows: u32, cols: u32, segments: u32, segment: u32, eps: f32, input: O, statistics: O, others: O, gamma: O, beta: O, output: O },
 }
 
 impl<O> VertexCall<O> {
@@ -296,9 +298,9 @@ impl<O> VertexCall<O> {
                 VertexCall::LayerNorm { rows: *rows, cols: *cols, eps: *eps, input: f(input), gamma: f(gamma), beta: f(beta), output: f(output) }
             }
             VertexCall::LayerNormStatistics { rows, cols, input, statistics } => VertexCall::LayerNormStatistics { rows: *rows, cols: *cols, input: f(input), statistics: f(statistics) },
-            VertexCall::LayerNormSegment { rows, cols, segments, eps, input, statistics, gamma, beta, output } => {
-                let (input, statistics, gamma, beta, output) = (f(input), f(statistics), f(gamma), f(beta), f(output));
-                VertexCall::LayerNormSegment { rows: *rows, cols: *cols, segments: *segments, eps: *eps, input, statistics, gamma, beta, output }
+            VertexCall::LayerNormSegment { rows, cols, segments, segment, eps, input, statistics, others, gamma, beta, output } => {
+                let (input, statistics, others, gamma, beta, output) = (f(input), f(statistics), f(others), f(gamma), f(beta), f(output));
+                VertexCall::LayerNormSegment { rows: *rows, cols: *cols, segments: *segments, segment: *segment, eps: *eps, input, statistics, others, gamma, beta, output }
             }
             VertexCall::Copy { rows, cols, dtype, input, output } => VertexCall::Copy { rows: *rows, cols: *cols, dtype: *dtype, input: f(input), output: f(output) },
             VertexCall::Transpose { rows, cols, input, output } => VertexCall::Transpose { rows: *rows, cols: *cols, input: f(input), output: f(output) },
@@ -317,7 +319,7 @@ impl<O> VertexCall<O> {
             VertexCall::BiasAdd { input, bias, output, .. } => vec![input, bias, output],
             VertexCall::LayerNorm { input, gamma, beta, output, .. } => vec![input, gamma, beta, output],
             VertexCall::LayerNormStatistics { input, statistics, .. } => vec![input, statistics],
-            VertexCall::LayerNormSegment { input, statistics, gamma, beta, output, .. } => vec![input, statistics, gamma, beta, output],
+            VertexCall::LayerNormSegment { input, statistics, others, gamma, beta, output, .. } => vec![input, statistics, others, gamma, beta, output],
         }
     }
 }

@@ -1628,10 +1628,11 @@ impl<'a> Builder<'a> {
     }
 
     /// A LayerNorm whose rows are split into segments (`cuts`: rows, then columns), each cell
-    /// on a tile of its own: the cells compute their rows' statistics (`LayerNormStatistics`,
-    /// into their own slot of a per-cell table of every segment's statistics, segment-major),
-    /// one exchange phase brings each cell the other segments' slots of its rows, and each cell
-    /// normalises its block from them (`LayerNormSegment`). The input is read in place when it
+    /// on a tile of its own: the cells compute their rows' statistics (`LayerNormStatistics`),
+    /// one exchange phase brings each cell the other segments' statistics of its rows (into a
+    /// buffer of their own, segment-major, so that no tile receives into the buffer it sends
+    /// from: the memory-element rule), and each cell normalises its block from all of them
+    /// (`LayerNormSegment`). The input is read in place when it
     /// is stored in these cells (an operation that keeps its layout stored it so), else
     /// gathered onto them.
     fn layer_norm_segmented(&mut self, index: usize, eps: f32, inputs: &[ValueId], output: ValueId, cuts: [Vec<u32>; 2]) -> Result<(), LowerError> {
@@ -1644,6 +1645,7 @@ impl<'a> Builder<'a> {
         let segments = (cuts[1].len() - 1) as u32;
         let mut grid = Grid { cuts: cuts.to_vec(), tiles, buffers: Vec::new() };
         let statistics_name = format!("{}.statistics", out.name);
+        let others_name = format!("{}.segment_statistics", out.name);
         let words_per_record = super::elementwise::STATISTICS_WORDS as u32;
         let record_bytes = words_per_record * 4;
         // Per cell: tile, block, held input, gamma and beta, output buffer, statistics buffer.
@@ -1662,42 +1664,44 @@ impl<'a> Builder<'a> {
             let buffer = self.buffer(tile, bytes, AllocationKind::Data, false, &out.name);
             grid.buffers.push(buffer);
             let rows = block[0].1 - block[0].0;
-            let statistics = self.buffer(tile, (segments * rows * record_bytes) as u64, AllocationKind::Data, false, &statistics_name);
+            let statistics = self.buffer(tile, (rows * record_bytes) as u64, AllocationKind::Data, false, &statistics_name);
+            let others = self.buffer(tile, ((segments - 1) * rows * record_bytes) as u64, AllocationKind::Data, false, &others_name);
             peak = peak.max(bytes * (inputs.len() as u64 + 1) + (segments * rows * record_bytes) as u64);
-            work.push((tile, block, held, buffer, statistics));
+            work.push((tile, block, held, buffer, statistics, others));
         }
-        let slot = |segment: u32, rows: u32| Loc { buffer: 0, offset: segment * rows * words_per_record, row_stride: words_per_record, dtype_bytes: 4 };
+        let records = |buffer: u32| Loc { buffer, offset: 0, row_stride: words_per_record, dtype_bytes: 4 };
         let step = self.open_compute();
         let mut compute = 0u64;
-        for (cell, (tile, block, held, _, statistics)) in work.iter().enumerate() {
+        for (tile, block, held, _, statistics, _) in work.iter() {
             let (rows, cols) = (block[0].1 - block[0].0, block[1].1 - block[1].0);
-            let call = Call::LayerNormStatistics { rows, cols, input: held[0].loc(&[block[0].0, block[1].0]), statistics: Loc { buffer: *statistics, ..slot(cell as u32 % segments, rows) } };
+            let call = Call::LayerNormStatistics { rows, cols, input: held[0].loc(&[block[0].0, block[1].0]), statistics: records(*statistics) };
             compute += cost::vertex_with(self.target, &call, |_| false);
             self.emit(step, *tile, call);
         }
-        // Each cell receives the other segments' statistics of its rows, slot for slot.
+        // Each cell receives the other segments' statistics of its rows, in segment order.
         let mut words = 0u64;
-        for (cell, (_, block, _, _, statistics)) in work.iter().enumerate() {
+        for (cell, (_, block, _, _, _, others)) in work.iter().enumerate() {
             let (row_cell, own) = (cell as u32 / segments, cell as u32 % segments);
             let rows = block[0].1 - block[0].0;
-            for segment in (0..segments).filter(|&p| p != own) {
+            for (slot, segment) in (0..segments).filter(|&p| p != own).enumerate() {
                 let source = work[(row_cell * segments + segment) as usize].4;
-                let offset = segment * rows * record_bytes;
-                self.pending.push((source, offset), rows * words_per_record, (*statistics, offset));
+                self.pending.push((source, 0), rows * words_per_record, (*others, slot as u32 * rows * record_bytes));
             }
             words = words.max(((segments - 1) * rows * words_per_record) as u64);
         }
         let step = self.open_compute();
-        for (tile, block, held, buffer, statistics) in work {
+        for (cell, (tile, block, held, buffer, statistics, others)) in work.into_iter().enumerate() {
             let (rows, cols) = (block[0].1 - block[0].0, block[1].1 - block[1].0);
             let first = [block[0].0, block[1].0];
             let call = Call::LayerNormSegment {
                 rows,
                 cols,
                 segments,
+                segment: cell as u32 % segments,
                 eps,
                 input: held[0].loc(&first),
-                statistics: Loc { buffer: statistics, ..slot(0, rows) },
+                statistics: records(statistics),
+                others: records(others),
                 gamma: held[1].loc(&first[1..]),
                 beta: held[2].loc(&first[1..]),
                 output: Held::plain(buffer, block.clone(), out.dtype).loc(&first),

@@ -135,11 +135,12 @@ fn accesses(call: &VertexCall) -> Vec<Access> {
             half("input", *input, *rows, *cols),
             Access { name: "statistics", op: *statistics, rows: *rows, cols: kernels::STATISTICS, element_bytes: 4, need: Need::Data },
         ],
-        VertexCall::LayerNormSegment { rows, cols, segments, input, statistics, gamma, beta, output, .. } => vec![
+        VertexCall::LayerNormSegment { rows, cols, segments, input, statistics, others, gamma, beta, output, .. } => vec![
             half("input", *input, *rows, *cols),
-            // The segments' blocks follow each other at the row stride: one block of
-            // segments x rows rows.
-            Access { name: "statistics", op: *statistics, rows: segments.saturating_mul(*rows), cols: kernels::STATISTICS, element_bytes: 4, need: Need::Data },
+            Access { name: "statistics", op: *statistics, rows: *rows, cols: kernels::STATISTICS, element_bytes: 4, need: Need::Data },
+            // The other segments' blocks follow each other at the row stride: one block of
+            // (segments - 1) x rows rows.
+            Access { name: "others", op: *others, rows: segments.saturating_sub(1).saturating_mul(*rows), cols: kernels::STATISTICS, element_bytes: 4, need: Need::Data },
             half("gamma", *gamma, 1, *cols),
             half("beta", *beta, 1, *cols),
             half("output", *output, *rows, *cols),
@@ -355,9 +356,14 @@ pub fn execute(memory: &mut TileMemory, call: &VertexCall, s: &mut Scratch) {
             kernels::layer_norm_statistics(&s.a, *cols as usize, &mut s.b);
             memory.write_f32(*statistics, *rows, kernels::STATISTICS, &s.b);
         }
-        VertexCall::LayerNormSegment { rows, cols, segments, eps, input, statistics, gamma, beta, output } => {
+        VertexCall::LayerNormSegment { rows, cols, segments, segment, eps, input, statistics, others, gamma, beta, output } => {
             memory.read_f16(*input, *rows, *cols, &mut s.bits, &mut s.a);
-            memory.read_f32(*statistics, segments * rows, kernels::STATISTICS, &mut s.c);
+            // The statistics of every segment in segment order: the others' with this one's
+            // slotted in at `segment`.
+            memory.read_f32(*others, segments.saturating_sub(1) * rows, kernels::STATISTICS, &mut s.c);
+            memory.read_f32(*statistics, *rows, kernels::STATISTICS, &mut s.b);
+            let at = (*segment * *rows * kernels::STATISTICS) as usize;
+            s.c.splice(at..at, s.b.iter().copied());
             memory.read_f16(*gamma, 1, *cols, &mut s.bits, &mut s.b);
             memory.read_f16(*beta, 1, *cols, &mut s.bits, &mut s.t);
             kernels::layer_norm_segment(&mut s.a, &s.c, *segments as usize, &s.b, &s.t, *eps);

@@ -370,6 +370,7 @@ mod tests {
                 let (c0, c1) = segment(p);
                 let mut values = block(p);
                 layer_norm_segment(&mut values, &statistics, cuts.len() - 1, &gamma[c0..c1], &beta[c0..c1], 1e-5);
+                assert_eq!(statistics.len(), (cuts.len() - 1) * rows * STATISTICS as usize);
                 for r in 0..rows {
                     for c in c0..c1 {
                         let (got, want) = (values[r * (c1 - c0) + c - c0], whole[r * cols + c]);
