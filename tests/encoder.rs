@@ -78,8 +78,9 @@ fn two_layer_tiny_encoders_of_both_styles_match_the_host_reference() {
 /// LayerNorm rows that leave tiles idle are split into segments on those tiles (each
 /// segment's statistics, one exchange of them, each segment normalised from all of them):
 /// three rows of 256 on the 16 tiles run on 12 and agree with the host reference; rows enough
-/// for every tile stay whole. Encoders whose few tokens leave tiles idle store the residual
-/// adds that feed their LayerNorms in those segments, in both layer styles, and agree too.
+/// for every tile stay whole; a rank-3 LayerNorm splits its rows too. Encoders whose few
+/// tokens leave tiles idle store the residual adds that feed their LayerNorms in those
+/// segments, in both layer styles, and agree too.
 #[test]
 fn layer_norm_rows_split_over_idle_tiles_match_the_host_reference() {
     let dir = tempfile::tempdir().unwrap();
@@ -95,6 +96,14 @@ fn layer_norm_rows_split_over_idle_tiles_match_the_host_reference() {
         assert_pass(&out);
         assert_eq!(field(&out.stdout, "diagnosticCheckpoints=", "numericalTest").as_deref(), Some("PASS"), "{text}");
     }
+    // Rank 3: two batches of three rows, one batch index a cell, each row in two segments.
+    let text = single("layer_norm", "", &params(256), 3, 256).replacen("shape = [3, 256]", "shape = [2, 3, 256]", 1);
+    std::fs::write(dir.path().join("ln3d.toml"), &text).unwrap();
+    let plans = ipuq(&["plans", "ln3d.toml", "--target", "small16"], dir.path());
+    assert!(plans.stdout.contains("y:layer_normx12"), "rank 3: {}", plans.stdout);
+    let out = run_file(dir.path(), "ln3d.toml", &text);
+    assert_pass(&out);
+    assert_eq!(field(&out.stdout, "diagnosticCheckpoints=", "numericalTest").as_deref(), Some("PASS"), "{text}");
     for style in [LayerStyle::PreNorm, LayerStyle::PostNorm] {
         let text = tiny_of(style, Activation::GeluTanh, true, 1, (5, 256, 4, 96));
         let file = format!("few-{style:?}.toml");

@@ -1516,10 +1516,10 @@ impl<'a> Builder<'a> {
             // A value that a LayerNorm splitting its rows reads (through operations that keep
             // its layout) is stored in that LayerNorm's segments, which it then reads in place.
             if row_consumers(self.graph, output) == (false, true) {
-                if let Some([rows, segments]) = self.layer_norm_cuts(&out.shape) {
-                    if rows == cuts[0] {
-                        cells = ((rows.len() - 1) * (segments.len() - 1)) as u32;
-                        cuts[1] = segments;
+                if let Some(segmented) = self.layer_norm_cuts(&out.shape) {
+                    if segmented[..rank - 1] == cuts[..rank - 1] {
+                        cells = segmented.iter().map(|c| (c.len() - 1) as u32).product();
+                        cuts = segmented;
                     }
                 }
             }
@@ -1612,19 +1612,36 @@ impl<'a> Builder<'a> {
     }
 
     /// The cuts of a LayerNorm over `shape` whose rows are split into segments on several
-    /// tiles (`elementwise::layer_norm_segments`): rows cut as any elementwise operation's, the
-    /// columns into segments of whole 64-bit words. `None`: whole rows (rank 2 only).
-    fn layer_norm_cuts(&self, shape: &[u32]) -> Option<[Vec<u32>; 2]> {
-        let &[rows, cols] = shape else { return None };
-        let row_cuts = split(rows, rows.min(self.target.chip.tiles).max(1), 1);
-        let row_cells = (row_cuts.len() - 1) as u32;
-        let most_rows = row_cuts.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
-        let segments = super::elementwise::layer_norm_segments(self.target, row_cells, most_rows, cols);
+    /// tiles (`elementwise::layer_norm_segments`): the leading axes cut as any elementwise
+    /// operation's (a batch axis of rank 3 one index a cell), the columns into segments of
+    /// whole 64-bit words. `None`: whole rows.
+    fn layer_norm_cuts(&self, shape: &[u32]) -> Option<Vec<Vec<u32>>> {
+        let (&cols, leading) = shape.split_last()?;
+        if !(1..=2).contains(&leading.len()) {
+            return None;
+        }
+        let tiles = self.target.chip.tiles;
+        let mut cuts = Vec::new();
+        let mut cells = 1u32;
+        for &extent in leading {
+            let cut = split(extent, extent.min(tiles / cells).max(1), 1);
+            cells *= (cut.len() - 1) as u32;
+            cuts.push(cut);
+        }
+        if leading.len() == 2 && cuts[0].len() - 1 != leading[0] as usize {
+            return None;
+        }
+        let most_rows = cuts[cuts.len() - 1].windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
+        let segments = super::elementwise::layer_norm_segments(self.target, cells, most_rows, cols);
         if segments < 2 {
             return None;
         }
         let col_cuts = split(cols, segments, 4);
-        (col_cuts.len() > 2).then_some([row_cuts, col_cuts])
+        if col_cuts.len() <= 2 {
+            return None;
+        }
+        cuts.push(col_cuts);
+        Some(cuts)
     }
 
     /// A LayerNorm whose rows are split into segments (`cuts`: rows, then columns), each cell
@@ -1635,15 +1652,16 @@ impl<'a> Builder<'a> {
     /// (`LayerNormSegment`). The input is read in place when it
     /// is stored in these cells (an operation that keeps its layout stored it so), else
     /// gathered onto them.
-    fn layer_norm_segmented(&mut self, index: usize, eps: f32, inputs: &[ValueId], output: ValueId, cuts: [Vec<u32>; 2]) -> Result<(), LowerError> {
+    fn layer_norm_segmented(&mut self, index: usize, eps: f32, inputs: &[ValueId], output: ValueId, cuts: Vec<Vec<u32>>) -> Result<(), LowerError> {
         let out = self.graph.value(output).clone();
         let chain = ViewChain::resolve(self.graph, inputs[0]);
         let tiles: Vec<u32> = match self.stored.get(&chain.base) {
             Some(s) if chain.is_identity() && s.grid.cuts[..] == cuts[..] => s.grid.tiles.clone(),
-            _ => (0..((cuts[0].len() - 1) * (cuts[1].len() - 1)) as u32).collect(),
+            _ => (0..cuts.iter().map(|c| (c.len() - 1) as u32).product::<u32>()).collect(),
         };
-        let segments = (cuts[1].len() - 1) as u32;
-        let mut grid = Grid { cuts: cuts.to_vec(), tiles, buffers: Vec::new() };
+        let rank = cuts.len();
+        let segments = (cuts[rank - 1].len() - 1) as u32;
+        let mut grid = Grid { cuts, tiles, buffers: Vec::new() };
         let statistics_name = format!("{}.statistics", out.name);
         let others_name = format!("{}.segment_statistics", out.name);
         let words_per_record = super::elementwise::STATISTICS_WORDS as u32;
@@ -1654,7 +1672,7 @@ impl<'a> Builder<'a> {
         for cell in 0..grid.tiles.len() {
             let tile = grid.tiles[cell];
             let block = grid.cell_block(cell);
-            let param_block = vec![block[1]];
+            let param_block = vec![block[rank - 1]];
             let held: Vec<Held> = inputs
                 .iter()
                 .enumerate()
@@ -1663,7 +1681,8 @@ impl<'a> Builder<'a> {
             let bytes = block_elements_stored(&block, out.dtype) * out.dtype.bytes() as u64;
             let buffer = self.buffer(tile, bytes, AllocationKind::Data, false, &out.name);
             grid.buffers.push(buffer);
-            let rows = block[0].1 - block[0].0;
+            // A rank-3 cell holds one batch index: its rows are those of the last leading axis.
+            let rows = block[rank - 2].1 - block[rank - 2].0;
             let statistics = self.buffer(tile, (rows * record_bytes) as u64, AllocationKind::Data, false, &statistics_name);
             let others = self.buffer(tile, ((segments - 1) * rows * record_bytes) as u64, AllocationKind::Data, false, &others_name);
             peak = peak.max(bytes * (inputs.len() as u64 + 1) + (segments * rows * record_bytes) as u64);
@@ -1672,9 +1691,11 @@ impl<'a> Builder<'a> {
         let records = |buffer: u32| Loc { buffer, offset: 0, row_stride: words_per_record, dtype_bytes: 4 };
         let step = self.open_compute();
         let mut compute = 0u64;
+        let extent = |block: &[(u32, u32)], axis: usize| block[axis].1 - block[axis].0;
         for (tile, block, held, _, statistics, _) in work.iter() {
-            let (rows, cols) = (block[0].1 - block[0].0, block[1].1 - block[1].0);
-            let call = Call::LayerNormStatistics { rows, cols, input: held[0].loc(&[block[0].0, block[1].0]), statistics: records(*statistics) };
+            let (rows, cols) = (extent(block, rank - 2), extent(block, rank - 1));
+            let first: Vec<u32> = block.iter().map(|b| b.0).collect();
+            let call = Call::LayerNormStatistics { rows, cols, input: held[0].loc(&first), statistics: records(*statistics) };
             compute += cost::vertex_with(self.target, &call, |_| false);
             self.emit(step, *tile, call);
         }
@@ -1682,7 +1703,7 @@ impl<'a> Builder<'a> {
         let mut words = 0u64;
         for (cell, (_, block, _, _, _, others)) in work.iter().enumerate() {
             let (row_cell, own) = (cell as u32 / segments, cell as u32 % segments);
-            let rows = block[0].1 - block[0].0;
+            let rows = extent(block, rank - 2);
             for (slot, segment) in (0..segments).filter(|&p| p != own).enumerate() {
                 let source = work[(row_cell * segments + segment) as usize].4;
                 self.pending.push((source, 0), rows * words_per_record, (*others, slot as u32 * rows * record_bytes));
@@ -1691,8 +1712,8 @@ impl<'a> Builder<'a> {
         }
         let step = self.open_compute();
         for (cell, (tile, block, held, buffer, statistics, others)) in work.into_iter().enumerate() {
-            let (rows, cols) = (block[0].1 - block[0].0, block[1].1 - block[1].0);
-            let first = [block[0].0, block[1].0];
+            let (rows, cols) = (extent(&block, rank - 2), extent(&block, rank - 1));
+            let first: Vec<u32> = block.iter().map(|b| b.0).collect();
             let call = Call::LayerNormSegment {
                 rows,
                 cols,
@@ -1702,8 +1723,8 @@ impl<'a> Builder<'a> {
                 input: held[0].loc(&first),
                 statistics: records(statistics),
                 others: records(others),
-                gamma: held[1].loc(&first[1..]),
-                beta: held[2].loc(&first[1..]),
+                gamma: held[1].loc(&first[rank - 1..]),
+                beta: held[2].loc(&first[rank - 1..]),
                 output: Held::plain(buffer, block.clone(), out.dtype).loc(&first),
             };
             compute += cost::vertex_with(self.target, &call, |_| false);
