@@ -23,7 +23,7 @@ pub fn needs_whole_rows(kind: &OpKind) -> bool {
 /// least four columns (one 64-bit word) a segment; 1 (whole rows, one `LayerNorm` call) when
 /// splitting does not pay. Ties go to fewer segments.
 pub fn layer_norm_segments(t: &Target, row_cells: u32, rows: u32, cols: u32) -> u32 {
-    let most = (t.chip.tiles / row_cells.max(1)).min(cols / 4).min(MOST_LAYER_NORM_SEGMENTS).max(1);
+    let most = (t.chip.tiles / row_cells.max(1)).min(cols / 4).clamp(1, MOST_LAYER_NORM_SEGMENTS);
     let (_, max_delay) = t.delay_range();
     let mut best = (cost::layer_norm(t, rows, cols), 1);
     for segments in 2..=most {
