@@ -284,48 +284,37 @@ pub fn vertex_constants(t: &Target, call: &VertexCall) -> Vec<&'static str> {
         ]),
         VertexCall::GeluErf { .. } => keys.extend(["costs.gelu_base", "costs.gelu_chunk", "costs.gelu_erf_per_chunk"]),
         VertexCall::BiasAdd { .. } => keys.extend(["costs.binary_base", "costs.binary_tail", "costs.cpl_add_half", "compute.vector_f16_lanes", "chip.workers"]),
-        VertexCall::LayerNorm { .. } => keys.extend([
-            "costs.unary_base",
-            "costs.unary_tail",
-            "costs.float_setup",
-            "costs.binary_base",
-            "costs.binary_tail",
-            "costs.cpl_add_float",
-            "costs.cpl_mul_float",
-            "costs.cpl_divide_float",
-            "costs.cpl_add_half",
-            "costs.cpl_mul_half",
-            "compute.vector_f16_lanes",
-            "compute.vector_f32_lanes",
-            "chip.workers",
-        ]),
-        VertexCall::LayerNormStatistics { .. } => keys.extend([
-            "costs.unary_base",
-            "costs.unary_tail",
-            "costs.float_setup",
-            "costs.cpl_add_float",
-            "costs.cpl_mul_float",
-            "compute.vector_f32_lanes",
-            "chip.workers",
-        ]),
-        VertexCall::LayerNormSegment { .. } => keys.extend([
-            "costs.unary_base",
-            "costs.unary_tail",
-            "costs.binary_base",
-            "costs.binary_tail",
-            "costs.cpl_add_float",
-            "costs.cpl_mul_float",
-            "costs.cpl_divide_float",
-            "costs.cpl_add_half",
-            "costs.cpl_mul_half",
-            "compute.vector_f16_lanes",
-            "chip.workers",
-        ]),
+        // The whole-row LayerNorm reads what its two halves, statistics and normalisation, read.
+        VertexCall::LayerNorm { .. } => {
+            keys.extend(LAYER_NORM_STATISTICS_CONSTANTS);
+            keys.extend(LAYER_NORM_SEGMENT_CONSTANTS.iter().filter(|k| !LAYER_NORM_STATISTICS_CONSTANTS.contains(k)));
+        }
+        VertexCall::LayerNormStatistics { .. } => keys.extend(LAYER_NORM_STATISTICS_CONSTANTS),
+        VertexCall::LayerNormSegment { .. } => keys.extend(LAYER_NORM_SEGMENT_CONSTANTS),
         VertexCall::Copy { .. } => keys.extend(["costs.copy_overhead", "costs.copy_standard_bytes_per_cycle", "costs.copy_interleaved_bytes_per_cycle"]),
         VertexCall::Transpose { .. } => keys.extend(["costs.copy_overhead", "costs.transpose_cycles_per_element"]),
     }
     keys
 }
+
+/// The target constants [`layer_norm_statistics`] reads (besides the launch).
+const LAYER_NORM_STATISTICS_CONSTANTS: [&str; 7] =
+    ["costs.unary_base", "costs.unary_tail", "costs.float_setup", "costs.cpl_add_float", "costs.cpl_mul_float", "compute.vector_f32_lanes", "chip.workers"];
+
+/// The target constants [`layer_norm_segment`] reads (besides the launch).
+const LAYER_NORM_SEGMENT_CONSTANTS: [&str; 11] = [
+    "costs.unary_base",
+    "costs.unary_tail",
+    "costs.binary_base",
+    "costs.binary_tail",
+    "costs.cpl_add_float",
+    "costs.cpl_mul_float",
+    "costs.cpl_divide_float",
+    "costs.cpl_add_half",
+    "costs.cpl_mul_half",
+    "compute.vector_f16_lanes",
+    "chip.workers",
+];
 
 /// The target constants [`epilogue`] reads for a call's addend or row scale.
 fn epilogue_constants<O>(add: &Option<Addend<O>>) -> Vec<&'static str> {

@@ -1586,21 +1586,8 @@ impl<'a> Builder<'a> {
             peak = peak.max(block_elements_stored(&block, out.dtype) * out.dtype.bytes() as u64 * (inputs.len() as u64 + 1) + r_bytes);
             r_buffers.extend(r_held.map(|h| h.buffer));
         }
-        let cells = grid.tiles.len() as u32;
-        let plan = OperationPlan {
-            operation: index as u32,
-            value: self.graph.value(self.checkpoint_value.get(&output).copied().unwrap_or(output)).name.clone(),
-            kind: kind.name().into(),
-            orientation: String::new(),
-            weight_memory: String::new(),
-            constraint: String::new(),
-            matching_plans: 0,
-            partitions: [cells, 1, 1, 1],
-            tiles: cells,
-            estimated_compute_cycles: compute / cells.max(1) as u64,
-            estimated_exchange_cycles: 0,
-            peak_bytes: peak,
-        };
+        let value = self.graph.value(self.checkpoint_value.get(&output).copied().unwrap_or(output)).name.clone();
+        let plan = elementwise_plan(index, value, &kind, grid.tiles.len() as u32, compute, 0, peak);
         if let Some(r) = reciprocals {
             let mut cuts = grid.cuts[..grid.cuts.len() - 1].to_vec();
             cuts.push(vec![0, 1]);
@@ -1730,22 +1717,9 @@ impl<'a> Builder<'a> {
             compute += cost::vertex_with(self.target, &call, |_| false);
             self.emit(step, tile, call);
         }
-        let cells = grid.tiles.len() as u32;
         let (_, max_delay) = self.target.delay_range();
-        let plan = OperationPlan {
-            operation: index as u32,
-            value: out.name.clone(),
-            kind: OpKind::LayerNorm { eps: eps as f64 }.name().into(),
-            orientation: String::new(),
-            weight_memory: String::new(),
-            constraint: String::new(),
-            matching_plans: 0,
-            partitions: [cells, 1, 1, 1],
-            tiles: cells,
-            estimated_compute_cycles: compute / cells.max(1) as u64,
-            estimated_exchange_cycles: self.target.exchange.sync_cycles + max_delay as u64 + words,
-            peak_bytes: peak,
-        };
+        let exchange = self.target.exchange.sync_cycles + max_delay as u64 + words;
+        let plan = elementwise_plan(index, out.name.clone(), &OpKind::LayerNorm { eps: eps as f64 }, grid.tiles.len() as u32, compute, exchange, peak);
         self.record(index, output, grid, out.dtype, step, plan);
         Ok(())
     }
@@ -1919,6 +1893,26 @@ fn needs_whole_rows(graph: &Graph, value: ValueId) -> bool {
     })
 }
 
+
+/// The plan of an elementwise operation over `cells` tiles, one cell each: `compute` the
+/// cycles of all its calls (the estimate is their mean per tile), `exchange` the estimate of
+/// the phases of its own (a LayerNorm's statistics).
+fn elementwise_plan(index: usize, value: String, kind: &OpKind, cells: u32, compute: u64, exchange: u64, peak: u64) -> OperationPlan {
+    OperationPlan {
+        operation: index as u32,
+        value,
+        kind: kind.name().into(),
+        orientation: String::new(),
+        weight_memory: String::new(),
+        constraint: String::new(),
+        matching_plans: 0,
+        partitions: [cells, 1, 1, 1],
+        tiles: cells,
+        estimated_compute_cycles: compute / cells.max(1) as u64,
+        estimated_exchange_cycles: exchange,
+        peak_bytes: peak,
+    }
+}
 
 /// The row consumers of `value`, directly or through elementwise operations that keep its
 /// layout (as [`needs_whole_rows`] counts them): (some softmax, some LayerNorm). A value only
