@@ -1069,11 +1069,7 @@ impl<'a> Builder<'a> {
             }
             blk
         };
-        let coords = |p: &MatMulPlan, tile: u32| -> (usize, usize, usize, usize) {
-            let (nm, nn, nk) = (p.m_cuts.len() - 1, p.n_cuts.len() - 1, p.k_cuts.len() - 1);
-            let t = tile as usize;
-            (t / (nk * nn * nm), t / (nk * nn) % nm, t / nk % nn, t % nk)
-        };
+        let coords = |p: &MatMulPlan, tile: u32| p.coords(tile);
         // Operands are resolved once: the planner asks for every tile of every candidate.
         let a_chain = ViewChain::resolve(self.graph, a);
         let a_stored = self.stored.contains_key(&a_chain.base);
@@ -1155,7 +1151,7 @@ impl<'a> Builder<'a> {
         let is_weight = |base: ValueId| matches!(graph.value(base).producer, Producer::Tensor { role: Role::Weight, .. });
         let max_row_partitions = if !b_stored && !home_b && !b_rank3 && is_weight(b_chain.base) { self.replication_cap } else { u32::MAX };
         let max_column_partitions = if !a_stored && !a_rank3 && is_weight(a_chain.base) { self.replication_cap } else { u32::MAX };
-        let problem = MatMulProblem { batches, m, k, n, b_transposed, whole_rows, m_align, epilogue, remote_a_words: &remote_a, remote_b_words: &remote_b, gather_bound: &gather_bound, memory_budget: self.budget(), interleaved_budget: self.interleaved_budget(), standard_budget: self.standard_budget(), constraint, max_row_partitions, max_column_partitions };
+        let problem = MatMulProblem { batches, m, k, n, b_transposed, whole_rows, m_align, epilogue, remote_a_words: &remote_a, remote_b_words: &remote_b, gather_bound: &gather_bound, a_gathered: a_stored || a_input, b_gathered: b_stored || home_b || b_input, memory_budget: self.budget(), interleaved_budget: self.interleaved_budget(), standard_budget: self.standard_budget(), constraint, max_row_partitions, max_column_partitions };
         let layout = |chain: &ViewChain| match self.stored.get(&chain.base) {
             Some(s) => format!("{} stored {:?} {:?}", chain.signature(), s.grid.cuts, s.grid.tiles),
             None => format!("{} host", chain.signature()),

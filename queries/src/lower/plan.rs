@@ -27,6 +27,22 @@ pub struct MatMulPlan {
     pub peak_bytes: u64,
     /// The weights were costed in standard memory (64-bit weight loads).
     pub weights_standard: bool,
+    /// Which partitions are innermost in the tile numbering (`tile_of`).
+    pub order: TileOrder,
+}
+
+/// Which partition index of a matrix product's work items is innermost in its tile numbering
+/// (`MatMulPlan::tile_of`). Tiles that read the same gathered block should be neighbours: a
+/// supertile pair (tiles 2k and 2k + 1) then receives it together at 64 bits a cycle (paired
+/// exchange). A gathered A block is read by every column partition of its row and inner
+/// partition; a gathered B block (a stored value, a home-tile weight's multicast, an input's
+/// copies) by every row partition of its column and inner partition.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TileOrder {
+    /// Column partitions innermost (A blocks shared by neighbours).
+    Columns,
+    /// Row partitions innermost (B blocks shared by neighbours).
+    Rows,
 }
 
 impl MatMulPlan {
@@ -36,10 +52,24 @@ impl MatMulPlan {
     pub fn total(&self) -> u64 {
         self.compute_cycles + self.exchange_cycles
     }
-    /// Tile of work item (ib, im, in, ik): reduction groups are consecutive tiles.
+    /// Tile of work item (ib, im, in, ik), numbered with the partitions of `order` innermost,
+    /// then the other of rows and columns, then the inner partitions, then the batch.
     pub fn tile_of(&self, ib: usize, im: usize, i_n: usize, ik: usize) -> u32 {
         let (nm, nn, nk) = (self.m_cuts.len() - 1, self.n_cuts.len() - 1, self.k_cuts.len() - 1);
-        (((ib * nm + im) * nn + i_n) * nk + ik) as u32
+        match self.order {
+            TileOrder::Columns => (((ib * nm + im) * nk + ik) * nn + i_n) as u32,
+            TileOrder::Rows => (((ib * nk + ik) * nn + i_n) * nm + im) as u32,
+        }
+    }
+
+    /// The work item (ib, im, in, ik) of `tile`: the inverse of [`MatMulPlan::tile_of`].
+    pub fn coords(&self, tile: u32) -> (usize, usize, usize, usize) {
+        let (nm, nn, nk) = (self.m_cuts.len() - 1, self.n_cuts.len() - 1, self.k_cuts.len() - 1);
+        let t = tile as usize;
+        match self.order {
+            TileOrder::Columns => (t / (nk * nn * nm), t / (nk * nn) % nm, t % nn, t / nn % nk),
+            TileOrder::Rows => (t / (nm * nn * nk), t % nm, t / nm % nn, t / (nm * nn) % nk),
+        }
     }
 }
 
@@ -67,6 +97,10 @@ pub struct MatMulProblem<'a> {
     pub remote_b_words: &'a dyn Fn(&MatMulPlan, u32) -> u64,
     /// No tile receives more words than this (the search stops there).
     pub gather_bound: &'a dyn Fn(&MatMulPlan) -> u64,
+    /// A's blocks (B's) arrive by exchange, each read by several tiles when there are several
+    /// column (row) partitions: they decide the tile numbering (`TileOrder`).
+    pub a_gathered: bool,
+    pub b_gathered: bool,
     /// Bytes a tile may use for this operation's buffers.
     pub memory_budget: u64,
     /// Interleaved bytes a tile may use beside what other operations keep there (partials
@@ -239,7 +273,14 @@ fn cost_plan(t: &Target, p: &MatMulProblem, b_cuts: Vec<u32>, m_cuts: Vec<u32>, 
         exchange_cycles: 0,
         peak_bytes: 0,
         weights_standard: false,
+        order: TileOrder::Columns,
     };
+    // Neighbours share B's gathered blocks when A arrives by no exchange (a swapped product,
+    // whose A is a resident weight); otherwise A's. (Where A is gathered but not shared, the
+    // numbering also decides which of its blocks are already in place: it stays.)
+    if p.b_gathered && plan.pm > 1 && !p.a_gathered {
+        plan.order = TileOrder::Rows;
+    }
     let ns_f16 = ns.div_ceil(4) * 4;
     let ks_f16 = ks.div_ceil(4) * 4;
     let ns_f32 = ns.div_ceil(4) * 4;
