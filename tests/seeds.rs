@@ -163,7 +163,7 @@ fn four_seed_blocks_fit_whole_program() {
 /// One full-size SigLIP encoder layer with its MLP products constrained to swapped (the up
 /// product in 23 row partitions, so its replicated weights fit beside the layer's others): the
 /// MLP's result reaches the residual add written out transposed, and the layer passes well
-/// under the 374,908 cycles of the generated workload (measured: 349,019; 377,474 before the
+/// under the 389,078 cycles of the generated workload (measured: 359,677; 377,474 before the
 /// LayerNorms split their rows over idle tiles and the products' tiles were numbered for
 /// paired gathers).
 #[test]
@@ -184,8 +184,8 @@ fn a_full_size_encoder_layer_with_swapped_mlp_products_passes_faster() {
 /// Four full-size SigLIP encoder layers: replicated at the planner's own partitions their
 /// weights do not fit, and kept once on home tiles every layer multicasts its weights at each
 /// product (4.37 x one layer). Replicated on fewer tiles each (four), they fit, and the stack
-/// runs within issue 9's 4.2 x one layer's cycles (measured: 1,512,616 against 374,908,
-/// 4.035 x; 1,769,352 against 422,410 before the LayerNorms split their rows and the products'
+/// runs within issue 9's 4.2 x one layer's cycles (measured: 1,577,328 against 389,078,
+/// 4.054 x; 1,769,352 against 422,410 before the LayerNorms split their rows and the products'
 /// tiles were numbered for paired gathers). Their
 /// fullest tile is so full that separating exchange buffers by memory element fragments it;
 /// placing that tile again largest buffers first finds room, so `select_finalist` keeps the
@@ -214,7 +214,7 @@ fn four_full_size_encoder_layers_run_within_4_2_times_one_layer() {
 /// (1024 tiles) whose statistics are exchanged; each tile receives the other segments'
 /// statistics into another buffer than the one it sends its own from, so exchange placement
 /// can keep the memory-element rule (one buffer for both failed it: `memory-element conflicts
-/// remain`). The layer passes well under its whole-row cycles (measured: 70,526; 87,135 with
+/// remain`). The layer passes well under its whole-row cycles (measured: 71,332; 87,135 with
 /// whole rows and the earlier tile numbering).
 #[test]
 fn a_bert_base_sized_layer_splits_its_layer_norm_rows_over_1024_tiles_and_passes() {
