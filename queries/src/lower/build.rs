@@ -1075,8 +1075,8 @@ impl<'a> Builder<'a> {
         let a_stored = self.stored.contains_key(&a_chain.base);
         // A host input block that several tiles hold is written by the host once and copied to
         // the others by the input phase at step 0 (`host.rs`): each copy is received over the
-        // exchange like a gathered operand, so the planner counts its words (without pairing:
-        // the input phase's copies are not paired as the run's gathers are).
+        // exchange like a gathered operand, so the planner counts its words (pairing, which
+        // can halve a phase, is not modelled, as for every gather).
         let is_input = |v: ValueId| matches!(self.graph.value(v).producer, Producer::Tensor { role: Role::Input, .. });
         let words_of = |blk: &[(u32, u32)], bytes: u32| blk.iter().map(|r| (r.1 - r.0) as u64).product::<u64>() * bytes as u64 / 4;
         let total_words = |shape: &[u32], bytes: u32| shape.iter().map(|&d| d as u64).product::<u64>() * bytes as u64 / 4;
@@ -1151,7 +1151,7 @@ impl<'a> Builder<'a> {
         let is_weight = |base: ValueId| matches!(graph.value(base).producer, Producer::Tensor { role: Role::Weight, .. });
         let max_row_partitions = if !b_stored && !home_b && !b_rank3 && is_weight(b_chain.base) { self.replication_cap } else { u32::MAX };
         let max_column_partitions = if !a_stored && !a_rank3 && is_weight(a_chain.base) { self.replication_cap } else { u32::MAX };
-        let problem = MatMulProblem { batches, m, k, n, b_transposed, whole_rows, m_align, epilogue, remote_a_words: &remote_a, remote_b_words: &remote_b, gather_bound: &gather_bound, a_gathered: a_stored || a_input, b_gathered: b_stored || home_b || b_input, a_stored, b_stored, memory_budget: self.budget(), interleaved_budget: self.interleaved_budget(), standard_budget: self.standard_budget(), constraint, max_row_partitions, max_column_partitions };
+        let problem = MatMulProblem { batches, m, k, n, b_transposed, whole_rows, m_align, epilogue, remote_a_words: &remote_a, remote_b_words: &remote_b, gather_bound: &gather_bound, a_gathered: a_stored || a_input, b_gathered: b_stored || home_b || b_input, memory_budget: self.budget(), interleaved_budget: self.interleaved_budget(), standard_budget: self.standard_budget(), constraint, max_row_partitions, max_column_partitions };
         let layout = |chain: &ViewChain| match self.stored.get(&chain.base) {
             Some(s) => format!("{} stored {:?} {:?}", chain.signature(), s.grid.cuts, s.grid.tiles),
             None => format!("{} host", chain.signature()),

@@ -101,10 +101,6 @@ pub struct MatMulProblem<'a> {
     /// column (row) partitions: they decide the tile numbering (`TileOrder`).
     pub a_gathered: bool,
     pub b_gathered: bool,
-    /// A (B) is a value an earlier operation stored, gathered in the run's own phases (not a
-    /// host input's copies, which the input phase moves): the gather estimate counts pairs.
-    pub a_stored: bool,
-    pub b_stored: bool,
     /// Bytes a tile may use for this operation's buffers.
     pub memory_budget: u64,
     /// Interleaved bytes a tile may use beside what other operations keep there (partials
@@ -347,17 +343,11 @@ fn cost_plan(t: &Target, p: &MatMulProblem, b_cuts: Vec<u32>, m_cuts: Vec<u32>, 
     }
     let mut gather = 0u64;
     let bound = (p.gather_bound)(&plan);
-    // Neighbours that read the same gathered block (`TileOrder`) form whole supertile pairs
-    // when their partitions come in even numbers: the pair receives the block together at 64
-    // bits a cycle, half the cycles of its words.
-    let a_paired = plan.order == TileOrder::Columns && p.a_stored && plan.pn.is_multiple_of(2);
-    let b_paired = plan.order == TileOrder::Rows && p.b_stored && plan.pm.is_multiple_of(2);
     for tile in 0..plan.tiles() {
         if gather >= bound {
             break;
         }
-        let (a, b) = ((p.remote_a_words)(&plan, tile), (p.remote_b_words)(&plan, tile));
-        gather = gather.max(if a_paired { a.div_ceil(2) } else { a } + if b_paired { b.div_ceil(2) } else { b });
+        gather = gather.max((p.remote_a_words)(&plan, tile) + (p.remote_b_words)(&plan, tile));
     }
     if gather > 0 {
         exchange += sync + max_delay as u64 + gather;
