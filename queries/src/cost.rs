@@ -82,15 +82,9 @@ pub fn unary_float(t: &Target, n: u64, cpl: u64) -> u64 {
 /// workers), normalisation in f16 (subtract, multiply), and the affine gamma/beta (two binary
 /// passes, multiply and add).
 pub fn layer_norm(t: &Target, rows: u32, cols: u32) -> u64 {
-    let c = &t.costs;
-    let n = rows as u64 * cols as u64;
-    let w = workers(t);
-    unary_float(t, n, c.cpl_add_float)
-        + unary_float(t, n, 2 * c.cpl_add_float + c.cpl_mul_float)
-        + w * ceil_div(rows as u64, w) * c.cpl_divide_float
-        + unary_half(t, n, c.cpl_add_half + c.cpl_mul_half, false)
-        + binary_half(t, n, c.cpl_mul_half)
-        + binary_half(t, n, c.cpl_add_half)
+    // Its two halves over whole rows: the statistics, then one segment's normalisation (no
+    // other segment to merge).
+    layer_norm_statistics(t, rows, cols) + layer_norm_segment(t, rows, cols, 1)
 }
 
 /// The statistics of one segment of LayerNorm rows (`LayerNormStatistics`): the first two

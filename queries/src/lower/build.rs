@@ -1649,7 +1649,8 @@ impl<'a> Builder<'a> {
         let others_name = format!("{}.segment_statistics", out.name);
         let words_per_record = super::elementwise::STATISTICS_WORDS as u32;
         let record_bytes = words_per_record * 4;
-        // Per cell: tile, block, held input, gamma and beta, output buffer, statistics buffer.
+        // Per cell: tile, block, held input, gamma and beta, output buffer, its own statistics'
+        // buffer and the other segments'.
         let mut work = Vec::new();
         let mut peak = 0u64;
         for cell in 0..grid.tiles.len() {
@@ -1877,16 +1878,11 @@ fn panel_width(cuts: &[u32], gemm_block: u32) -> u32 {
 }
 
 /// Whether some consumer of `value`, directly or through elementwise operations that keep its
-/// layout, is a softmax (which needs whole rows on one tile).
+/// layout, reads it by whole rows: a softmax, or a LayerNorm (whose segments, when it splits
+/// its rows, the planner prices as such a re-gather too).
 fn needs_whole_rows(graph: &Graph, value: ValueId) -> bool {
-    graph.operations.iter().any(|o| {
-        o.inputs.first() == Some(&value)
-            && match o.kind {
-                ref kind if super::elementwise::needs_whole_rows(kind) => true,
-                ref kind if super::elementwise::keeps_layout(kind) => needs_whole_rows(graph, o.output),
-                _ => false,
-            }
-    })
+    let (softmax, layer_norm) = row_consumers(graph, value);
+    softmax || layer_norm
 }
 
 
@@ -1911,7 +1907,7 @@ fn elementwise_plan(index: usize, value: String, kind: &OpKind, cells: u32, comp
 }
 
 /// The row consumers of `value`, directly or through elementwise operations that keep its
-/// layout (as [`needs_whole_rows`] counts them): (some softmax, some LayerNorm). A value only
+/// layout: (some softmax, some LayerNorm). A value only
 /// LayerNorms read so is stored in their row segments (`Builder::layer_norm_cuts`).
 fn row_consumers(graph: &Graph, value: ValueId) -> (bool, bool) {
     let mut found = (false, false);
