@@ -20,6 +20,8 @@ use super::types::Piece;
 /// Gaps shorter than this (cycles) are not filled unless they finish the piece: every cut
 /// costs a table entry per port.
 const SHORTEST_FRAGMENT: u32 = 24;
+/// Gaps a port's window search steps over before handing the search back (`Port::window_from`).
+const WINDOW_SCAN: usize = 8;
 /// Idle stretches shorter than this (cycles) are given up rather than remembered: they would
 /// almost never be filled, and every remembered gap slows every later search on the port.
 const SHORTEST_GAP: u32 = 8;
@@ -33,12 +35,32 @@ struct Port {
 
 impl Port {
     /// The free interval (native cycles) holding `at`, or the first one after it.
+    #[cfg(test)]
     fn free_from(&self, at: u32) -> (u32, u32) {
         let i = self.gaps.partition_point(|g| g.1 <= at);
         match self.gaps.get(i) {
             Some(&(a, b)) => (a.max(at), b),
             None => (self.tail.max(at), u32::MAX),
         }
+    }
+
+    /// The first free interval (native cycles) from which at least `need` cycles are free
+    /// starting at or after `at`: `Ok((its first such cycle, its end))`. Looks at no more than
+    /// `WINDOW_SCAN` short gaps: past them, `Err(a cycle no later than that first one)` (the
+    /// start of the next gap), so that another port's later free time can move the search on
+    /// instead (as a binary search then finds it).
+    fn window_from(&self, at: u32, need: u32) -> Result<(u32, u32), u32> {
+        let i = self.gaps.partition_point(|g| g.1 <= at);
+        for (scanned, &(a, b)) in self.gaps[i..].iter().enumerate() {
+            let a = a.max(at);
+            if scanned == WINDOW_SCAN {
+                return Err(a);
+            }
+            if b - a >= need {
+                return Ok((a, b));
+            }
+        }
+        Ok((self.tail.max(at), u32::MAX))
     }
 
     /// Mark [start, end) busy; it lies inside one free interval.
@@ -139,12 +161,9 @@ pub(crate) fn compact(problem: &Problem, mut pieces: Vec<Piece>, reverse: Option
         };
         let mut at = lookback.map_or(0, |l| current.saturating_sub(l));
         while left > 0 {
-            let (start, end) = common_free(&ports, &touched, at);
+            // The whole rest, or a fragment of at least `SHORTEST_FRAGMENT` cycles.
+            let (start, end) = common_window(&ports, &touched, at, left.min(SHORTEST_FRAGMENT));
             let length = left.min(end - start);
-            if length < left && length < SHORTEST_FRAGMENT {
-                at = end;
-                continue;
-            }
             for &(port, shift) in &touched {
                 ports[port].take(start + shift, start + shift + length);
             }
@@ -165,7 +184,46 @@ pub(crate) fn compact(problem: &Problem, mut pieces: Vec<Piece>, reverse: Option
     Some(out)
 }
 
-/// Earliest send-cycle interval at or after `at` in which every touched port is free.
+/// Earliest send cycle at or after `at` from which every touched port is free for at least
+/// `need` cycles, and the end of that common free interval: the first interval `common_free`
+/// meets from `at` that is at least `need` long (an earlier start would lie in an earlier
+/// common interval at least that long). Ports skip their own shorter gaps, so a piece does
+/// not visit every port for each short common gap on its way.
+fn common_window(ports: &[Port], touched: &[(usize, u32)], mut at: u32, need: u32) -> (u32, u32) {
+    let n = touched.len();
+    let mut end = u32::MAX;
+    let mut settled = 0;
+    let mut i = 0;
+    while settled < n {
+        let (port, shift) = touched[i];
+        let (a, b) = match ports[port].window_from(at + shift, need) {
+            Ok(window) => window,
+            Err(no_sooner) => {
+                // Not settled here: every port is looked at again from the later cycle.
+                at = no_sooner - shift;
+                end = u32::MAX;
+                settled = 0;
+                i = if i + 1 == n { 0 } else { i + 1 };
+                continue;
+            }
+        };
+        let (a, b) = (a - shift, b.saturating_sub(shift));
+        if a > at {
+            at = a;
+            end = b;
+            settled = 1;
+        } else {
+            end = end.min(b);
+            settled += 1;
+        }
+        i = if i + 1 == n { 0 } else { i + 1 };
+    }
+    (at, end)
+}
+
+/// Earliest send-cycle interval at or after `at` in which every touched port is free (what
+/// `compact` searched with, stepping past short intervals, before `common_window`; the tests'
+/// definition of it).
 ///
 /// The least common free cycle is a fixpoint: a port that is busy at `at` moves it to the start
 /// of its next free interval, and no cycle skipped that way is free on that port. The ports are
@@ -173,6 +231,7 @@ pub(crate) fn compact(problem: &Problem, mut pieces: Vec<Piece>, reverse: Option
 /// has been seen free at the same `at` (one full round without a move), so a piece sent to
 /// hundreds of tiles costs one round plus the ports visited between moves, not a whole round
 /// per move.
+#[cfg(test)]
 fn common_free(ports: &[Port], touched: &[(usize, u32)], mut at: u32) -> (u32, u32) {
     let n = touched.len();
     let mut end = u32::MAX;
@@ -207,6 +266,43 @@ mod tests {
         let start = (at..).find(|&t| free(t)).expect("a common free cycle");
         let end = touched.iter().map(|&(p, s)| ports[p].free_from(start + s).1.saturating_sub(s)).min().expect("ports");
         (start, end)
+    }
+
+    /// `common_window` is `common_free` from `at`, stepping past common intervals shorter than
+    /// `need` (the loop `compact` ran before it).
+    fn first_window_by_intervals(ports: &[Port], touched: &[(usize, u32)], mut at: u32, need: u32) -> (u32, u32) {
+        loop {
+            let (start, end) = common_free(ports, touched, at);
+            if end - start >= need {
+                return (start, end);
+            }
+            at = end;
+        }
+    }
+
+    #[test]
+    fn common_window_is_the_first_common_interval_long_enough() {
+        let mut rng = crate::exchange::synthetic::SplitMix64(0x9e37_79b9_7f4a_7c15);
+        let mut next = |bound: u32| rng.below(bound);
+        for _ in 0..500 {
+            let mut ports = vec![Port::default(); 8];
+            for port in ports.iter_mut() {
+                let mut cycle = 0;
+                for _ in 0..next(48) {
+                    let start = cycle + next(40);
+                    let end = start + 1 + next(30);
+                    let (a, b) = port.free_from(start);
+                    if a == start && end <= b {
+                        port.take(start, end);
+                    }
+                    cycle = end;
+                }
+            }
+            let count = 1 + next(8) as usize;
+            let touched: Vec<(usize, u32)> = (0..count).map(|_| (next(8) as usize, next(20))).collect();
+            let (at, need) = (next(200), 1 + next(40));
+            assert_eq!(common_window(&ports, &touched, at, need), first_window_by_intervals(&ports, &touched, at, need), "ports {:?} touched {touched:?} at {at} need {need}", ports.iter().map(|p| (&p.gaps, p.tail)).collect::<Vec<_>>());
+        }
     }
 
     #[test]
