@@ -132,7 +132,8 @@ pub(crate) fn compact(problem: &Problem, mut pieces: Vec<Piece>, reverse: Option
     // delay δ at z + maxδ − δ (both at least 0).
     match reverse {
         None => timing::sort_pieces(&mut pieces),
-        Some(_) => pieces.sort_unstable_by_key(|p| (std::cmp::Reverse(timing::piece_end(problem, p)), p.transfer, p.offset_words)),
+        // (latest end first, transfer, offset) packed as `sort_pieces` packs its key.
+        Some(_) => pieces.sort_unstable_by_key(|p| (((u32::MAX - timing::piece_end(problem, p)) as u128) << 64) | ((p.transfer as u128) << 32) | p.offset_words as u128),
     }
     let tiles = problem.tiles as usize;
     let mut ports = vec![Port::default(); 2 * tiles];

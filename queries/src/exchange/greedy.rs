@@ -124,13 +124,14 @@ pub(crate) fn full_duplex(problem: &Problem, paired: &[bool], chunk_words: u32, 
     }
     let mut sent = vec![0u32; problem.jobs.len()];
     let mut timeline = Timeline::new(problem.tiles);
-    let mut heap: BinaryHeap<Reverse<(u32, u32)>> = (0..tiles as u32).filter(|&t| !pending[t as usize].is_empty()).map(|t| Reverse((0, t))).collect();
+    let mut heap: BinaryHeap<Reverse<u64>> = (0..tiles as u32).filter(|&t| !pending[t as usize].is_empty()).map(|t| Reverse(timing::sender_key(0, t))).collect();
     let mut pieces = Vec::new();
-    while let Some(Reverse((now, s))) = heap.pop() {
+    while let Some(Reverse(key)) = heap.pop() {
+        let (now, s) = timing::sender_of(key);
         let su = s as usize;
         if now < timeline.send_free[su] {
             // A paired piece of the partner took this port meanwhile.
-            heap.push(Reverse((timeline.send_free[su], s)));
+            heap.push(Reverse(timing::sender_key(timeline.send_free[su], s)));
             continue;
         }
         let mut best: Option<(u64, u32)> = None;
@@ -173,7 +174,7 @@ pub(crate) fn full_duplex(problem: &Problem, paired: &[bool], chunk_words: u32, 
                 }
             }
             if soonest != u32::MAX {
-                heap.push(Reverse((soonest, s)));
+                heap.push(Reverse(timing::sender_key(soonest, s)));
             }
             continue;
         };
@@ -200,7 +201,7 @@ pub(crate) fn full_duplex(problem: &Problem, paired: &[bool], chunk_words: u32, 
             pending[su].retain(|k| k.job != j);
         }
         if !pending[su].is_empty() {
-            heap.push(Reverse((timeline.send_free[su], s)));
+            heap.push(Reverse(timing::sender_key(timeline.send_free[su], s)));
         }
     }
     timing::merge_adjacent(&mut pieces);
