@@ -186,10 +186,18 @@ pub(crate) fn compact(problem: &Problem, mut pieces: Vec<Piece>, reverse: Option
 }
 
 /// Earliest send cycle at or after `at` from which every touched port is free for at least
-/// `need` cycles, and the end of that common free interval: the first interval `common_free`
-/// meets from `at` that is at least `need` long (an earlier start would lie in an earlier
+/// `need` cycles, and the end of that common free interval: the first maximal common free
+/// interval from `at` that is at least `need` long (an earlier start would lie in an earlier
 /// common interval at least that long). Ports skip their own shorter gaps, so a piece does
-/// not visit every port for each short common gap on its way.
+/// not visit every port for each short common gap on its way (as the search this replaced,
+/// which took the earliest common free interval and stepped past it when too short, did).
+///
+/// The earliest such cycle is a fixpoint: a port that cannot give the window at `at` moves it
+/// to the start of its next window (or to a cycle no later than that), and no cycle skipped that
+/// way works on that port. The ports are visited round-robin from the last one that moved `at`,
+/// and the search ends once every port has been seen to give the window at the same `at` (one
+/// full round without a move), so a piece sent to hundreds of tiles costs one round plus the
+/// ports visited between moves, not a whole round per move.
 fn common_window(ports: &[Port], touched: &[(usize, u32)], mut at: u32, need: u32) -> (u32, u32) {
     let n = touched.len();
     let mut end = u32::MAX;
@@ -222,67 +230,28 @@ fn common_window(ports: &[Port], touched: &[(usize, u32)], mut at: u32, need: u3
     (at, end)
 }
 
-/// Earliest send-cycle interval at or after `at` in which every touched port is free (what
-/// `compact` searched with, stepping past short intervals, before `common_window`; the tests'
-/// definition of it).
-///
-/// The least common free cycle is a fixpoint: a port that is busy at `at` moves it to the start
-/// of its next free interval, and no cycle skipped that way is free on that port. The ports are
-/// visited round-robin from the last one that moved `at`, and the search ends once every port
-/// has been seen free at the same `at` (one full round without a move), so a piece sent to
-/// hundreds of tiles costs one round plus the ports visited between moves, not a whole round
-/// per move.
-#[cfg(test)]
-fn common_free(ports: &[Port], touched: &[(usize, u32)], mut at: u32) -> (u32, u32) {
-    let n = touched.len();
-    let mut end = u32::MAX;
-    // Ports seen free at `at` since it last moved (`end` is the least of their interval ends).
-    let mut settled = 0;
-    let mut i = 0;
-    while settled < n {
-        let (port, shift) = touched[i];
-        let (a, b) = ports[port].free_from(at + shift);
-        let (a, b) = (a - shift, b.saturating_sub(shift));
-        if a > at {
-            at = a;
-            end = b;
-            settled = 1;
-        } else {
-            end = end.min(b);
-            settled += 1;
-        }
-        i = if i + 1 == n { 0 } else { i + 1 };
-    }
-    (at, end)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// Every cycle of `[at, ..)` checked in turn: the first one free on every port, and how far
-    /// that stays so (the definition `common_free` must meet, at any cost).
-    fn first_common_by_scan(ports: &[Port], touched: &[(usize, u32)], at: u32) -> (u32, u32) {
-        let free = |t: u32| touched.iter().all(|&(p, s)| ports[p].free_from(t + s).0 == t + s);
-        let start = (at..).find(|&t| free(t)).expect("a common free cycle");
+    /// Every cycle of `[at, ..)` checked in turn: the first from which every port stays free
+    /// for `need` cycles, and how far that stays so (the definition `common_window` must meet).
+    fn first_window_by_scan(ports: &[Port], touched: &[(usize, u32)], at: u32, need: u32) -> (u32, u32) {
+        let fits = |t: u32| {
+            touched.iter().all(|&(p, s)| {
+                let (a, b) = ports[p].free_from(t + s);
+                a == t + s && b - a >= need
+            })
+        };
+        let start = (at..).find(|&t| fits(t)).expect("a common free window");
         let end = touched.iter().map(|&(p, s)| ports[p].free_from(start + s).1.saturating_sub(s)).min().expect("ports");
         (start, end)
     }
 
-    /// `common_window` is `common_free` from `at`, stepping past common intervals shorter than
-    /// `need` (the loop `compact` ran before it).
-    fn first_window_by_intervals(ports: &[Port], touched: &[(usize, u32)], mut at: u32, need: u32) -> (u32, u32) {
-        loop {
-            let (start, end) = common_free(ports, touched, at);
-            if end - start >= need {
-                return (start, end);
-            }
-            at = end;
-        }
-    }
-
     #[test]
-    fn common_window_is_the_first_common_interval_long_enough() {
+    fn common_window_is_the_first_cycle_from_which_every_port_stays_free_long_enough() {
+        // Ports with random busy intervals (up to 48, so that window searches run past
+        // `WINDOW_SCAN` gaps), from the tests' deterministic generator.
         let mut rng = crate::exchange::synthetic::SplitMix64(0x9e37_79b9_7f4a_7c15);
         let mut next = |bound: u32| rng.below(bound);
         for _ in 0..500 {
@@ -302,33 +271,7 @@ mod tests {
             let count = 1 + next(8) as usize;
             let touched: Vec<(usize, u32)> = (0..count).map(|_| (next(8) as usize, next(20))).collect();
             let (at, need) = (next(200), 1 + next(40));
-            assert_eq!(common_window(&ports, &touched, at, need), first_window_by_intervals(&ports, &touched, at, need), "ports {:?} touched {touched:?} at {at} need {need}", ports.iter().map(|p| (&p.gaps, p.tail)).collect::<Vec<_>>());
-        }
-    }
-
-    #[test]
-    fn common_free_is_the_first_cycle_free_on_every_port() {
-        // Ports with random busy intervals, from the tests' deterministic generator.
-        let mut rng = crate::exchange::synthetic::SplitMix64(0x2545_f491_4f6c_dd1d);
-        let mut next = |bound: u32| rng.below(bound);
-        for _ in 0..300 {
-            let mut ports = vec![Port::default(); 8];
-            for port in ports.iter_mut() {
-                let mut cycle = 0;
-                for _ in 0..next(12) {
-                    let start = cycle + next(40);
-                    let end = start + 1 + next(30);
-                    let (a, b) = port.free_from(start);
-                    if a == start && end <= b {
-                        port.take(start, end);
-                    }
-                    cycle = end;
-                }
-            }
-            let count = 1 + next(8) as usize;
-            let touched: Vec<(usize, u32)> = (0..count).map(|_| (next(8) as usize, next(20))).collect();
-            let at = next(200);
-            assert_eq!(common_free(&ports, &touched, at), first_common_by_scan(&ports, &touched, at), "ports {:?} touched {touched:?} at {at}", ports.iter().map(|p| (&p.gaps, p.tail)).collect::<Vec<_>>());
+            assert_eq!(common_window(&ports, &touched, at, need), first_window_by_scan(&ports, &touched, at, need), "ports {:?} touched {touched:?} at {at} need {need}", ports.iter().map(|p| (&p.gaps, p.tail)).collect::<Vec<_>>());
         }
     }
 }
