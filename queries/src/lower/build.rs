@@ -199,6 +199,49 @@ struct Builder<'a> {
     peaks: Option<Arc<PeakCache>>,
 }
 
+/// A sibling product for `Builder::matmul_group`: (operation, A, B, B given as [N, K], the
+/// product's value, its folded add).
+type GroupMember = (usize, ValueId, ValueId, bool, ValueId, Option<Epilogue>);
+
+/// A matrix product's work item on one tile: (tile, batch, row, column and inner pieces, A's
+/// block held, B's, the output or partials block, its epilogue addend, its row scale).
+type WorkItem = (u32, usize, usize, usize, usize, Held, Held, Held, Option<Addend<Loc>>, Option<Held>);
+
+/// A matrix product planned, its operands gathered and its outputs allocated
+/// (`Builder::matmul_prepare`): what emitting its calls and its reduction reads.
+struct PreparedProduct {
+    index: usize,
+    product: ValueId,
+    output: ValueId,
+    fold: Option<Epilogue>,
+    row_scale: Option<ValueId>,
+    plan: MatMulPlan,
+    matching_plans: u32,
+    b_transposed: bool,
+    a_rank3: bool,
+    b_rank3: bool,
+    /// A's batches per B batch (grouped heads).
+    group: u32,
+    m_align: u32,
+    by_columns: bool,
+    out_name: String,
+    original_name: String,
+    /// The constraint and replication cap as the plan line shows them.
+    described: String,
+    operation_index: usize,
+    operation_name: String,
+    work: Vec<WorkItem>,
+}
+
+/// A reduction whose partial transfers are pending: (cell key in the reduced value's order,
+/// owner tile, rows, columns, the partials, output buffer, addend) per call, and the reduced
+/// value's cuts.
+struct PendingReduction {
+    #[allow(clippy::type_complexity)]
+    reductions: Vec<((u64, u64, u64), u32, u32, u32, Vec<Loc>, u32, Option<Addend<Loc>>)>,
+    cuts: Vec<Vec<u32>>,
+}
+
 /// A source cell `gather` met: (cell, its block as held there, its tile).
 type SourceCell = (usize, Held, u32);
 
@@ -532,24 +575,47 @@ pub fn extend(partial: Partial, oriented: &Oriented, target: &Target, reserves: 
     let mut b = Builder::resume(partial, oriented, target, reserves);
     let folded = folded_scales(graph);
     let adds = super::elementwise::folded_adds(graph);
+    let groups = super::orient::sibling_groups(graph);
+    let fold_of = |index: usize| {
+        adds.get(&index).map(|f| {
+            // A bias of a swapped product (stored transposed) is one element per row.
+            let broadcast = match (f.bias, oriented.checkpoint_value.contains_key(&graph.operations[index].output)) {
+                (false, _) => Broadcast::Full,
+                (true, false) => Broadcast::Row,
+                (true, true) => Broadcast::Column,
+            };
+            Epilogue { add: f.add, addend: f.addend, broadcast }
+        })
+    };
     for (index, operation) in graph.operations.iter().enumerate().take(end).skip(start) {
         if operation.kind.is_view() || folded.values().any(|f| f.0 == index) || adds.values().any(|f| f.add == index) {
+            continue;
+        }
+        // A sibling product lowered with the first of its group is stored already.
+        if matches!(operation.kind, OpKind::MatMul { .. }) && b.stored.contains_key(&fold_of(index).map_or(operation.output, |f| graph.operations[f.add].output)) {
             continue;
         }
         b.operation_name = graph.value(operation.output).name.clone();
         b.operation_index = index;
         let first_step = b.steps.len() as u32;
         match &operation.kind {
+            OpKind::MatMul { .. } if groups.contains_key(&index) => {
+                let members: Vec<GroupMember> = groups[&index]
+                    .iter()
+                    .map(|&i| {
+                        let o = &graph.operations[i];
+                        let OpKind::MatMul { transpose_b } = o.kind else { unreachable!("sibling groups hold products") };
+                        (i, o.inputs[0], o.inputs[1], transpose_b, o.output, fold_of(i))
+                    })
+                    .collect();
+                b.matmul_group(&members)?;
+                let last_step = (b.steps.len() as u32).saturating_sub(1);
+                for &(i, ..) in &members[1..] {
+                    b.spans.insert(i as u32, (first_step.min(last_step), last_step));
+                }
+            }
             OpKind::MatMul { transpose_b } => {
-                let fold = adds.get(&index).map(|f| {
-                    // A bias of a swapped product (stored transposed) is one element per row.
-                    let broadcast = match (f.bias, oriented.checkpoint_value.contains_key(&operation.output)) {
-                        (false, _) => Broadcast::Full,
-                        (true, false) => Broadcast::Row,
-                        (true, true) => Broadcast::Column,
-                    };
-                    Epilogue { add: f.add, addend: f.addend, broadcast }
-                });
+                let fold = fold_of(index);
                 b.matmul(index, operation.inputs[0], operation.inputs[1], *transpose_b, operation.output, fold, operation.inputs.get(2).copied())?
             }
             OpKind::TransposeCopy => b.transpose_copy(index, operation.inputs[0], operation.output)?,
@@ -1042,6 +1108,80 @@ impl<'a> Builder<'a> {
     /// product's epilogue (or its reduction's) applies.
     #[allow(clippy::too_many_arguments)]
     fn matmul(&mut self, index: usize, a: ValueId, b: ValueId, b_transposed: bool, product: ValueId, fold: Option<Epilogue>, row_scale: Option<ValueId>) -> Result<(), LowerError> {
+        let prepared = self.matmul_prepare(index, a, b, b_transposed, product, fold, row_scale, (0, self.target.chip.tiles), false)?;
+        let step = self.matmul_emit(&prepared);
+        let reduction = self.matmul_reduction(&prepared)?;
+        self.matmul_finish(prepared, step, reduction)
+    }
+
+    /// Sibling products (`orient::sibling_groups`, program order): side by side on disjoint
+    /// equal ranges of tiles when the plans the planner makes for those ranges are estimated
+    /// faster (the slowest member's compute and exchange) than the members' plans on the whole
+    /// chip one after another (their sum), else one after another. Side by side, their
+    /// operands arrive in one exchange phase, their calls run in one compute set, and their
+    /// partials arrive and are reduced together.
+    fn matmul_group(&mut self, members: &[GroupMember]) -> Result<(), LowerError> {
+        let chip = self.target.chip.tiles;
+        let n = members.len() as u32;
+        // Even shares keep supertile pairs inside a range.
+        let share = (chip / n) & !1;
+        let name_of = |b: &Builder, index: usize| b.graph.value(b.graph.operations[index].output).name.clone();
+        let mut apart = 0u64;
+        let (mut compute, mut exchange) = (0u64, 0u64);
+        let mut fits = share >= 2;
+        for (i, &(index, a, b, tb, product, fold)) in members.iter().enumerate() {
+            self.operation_index = index;
+            self.operation_name = name_of(self, index);
+            let whole = self.matmul_prepare(index, a, b, tb, product, fold, None, (0, chip), true)?;
+            apart += whole.plan.total();
+            if fits {
+                match self.matmul_prepare(index, a, b, tb, product, fold, None, (i as u32 * share, share), true) {
+                    Ok(p) => {
+                        compute = compute.max(p.plan.compute_cycles);
+                        exchange = exchange.max(p.plan.exchange_cycles);
+                    }
+                    Err(_) => fits = false,
+                }
+            }
+        }
+        if !fits || compute + exchange >= apart {
+            for &(index, a, b, tb, product, fold) in members {
+                self.operation_index = index;
+                self.operation_name = name_of(self, index);
+                self.matmul(index, a, b, tb, product, fold, None)?;
+            }
+            return Ok(());
+        }
+        debug!(products = n, tiles_each = share, estimated_cycles = compute + exchange, apart_estimated_cycles = apart, "sibling products side by side");
+        let mut prepared = Vec::with_capacity(members.len());
+        for (i, &(index, a, b, tb, product, fold)) in members.iter().enumerate() {
+            self.operation_index = index;
+            self.operation_name = name_of(self, index);
+            prepared.push(self.matmul_prepare(index, a, b, tb, product, fold, None, (i as u32 * share, share), false)?);
+        }
+        let steps: Vec<u32> = prepared.iter().map(|p| self.matmul_emit(p)).collect();
+        let mut reductions = Vec::with_capacity(prepared.len());
+        for p in &prepared {
+            self.operation_index = p.operation_index;
+            self.operation_name = p.operation_name.clone();
+            reductions.push(self.matmul_reduction(p)?);
+        }
+        for (i, ((p, step), reduction)) in prepared.into_iter().zip(steps).zip(reductions).enumerate() {
+            self.operation_index = p.operation_index;
+            self.operation_name = p.operation_name.clone();
+            self.matmul_finish(p, step, reduction)?;
+            // The group's estimate is its slowest member's, carried by the first.
+            if let Some(plan) = self.plans.last_mut() {
+                (plan.estimated_compute_cycles, plan.estimated_exchange_cycles) = if i == 0 { (compute, exchange) } else { (0, 0) };
+            }
+        }
+        Ok(())
+    }
+
+    /// Plan a matrix product on the tiles `range` (first, count), gather its operands and
+    /// allocate its outputs or partials: everything before its compute set opens.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_prepare(&mut self, index: usize, a: ValueId, b: ValueId, b_transposed: bool, product: ValueId, fold: Option<Epilogue>, row_scale: Option<ValueId>, range: (u32, u32), plan_only: bool) -> Result<PreparedProduct, LowerError> {
         let output = fold.map_or(product, |f| self.graph.operations[f.add].output);
         if fold.is_some() && row_scale.is_some() {
             return Err(LowerError::Unsupported { operation: self.operation_name.clone(), message: "a product with both a folded add and a deferred softmax normalisation".into() });
@@ -1151,7 +1291,7 @@ impl<'a> Builder<'a> {
         let is_weight = |base: ValueId| matches!(graph.value(base).producer, Producer::Tensor { role: Role::Weight, .. });
         let max_row_partitions = if !b_stored && !home_b && !b_rank3 && is_weight(b_chain.base) { self.replication_cap } else { u32::MAX };
         let max_column_partitions = if !a_stored && !a_rank3 && is_weight(a_chain.base) { self.replication_cap } else { u32::MAX };
-        let problem = MatMulProblem { batches, m, k, n, b_transposed, whole_rows, m_align, epilogue, remote_a_words: &remote_a, remote_b_words: &remote_b, gather_bound: &gather_bound, a_gathered: a_stored || a_input, b_gathered: b_stored || home_b || b_input, memory_budget: self.budget(), interleaved_budget: self.interleaved_budget(), standard_budget: self.standard_budget(), constraint, max_row_partitions, max_column_partitions };
+        let problem = MatMulProblem { batches, m, k, n, b_transposed, whole_rows, m_align, epilogue, remote_a_words: &remote_a, remote_b_words: &remote_b, gather_bound: &gather_bound, a_gathered: a_stored || a_input, b_gathered: b_stored || home_b || b_input, memory_budget: self.budget(), interleaved_budget: self.interleaved_budget(), standard_budget: self.standard_budget(), constraint, max_row_partitions, max_column_partitions, first_tile: range.0, tiles: range.1 };
         let layout = |chain: &ViewChain| match self.stored.get(&chain.base) {
             Some(s) => format!("{} stored {:?} {:?}", chain.signature(), s.grid.cuts, s.grid.tiles),
             None => format!("{} host", chain.signature()),
@@ -1163,6 +1303,10 @@ impl<'a> Builder<'a> {
             None => LowerError::NoPlan { operation: self.operation_name.clone(), kind: "matmul".into(), budget: self.budget(), tiles: self.target.chip.tiles },
         })?;
         let plan = planned.plan;
+        if plan_only {
+            // The plan alone (`matmul_group` weighs side by side against one after another).
+            return Ok(PreparedProduct { index, product, output, fold, row_scale, plan, matching_plans: planned.matching_plans, b_transposed, a_rank3, b_rank3, group, m_align, by_columns: false, out_name: String::new(), original_name, described: String::new(), operation_index: self.operation_index, operation_name: self.operation_name.clone(), work: Vec::new() });
+        }
         if !plan.weights_standard {
             self.interleaved_weights.insert(self.operation_index as u32);
         }
@@ -1206,8 +1350,26 @@ impl<'a> Builder<'a> {
                 }
             }
         }
+        Ok(PreparedProduct { index, product, output, fold, row_scale, plan, matching_plans: planned.matching_plans, b_transposed, a_rank3, b_rank3, group, m_align, by_columns, out_name, original_name, described: {
+            // The user's constraint, and the program's replication cap where it bounded this
+            // plan (`replicas_at_most=N`, which a re-plan of the program reads back).
+            let mut described = constraint.map(|c| c.describe()).unwrap_or_default();
+            if max_row_partitions.min(max_column_partitions) < u32::MAX {
+                if !described.is_empty() {
+                    described.push(' ');
+                }
+                described += &format!("{REPLICAS_AT_MOST}{}", self.replication_cap);
+            }
+            described
+        }, operation_index: self.operation_index, operation_name: self.operation_name.clone(), work })
+    }
+
+    /// Open (or join) the compute set of a prepared product and emit its calls.
+    fn matmul_emit(&mut self, p: &PreparedProduct) -> u32 {
+        let (plan, a_rank3, b_rank3, b_transposed, group) = (&p.plan, p.a_rank3, p.b_rank3, p.b_transposed, p.group);
+        let nk = plan.k_cuts.len() - 1;
         let step = self.open_compute();
-        for (tile, ib, im, i_n, ik, ha, hb, hc, add, scale) in &work {
+        for (tile, ib, im, i_n, ik, ha, hb, hc, add, scale) in &p.work {
             let (kr, nr, mr) = ((plan.k_cuts[*ik], plan.k_cuts[*ik + 1]), (plan.n_cuts[*i_n], plan.n_cuts[*i_n + 1]), (plan.m_cuts[*im], plan.m_cuts[*im + 1]));
             for batch in plan.b_cuts[*ib]..plan.b_cuts[*ib + 1] {
                 let with_batch = |rank3: bool, v: Vec<u32>, bi: u32| if rank3 { [vec![bi], v].concat() } else { v };
@@ -1223,40 +1385,49 @@ impl<'a> Builder<'a> {
                 self.emit(step, *tile, call);
             }
         }
-        let mut grid = Grid { cuts: Vec::new(), tiles: Vec::new(), buffers: Vec::new() };
-        let mut final_step = step;
-        if nk == 1 {
-            grid.cuts = if a_rank3 { vec![plan.b_cuts.clone(), plan.m_cuts.clone(), plan.n_cuts.clone()] } else { vec![plan.m_cuts.clone(), plan.n_cuts.clone()] };
-            for (tile, .., hc, _, _) in &work {
-                grid.tiles.push(*tile);
-                grid.buffers.push(hc.buffer);
-            }
+        step
+    }
+
+    /// The reduction of a prepared product's inner partials, its transfers pending (none
+    /// without inner partitions).
+    fn matmul_reduction(&mut self, p: &PreparedProduct) -> Result<Option<PendingReduction>, LowerError> {
+        if p.plan.k_cuts.len() == 2 {
+            return Ok(None);
+        }
+        let partials: Vec<(u32, u32)> = p.work.iter().map(|w| (w.0, w.7.buffer)).collect();
+        let reduction = if p.by_columns {
+            self.reduce_by_columns(&p.plan, &partials, p.a_rank3, &p.out_name, p.fold, p.row_scale)?
         } else {
-            let partials: Vec<(u32, u32)> = work.iter().map(|w| (w.0, w.7.buffer)).collect();
-            final_step = if by_columns {
-                self.reduce_by_columns(&plan, &partials, a_rank3, &out_name, &mut grid, fold, row_scale)?
-            } else {
-                self.reduce(&plan, m_align, &partials, a_rank3, &out_name, &mut grid, fold, row_scale)?
-            };
-        }
-        let swapped = self.checkpoint_value.contains_key(&product);
-        // The user's constraint, and the program's replication cap where it bounded this plan
-        // (`replicas_at_most=N`, which a re-plan of the program reads back).
-        let mut described = constraint.map(|c| c.describe()).unwrap_or_default();
-        if max_row_partitions.min(max_column_partitions) < u32::MAX {
-            if !described.is_empty() {
-                described.push(' ');
+            self.reduce(&p.plan, p.m_align, &partials, p.a_rank3, &p.out_name, p.fold, p.row_scale)?
+        };
+        Ok(Some(reduction))
+    }
+
+    /// Emit a prepared product's reduction (opening or joining its compute set) and record the
+    /// product: its output grid, plan and checkpoint.
+    fn matmul_finish(&mut self, p: PreparedProduct, step: u32, reduction: Option<PendingReduction>) -> Result<(), LowerError> {
+        let plan = &p.plan;
+        let mut grid = Grid { cuts: Vec::new(), tiles: Vec::new(), buffers: Vec::new() };
+        let final_step = match reduction {
+            None => {
+                grid.cuts = if p.a_rank3 { vec![plan.b_cuts.clone(), plan.m_cuts.clone(), plan.n_cuts.clone()] } else { vec![plan.m_cuts.clone(), plan.n_cuts.clone()] };
+                for (tile, .., hc, _, _) in &p.work {
+                    grid.tiles.push(*tile);
+                    grid.buffers.push(hc.buffer);
+                }
+                step
             }
-            described += &format!("{REPLICAS_AT_MOST}{}", self.replication_cap);
-        }
+            Some(r) => self.emit_reduction(r, &mut grid),
+        };
+        let swapped = self.checkpoint_value.contains_key(&p.product);
         let op_plan = OperationPlan {
-            operation: index as u32,
-            value: original_name.clone(),
+            operation: p.index as u32,
+            value: p.original_name.clone(),
             kind: "matmul".into(),
             orientation: if swapped { "swapped" } else { "normal" }.into(),
             weight_memory: if plan.weights_standard { "standard" } else { "interleaved" }.into(),
-            constraint: described,
-            matching_plans: planned.matching_plans,
+            constraint: p.described.clone(),
+            matching_plans: p.matching_plans,
             partitions: [plan.pb, plan.pm, plan.pn, plan.pk],
             tiles: plan.tiles(),
             estimated_compute_cycles: plan.compute_cycles,
@@ -1265,9 +1436,10 @@ impl<'a> Builder<'a> {
         };
         // A folded add's value is what the product stores: the checkpoint is the add's, the
         // plan the product's.
-        self.record(fold.map_or(index, |f| f.add), output, grid, DType::F16, final_step, op_plan);
-        if let Some(p) = self.plans.last_mut() {
-            p.operation = self.origin.get(index).copied().unwrap_or(index as u32);
+        let index = p.index;
+        self.record(p.fold.map_or(index, |f| f.add), p.output, grid, DType::F16, final_step, op_plan);
+        if let Some(plan) = self.plans.last_mut() {
+            plan.operation = self.origin.get(index).copied().unwrap_or(index as u32);
         }
         Ok(())
     }
@@ -1339,7 +1511,7 @@ impl<'a> Builder<'a> {
     /// of a group owns panel j (all rows), receives the others' panel j (one contiguous run
     /// each) and sums them into f16. The value is stored in cells one panel wide.
     #[allow(clippy::too_many_arguments)]
-    fn reduce_by_columns(&mut self, plan: &MatMulPlan, partials: &[(u32, u32)], rank3: bool, name: &str, grid: &mut Grid, fold: Option<Epilogue>, row_scale: Option<ValueId>) -> Result<u32, LowerError> {
+    fn reduce_by_columns(&mut self, plan: &MatMulPlan, partials: &[(u32, u32)], rank3: bool, name: &str, fold: Option<Epilogue>, row_scale: Option<ValueId>) -> Result<PendingReduction, LowerError> {
         let (nb, nm, nn, nk) = (plan.b_cuts.len() - 1, plan.m_cuts.len() - 1, plan.n_cuts.len() - 1, plan.k_cuts.len() - 1);
         let w = self.target.costs.gemm_block as u32;
         let mut col_cuts = vec![0u32];
@@ -1368,24 +1540,31 @@ impl<'a> Builder<'a> {
                             Some(h) => Some(row_scale_addend(&h, batch, plan.m_cuts[im])),
                             None => add,
                         };
-                        reductions.push((ib, im, col, owner, rows, cols, parts, out, add));
+                        reductions.push(((ib as u64, im as u64, col as u64), owner, rows, cols, parts, out, add));
                     }
                 }
             }
         }
+        let cuts = if rank3 { vec![plan.b_cuts.clone(), plan.m_cuts.clone(), col_cuts] } else { vec![plan.m_cuts.clone(), col_cuts] };
+        Ok(PendingReduction { reductions, cuts })
+    }
+
+    /// Open (or join) the compute set of a reduction whose transfers are pending, emit its
+    /// calls, and describe the reduced value's cells in `grid`.
+    fn emit_reduction(&mut self, r: PendingReduction, grid: &mut Grid) -> u32 {
         let step = self.open_compute();
-        let mut cells: BTreeMap<(usize, usize, u32), (u32, u32)> = BTreeMap::new();
-        for (ib, im, col, owner, rows, cols, parts, out, add) in reductions {
+        let mut cells: BTreeMap<(u64, u64, u64), (u32, u32)> = BTreeMap::new();
+        for (key, owner, rows, cols, parts, out, add) in r.reductions {
             let out_loc = Loc { buffer: out, offset: 0, row_stride: row_stride(cols, DType::F16), dtype_bytes: 2 };
             self.emit(step, owner, Call::Reduce { rows, cols, parts, out: out_loc, add });
-            cells.insert((ib, im, col), (owner, out));
+            cells.insert(key, (owner, out));
         }
-        grid.cuts = if rank3 { vec![plan.b_cuts.clone(), plan.m_cuts.clone(), col_cuts] } else { vec![plan.m_cuts.clone(), col_cuts] };
+        grid.cuts = r.cuts;
         for (_, (tile, buffer)) in cells {
             grid.tiles.push(tile);
             grid.buffers.push(buffer);
         }
-        Ok(step)
+        step
     }
 
     /// The batch piece `ib` of a reduced rank-3 product as a block range (a reduction's rows
@@ -1424,7 +1603,7 @@ impl<'a> Builder<'a> {
     /// Reduce the inner partials of each (batch, row, column) block: member j of a group owns
     /// row chunk j, receives the others' partials for it, and sums them into f16.
     #[allow(clippy::too_many_arguments)]
-    fn reduce(&mut self, plan: &MatMulPlan, m_align: u32, partials: &[(u32, u32)], rank3: bool, name: &str, grid: &mut Grid, fold: Option<Epilogue>, row_scale: Option<ValueId>) -> Result<u32, LowerError> {
+    fn reduce(&mut self, plan: &MatMulPlan, m_align: u32, partials: &[(u32, u32)], rank3: bool, name: &str, fold: Option<Epilogue>, row_scale: Option<ValueId>) -> Result<PendingReduction, LowerError> {
         let (nb, nm, nn, nk) = (plan.b_cuts.len() - 1, plan.m_cuts.len() - 1, plan.n_cuts.len() - 1, plan.k_cuts.len() - 1);
         let mut row_cuts = vec![0u32];
         for im in 0..nm {
@@ -1452,24 +1631,13 @@ impl<'a> Builder<'a> {
                             Some(h) => Some(row_scale_addend(&h, batch, row0)),
                             None => add,
                         };
-                        reductions.push((ib, row0, i_n, owner, rows, cols, parts, out, add));
+                        reductions.push(((ib as u64, row0 as u64, i_n as u64), owner, rows, cols, parts, out, add));
                     }
                 }
             }
         }
-        let step = self.open_compute();
-        let mut cells: BTreeMap<(usize, u32, usize), (u32, u32)> = BTreeMap::new();
-        for (ib, row, i_n, owner, rows, cols, parts, out, add) in reductions {
-            let out_loc = Loc { buffer: out, offset: 0, row_stride: row_stride(cols, DType::F16), dtype_bytes: 2 };
-            self.emit(step, owner, Call::Reduce { rows, cols, parts, out: out_loc, add });
-            cells.insert((ib, row, i_n), (owner, out));
-        }
-        grid.cuts = if rank3 { vec![plan.b_cuts.clone(), row_cuts, plan.n_cuts.clone()] } else { vec![row_cuts, plan.n_cuts.clone()] };
-        for (_, (tile, buffer)) in cells {
-            grid.tiles.push(tile);
-            grid.buffers.push(buffer);
-        }
-        Ok(step)
+        let cuts = if rank3 { vec![plan.b_cuts.clone(), row_cuts, plan.n_cuts.clone()] } else { vec![row_cuts, plan.n_cuts.clone()] };
+        Ok(PendingReduction { reductions, cuts })
     }
 
     /// An elementwise operation; a softmax with `scale` != 1 reads its input scaled (a scale

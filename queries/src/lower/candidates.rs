@@ -46,7 +46,7 @@ pub fn signature(target: &Target, problem: &MatMulProblem, parts: &str) -> Diges
         problem.max_column_partitions,
         problem.a_gathered,
         problem.b_gathered,
-    );
+    ) + &format!("|tiles {} {}", problem.first_tile, problem.tiles);
     KeyHasher::new("ipuq matmul plan candidates v1").bytes(text.as_bytes()).finish()
 }
 

@@ -77,6 +77,15 @@ fn view_ops(values: &[Value], operations: &[Operation], value: ValueId) -> (Valu
 /// separate bias add would read the transposed view, whose f16 columns cannot be gathered in
 /// whole words (so every such candidate would fail to lower).
 pub fn swappable(graph: &Graph) -> Vec<usize> {
+    // A sibling product after the first of its group (`sibling_groups`) stays normal: it may
+    // run beside the first one, which the beam orients for the group.
+    let followers: BTreeSet<usize> = sibling_groups(graph).into_values().flat_map(|m| m.into_iter().skip(1)).collect();
+    rank2_products(graph).into_iter().filter(|i| !followers.contains(i)).collect()
+}
+
+/// The rank-2 matrix products whose orientation could change: a product feeding a bias add
+/// only when the bias folds into its epilogue (see `swappable`).
+fn rank2_products(graph: &Graph) -> Vec<usize> {
     let biased = |o: &crate::ir::Operation| graph.operations.iter().any(|c| matches!(c.kind, OpKind::BiasAdd) && c.inputs.first() == Some(&o.output));
     graph
         .operations
@@ -89,6 +98,29 @@ pub fn swappable(graph: &Graph) -> Vec<usize> {
         })
         .map(|(i, _)| i)
         .collect()
+}
+
+/// Sibling products: rank-2 products (as `swappable` takes them) of one A value by weights
+/// of the same shape and dtype, read the same way (Q, K and V of a LayerNorm output), in a
+/// graph whose products no plan constraint names. They may run side by side on disjoint tiles (`build.rs`
+/// `matmul_group`). First member -> the members, in program order; groups of two or more.
+pub fn sibling_groups(graph: &Graph) -> BTreeMap<usize, Vec<usize>> {
+    let constrained = |i: &usize| graph.file.constraints.iter().any(|c| c.operation == graph.value(graph.operations[*i].output).name);
+    let mut by_key: BTreeMap<(ValueId, bool, Vec<u32>, DType), Vec<usize>> = BTreeMap::new();
+    for i in rank2_products(graph) {
+        let o = &graph.operations[i];
+        let OpKind::MatMul { transpose_b } = o.kind else { continue };
+        let b = graph.value(o.inputs[1]);
+        if o.inputs.len() != 2 || !matches!(b.producer, Producer::Tensor { role: crate::ir::Role::Weight, .. }) {
+            continue;
+        }
+        by_key.entry((o.inputs[0], transpose_b, b.shape.clone(), b.dtype)).or_default().push(i);
+    }
+    // A plan constraint on any product (the user's, made against products planned one after
+    // another, or a steer of `select_finalist`, which plans a program that could not be placed
+    // again) plans the siblings one after another, each as before.
+    let any_constrained = rank2_products(graph).iter().any(constrained);
+    by_key.into_values().filter(|m| m.len() > 1 && !any_constrained).map(|m| (m[0], m)).collect()
 }
 
 /// Suffix of the row reciprocals value of a softmax whose normalisation is deferred.

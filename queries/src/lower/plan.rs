@@ -29,6 +29,9 @@ pub struct MatMulPlan {
     pub weights_standard: bool,
     /// Which partitions are innermost in the tile numbering (`tile_of`).
     pub order: TileOrder,
+    /// The first tile of the plan's range: products lowered side by side take disjoint ranges
+    /// (0 for a product that has the chip).
+    pub first_tile: u32,
 }
 
 /// Which partition index of a matrix product's work items is innermost in its tile numbering
@@ -56,16 +59,17 @@ impl MatMulPlan {
     /// then the other of rows and columns, then the inner partitions, then the batch.
     pub fn tile_of(&self, ib: usize, im: usize, i_n: usize, ik: usize) -> u32 {
         let (nm, nn, nk) = (self.m_cuts.len() - 1, self.n_cuts.len() - 1, self.k_cuts.len() - 1);
-        match self.order {
-            TileOrder::Columns => (((ib * nm + im) * nk + ik) * nn + i_n) as u32,
-            TileOrder::Rows => (((ib * nk + ik) * nn + i_n) * nm + im) as u32,
-        }
+        self.first_tile
+            + match self.order {
+                TileOrder::Columns => (((ib * nm + im) * nk + ik) * nn + i_n) as u32,
+                TileOrder::Rows => (((ib * nk + ik) * nn + i_n) * nm + im) as u32,
+            }
     }
 
     /// The work item (ib, im, in, ik) of `tile`: the inverse of [`MatMulPlan::tile_of`].
     pub fn coords(&self, tile: u32) -> (usize, usize, usize, usize) {
         let (nm, nn, nk) = (self.m_cuts.len() - 1, self.n_cuts.len() - 1, self.k_cuts.len() - 1);
-        let t = tile as usize;
+        let t = (tile - self.first_tile) as usize;
         match self.order {
             TileOrder::Columns => (t / (nk * nn * nm), t / (nk * nn) % nm, t % nn, t / nn % nk),
             TileOrder::Rows => (t / (nm * nn * nk), t % nm, t / nm % nn, t / (nm * nn) % nk),
@@ -114,6 +118,10 @@ pub struct MatMulProblem<'a> {
     /// replicated weight's replicas, capped (`Partial::replication_capped`; u32::MAX: none).
     pub max_row_partitions: u32,
     pub max_column_partitions: u32,
+    /// The tiles the plan may use: `tiles` from `first_tile` (the chip, or a product's share
+    /// when sibling products run side by side).
+    pub first_tile: u32,
+    pub tiles: u32,
 }
 
 /// The plan chosen, and how many feasible candidates matched the user's constraint.
@@ -207,7 +215,7 @@ pub fn plan_matmul(t: &Target, p: &MatMulProblem) -> Result<Planned, String> {
 
 /// Every feasible candidate, restricted to `constraint`'s partitions when given.
 fn search(t: &Target, p: &MatMulProblem, constraint: Option<&PlanConstraint>, found: &mut dyn FnMut(MatMulPlan)) {
-    let tiles = t.chip.tiles;
+    let tiles = p.tiles.min(t.chip.tiles);
     let block = t.costs.gemm_block as u32;
     let sync = t.exchange.sync_cycles;
     let (_, max_delay) = t.delay_range();
@@ -274,6 +282,7 @@ fn cost_plan(t: &Target, p: &MatMulProblem, b_cuts: Vec<u32>, m_cuts: Vec<u32>, 
         peak_bytes: 0,
         weights_standard: false,
         order: TileOrder::Columns,
+        first_tile: p.first_tile,
     };
     // Neighbours share B's gathered blocks when A arrives by no exchange (a swapped product,
     // whose A is a resident weight); otherwise A's. (Where A is gathered but not shared, the
@@ -343,7 +352,7 @@ fn cost_plan(t: &Target, p: &MatMulProblem, b_cuts: Vec<u32>, m_cuts: Vec<u32>, 
     }
     let mut gather = 0u64;
     let bound = (p.gather_bound)(&plan);
-    for tile in 0..plan.tiles() {
+    for tile in plan.first_tile..plan.first_tile + plan.tiles() {
         if gather >= bound {
             break;
         }
@@ -355,7 +364,7 @@ fn cost_plan(t: &Target, p: &MatMulProblem, b_cuts: Vec<u32>, m_cuts: Vec<u32>, 
     if p.whole_rows && plan.pn > 1 {
         // The row consumer re-gathers the output evenly over the tiles (f16, two per word).
         let elements = p.batches as u64 * p.m as u64 * p.n as u64;
-        exchange += sync + max_delay as u64 + elements.div_ceil(t.chip.tiles as u64 * 2);
+        exchange += sync + max_delay as u64 + elements.div_ceil(p.tiles.min(t.chip.tiles) as u64 * 2);
     }
     plan.compute_cycles = compute;
     plan.exchange_cycles = exchange;
