@@ -608,10 +608,11 @@ pub fn extend(partial: Partial, oriented: &Oriented, target: &Target, reserves: 
                         (i, o.inputs[0], o.inputs[1], transpose_b, o.output, fold_of(i))
                     })
                     .collect();
-                b.matmul_group(&members)?;
-                let last_step = (b.steps.len() as u32).saturating_sub(1);
-                for &(i, ..) in &members[1..] {
-                    b.spans.insert(i as u32, (first_step.min(last_step), last_step));
+                if b.matmul_group(&members)? {
+                    let last_step = (b.steps.len() as u32).saturating_sub(1);
+                    for &(i, ..) in &members[1..] {
+                        b.spans.insert(i as u32, (first_step.min(last_step), last_step));
+                    }
                 }
             }
             OpKind::MatMul { transpose_b } => {
@@ -1117,10 +1118,11 @@ impl<'a> Builder<'a> {
     /// Sibling products (`orient::sibling_groups`, program order): side by side on disjoint
     /// equal ranges of tiles when the plans the planner makes for those ranges are estimated
     /// faster (the slowest member's compute and exchange) than the members' plans on the whole
-    /// chip one after another (their sum), else one after another. Side by side, their
-    /// operands arrive in one exchange phase, their calls run in one compute set, and their
-    /// partials arrive and are reduced together.
-    fn matmul_group(&mut self, members: &[GroupMember]) -> Result<(), LowerError> {
+    /// chip one after another (their sum). Side by side, their operands arrive in one exchange
+    /// phase, their calls run in one compute set, and their partials arrive and are reduced
+    /// together; whether they did is returned. Else only the first is lowered here, and the
+    /// others where they stand in the program, as any product.
+    fn matmul_group(&mut self, members: &[GroupMember]) -> Result<bool, LowerError> {
         let chip = self.target.chip.tiles;
         let n = members.len() as u32;
         // Even shares keep supertile pairs inside a range.
@@ -1145,12 +1147,11 @@ impl<'a> Builder<'a> {
             }
         }
         if !fits || compute + exchange >= apart {
-            for &(index, a, b, tb, product, fold) in members {
-                self.operation_index = index;
-                self.operation_name = name_of(self, index);
-                self.matmul(index, a, b, tb, product, fold, None)?;
-            }
-            return Ok(());
+            let (index, a, b, tb, product, fold) = members[0];
+            self.operation_index = index;
+            self.operation_name = name_of(self, index);
+            self.matmul(index, a, b, tb, product, fold, None)?;
+            return Ok(false);
         }
         debug!(products = n, tiles_each = share, estimated_cycles = compute + exchange, apart_estimated_cycles = apart, "sibling products side by side");
         let mut prepared = Vec::with_capacity(members.len());
@@ -1175,7 +1176,7 @@ impl<'a> Builder<'a> {
                 (plan.estimated_compute_cycles, plan.estimated_exchange_cycles) = if i == 0 { (compute, exchange) } else { (0, 0) };
             }
         }
-        Ok(())
+        Ok(true)
     }
 
     /// Plan a matrix product on the tiles `range` (first, count), gather its operands and

@@ -29,7 +29,7 @@ fn memo() -> &'static Memo {
 /// read (operand views, producer grids, dtypes, ranks), the target included.
 pub fn signature(target: &Target, problem: &MatMulProblem, parts: &str) -> Digest {
     let text = format!(
-        "{target:?}|{} {} {} {} {} {} {} {:?}|{} {} {}|{:?} {} {}|{} {}|{parts}",
+        "{target:?}|{} {} {} {} {} {} {} {:?}|{} {} {}|{:?} {} {}|{} {}|tiles {} {}|{parts}",
         problem.batches,
         problem.m,
         problem.k,
@@ -46,7 +46,9 @@ pub fn signature(target: &Target, problem: &MatMulProblem, parts: &str) -> Diges
         problem.max_column_partitions,
         problem.a_gathered,
         problem.b_gathered,
-    ) + &format!("|tiles {} {}", problem.first_tile, problem.tiles);
+        problem.first_tile,
+        problem.tiles,
+    );
     KeyHasher::new("ipuq matmul plan candidates v1").bytes(text.as_bytes()).finish()
 }
 

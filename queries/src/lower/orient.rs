@@ -102,12 +102,20 @@ fn rank2_products(graph: &Graph) -> Vec<usize> {
 
 /// Sibling products: rank-2 products (as `swappable` takes them) of one A value by weights
 /// of the same shape and dtype, read the same way (Q, K and V of a LayerNorm output), in a
-/// graph whose products no plan constraint names. They may run side by side on disjoint tiles (`build.rs`
-/// `matmul_group`). First member -> the members, in program order; groups of two or more.
+/// graph whose products no plan constraint names. They may run side by side on disjoint tiles
+/// (`build.rs` `matmul_group`). First member -> the members, in program order; groups of two
+/// or more.
 pub fn sibling_groups(graph: &Graph) -> BTreeMap<usize, Vec<usize>> {
     let constrained = |i: &usize| graph.file.constraints.iter().any(|c| c.operation == graph.value(graph.operations[*i].output).name);
+    let products = rank2_products(graph);
+    // A plan constraint on any product (the user's, made against products planned one after
+    // another, or a steer of `select_finalist`, which plans a program that could not be placed
+    // again) plans the siblings one after another, each as before.
+    if products.iter().any(constrained) {
+        return BTreeMap::new();
+    }
     let mut by_key: BTreeMap<(ValueId, bool, Vec<u32>, DType), Vec<usize>> = BTreeMap::new();
-    for i in rank2_products(graph) {
+    for i in products {
         let o = &graph.operations[i];
         let OpKind::MatMul { transpose_b } = o.kind else { continue };
         let b = graph.value(o.inputs[1]);
@@ -116,11 +124,7 @@ pub fn sibling_groups(graph: &Graph) -> BTreeMap<usize, Vec<usize>> {
         }
         by_key.entry((o.inputs[0], transpose_b, b.shape.clone(), b.dtype)).or_default().push(i);
     }
-    // A plan constraint on any product (the user's, made against products planned one after
-    // another, or a steer of `select_finalist`, which plans a program that could not be placed
-    // again) plans the siblings one after another, each as before.
-    let any_constrained = rank2_products(graph).iter().any(constrained);
-    by_key.into_values().filter(|m| m.len() > 1 && !any_constrained).map(|m| (m[0], m)).collect()
+    by_key.into_values().filter(|m| m.len() > 1).map(|m| (m[0], m)).collect()
 }
 
 /// Suffix of the row reciprocals value of a softmax whose normalisation is deferred.
