@@ -42,8 +42,8 @@ use crate::storage::{place_storage, Placement};
 /// The phases in order, as the driver runs and logs them.
 pub const PHASES: &[&str] = &["lower_mid", "select_finalist", "lower_exchanges_provisional", "size_tile_code", "place_storage", "optimize_exchange_placement", "lower_exchanges", "build_tile_images"];
 
-const LOWER_VERSION: u32 = 24;
-const SELECT_VERSION: u32 = 16;
+const LOWER_VERSION: u32 = 25;
+const SELECT_VERSION: u32 = 17;
 const SCHEDULE_VERSION: u32 = 7;
 const CODE_VERSION: u32 = 10;
 const PLACE_VERSION: u32 = 7;

@@ -31,6 +31,11 @@ pub struct Oriented {
     /// even offsets. Decided from the original graph alone ([`read_by_rows`]), so two
     /// orientations agree on every value they share.
     pub row_read: BTreeSet<ValueId>,
+    /// Some value is written out transposed for a reader by rows because its product ends a
+    /// swapped chain (`chain_ends`), not because the workload constrains that product: the
+    /// search takes such orientations only where the weights can be replicated widely
+    /// (`search.rs` `chains_allowed`).
+    pub chain_written: bool,
 }
 
 /// Suffix of the stored value of a swapped operation.
@@ -127,6 +132,35 @@ pub fn sibling_groups(graph: &Graph) -> BTreeMap<usize, Vec<usize>> {
     by_key.into_values().filter(|m| m.len() > 1).map(|m| (m[0], m)).collect()
 }
 
+/// The swapped products (`swapped`) of `graph` that end a swapped chain: their A operand is
+/// the result of another swapped product, directly or through GELUs, scales and bias adds
+/// (the MLP's second product when both are swapped). Their result may be written out
+/// transposed for a reader by rows (`OpKind::TransposeCopy`) without a plan constraint: the
+/// chain keeps the hidden axis as the AMP's rows in both products, and one transpose of the
+/// chain's narrower result pays for it. A lone swapped product's result still may not be (the
+/// search does not weigh a transpose against one product's gain: see the README).
+pub fn chain_ends(graph: &Graph, swapped: &BTreeSet<usize>) -> Vec<usize> {
+    let mut ends = Vec::new();
+    for &p in swapped {
+        let Some(o) = graph.operations.get(p).filter(|o| matches!(o.kind, OpKind::MatMul { .. })) else { continue };
+        let mut value = o.inputs[0];
+        while let Producer::Operation(q) = graph.value(value).producer {
+            let producer = &graph.operations[q];
+            match producer.kind {
+                OpKind::Gelu | OpKind::GeluErf | OpKind::Scale { .. } | OpKind::BiasAdd => value = producer.inputs[0],
+                OpKind::MatMul { .. } => {
+                    if swapped.contains(&q) {
+                        ends.push(p);
+                    }
+                    break;
+                }
+                _ => break,
+            }
+        }
+    }
+    ends
+}
+
 /// Suffix of the row reciprocals value of a softmax whose normalisation is deferred.
 pub const RECIPROCALS: &str = ".row_reciprocals";
 
@@ -186,10 +220,14 @@ pub fn orient_until(graph: &Graph, swapped: &BTreeSet<usize>, until: usize) -> R
     // Stored swapped value -> its transpose written out (`OpKind::TransposeCopy`).
     let mut materialized: BTreeMap<ValueId, ValueId> = BTreeMap::new();
     let mut row_read: BTreeSet<ValueId> = BTreeSet::new();
+    let mut chain_written = false;
     // Stored swapped value -> the original product it derives from; the products the
     // workload constrains to swapped, whose results readers by rows may read written out.
     let mut stored_product: BTreeMap<ValueId, usize> = BTreeMap::new();
     let (constrained, _) = super::search::orientation_constraints(graph);
+    // The products whose results readers by rows may read written out: those the workload
+    // constrains to swapped, and swapped products that end a swapped chain (`chain_ends`).
+    let written: BTreeSet<usize> = constrained.iter().copied().chain(chain_ends(graph, swapped)).collect();
     let push = |values: &mut Vec<Value>, operations: &mut Vec<Operation>, origin: &mut Vec<u32>, kind: OpKind, inputs: Vec<ValueId>, name: String, shape: Vec<u32>, dtype: DType, index: usize| {
         let id = ValueId(values.len() as u32);
         values.push(Value { name, shape, dtype, producer: Producer::Operation(operations.len()) });
@@ -232,7 +270,7 @@ pub fn orient_until(graph: &Graph, swapped: &BTreeSet<usize>, until: usize) -> R
             transposed.insert(operation.output, stored);
             checkpoint_value.insert(stored, view);
             stored_product.insert(stored, index);
-            if constrained.contains(&index) && read_by_rows(graph, operation.output, &constrained) {
+            if written.contains(&index) && read_by_rows(graph, operation.output, &constrained) {
                 row_read.insert(stored);
             }
             continue;
@@ -265,7 +303,7 @@ pub fn orient_until(graph: &Graph, swapped: &BTreeSet<usize>, until: usize) -> R
             // A follower derives from the product behind its first swapped input.
             let product = operation.inputs.iter().find_map(|i| transposed.get(i)).and_then(|t| stored_product.get(t)).copied().unwrap_or(usize::MAX);
             stored_product.insert(stored, product);
-            if constrained.contains(&product) && read_by_rows(graph, operation.output, &constrained) {
+            if written.contains(&product) && read_by_rows(graph, operation.output, &constrained) {
                 row_read.insert(stored);
             }
             continue;
@@ -276,13 +314,15 @@ pub fn orient_until(graph: &Graph, swapped: &BTreeSet<usize>, until: usize) -> R
                 // A computing reader of a swapped value through its transpose (by rows: a
                 // product in normal orientation, a residual add, a LayerNorm) reads the value
                 // written out transposed, once, just before the first such reader, where the
-                // workload constrains the product behind it to swapped (the search does not
-                // weigh these transposes itself: see the README).
+                // workload constrains the product behind it to swapped or that product ends a
+                // swapped chain (`chain_ends`; the search does not weigh a lone product's
+                // transpose itself: see the README).
                 let (base, chain) = view_ops(&values, &operations, *input);
                 let Some(&view) = checkpoint_value.get(&base).filter(|_| !chain.is_empty()) else { continue };
-                if !stored_product.get(&base).is_some_and(|p| constrained.contains(p)) {
+                if !stored_product.get(&base).is_some_and(|p| written.contains(p)) {
                     continue;
                 }
+                chain_written |= !stored_product.get(&base).is_some_and(|p| constrained.contains(p));
                 let rows = match materialized.get(&base) {
                     Some(&m) => m,
                     None => {
@@ -331,7 +371,7 @@ pub fn orient_until(graph: &Graph, swapped: &BTreeSet<usize>, until: usize) -> R
             }
         }
     }
-    Ok(Oriented { graph: rewritten, origin, checkpoint_value, row_read })
+    Ok(Oriented { graph: rewritten, origin, checkpoint_value, row_read, chain_written })
 }
 
 #[cfg(test)]
@@ -518,5 +558,31 @@ inputs = ["g", "w2"]
         // Unconstrained, nothing is row-read (the plans are those of before).
         let free = Graph::parse(&text, "mlp").unwrap();
         assert!(orient(&free, &[2].into_iter().collect()).unwrap().row_read.is_empty());
+    }
+
+    /// Both products of an MLP swapped, without constraints: the second ends a swapped chain
+    /// (its A is the GELU of the first's stored transpose), so a reader by rows (here a
+    /// residual add of a value computed on the tiles) reads its result written out
+    /// transposed, once; the first product alone swapped is still no candidate.
+    #[test]
+    fn the_end_of_a_swapped_chain_is_written_out_for_a_reader_by_rows() {
+        let text = MLP.replace("outputs = [\"y\"]", "outputs = [\"r\"]").replace("name = \"y\"\nop = \"matmul\"\ninputs = [\"g\", \"w2\"]", "name = \"y\"\nop = \"matmul\"\ninputs = [\"g\", \"w2\"]\n[[operation]]\nname = \"s\"\nop = \"gelu\"\ninputs = [\"x\"]\n[[operation]]\nname = \"r\"\nop = \"add\"\ninputs = [\"y\", \"s\"]");
+        let g = Graph::parse(&text, "mlp").unwrap();
+        assert_eq!(swappable(&g), vec![0, 2]);
+        assert_eq!(chain_ends(&g, &[0, 2].into_iter().collect()), vec![2]);
+        assert!(chain_ends(&g, &[2].into_iter().collect()).is_empty());
+        let o = orient(&g, &[0, 2].into_iter().collect()).unwrap();
+        let id = |n: &str| o.graph.find(n).unwrap();
+        let copies: Vec<&Operation> = o.graph.operations.iter().filter(|op| op.kind == OpKind::TransposeCopy).collect();
+        assert_eq!(copies.len(), 1);
+        assert_eq!((copies[0].inputs.clone(), copies[0].output), (vec![id("y.swapped")], id(&format!("y{MATERIALIZED}"))));
+        // The add reads the written-out value; the stored transpose's rows fall on whole words.
+        let add = o.graph.operations.iter().find(|op| op.kind == OpKind::Add).unwrap();
+        assert!(add.inputs.contains(&id(&format!("y{MATERIALIZED}"))));
+        assert_eq!(o.row_read, [id("y.swapped")].into_iter().collect());
+        assert!(o.chain_written);
+        // The second product alone swapped (its A not a swapped result): rejected as before.
+        assert!(orient(&g, &[2].into_iter().collect()).is_err());
+        assert!(orient(&g, &[0].into_iter().collect()).is_err());
     }
 }

@@ -158,7 +158,7 @@ fn options_for(product: usize, must: &BTreeSet<usize>, must_not: &BTreeSet<usize
 /// the same (none). `target` and `width` must be those the trace was made with (the caller's
 /// key holds the target; the width is checked).
 #[allow(clippy::too_many_arguments)]
-fn identical_steps(old: &Graph, trace: &BeamTrace, graph: &Graph, width: usize, products: &[usize], must: &BTreeSet<usize>, must_not: &BTreeSet<usize>) -> usize {
+fn identical_steps(old: &Graph, trace: &BeamTrace, graph: &Graph, width: usize, products: &[usize], must: &BTreeSet<usize>, must_not: &BTreeSet<usize>, chains: (bool, bool)) -> usize {
     if trace.width != width as u64 || home_constraint(old) != home_constraint(graph) {
         return 0;
     }
@@ -200,7 +200,7 @@ fn identical_steps(old: &Graph, trace: &BeamTrace, graph: &Graph, width: usize, 
                 .collect()
         };
         let until = next.unwrap_or(usize::MAX);
-        let same = jobs.par_iter().all(|swapped| match (orient_until(old, swapped, until), orient_until(graph, swapped, until)) {
+        let same = jobs.par_iter().all(|swapped| match (beam_orient(old, swapped, until, chains.0), beam_orient(graph, swapped, until, chains.1)) {
             (Err(_), Err(_)) => true,
             (Ok(a), Ok(b)) => {
                 let end = end_before(&a, next);
@@ -573,6 +573,7 @@ fn retain(mut scored: Vec<(State, [u64; 5], bool)>, width: usize) -> Vec<State> 
 /// trace comes back in [`Beam::steps`].
 fn beam(graph: &Graph, target: &Target, width: usize, previous: Option<(&Graph, &BeamTrace)>) -> Beam {
     let products = swappable(graph);
+    let chains = chains_allowed(graph, target);
     let (must, must_not) = orientation_constraints(graph);
     // Products the user wants swapped that the search never swaps (not rank 2, or feeding a
     // bias add): that one orientation is the only program, and it is lowered as it is.
@@ -604,7 +605,7 @@ fn beam(graph: &Graph, target: &Target, width: usize, previous: Option<(&Graph, 
     #[allow(clippy::type_complexity)]
     let grow = |state: &State, swapped: BTreeSet<usize>, next: Option<usize>, carry: bool, pool: &[Arc<HomePrefix>]| -> Result<(Option<(State, [u64; 5], bool)>, Vec<Arc<HomePrefix>>), LowerError> {
         // Oriented afresh (cheap beside lowering) so that the readers up to `next` are checked.
-        let oriented = match orient_until(graph, &swapped, next.unwrap_or(usize::MAX)) {
+        let oriented = match beam_orient(graph, &swapped, next.unwrap_or(usize::MAX), chains) {
             Ok(o) => Arc::new(o),
             Err(message) => {
                 debug!(%message, "orientation rejected");
@@ -705,7 +706,7 @@ fn beam(graph: &Graph, target: &Target, width: usize, previous: Option<(&Graph, 
     };
     // Resuming: the steps of the previous beam this one repeats, and the last one's states.
     let resumed: Option<(usize, Vec<State>, bool)> = previous.and_then(|(old, trace)| {
-        let done = identical_steps(old, trace, graph, width, &products, &must, &must_not);
+        let done = identical_steps(old, trace, graph, width, &products, &must, &must_not, (chains_allowed(old, target), chains));
         let last = done.checked_sub(1)?;
         // Once a program kept weights on home tiles, the replicated ones carry home-weights
         // prefixes (as the loop below starts its carry).
@@ -787,7 +788,7 @@ fn beam(graph: &Graph, target: &Target, width: usize, previous: Option<(&Graph, 
         let ahead_of = if carry || next.is_none() {
             None
         } else {
-            let live: Vec<usize> = jobs.iter().filter(|job| orient_until(graph, &swapped_of(job), next.unwrap_or(usize::MAX)).is_ok()).map(|&(i, _)| i).collect();
+            let live: Vec<usize> = jobs.iter().filter(|job| beam_orient(graph, &swapped_of(job), next.unwrap_or(usize::MAX), chains).is_ok()).map(|&(i, _)| i).collect();
             live.first().copied().filter(|&i| live.len() < rayon::current_num_threads() && live.iter().all(|&l| l == i) && states[i].partial.home_from() == usize::MAX)
         };
         let jobs_done = AtomicBool::new(false);
@@ -1281,10 +1282,15 @@ fn fit_capped(oriented: &Oriented, target: &Target, cap: u32, mut first: Option<
 /// rank-2 weights, spread over tiles / r tiles (one replica set), fit in the bytes a tile has
 /// beside the code reserve (less a margin, `CAP_MARGIN`) and the most that the beam's program
 /// keeps live on a tile in buffers the host does not write (activations, partials, gathered
-/// operands: a replicated program holds about as much). Only that cap is tried: fewer replicas
+/// operands: a replicated program holds about as much). No lower cap is tried: fewer replicas
 /// trade weight bytes for larger operand blocks and partials, so a lower cap seldom fits where
 /// it does not (six full-size encoder layers: 3, 2 and 1 all overflow; trying 3 and 2 side by
-/// side cost about 20 s of a 74 s build).
+/// side cost about 20 s of a 74 s build). Higher caps are (session 34): that first cap counts
+/// every weight at the cap, so where some products keep fewer replicas than the cap (or run
+/// side by side on a share of the tiles) more may fit; each about a fifth higher is lowered
+/// while the weight bytes it could add fit in what the last one's placement left free, and
+/// kept while it fits and is estimated faster (one full-size encoder layer with its MLP
+/// swapped: 20 replicas, 366,992 estimated, then 24, 350,711; 28 fits but is estimated slower).
 fn capped_program(oriented: &Oriented, target: &Target, beam: &Attempt, ahead: Option<&CappedAhead>) -> Option<(Feasible, bool)> {
     let weight_bytes = matrix_weight_bytes(&oriented.graph);
     if weight_bytes == 0 {
@@ -1306,18 +1312,87 @@ fn capped_program(oriented: &Oriented, target: &Target, beam: &Attempt, ahead: O
     }
     // The first lowering of this cap, when it was lowered beside the beam over this orientation.
     let first = ahead.and_then(|a| a.take(oriented, start));
-    let Some((lowered, peaks)) = fit_capped(oriented, target, start, first) else {
+    let Some((mut lowered, mut peaks)) = fit_capped(oriented, target, start, first) else {
         debug!(cap = start, "replicated weights on this many tiles do not fit");
         return None;
     };
-    let estimate = estimated_cycles(&lowered);
+    let mut estimate = estimated_cycles(&lowered);
+    // `first_cap` counts every weight at the cap, but products that the planner gives fewer
+    // replicas than the cap hold fewer (and products side by side share the tiles): more
+    // replicas may fit. Larger caps, each about a fifth more, up to the most replicas any
+    // product of the beam's program has, while the weight bytes they could add on a tile
+    // (the most weight bytes the capped program keeps on one, grown by the cap's ratio) stay
+    // within the bytes its placement left free, and while each fits and is estimated faster.
+    let most = l.plans.iter().filter(|p| p.kind == "matmul").map(|p| if p.orientation == "swapped" { p.partitions[2] } else { p.partitions[1] }).max().unwrap_or(0);
+    let mut cap = start;
+    loop {
+        let next = (cap + 1).max(cap * 6 / 5);
+        let free = tile_bytes(target).saturating_add(CODE_RESERVE_BYTES).saturating_sub(peaks.0 + peaks.1);
+        let grown = host_written_peak(&lowered) * (next - cap) as u64 / cap as u64;
+        if next > most || grown > free {
+            debug!(cap, next, most, grown, free, "no larger replication cap to try");
+            break;
+        }
+        match fit_capped(oriented, target, next, None) {
+            Some((l, p)) if estimated_cycles(&l) < estimate => {
+                debug!(cap = next, estimate = estimated_cycles(&l), previous = estimate, "more replicas fit and are estimated faster");
+                estimate = estimated_cycles(&l);
+                (lowered, peaks, cap) = (l, p, next);
+            }
+            other => {
+                debug!(cap = next, fits = other.is_some(), "more replicas do not fit or are not estimated faster");
+                break;
+            }
+        }
+    }
     let better = estimate <= beam_estimate;
     if better {
-        info!(replicas = start, estimated_cycles = estimate, home_weights_estimated_cycles = beam_estimate, "replicated weights fit on fewer tiles each; keeping every weight resident where it is read");
+        info!(replicas = cap, estimated_cycles = estimate, home_weights_estimated_cycles = beam_estimate, "replicated weights fit on fewer tiles each; keeping every weight resident where it is read");
     } else {
-        debug!(cap = start, estimate, beam_estimate, "replicated weights on this many tiles fit but are estimated slower than home-tile weights");
+        debug!(cap, estimate, beam_estimate, "replicated weights on this many tiles fit but are estimated slower than home-tile weights");
     }
     Some(((lowered, Some(peaks), usize::MAX), better))
+}
+
+/// The most bytes on any tile in buffers the host writes (weights and inputs).
+fn host_written_peak(l: &Lowered) -> u64 {
+    let mut per_tile = vec![0u64; l.tiles as usize];
+    let mut host = vec![false; l.buffers.len()];
+    for t in &l.inputs {
+        for s in &t.segments {
+            host[s.buffer as usize] = true;
+        }
+    }
+    for (b, _) in l.buffers.iter().zip(&host).filter(|(_, &h)| h) {
+        if let Some(t) = per_tile.get_mut(b.tile as usize) {
+            *t += b.bytes as u64;
+        }
+    }
+    per_tile.into_iter().max().unwrap_or(0)
+}
+
+/// The fewest replicas the graph's rank-2 weights must be able to take (`first_cap` with no
+/// transient bytes) for the search to write a swapped chain's end out transposed
+/// (`chains_allowed`). A compiler constant, not a machine cost: a swapped product's weights
+/// are its A operand, replicated on its column partitions and never homed, so the chain pays
+/// only where they can be replicated widely (one full-size encoder layer: 27 at most, the
+/// swapped MLP fitting at 24 and running 7 % faster than normal; four layers: 6 at most, and
+/// swapped MLPs capped at four or five replicas ran 12–15 % slower, while six layers ended
+/// with no program that fits).
+const CHAIN_REPLICAS: u32 = 12;
+
+/// Whether the search may take orientations that write a swapped chain's end out transposed
+/// for a reader by rows (`Oriented::chain_written`): where the graph's rank-2 weights fit on
+/// every tile at `CHAIN_REPLICAS` replicas or more (`first_cap` with no transient bytes).
+fn chains_allowed(graph: &Graph, target: &Target) -> bool {
+    let weight_bytes = matrix_weight_bytes(graph);
+    weight_bytes > 0 && first_cap(weight_bytes, 0, target) >= CHAIN_REPLICAS
+}
+
+/// `orient_until` for the search: an orientation that writes a swapped chain's end out
+/// (`Oriented::chain_written`) is rejected where `chains` (`chains_allowed`) is false.
+fn beam_orient(graph: &Graph, swapped: &BTreeSet<usize>, until: usize, chains: bool) -> Result<Oriented, String> {
+    orient_until(graph, swapped, until).and_then(|o| if o.chain_written && !chains { Err("a swapped chain's end would be written out, and the weights cannot be replicated widely enough for that".into()) } else { Ok(o) })
 }
 
 /// The bytes of a graph's rank-2 weights.
@@ -1779,8 +1854,8 @@ mod tests {
             assert_eq!(replicas(best, w), 1, "{w} is kept once, on its home tiles");
         }
         let (_, trace) = finalists_resuming(&free, &target, 4, None);
-        assert_eq!(identical_steps(&free, &trace, &homed, 4, &swappable(&homed), &BTreeSet::new(), &BTreeSet::new()), 0);
-        assert_eq!(identical_steps(&free, &trace, &free, 4, &swappable(&free), &BTreeSet::new(), &BTreeSet::new()), trace.steps.len());
+        assert_eq!(identical_steps(&free, &trace, &homed, 4, &swappable(&homed), &BTreeSet::new(), &BTreeSet::new(), (true, true)), 0);
+        assert_eq!(identical_steps(&free, &trace, &free, 4, &swappable(&free), &BTreeSet::new(), &BTreeSet::new(), (true, true)), trace.steps.len());
     }
 
     /// A weights constraint whose mixed program does not fit is given up no further than tile
@@ -2154,17 +2229,46 @@ mod tests {
         assert!(estimated_cycles(&chosen) < estimated_cycles(&homed), "mixed {} homed {}", estimated_cycles(&chosen), estimated_cycles(&homed));
     }
 
-    /// Four MLP blocks of 64 tokens, dimension 256 and hidden dimension 768 on 16 tiles: the
-    /// beam's programs swap every product, whose weights (their A operands) cannot be kept on
-    /// home tiles, and replicated at the planner's own partitions they do not fit (the build
-    /// failed with a placement error). Every weight replicated on fewer tiles fits: the
-    /// program keeps every weight resident, at most two replicas each, and passes placement.
+    /// A swapped chain's end written out for a normal reader (here the first block's MLP
+    /// swapped, the second block's first product reading its result by rows) is an orientation
+    /// the search takes only where the weights can be replicated on `CHAIN_REPLICAS` tiles or
+    /// more: small weights on 16 tiles, not four 256 x 768 blocks' on 16 tiles.
+    #[test]
+    fn a_swapped_chain_is_written_out_only_where_weights_replicate_widely() {
+        let target = small16();
+        let big = Graph::parse(&mlp_text(4, 64, 256, 768), "mlp.toml").unwrap();
+        let small = Graph::parse(&mlp_text(2, 37, 64, 96), "mlp.toml").unwrap();
+        assert!(!chains_allowed(&big, &target) && chains_allowed(&small, &target));
+        let swapped: BTreeSet<usize> = [0, 2].into_iter().collect();
+        for g in [&big, &small] {
+            assert!(orient_until(g, &swapped, usize::MAX).unwrap().chain_written);
+            assert!(!orient_until(g, &BTreeSet::new(), usize::MAX).unwrap().chain_written);
+        }
+        assert!(beam_orient(&big, &swapped, usize::MAX, chains_allowed(&big, &target)).is_err());
+        assert!(beam_orient(&small, &swapped, usize::MAX, chains_allowed(&small, &target)).is_ok());
+    }
+
+    /// Four MLP blocks of 64 tokens, dimension 256 and hidden dimension 768 on 16 tiles, every
+    /// product constrained to swapped: their weights (their A operands) cannot be kept on home
+    /// tiles, and replicated at the planner's own partitions they do not fit (the build failed
+    /// with a placement error). Every weight replicated on fewer tiles fits: the program keeps
+    /// every weight resident, at most two replicas each, and passes placement. (Unconstrained,
+    /// since session 34 the search prefers another program by its estimate: the first two
+    /// blocks swapped, the second one's result written out for the third, normal, block; the
+    /// swapped blocks' weights on four tiles each, the normal blocks' on one.)
     #[test]
     fn replicated_weights_on_fewer_tiles_fit_where_home_tiles_cannot() {
-        let (graph, target) = (Graph::parse(&mlp_text(4, 64, 256, 768), "mlp.toml").unwrap(), small16());
+        let mut text = mlp_text(4, 64, 256, 768);
+        for b in 0..4 {
+            for p in ["h", "y"] {
+                text += &format!("\n[[constraint]]\noperation = \"{p}_{b}\"\norientation = \"swapped\"\n");
+            }
+        }
+        let (graph, target) = (Graph::parse(&text, "mlp.toml").unwrap(), small16());
         let found = finalists(&graph, &target, 1).unwrap();
         let chosen = &found[0];
         assert!(fits(chosen, &target), "{}", describe(chosen));
+        assert_eq!(chosen.swapped_operations().len(), 8, "{}", describe(chosen));
         // Replicas per weight: elements the host writes over the weight's elements.
         let replicas = |l: &Lowered| -> Vec<u64> { l.inputs.iter().filter(|t| t.role == HostRole::Weight).map(|t| t.streamed_elements() / t.elements()).collect() };
         let chosen_replicas = replicas(chosen);
