@@ -1174,6 +1174,14 @@ fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attem
                     fitting = Some((attempt.lowered, peaks));
                 }
                 None => {
+                    // The overflow is a swapped product's weight (its A operand, which no
+                    // arrangement keeps on home tiles) and the capped program fits: that
+                    // program is what replicates it less; the home-tile arrangements would
+                    // only lower it again at the planner's partitions.
+                    if capped_fallback.is_some() && failure.as_ref().is_some_and(|f| swapped_weights(oriented).contains(&f.label)) {
+                        debug!(failure = ?failure, "a swapped product's weights overflow, which home tiles cannot hold once; keeping the weights replicated on fewer tiles");
+                        return Ok(capped_fallback.take().expect("checked"));
+                    }
                     debug!(home_weights, home_from, aligned, failure = ?failure, "the program does not fit; planning again with other operations' resident bytes");
                     if let Some(failure) = failure.filter(|_| round == 0 && home_from > 0 && mixed_tries < MIXED_TRIES) {
                         mixed = mixed_from(oriented, &attempt.lowered.buffers, &attempt.lowered.inputs, &failure, target, home_from);
@@ -1207,6 +1215,21 @@ fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attem
     }
     // Nothing fits: hand on the last program so placement names the buffer that overflows.
     last.map(|(l, from)| (l, None, from)).ok_or_else(|| first_error.expect("an attempt either lowers or fails"))
+}
+
+/// The names of the weights that swapped products of `oriented` read as their A operand
+/// (through views): replicated on the products' column partitions, never on home tiles.
+fn swapped_weights(oriented: &Oriented) -> BTreeSet<String> {
+    let g = &oriented.graph;
+    g.operations
+        .iter()
+        .filter(|o| matches!(o.kind, crate::ir::OpKind::MatMul { .. }) && oriented.checkpoint_value.contains_key(&o.output))
+        .filter_map(|o| {
+            let base = super::grid::ViewChain::resolve(g, o.inputs[0]).base;
+            let v = g.value(base);
+            matches!(v.producer, crate::ir::Producer::Tensor { role: crate::ir::Role::Weight, .. }).then(|| v.name.clone())
+        })
+        .collect()
 }
 
 /// An attempt placed beside the code reserve (`place_attempt`): the peak standard and
@@ -1325,19 +1348,38 @@ fn capped_program(oriented: &Oriented, target: &Target, beam: &Attempt, ahead: O
     // within the bytes its placement left free, and while each fits and is estimated faster.
     let most = l.plans.iter().filter(|p| p.kind == "matmul").map(|p| if p.orientation == "swapped" { p.partitions[2] } else { p.partitions[1] }).max().unwrap_or(0);
     let mut cap = start;
-    loop {
+    // The next cap above `cap` worth lowering after the program `l` (placed at `p`): none past
+    // `most`, or when the weight bytes it could add exceed what that placement left free.
+    let next_after = |cap: u32, l: &Lowered, p: (u64, u64)| -> Option<u32> {
         let next = (cap + 1).max(cap * 6 / 5);
-        let free = tile_bytes(target).saturating_add(CODE_RESERVE_BYTES).saturating_sub(peaks.0 + peaks.1);
-        let grown = host_written_peak(&lowered) * (next - cap) as u64 / cap as u64;
-        if next > most || grown > free {
+        let free = tile_bytes(target).saturating_add(CODE_RESERVE_BYTES).saturating_sub(p.0 + p.1);
+        let grown = host_written_peak(l) * (next - cap) as u64 / cap as u64;
+        let worth = next <= most && grown <= free;
+        if !worth {
             debug!(cap, next, most, grown, free, "no larger replication cap to try");
-            break;
         }
-        match fit_capped(oriented, target, next, None) {
+        worth.then_some(next)
+    };
+    // The ladder lowers two caps at once (on two threads): the next one, and the one after it
+    // as the program at `cap` would bound it; the second is kept only if the first is, and
+    // only if the first's program would also have tried it, so the result is the one-by-one
+    // ladder's.
+    let mut pending: Option<(u32, Option<Fitted>)> = None;
+    while let Some(next) = next_after(cap, &lowered, peaks) {
+        let (first, second) = match pending.take().filter(|(c, _)| *c == next) {
+            Some((_, done)) => (done, None),
+            None => {
+                let after = (next + 1).max(next * 6 / 5);
+                let (a, b) = rayon::join(|| fit_capped(oriented, target, next, None), || (after <= most).then(|| (after, fit_capped(oriented, target, after, None))));
+                (a, b)
+            }
+        };
+        match first {
             Some((l, p)) if estimated_cycles(&l) < estimate => {
                 debug!(cap = next, estimate = estimated_cycles(&l), previous = estimate, "more replicas fit and are estimated faster");
                 estimate = estimated_cycles(&l);
                 (lowered, peaks, cap) = (l, p, next);
+                pending = second;
             }
             other => {
                 debug!(cap = next, fits = other.is_some(), "more replicas do not fit or are not estimated faster");
