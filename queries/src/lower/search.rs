@@ -1321,13 +1321,7 @@ fn capped_program(oriented: &Oriented, target: &Target, beam: &Attempt, ahead: O
         return None;
     }
     let l = &beam.lowered;
-    let mut host = vec![false; l.buffers.len()];
-    for t in &l.inputs {
-        for s in &t.segments {
-            host[s.buffer as usize] = true;
-        }
-    }
-    let live = transient_peak(l.buffers.iter(), &host, l.tiles);
+    let live = transient_peak(l.buffers.iter(), &host_written(l), l.tiles);
     let start = first_cap(weight_bytes, live, target);
     let beam_estimate = estimated_cycles(l);
     debug!(weight_bytes, transient_peak = live, start, beam_estimate, "replicated weights did not fit; trying fewer replicas");
@@ -1371,8 +1365,7 @@ fn capped_program(oriented: &Oriented, target: &Target, beam: &Attempt, ahead: O
             Some((_, done)) => (done, None),
             None => {
                 let after = (next + 1).max(next * 6 / 5);
-                let (a, b) = rayon::join(|| fit_capped(oriented, target, next, None), || (after <= most).then(|| (after, fit_capped(oriented, target, after, None))));
-                (a, b)
+                rayon::join(|| fit_capped(oriented, target, next, None), || (after <= most).then(|| (after, fit_capped(oriented, target, after, None))))
             }
         };
         match first {
@@ -1397,16 +1390,19 @@ fn capped_program(oriented: &Oriented, target: &Target, beam: &Attempt, ahead: O
     Some(((lowered, Some(peaks), usize::MAX), better))
 }
 
+/// Per buffer of a finished program: whether the host writes it (weights and inputs).
+fn host_written(l: &Lowered) -> Vec<bool> {
+    let mut host = vec![false; l.buffers.len()];
+    for s in l.inputs.iter().flat_map(|t| &t.segments) {
+        host[s.buffer as usize] = true;
+    }
+    host
+}
+
 /// The most bytes on any tile in buffers the host writes (weights and inputs).
 fn host_written_peak(l: &Lowered) -> u64 {
     let mut per_tile = vec![0u64; l.tiles as usize];
-    let mut host = vec![false; l.buffers.len()];
-    for t in &l.inputs {
-        for s in &t.segments {
-            host[s.buffer as usize] = true;
-        }
-    }
-    for (b, _) in l.buffers.iter().zip(&host).filter(|(_, &h)| h) {
+    for (b, _) in l.buffers.iter().zip(host_written(l)).filter(|(_, h)| *h) {
         if let Some(t) = per_tile.get_mut(b.tile as usize) {
             *t += b.bytes as u64;
         }
