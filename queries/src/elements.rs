@@ -34,20 +34,45 @@ pub struct ElementRun {
 /// Split `words` words at `address` moved from `cycle`, `rate` words per cycle, by element.
 pub fn split_runs(m: &Memory, cycle: u32, address: u32, words: u32, rate: u32, out: &mut Vec<ElementRun>) {
     let rate = rate.max(1) as u64;
+    // Word `w` of the run moves in cycle `cycle + w / rate` (rates are 1 or 2 words a cycle:
+    // no division on this path, which runs for every table entry of every placement scored).
+    let cycle_of = |w: u64| cycle as u64 + if rate == 1 { w } else if rate == 2 { w >> 1 } else { w / rate };
     let mut word = 0u64;
     while word < words as u64 {
         let at = address as u64 + word * 4;
-        let element = element_of(m, at as u32);
-        // Last byte of this element (the next element starts at the first address mapping elsewhere).
-        let boundary = next_element_start(m, at as u32) as u64;
-        let words_here = ((boundary - at).div_ceil(4)).min(words as u64 - word);
-        let first_cycle = cycle as u64 + word / rate;
-        let last_cycle = cycle as u64 + (word + words_here - 1) / rate + 1;
+        // The element, and where the next element starts (the first address mapping elsewhere).
+        let (element, boundary) = element_and_end(m, at as u32);
+        let words_here = ((boundary as u64 - at).div_ceil(4)).min(words as u64 - word);
+        let first_cycle = cycle_of(word);
+        let last_cycle = cycle_of(word + words_here - 1) + 1;
         match out.last_mut() {
             Some(last) if last.element == element && last.end >= first_cycle => last.end = last.end.max(last_cycle),
             _ => out.push(ElementRun { element, start: first_cycle, end: last_cycle }),
         }
         word += words_here;
+    }
+}
+
+/// `x / d` (shifting where `d` is a power of two, as element sizes are).
+fn divide(x: u32, d: u32) -> u32 {
+    if d.is_power_of_two() {
+        x >> d.trailing_zeros()
+    } else {
+        x / d
+    }
+}
+
+/// `(element_of(m, address), next_element_start(m, address))` with one division.
+fn element_and_end(m: &Memory, address: u32) -> (u32, u32) {
+    if address < m.interleaved_start {
+        let e = m.element_bytes.max(1);
+        let index = divide(address.saturating_sub(m.base), e);
+        (index, (m.base + (index + 1) * e).min(m.interleaved_start))
+    } else {
+        let e = m.interleaved_element_bytes.max(1);
+        let index = divide(address - m.interleaved_start, e);
+        let standard = (m.interleaved_start - m.base).div_ceil(m.element_bytes.max(1));
+        (standard + index, m.interleaved_start.saturating_add((index + 1).saturating_mul(e)))
     }
 }
 
@@ -206,4 +231,43 @@ pub fn element_range(m: &Memory, address: u32) -> (u32, u32) {
         m.interleaved_start + (address - m.interleaved_start) / m.interleaved_element_bytes.max(1) * m.interleaved_element_bytes.max(1)
     };
     (start, end)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{element_and_end, element_of, next_element_start, split_runs, ElementRun};
+    use crate::target::Memory;
+
+    fn memory(element_bytes: u32, interleaved_element_bytes: u32) -> Memory {
+        let mut m = crate::target::Target::from_toml(crate::target::fixtures::IPU21, "ipu21.toml").unwrap().memory;
+        m.element_bytes = element_bytes;
+        m.interleaved_element_bytes = interleaved_element_bytes;
+        m
+    }
+
+    #[test]
+    fn one_division_finds_what_the_two_functions_find() {
+        // The target's power-of-two elements, and sizes that are not powers of two.
+        for (e, ie) in [(16 * 1024, 32 * 1024), (12_000, 20_004), (4, 8)] {
+            let m = memory(e, ie);
+            let top = m.interleaved_start + 3 * ie + 20;
+            for address in (0..top).step_by(((top / 5000) as usize).max(1)).chain([m.base, m.interleaved_start - 4, m.interleaved_start, top]) {
+                assert_eq!(element_and_end(&m, address), (element_of(&m, address), next_element_start(&m, address)), "address {address:#x} with elements {e} and {ie}");
+            }
+        }
+    }
+
+    #[test]
+    fn runs_split_at_element_boundaries_by_cycle() {
+        let m = memory(16 * 1024, 32 * 1024);
+        let start = m.base + 16 * 1024 - 8;
+        let mut out = Vec::new();
+        // Four words: two in element 0, two in element 1; paired (two words a cycle).
+        split_runs(&m, 100, start, 4, 2, &mut out);
+        assert_eq!(out, vec![ElementRun { element: 0, start: 100, end: 101 }, ElementRun { element: 1, start: 101, end: 102 }]);
+        // Three words a cycle: words 0..2 in cycle 100, word 2 (element 1) in cycle 100 too.
+        out.clear();
+        split_runs(&m, 100, start, 3, 3, &mut out);
+        assert_eq!(out, vec![ElementRun { element: 0, start: 100, end: 101 }, ElementRun { element: 1, start: 100, end: 101 }]);
+    }
 }

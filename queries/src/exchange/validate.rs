@@ -126,46 +126,56 @@ fn check_shape<'a>(tables: &'a ExchangePhase, tiles: u32, sends_of: &mut [&'a [S
 
 /// No port is used by two different things in one cycle.
 fn check_ports(tables: &ExchangePhase, target: &Target) -> Result<(), ValidationError> {
-    // (port, start, end, share): port = 2 * tile + (0 send, 1 receive). Paired receives carry
-    // `share` = (source, delay): two of them overlapping on one port with the same share hear
-    // the same words at the same cycles, which the hardware allows (partner receives).
+    // Per port: (start, end, share). Paired receives carry `share` = (source, delay): two of
+    // them overlapping on one port with the same share hear the same words at the same cycles,
+    // which the hardware allows (partner receives).
     const ALONE: (u32, u32) = (u32::MAX, u32::MAX);
-    let entries: usize = tables.tiles.iter().map(|t| t.sends.len() + t.receives.len()).sum();
-    let mut busy: Vec<(u32, u32, u32, (u32, u32))> = Vec::with_capacity(entries);
-    for t in &tables.tiles {
-        for s in &t.sends {
-            let end = s.cycle + cycles(s.words, s.paired);
-            busy.push((2 * t.tile, s.cycle, end, ALONE));
-            if s.paired {
-                busy.push((2 * (t.tile ^ 1), s.cycle, end, ALONE));
-            }
-        }
-        for r in &t.receives {
-            let end = r.cycle + cycles(r.words, r.paired);
-            if !r.paired {
-                busy.push((2 * t.tile + 1, r.cycle, end, ALONE));
-                continue;
-            }
-            let share = (r.source, target.delay(r.source.min(target.chip.tiles - 1), t.tile));
-            busy.push((2 * t.tile + 1, r.cycle, end, share));
-            busy.push((2 * (t.tile ^ 1) + 1, r.cycle, end, share));
-        }
-    }
-    // Tiles come in order and a paired entry holds its partner's port: entries come grouped
-    // by supertile pair (ports 4k to 4k + 3).
-    sort_grouped(&mut busy, |b| b.0 / 4);
-    // Sweep each port, remembering the occupation that reaches furthest.
-    let mut reach: Option<(u32, u32, (u32, u32))> = None;
-    for &(port, start, end, share) in &busy {
-        match reach {
-            Some((p, furthest, previous)) if p == port && start < furthest => {
-                if share == ALONE || share != previous {
-                    let name = if port % 2 == 0 { "send" } else { "receive" };
-                    return Err(ValidationError::PortConflict { tile: port / 2, port: name, cycle: start });
+    // A paired entry holds its partner's port too, so the ports are swept one supertile pair
+    // at a time (tiles come in order): its four ports, 2 * tile + (0 send, 1 receive) for its
+    // two tiles, each collected apart. A port's entries are its own tile's (in cycle order,
+    // which `check_shape` checked) followed by the partner's paired ones (in cycle order too):
+    // two sorted runs, which the stable sort merges in one pass.
+    let mut ports: [Vec<(u32, u32, (u32, u32))>; 4] = Default::default();
+    for pair in tables.tiles.chunk_by(|a, b| a.tile / 2 == b.tile / 2) {
+        ports.iter_mut().for_each(Vec::clear);
+        for t in pair {
+            let (own, partner) = (2 * (t.tile as usize & 1), 2 * ((t.tile as usize ^ 1) & 1));
+            for s in &t.sends {
+                let end = s.cycle + cycles(s.words, s.paired);
+                ports[own].push((s.cycle, end, ALONE));
+                if s.paired {
+                    ports[partner].push((s.cycle, end, ALONE));
                 }
-                reach = Some((port, furthest.max(end), share));
             }
-            _ => reach = Some((port, end, share)),
+            for r in &t.receives {
+                let end = r.cycle + cycles(r.words, r.paired);
+                if !r.paired {
+                    ports[own + 1].push((r.cycle, end, ALONE));
+                    continue;
+                }
+                let share = (r.source, target.delay(r.source.min(target.chip.tiles - 1), t.tile));
+                ports[own + 1].push((r.cycle, end, share));
+                ports[partner + 1].push((r.cycle, end, share));
+            }
+        }
+        let first_port = 4 * (pair[0].tile / 2);
+        for (local, busy) in ports.iter_mut().enumerate() {
+            busy.sort();
+            // Sweep the port, remembering the occupation that reaches furthest.
+            let mut reach: Option<(u32, (u32, u32))> = None;
+            for &(start, end, share) in busy.iter() {
+                match reach {
+                    Some((furthest, previous)) if start < furthest => {
+                        if share == ALONE || share != previous {
+                            let port = first_port + local as u32;
+                            let name = if port % 2 == 0 { "send" } else { "receive" };
+                            return Err(ValidationError::PortConflict { tile: port / 2, port: name, cycle: start });
+                        }
+                        reach = Some((furthest.max(end), share));
+                    }
+                    _ => reach = Some((end, share)),
+                }
+            }
         }
     }
     Ok(())
@@ -281,7 +291,9 @@ fn compare(required: &[Run], received: &[Run]) -> Result<(), ValidationError> {
 /// The items `items()` yields, sorted (what `sort_unstable` gives), where `bucket` (below
 /// `buckets`) orders them first: every item of a lower bucket is smaller. The items are
 /// counted, dealt into their buckets, and each bucket is sorted alone (small sorts, in
-/// cache, instead of one sort of a whole phase).
+/// cache, instead of one sort of a whole phase), by the stable sort: a bucket's items often
+/// come in a few ascending runs (a tile's destinations in transfer order), which it merges
+/// instead of sorting again; equal items are identical, so the result is the unstable sort's.
 fn sorted_by_bucket<T: Ord + Copy + Default, I: Iterator<Item = T>>(items: impl Fn() -> I, buckets: usize, bucket: impl Fn(&T) -> usize) -> Vec<T> {
     let mut next = vec![0usize; buckets + 1];
     for x in items() {
@@ -298,14 +310,15 @@ fn sorted_by_bucket<T: Ord + Copy + Default, I: Iterator<Item = T>>(items: impl 
         next[b] += 1;
     }
     for w in bounds.windows(2) {
-        out[w[0]..w[1]].sort_unstable();
+        out[w[0]..w[1]].sort();
     }
     out
 }
 
 /// Sort `items` (what `sort_unstable` gives) that come in groups of equal `group`, groups in
-/// increasing order, where `group` orders items first: each group is sorted alone. Items not
-/// so grouped are sorted whole.
+/// increasing order, where `group` orders items first: each group is sorted alone (stably,
+/// taking the ascending runs the items come in, as `sorted_by_bucket` does). Items not so
+/// grouped are sorted whole.
 fn sort_grouped<T: Ord>(items: &mut [T], group: impl Fn(&T) -> u32) {
     let mut previous: Option<u32> = None;
     for chunk in items.chunk_by_mut(|a, b| group(a) == group(b)) {
@@ -315,7 +328,7 @@ fn sort_grouped<T: Ord>(items: &mut [T], group: impl Fn(&T) -> u32) {
             return;
         }
         previous = Some(g);
-        chunk.sort_unstable();
+        chunk.sort();
     }
 }
 
