@@ -8,8 +8,6 @@
 //! `optimize_exchange_placement` scores placements with it; the simulator checks the rule
 //! with its own code.
 
-use std::collections::BTreeMap;
-
 use crate::package::ExchangePhase;
 use crate::target::{Memory, Target};
 
@@ -95,32 +93,31 @@ pub struct Conflicts {
     pub first: Option<(u32, u64, u32)>,
 }
 
-/// Per tile, the send and receive runs of a phase by element.
-fn tile_runs(target: &Target, phase: &ExchangePhase) -> Vec<(u32, Vec<ElementRun>, Vec<ElementRun>)> {
+/// Each tile's send and receive runs of a phase by element, sorted by (element, start, end),
+/// handed to `each` one tile at a time (two buffers reused over the tiles).
+fn tile_runs(target: &Target, phase: &ExchangePhase, mut each: impl FnMut(u32, &[ElementRun], &[ElementRun])) {
     let m = &target.memory;
     let x = &target.exchange;
-    phase
-        .tiles
-        .iter()
-        .map(|t| {
-            let (mut sends, mut receives) = (Vec::new(), Vec::new());
-            for s in &t.sends {
-                split_runs(m, s.cycle, s.address, s.words, if s.paired { x.paired_words_per_cycle } else { x.send_words_per_cycle }, &mut sends);
-            }
-            for r in &t.receives {
-                split_runs(m, r.cycle, r.address, r.words, if r.paired { x.paired_words_per_cycle } else { x.receive_words_per_cycle }, &mut receives);
-            }
-            (t.tile, sends, receives)
-        })
-        .collect()
+    let (mut sends, mut receives) = (Vec::new(), Vec::new());
+    for t in &phase.tiles {
+        sends.clear();
+        receives.clear();
+        for s in &t.sends {
+            split_runs(m, s.cycle, s.address, s.words, if s.paired { x.paired_words_per_cycle } else { x.send_words_per_cycle }, &mut sends);
+        }
+        for r in &t.receives {
+            split_runs(m, r.cycle, r.address, r.words, if r.paired { x.paired_words_per_cycle } else { x.receive_words_per_cycle }, &mut receives);
+        }
+        sends.sort_unstable_by_key(|r| (r.element, r.start, r.end));
+        receives.sort_unstable_by_key(|r| (r.element, r.start, r.end));
+        each(t.tile, &sends, &receives);
+    }
 }
 
 /// Count the cycles in which a tile sends from and receives into the same element.
 pub fn phase_conflicts(target: &Target, phase: &ExchangePhase) -> Conflicts {
     let mut out = Conflicts::default();
-    for (tile, sends, receives) in tile_runs(target, phase) {
-        tile_conflicts(tile, &sends, &receives, &mut out);
-    }
+    tile_runs(target, phase, |tile, sends, receives| tile_conflicts(tile, sends, receives, &mut out));
     out
 }
 
@@ -128,39 +125,42 @@ pub fn phase_conflicts(target: &Target, phase: &ExchangePhase) -> Conflicts {
 pub fn conflicts_and_bound(target: &Target, phase: &ExchangePhase) -> (Conflicts, u64) {
     let mut out = Conflicts::default();
     let mut bound = 0u64;
-    for (tile, sends, receives) in tile_runs(target, phase) {
-        tile_conflicts(tile, &sends, &receives, &mut out);
-        bound = bound.max(tile_bound(&sends, &receives));
-    }
+    tile_runs(target, phase, |tile, sends, receives| {
+        tile_conflicts(tile, sends, receives, &mut out);
+        bound = bound.max(tile_bound(sends, receives));
+    });
     (out, bound)
 }
 
-/// Busy cycle ranges [start, end) of one memory element: (sends, receives).
-type ElementCycles = (Vec<(u64, u64)>, Vec<(u64, u64)>);
+/// The runs of `runs` (sorted by element) on the element `runs[from]` is on: their end.
+fn element_end(runs: &[ElementRun], from: usize) -> usize {
+    let element = runs[from].element;
+    from + runs[from..].iter().take_while(|r| r.element == element).count()
+}
 
-/// Add one tile's conflicting cycles (see `phase_conflicts`) to `out`.
+/// Add one tile's conflicting cycles (see `phase_conflicts`) to `out`; `sends` and
+/// `receives` sorted by (element, start, end).
 fn tile_conflicts(tile: u32, sends: &[ElementRun], receives: &[ElementRun], out: &mut Conflicts) {
-    let mut by_element: BTreeMap<u32, ElementCycles> = BTreeMap::new();
-    for r in sends {
-        by_element.entry(r.element).or_default().0.push((r.start, r.end));
-    }
-    for r in receives {
-        by_element.entry(r.element).or_default().1.push((r.start, r.end));
-    }
     let mut tile_total = 0u64;
     let mut first: Option<(u64, u32)> = None;
-    for (element, (mut s, mut r)) in by_element {
-        if s.is_empty() || r.is_empty() {
-            continue;
-        }
-        s.sort_unstable();
-        r.sort_unstable();
-        let (n, at) = overlap(&s, &r);
-        if n > 0 {
-            tile_total += n;
-            if first.is_none_or(|(c, _)| at < c) {
-                first = Some((at, element));
+    // The elements both touch, in increasing order.
+    let (mut i, mut j) = (0, 0);
+    while i < sends.len() && j < receives.len() {
+        let (a, b) = (sends[i].element, receives[j].element);
+        if a < b {
+            i = element_end(sends, i);
+        } else if b < a {
+            j = element_end(receives, j);
+        } else {
+            let (i_end, j_end) = (element_end(sends, i), element_end(receives, j));
+            let (n, at) = overlap(&sends[i..i_end], &receives[j..j_end]);
+            if n > 0 {
+                tile_total += n;
+                if first.is_none_or(|(c, _)| at < c) {
+                    first = Some((at, a));
+                }
             }
+            (i, j) = (i_end, j_end);
         }
     }
     if tile_total > 0 {
@@ -172,37 +172,53 @@ fn tile_conflicts(tile: u32, sends: &[ElementRun], receives: &[ElementRun], out:
     }
 }
 
-/// Total overlap of two sorted interval lists (each may overlap itself only through merged
-/// runs of one entry), and the earliest overlapping cycle.
-fn overlap(a: &[(u64, u64)], b: &[(u64, u64)]) -> (u64, u64) {
-    let a = merge(a);
-    let b = merge(b);
-    let (mut i, mut j, mut total, mut first) = (0, 0, 0u64, u64::MAX);
-    while i < a.len() && j < b.len() {
-        let lo = a[i].0.max(b[j].0);
-        let hi = a[i].1.min(b[j].1);
+/// Total overlap of two interval lists sorted by start (each may overlap itself only through
+/// merged runs of one entry, which are joined first), and the earliest overlapping cycle.
+fn overlap(a: &[ElementRun], b: &[ElementRun]) -> (u64, u64) {
+    let (mut a, mut b) = (Merged::new(a), Merged::new(b));
+    let (mut x, mut y) = (a.next(), b.next());
+    let (mut total, mut first) = (0u64, u64::MAX);
+    while let (Some(p), Some(q)) = (x, y) {
+        let lo = p.0.max(q.0);
+        let hi = p.1.min(q.1);
         if lo < hi {
             total += hi - lo;
             first = first.min(lo);
         }
-        if a[i].1 < b[j].1 {
-            i += 1;
+        if p.1 < q.1 {
+            x = a.next();
         } else {
-            j += 1;
+            y = b.next();
         }
     }
     (total, first)
 }
 
-fn merge(v: &[(u64, u64)]) -> Vec<(u64, u64)> {
-    let mut out: Vec<(u64, u64)> = Vec::with_capacity(v.len());
-    for &(s, e) in v {
-        match out.last_mut() {
-            Some(last) if s <= last.1 => last.1 = last.1.max(e),
-            _ => out.push((s, e)),
-        }
+/// The intervals of runs sorted by start, those that touch or overlap joined.
+struct Merged<'a> {
+    runs: &'a [ElementRun],
+    at: usize,
+}
+
+impl<'a> Merged<'a> {
+    fn new(runs: &'a [ElementRun]) -> Merged<'a> {
+        Merged { runs, at: 0 }
     }
-    out
+}
+
+impl Iterator for Merged<'_> {
+    type Item = (u64, u64);
+
+    fn next(&mut self) -> Option<(u64, u64)> {
+        let first = self.runs.get(self.at)?;
+        let (start, mut end) = (first.start, first.end);
+        self.at += 1;
+        while let Some(r) = self.runs.get(self.at).filter(|r| r.start <= end) {
+            end = end.max(r.end);
+            self.at += 1;
+        }
+        Some((start, end))
+    }
 }
 
 /// The memory-element lower bound of a phase under its placement: on every tile, sends from
@@ -210,16 +226,35 @@ fn merge(v: &[(u64, u64)]) -> Vec<(u64, u64)> {
 /// max over elements of (send cycles there + receive cycles there). Returns the largest
 /// such figure over tiles (compare with the endpoint bound: it binds when larger).
 pub fn element_bound(target: &Target, phase: &ExchangePhase) -> u64 {
-    tile_runs(target, phase).iter().map(|(_, sends, receives)| tile_bound(sends, receives)).max().unwrap_or(0)
+    let mut bound = 0u64;
+    tile_runs(target, phase, |_, sends, receives| bound = bound.max(tile_bound(sends, receives)));
+    bound
 }
 
-/// One tile's figure in `element_bound`.
+/// One tile's figure in `element_bound` (`sends` and `receives` sorted by element).
 fn tile_bound(sends: &[ElementRun], receives: &[ElementRun]) -> u64 {
-    let mut per: BTreeMap<u32, u64> = BTreeMap::new();
-    for r in sends.iter().chain(receives.iter()) {
-        *per.entry(r.element).or_default() += r.end - r.start;
+    let mut most = 0u64;
+    let (mut i, mut j) = (0, 0);
+    while i < sends.len() || j < receives.len() {
+        // The next element either touches, and its cycles in both.
+        let element = match (sends.get(i), receives.get(j)) {
+            (Some(a), Some(b)) => a.element.min(b.element),
+            (Some(a), None) => a.element,
+            (None, Some(b)) => b.element,
+            (None, None) => break,
+        };
+        let mut cycles = 0u64;
+        while let Some(r) = sends.get(i).filter(|r| r.element == element) {
+            cycles += r.end - r.start;
+            i += 1;
+        }
+        while let Some(r) = receives.get(j).filter(|r| r.element == element) {
+            cycles += r.end - r.start;
+            j += 1;
+        }
+        most = most.max(cycles);
     }
-    per.values().copied().max().unwrap_or(0)
+    most
 }
 
 /// [start, end) of the element (or interleaved element pair) holding `address`.
@@ -235,7 +270,7 @@ pub fn element_range(m: &Memory, address: u32) -> (u32, u32) {
 
 #[cfg(test)]
 mod tests {
-    use super::{element_and_end, element_of, next_element_start, split_runs, ElementRun};
+    use super::{element_and_end, element_of, next_element_start, split_runs, tile_bound, tile_conflicts, Conflicts, ElementRun};
     use crate::target::Memory;
 
     fn memory(element_bytes: u32, interleaved_element_bytes: u32) -> Memory {
@@ -254,6 +289,53 @@ mod tests {
             for address in (0..top).step_by(((top / 5000) as usize).max(1)).chain([m.base, m.interleaved_start - 4, m.interleaved_start, top]) {
                 assert_eq!(element_and_end(&m, address), (element_of(&m, address), next_element_start(&m, address)), "address {address:#x} with elements {e} and {ie}");
             }
+        }
+    }
+
+    /// Conflicts, the first conflict and the bound of one tile's runs, against a count cycle by
+    /// cycle: random runs on a few elements, overlapping themselves and each other.
+    #[test]
+    fn tile_conflicts_and_bound_match_a_count_cycle_by_cycle() {
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = |m: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % m
+        };
+        for case in 0..500 {
+            let runs = |next: &mut dyn FnMut(u64) -> u64| -> Vec<ElementRun> {
+                let n = next(12);
+                let mut v: Vec<ElementRun> = (0..n)
+                    .map(|_| {
+                        let start = next(60);
+                        ElementRun { element: next(4) as u32, start, end: start + 1 + next(8) }
+                    })
+                    .collect();
+                v.sort_unstable_by_key(|r| (r.element, r.start, r.end));
+                v
+            };
+            let (sends, receives) = (runs(&mut next), runs(&mut next));
+            let mut out = Conflicts::default();
+            tile_conflicts(7, &sends, &receives, &mut out);
+            let (mut total, mut first, mut bound) = (0u64, None::<(u64, u32)>, 0u64);
+            for element in 0..4u32 {
+                let busy = |runs: &[ElementRun], c: u64| runs.iter().any(|r| r.element == element && r.start <= c && c < r.end);
+                for c in 0..80 {
+                    if busy(&sends, c) && busy(&receives, c) {
+                        total += 1;
+                        if first.is_none_or(|(f, _)| c < f) {
+                            first = Some((c, element));
+                        }
+                    }
+                }
+                let cycles: u64 = sends.iter().chain(&receives).filter(|r| r.element == element).map(|r| r.end - r.start).sum();
+                bound = bound.max(cycles);
+            }
+            assert_eq!(out.tile_cycles, total, "case {case}: {sends:?} {receives:?}");
+            assert_eq!(out.tiles, (total > 0) as u32, "case {case}");
+            assert_eq!(out.first, first.map(|(c, e)| (7, c, e)), "case {case}");
+            assert_eq!(tile_bound(&sends, &receives), bound, "case {case}");
         }
     }
 

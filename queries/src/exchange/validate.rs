@@ -124,6 +124,9 @@ fn check_shape<'a>(tables: &'a ExchangePhase, tiles: u32, sends_of: &mut [&'a [S
     Ok(())
 }
 
+/// A port's occupation: (start, end, share) (see `check_ports`).
+type Busy = (u32, u32, (u32, u32));
+
 /// No port is used by two different things in one cycle.
 fn check_ports(tables: &ExchangePhase, target: &Target) -> Result<(), ValidationError> {
     // Per port: (start, end, share). Paired receives carry `share` = (source, delay): two of
@@ -135,7 +138,7 @@ fn check_ports(tables: &ExchangePhase, target: &Target) -> Result<(), Validation
     // two tiles, each collected apart. A port's entries are its own tile's (in cycle order,
     // which `check_shape` checked) followed by the partner's paired ones (in cycle order too):
     // two sorted runs, which the stable sort merges in one pass.
-    let mut ports: [Vec<(u32, u32, (u32, u32))>; 4] = Default::default();
+    let mut ports: [Vec<Busy>; 4] = Default::default();
     for pair in tables.tiles.chunk_by(|a, b| a.tile / 2 == b.tile / 2) {
         ports.iter_mut().for_each(Vec::clear);
         for t in pair {
@@ -168,7 +171,7 @@ fn check_ports(tables: &ExchangePhase, target: &Target) -> Result<(), Validation
                     Some((furthest, previous)) if start < furthest => {
                         if share == ALONE || share != previous {
                             let port = first_port + local as u32;
-                            let name = if port % 2 == 0 { "send" } else { "receive" };
+                            let name = if local % 2 == 0 { "send" } else { "receive" };
                             return Err(ValidationError::PortConflict { tile: port / 2, port: name, cycle: start });
                         }
                         reach = Some((furthest.max(end), share));
