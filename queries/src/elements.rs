@@ -296,26 +296,19 @@ mod tests {
     /// cycle: random runs on a few elements, overlapping themselves and each other.
     #[test]
     fn tile_conflicts_and_bound_match_a_count_cycle_by_cycle() {
-        let mut x = 0x9E37_79B9_7F4A_7C15u64;
-        let mut next = |m: u64| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x % m
-        };
+        let mut rng = crate::exchange::synthetic::SplitMix64(0x9E37_79B9_7F4A_7C15);
         for case in 0..500 {
-            let runs = |next: &mut dyn FnMut(u64) -> u64| -> Vec<ElementRun> {
-                let n = next(12);
-                let mut v: Vec<ElementRun> = (0..n)
+            let mut runs = || -> Vec<ElementRun> {
+                let mut v: Vec<ElementRun> = (0..rng.below(12))
                     .map(|_| {
-                        let start = next(60);
-                        ElementRun { element: next(4) as u32, start, end: start + 1 + next(8) }
+                        let start = rng.below(60) as u64;
+                        ElementRun { element: rng.below(4), start, end: start + 1 + rng.below(8) as u64 }
                     })
                     .collect();
                 v.sort_unstable_by_key(|r| (r.element, r.start, r.end));
                 v
             };
-            let (sends, receives) = (runs(&mut next), runs(&mut next));
+            let (sends, receives) = (runs(), runs());
             let mut out = Conflicts::default();
             tile_conflicts(7, &sends, &receives, &mut out);
             let (mut total, mut first, mut bound) = (0u64, None::<(u64, u32)>, 0u64);
