@@ -192,6 +192,11 @@ struct Builder<'a> {
     /// of receiving the words again. Values are never overwritten, so the buffer stays valid;
     /// its lifetime grows to the last reader.
     gathered: Gathered,
+    /// The pieces of stored blocks gathered since the last value was stored, by block: the
+    /// tiles of a product that share an operand block gather the same pieces, found once
+    /// (mapping every row through the value's views to its source cells) and laid again onto
+    /// each tile's buffer.
+    block_pieces: std::collections::HashMap<PieceKey, Arc<Vec<GatherPiece>>>,
     /// Buffers the host writes (each at least once; see `peaks`), and what the peak cache of
     /// the prefix being extended watches.
     host_marks: HostMarks,
@@ -244,6 +249,26 @@ struct PendingReduction {
 
 /// A source cell `gather` met: (cell, its block as held there, its tile).
 type SourceCell = (usize, Held, u32);
+
+/// One piece of a gathered block of a stored value, as the block's layout places it (the same
+/// for every tile that gathers that block): where it is read (the source cell's tile and
+/// operand), where it lands in the block (`dst`, buffer left 0), its elements, the base
+/// element it starts at (for error messages), whether it ends its rows, and the words it moves
+/// by exchange.
+#[derive(Clone, Copy, Debug)]
+struct GatherPiece {
+    src_tile: u32,
+    src: Loc,
+    dst: Loc,
+    elements: u32,
+    element: u32,
+    ends_rows: bool,
+    words: u32,
+}
+
+/// (value, block, panel width, tight last panel) of a block whose pieces
+/// `Builder::block_pieces` holds.
+type PieceKey = (ValueId, Vec<(u32, u32)>, u32, bool);
 
 /// (tile, block, panel width, prefers interleaved memory, tight last panel) of a gathered
 /// block of a value.
@@ -670,6 +695,7 @@ impl<'a> Builder<'a> {
             spans: p.spans,
             interleaved_weights: p.interleaved_weights,
             gathered: p.gathered,
+            block_pieces: std::collections::HashMap::new(),
             host_marks: p.host_marks,
             watch: p.watch,
             peaks: p.peaks,
@@ -801,116 +827,60 @@ impl<'a> Builder<'a> {
             self.mark_host(buffer);
             return Ok(held);
         }
-        let rank = block.len();
-        let row_count: u64 = block[..rank - 1].iter().map(|r| (r.1 - r.0) as u64).product();
-        let (c0, c1) = block[rank - 1];
-        // The first element of the row at hand; rows advance in row-major order, the axis
-        // before the last fastest (an odometer over the leading axes).
-        let mut index: Vec<u32> = block.iter().map(|r| r.0).collect();
-        // The source cells met so far (cell, block, held there, tile), in the order met, and
-        // the last one used: a row's pieces mostly come from the cells the previous row's did,
-        // in the same order, so the last one or the one after it holds the next piece, and the
-        // one the previous row started from holds the row's first piece. Else the cell is
-        // looked up among those met (`met`: (cell, its place in `sources`), sorted by cell).
-        let mut source: usize = 0;
-        let mut row_source: usize = 0;
-        let mut sources: Vec<SourceCell> = Vec::new();
-        let mut met: Vec<(usize, usize)> = Vec::new();
-        // The base index of the piece at hand (`ViewChain::map_run_into`, one table reused).
-        let mut mapped: Vec<u32> = Vec::with_capacity(rank);
-        for row in 0..row_count {
-            if row > 0 {
-                for a in (0..rank - 1).rev() {
-                    index[a] += 1;
-                    if index[a] < block[a].1 {
-                        break;
-                    }
-                    index[a] = block[a].0;
-                }
-            }
-            let mut c = c0;
-            while c < c1 {
-                index[rank - 1] = c;
-                let limit = if held.panel > 0 { (held.panel - (c - c0) % held.panel).min(c1 - c) } else { c1 - c };
-                // An identity view maps each index to itself (nothing to allocate or copy).
-                let (base_index, run): (&[u32], u32) = if chain.is_identity() {
-                    (&index, limit.min(chain.view_shape[rank - 1] - index[rank - 1]))
-                } else {
-                    let run = chain.map_run_into(&index, limit, &mut mapped);
-                    (&mapped, run)
-                };
-                let dst_offset = held.loc(&index).offset * dtype.bytes();
-                match (is_stored, &base.producer) {
-                    (false, Producer::Tensor { role, .. }) => {
-                        let element = flatten(base_index, &chain.base_shape);
-                        let entry = self.host_tensor(chain.base, base, *role, dtype);
-                        push_segment(&mut entry.segments, LSegment { buffer, offset: dst_offset, element: element as u32, count: run, rows: 1, element_stride: 0, offset_stride: 0, element_step: 1 }, dtype.bytes());
-                        self.mark_host(buffer);
-                        c += run;
-                    }
-                    _ => {
-                        let inside = |b: &[(u32, u32)]| b.iter().zip(base_index).all(|(r, &i)| r.0 <= i && i < r.1);
-                        let candidates = if c == c0 { [row_source, source, source + 1] } else { [source, source + 1, row_source] };
-                        let guess = candidates.into_iter().find(|&at| sources.get(at).is_some_and(|s| inside(&s.1.block)));
-                        source = match guess {
-                            Some(at) => at,
-                            None => {
-                                let grid = &self.stored[&chain.base].grid;
-                                let cell = grid.cell_of(base_index);
-                                match met.binary_search_by_key(&cell, |m| m.0) {
-                                    Ok(at) => met[at].1,
-                                    Err(slot) => {
-                                        sources.push((cell, Held::plain(grid.buffers[cell], grid.cell_block(cell), dtype), grid.tiles[cell]));
-                                        met.insert(slot, (cell, sources.len() - 1));
-                                        sources.len() - 1
-                                    }
-                                }
-                            }
-                        };
-                        if c == c0 {
-                            row_source = source;
-                        }
-                        let (_, src_held, src_tile) = &sources[source];
-                        let (cell_block, src_tile) = (&src_held.block, *src_tile);
-                        let last = cell_block.len() - 1;
-                        let piece = run.min(cell_block[last].1 - base_index[last]);
-                        let src = src_held.loc(base_index);
-                        if src_tile == tile {
-                            let dst = held.loc(&index);
-                            // A local copy loads and stores 64 bits at a time: both ends start
-                            // at the target's data alignment.
-                            let align = self.target.memory.data_alignment;
-                            if !(src.offset * dtype.bytes()).is_multiple_of(align) || !(dst.offset * dtype.bytes()).is_multiple_of(align) {
-                                return Err(LowerError::Unsupported { operation: self.operation_name.clone(), message: format!("a local copy of value '{name}' from element {} would not start {align}-byte aligned", base_index[last]) });
-                            }
-                            self.local_copy(piece, src, dst);
-                        } else {
-                            let bytes = piece * dtype.bytes();
-                            let src_offset = src.offset * dtype.bytes();
-                            let ends_rows = base_index[last] + piece == cell_block[last].1 && held.row_ends_at(c + piece);
-                            if !src_offset.is_multiple_of(4) || !dst_offset.is_multiple_of(4) || (!bytes.is_multiple_of(4) && !ends_rows) {
-                                return Err(LowerError::SubWord { operation: self.operation_name.clone(), value: name.clone(), offset: base_index[last], dtype: dtype.name() });
-                            }
-                            // A whole source row into a whole tight last panel row of the same
-                            // stride moves with its padding, so consecutive rows form one run.
-                            let whole_rows = held.tight_last
-                                && ends_rows
-                                && base_index[last] == cell_block[last].0
-                                && (c - c0) % held.panel == 0
-                                && src.row_stride == held.last_panel_stride()
-                                && (c - c0) / held.panel == (c1 - c0) / held.panel;
-                            let words = if whole_rows { (src.row_stride * dtype.bytes()).div_ceil(4) } else { bytes.div_ceil(4) };
-                            self.pending.push((src.buffer, src_offset), words, (buffer, dst_offset));
-                        }
-                        c += piece;
-                    }
-                }
-            }
-        }
         if is_stored {
+            let piece_key: PieceKey = (value, block.to_vec(), held.panel, held.tight_last);
+            let pieces = match self.block_pieces.get(&piece_key) {
+                Some(pieces) => pieces.clone(),
+                None => {
+                    let pieces = Arc::new(gather_pieces(&chain, &self.stored[&chain.base].grid, &held, block, dtype));
+                    self.block_pieces.insert(piece_key, pieces.clone());
+                    pieces
+                }
+            };
+            let bytes = dtype.bytes();
+            for p in pieces.iter() {
+                let dst = Loc { buffer, ..p.dst };
+                if p.src_tile == tile {
+                    // A local copy loads and stores 64 bits at a time: both ends start at the
+                    // target's data alignment.
+                    let align = self.target.memory.data_alignment;
+                    if !(p.src.offset * bytes).is_multiple_of(align) || !(dst.offset * bytes).is_multiple_of(align) {
+                        return Err(LowerError::Unsupported { operation: self.operation_name.clone(), message: format!("a local copy of value '{name}' from element {} would not start {align}-byte aligned", p.element) });
+                    }
+                    self.local_copy(p.elements, p.src, dst);
+                } else {
+                    let (src_offset, dst_offset) = (p.src.offset * bytes, dst.offset * bytes);
+                    if !src_offset.is_multiple_of(4) || !dst_offset.is_multiple_of(4) || (!(p.elements * bytes).is_multiple_of(4) && !p.ends_rows) {
+                        return Err(LowerError::SubWord { operation: self.operation_name.clone(), value: name.clone(), offset: p.element, dtype: dtype.name() });
+                    }
+                    self.pending.push((p.src.buffer, src_offset), p.words, (buffer, dst_offset));
+                }
+            }
             Arc::make_mut(self.gathered.entry(value).or_default()).insert(key, (held.buffer, held.dtype, held.panel));
+            return Ok(held);
         }
+        // Not stored: a host tensor, whose elements the host writes into the block (one
+        // segment per piece the views map contiguously).
+        let Producer::Tensor { role, .. } = &base.producer else {
+            return Err(LowerError::Unsupported { operation: self.operation_name.clone(), message: format!("value '{name}' is read before it is computed") });
+        };
+        walk_block(&chain, &held, block, |index, base_index, run, _| {
+            let dst_offset = held.loc(index).offset * dtype.bytes();
+            let element = flatten(base_index, &chain.base_shape);
+            let entry = self.host_tensor(chain.base, base, *role, dtype);
+            push_segment(&mut entry.segments, LSegment { buffer, offset: dst_offset, element: element as u32, count: run, rows: 1, element_stride: 0, offset_stride: 0, element_step: 1 }, dtype.bytes());
+            self.mark_host(buffer);
+            Ok::<u32, std::convert::Infallible>(run)
+        })
+        .unwrap_or_else(|never| match never {});
         Ok(held)
+    }
+
+    /// Store `value` (its grid of cells). The pieces of blocks found so far are dropped: they
+    /// serve the tiles of one operation's gathers, and none can then read a stale grid.
+    fn store(&mut self, value: ValueId, stored: Stored) {
+        self.stored.insert(value, Arc::new(stored));
+        self.block_pieces.clear();
     }
 
     /// Whether `block` of `value` is already gathered onto `tile` (see `gathered`).
@@ -989,7 +959,7 @@ impl<'a> Builder<'a> {
 
     fn record(&mut self, index: usize, output: ValueId, grid: Grid, dtype: DType, step: u32, mut plan: OperationPlan) {
         let value = self.graph.value(output).clone();
-        self.stored.insert(output, Arc::new(Stored { grid, dtype }));
+        self.store(output, Stored { grid, dtype });
         // Checkpoints and plans speak of the original operation and value.
         let original = self.origin.get(index).copied().unwrap_or(index as u32);
         plan.operation = original;
@@ -1505,7 +1475,7 @@ impl<'a> Builder<'a> {
                 self.mark_host(b);
             }
         }
-        self.stored.insert(weight, Arc::new(Stored { grid, dtype: value.dtype }));
+        self.store(weight, Stored { grid, dtype: value.dtype });
     }
 
     /// Reduce the inner partials of each (batch, row, column) block by column panels: member j
@@ -1757,7 +1727,7 @@ impl<'a> Builder<'a> {
             let mut cuts = grid.cuts[..grid.cuts.len() - 1].to_vec();
             cuts.push(vec![0, 1]);
             let r_grid = Grid { cuts, tiles: grid.tiles.clone(), buffers: r_buffers };
-            self.stored.insert(r, Arc::new(Stored { grid: r_grid, dtype: DType::F32 }));
+            self.store(r, Stored { grid: r_grid, dtype: DType::F32 });
         }
         self.record(index, output, grid, out.dtype, step, plan);
         Ok(())
@@ -2092,6 +2062,99 @@ fn row_consumers(graph: &Graph, value: ValueId) -> (bool, bool) {
         }
     }
     found
+}
+
+/// Walk `block` of a value (laid out as `held`) through its views, row by row in row-major
+/// order (the axis before the last fastest) and along each row: `each(index, base_index, run,
+/// column)` gets the view index at hand, the base index it maps to and how many elements the
+/// views map contiguously from there within the panel, and returns how many it takes.
+fn walk_block<E>(chain: &ViewChain, held: &Held, block: &[(u32, u32)], mut each: impl FnMut(&[u32], &[u32], u32, u32) -> Result<u32, E>) -> Result<(), E> {
+    let rank = block.len();
+    let row_count: u64 = block[..rank - 1].iter().map(|r| (r.1 - r.0) as u64).product();
+    let (c0, c1) = block[rank - 1];
+    // The first element of the row at hand (an odometer over the leading axes).
+    let mut index: Vec<u32> = block.iter().map(|r| r.0).collect();
+    // The base index of the piece at hand (`ViewChain::map_run_into`, one table reused).
+    let mut mapped: Vec<u32> = Vec::with_capacity(rank);
+    for row in 0..row_count {
+        if row > 0 {
+            for a in (0..rank - 1).rev() {
+                index[a] += 1;
+                if index[a] < block[a].1 {
+                    break;
+                }
+                index[a] = block[a].0;
+            }
+        }
+        let mut c = c0;
+        while c < c1 {
+            index[rank - 1] = c;
+            let limit = if held.panel > 0 { (held.panel - (c - c0) % held.panel).min(c1 - c) } else { c1 - c };
+            // An identity view maps each index to itself (nothing to allocate or copy).
+            let taken = if chain.is_identity() {
+                let run = limit.min(chain.view_shape[rank - 1] - index[rank - 1]);
+                each(&index, &index, run, c)?
+            } else {
+                let run = chain.map_run_into(&index, limit, &mut mapped);
+                each(&index, &mapped, run, c)?
+            };
+            c += taken;
+        }
+    }
+    Ok(())
+}
+
+/// The pieces of `block` of a stored value (laid out as `held`) from the cells of its base's
+/// `grid`, in the order the gather moves them (`GatherPiece`): the same for every tile.
+fn gather_pieces(chain: &ViewChain, grid: &Grid, held: &Held, block: &[(u32, u32)], dtype: DType) -> Vec<GatherPiece> {
+    let rank = block.len();
+    let (c0, c1) = block[rank - 1];
+    // The source cells met so far (cell, block, held there, tile), in the order met, and the
+    // last one used: a row's pieces mostly come from the cells the previous row's did, in the
+    // same order, so the last one or the one after it holds the next piece, and the one the
+    // previous row started from holds the row's first piece. Else the cell is looked up among
+    // those met (`met`: (cell, its place in `sources`), sorted by cell).
+    let mut source: usize = 0;
+    let mut row_source: usize = 0;
+    let mut sources: Vec<SourceCell> = Vec::new();
+    let mut met: Vec<(usize, usize)> = Vec::new();
+    let mut pieces = Vec::new();
+    let walked = walk_block(chain, held, block, |index, base_index, run, c| {
+        let inside = |b: &[(u32, u32)]| b.iter().zip(base_index).all(|(r, &i)| r.0 <= i && i < r.1);
+        let candidates = if c == c0 { [row_source, source, source + 1] } else { [source, source + 1, row_source] };
+        let guess = candidates.into_iter().find(|&at| sources.get(at).is_some_and(|s| inside(&s.1.block)));
+        source = match guess {
+            Some(at) => at,
+            None => {
+                let cell = grid.cell_of(base_index);
+                match met.binary_search_by_key(&cell, |m| m.0) {
+                    Ok(at) => met[at].1,
+                    Err(slot) => {
+                        sources.push((cell, Held::plain(grid.buffers[cell], grid.cell_block(cell), dtype), grid.tiles[cell]));
+                        met.insert(slot, (cell, sources.len() - 1));
+                        sources.len() - 1
+                    }
+                }
+            }
+        };
+        if c == c0 {
+            row_source = source;
+        }
+        let (_, src_held, src_tile) = &sources[source];
+        let (cell_block, src_tile) = (&src_held.block, *src_tile);
+        let last = cell_block.len() - 1;
+        let piece = run.min(cell_block[last].1 - base_index[last]);
+        let src = src_held.loc(base_index);
+        let ends_rows = base_index[last] + piece == cell_block[last].1 && held.row_ends_at(c + piece);
+        // A whole source row into a whole tight last panel row of the same stride moves with
+        // its padding, so consecutive rows form one run.
+        let whole_rows = held.tight_last && ends_rows && base_index[last] == cell_block[last].0 && (c - c0) % held.panel == 0 && src.row_stride == held.last_panel_stride() && (c - c0) / held.panel == (c1 - c0) / held.panel;
+        let words = if whole_rows { (src.row_stride * dtype.bytes()).div_ceil(4) } else { (piece * dtype.bytes()).div_ceil(4) };
+        pieces.push(GatherPiece { src_tile, src, dst: Loc { buffer: 0, ..held.loc(index) }, elements: piece, element: base_index[last], ends_rows, words });
+        Ok::<u32, std::convert::Infallible>(piece)
+    });
+    walked.unwrap_or_else(|never| match never {});
+    pieces
 }
 
 fn flatten(index: &[u32], shape: &[u32]) -> u64 {
