@@ -13,12 +13,7 @@ use crate::target::{Memory, Target};
 
 /// The element holding byte `address`: standard elements first, then interleaved pairs.
 pub fn element_of(m: &Memory, address: u32) -> u32 {
-    if address < m.interleaved_start {
-        address.saturating_sub(m.base) / m.element_bytes.max(1)
-    } else {
-        let standard = (m.interleaved_start - m.base).div_ceil(m.element_bytes.max(1));
-        standard + (address - m.interleaved_start) / m.interleaved_element_bytes.max(1)
-    }
+    element_and_end(m, address).0
 }
 
 /// One access run split at element boundaries: cycles [start, end) touch `element`.
@@ -60,7 +55,8 @@ fn divide(x: u32, d: u32) -> u32 {
     }
 }
 
-/// `(element_of(m, address), next_element_start(m, address))` with one division.
+/// The element holding byte `address` and where the next element starts (the first address
+/// above it mapping elsewhere), with one division.
 fn element_and_end(m: &Memory, address: u32) -> (u32, u32) {
     if address < m.interleaved_start {
         let e = m.element_bytes.max(1);
@@ -75,13 +71,7 @@ fn element_and_end(m: &Memory, address: u32) -> (u32, u32) {
 }
 
 fn next_element_start(m: &Memory, address: u32) -> u32 {
-    if address < m.interleaved_start {
-        let e = m.element_bytes.max(1);
-        (m.base + ((address.saturating_sub(m.base)) / e + 1) * e).min(m.interleaved_start)
-    } else {
-        let e = m.interleaved_element_bytes.max(1);
-        m.interleaved_start.saturating_add(((address - m.interleaved_start) / e + 1).saturating_mul(e))
-    }
+    element_and_end(m, address).1
 }
 
 /// Conflicting tile-cycles of one phase, the tiles concerned, and the first one found.
@@ -280,14 +270,27 @@ mod tests {
         m
     }
 
+    /// Elements count up from the base, one every `element_bytes`, then one every
+    /// `interleaved_element_bytes` from the interleaved window's start; each element ends where
+    /// the next address maps to the next element.
     #[test]
-    fn one_division_finds_what_the_two_functions_find() {
+    fn elements_and_their_ends_follow_the_memory_layout() {
         // The target's power-of-two elements, and sizes that are not powers of two.
         for (e, ie) in [(16 * 1024, 32 * 1024), (12_000, 20_004), (4, 8)] {
             let m = memory(e, ie);
+            let standard = (m.interleaved_start - m.base).div_ceil(e);
+            assert_eq!(element_and_end(&m, m.base), (0, (m.base + e).min(m.interleaved_start)));
+            assert_eq!(element_of(&m, m.base + e), 1.min(standard));
+            assert_eq!(element_and_end(&m, m.interleaved_start), (standard, m.interleaved_start + ie));
+            assert_eq!(element_of(&m, m.interleaved_start + ie), standard + 1);
             let top = m.interleaved_start + 3 * ie + 20;
-            for address in (0..top).step_by(((top / 5000) as usize).max(1)).chain([m.base, m.interleaved_start - 4, m.interleaved_start, top]) {
-                assert_eq!(element_and_end(&m, address), (element_of(&m, address), next_element_start(&m, address)), "address {address:#x} with elements {e} and {ie}");
+            let step = ((top - m.base) / 5000).max(1) * 4;
+            for address in (m.base..top).step_by(step as usize).chain([m.interleaved_start - 4]) {
+                let (element, end) = element_and_end(&m, address);
+                assert!(end > address, "address {address:#x}: end {end:#x}");
+                assert_eq!(element_of(&m, end - 4), element, "the last word before {end:#x} is in element {element}");
+                assert_eq!(element_of(&m, end), element + 1, "{end:#x} starts element {}", element + 1);
+                assert_eq!(next_element_start(&m, address), end);
             }
         }
     }

@@ -870,9 +870,8 @@ impl<'a> Builder<'a> {
             let entry = self.host_tensor(chain.base, base, *role, dtype);
             push_segment(&mut entry.segments, LSegment { buffer, offset: dst_offset, element: element as u32, count: run, rows: 1, element_stride: 0, offset_stride: 0, element_step: 1 }, dtype.bytes());
             self.mark_host(buffer);
-            Ok::<u32, std::convert::Infallible>(run)
-        })
-        .unwrap_or_else(|never| match never {});
+            run
+        });
         Ok(held)
     }
 
@@ -2068,7 +2067,7 @@ fn row_consumers(graph: &Graph, value: ValueId) -> (bool, bool) {
 /// order (the axis before the last fastest) and along each row: `each(index, base_index, run,
 /// column)` gets the view index at hand, the base index it maps to and how many elements the
 /// views map contiguously from there within the panel, and returns how many it takes.
-fn walk_block<E>(chain: &ViewChain, held: &Held, block: &[(u32, u32)], mut each: impl FnMut(&[u32], &[u32], u32, u32) -> Result<u32, E>) -> Result<(), E> {
+fn walk_block(chain: &ViewChain, held: &Held, block: &[(u32, u32)], mut each: impl FnMut(&[u32], &[u32], u32, u32) -> u32) {
     let rank = block.len();
     let row_count: u64 = block[..rank - 1].iter().map(|r| (r.1 - r.0) as u64).product();
     let (c0, c1) = block[rank - 1];
@@ -2093,15 +2092,14 @@ fn walk_block<E>(chain: &ViewChain, held: &Held, block: &[(u32, u32)], mut each:
             // An identity view maps each index to itself (nothing to allocate or copy).
             let taken = if chain.is_identity() {
                 let run = limit.min(chain.view_shape[rank - 1] - index[rank - 1]);
-                each(&index, &index, run, c)?
+                each(&index, &index, run, c)
             } else {
                 let run = chain.map_run_into(&index, limit, &mut mapped);
-                each(&index, &mapped, run, c)?
+                each(&index, &mapped, run, c)
             };
             c += taken;
         }
     }
-    Ok(())
 }
 
 /// The pieces of `block` of a stored value (laid out as `held`) from the cells of its base's
@@ -2119,7 +2117,7 @@ fn gather_pieces(chain: &ViewChain, grid: &Grid, held: &Held, block: &[(u32, u32
     let mut sources: Vec<SourceCell> = Vec::new();
     let mut met: Vec<(usize, usize)> = Vec::new();
     let mut pieces = Vec::new();
-    let walked = walk_block(chain, held, block, |index, base_index, run, c| {
+    walk_block(chain, held, block, |index, base_index, run, c| {
         let inside = |b: &[(u32, u32)]| b.iter().zip(base_index).all(|(r, &i)| r.0 <= i && i < r.1);
         let candidates = if c == c0 { [row_source, source, source + 1] } else { [source, source + 1, row_source] };
         let guess = candidates.into_iter().find(|&at| sources.get(at).is_some_and(|s| inside(&s.1.block)));
@@ -2151,9 +2149,8 @@ fn gather_pieces(chain: &ViewChain, grid: &Grid, held: &Held, block: &[(u32, u32
         let whole_rows = held.tight_last && ends_rows && base_index[last] == cell_block[last].0 && (c - c0) % held.panel == 0 && src.row_stride == held.last_panel_stride() && (c - c0) / held.panel == (c1 - c0) / held.panel;
         let words = if whole_rows { (src.row_stride * dtype.bytes()).div_ceil(4) } else { (piece * dtype.bytes()).div_ceil(4) };
         pieces.push(GatherPiece { src_tile, src, dst: Loc { buffer: 0, ..held.loc(index) }, elements: piece, element: base_index[last], ends_rows, words });
-        Ok::<u32, std::convert::Infallible>(piece)
+        piece
     });
-    walked.unwrap_or_else(|never| match never {});
     pieces
 }
 

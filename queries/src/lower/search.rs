@@ -1346,7 +1346,7 @@ fn capped_program(oriented: &Oriented, target: &Target, beam: &Attempt, ahead: O
     // The next cap above `cap` worth lowering after the program `l` (placed at `p`): none past
     // `most`, or when the weight bytes it could add exceed what that placement left free.
     let next_after = |cap: u32, l: &Lowered, p: (u64, u64)| -> Option<u32> {
-        let next = (cap + 1).max(cap * 6 / 5);
+        let next = next_cap(cap);
         let free = tile_bytes(target).saturating_add(CODE_RESERVE_BYTES).saturating_sub(p.0 + p.1);
         let grown = host_written_peak(l) * (next - cap) as u64 / cap as u64;
         let worth = next <= most && grown <= free;
@@ -1364,7 +1364,7 @@ fn capped_program(oriented: &Oriented, target: &Target, beam: &Attempt, ahead: O
         let (first, second) = match pending.take().filter(|(c, _)| *c == next) {
             Some((_, done)) => (done, None),
             None => {
-                let after = (next + 1).max(next * 6 / 5);
+                let after = next_cap(next);
                 rayon::join(|| fit_capped(oriented, target, next, None), || (after <= most).then(|| (after, fit_capped(oriented, target, after, None))))
             }
         };
@@ -1388,6 +1388,11 @@ fn capped_program(oriented: &Oriented, target: &Target, beam: &Attempt, ahead: O
         debug!(cap, estimate, beam_estimate, "replicated weights on this many tiles fit but are estimated slower than home-tile weights");
     }
     Some(((lowered, Some(peaks), usize::MAX), better))
+}
+
+/// The replication cap `capped_program` tries after `cap`: about a fifth more, at least one.
+fn next_cap(cap: u32) -> u32 {
+    (cap + 1).max(cap * 6 / 5)
 }
 
 /// Per buffer of a finished program: whether the host writes it (weights and inputs).
