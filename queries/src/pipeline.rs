@@ -660,13 +660,33 @@ pub fn tables(db: &dyn Db, sources: Sources) -> StageResult<Vec<Arc<PackedPhase>
             db.validated_memo.lock().expect("validated memo lock").take().filter(|v| v.0 == key && v.1.len() == requests.len()).map(|v| v.1)
         }
     };
+    // Phases of one schedule (the same phase of repeated layers) are packed once: the first
+    // one's packing is moved to another's buffers where its validated tables are the first
+    // one's moved buffer by buffer (`tables::rebased_phase`: the packing `pack_phase` gives),
+    // else that phase is packed too.
+    let mut first_of_schedule: HashMap<Digest, usize> = HashMap::new();
+    let first: Vec<usize> = s.value.digests.iter().enumerate().map(|(i, d)| *first_of_schedule.entry(*d).or_insert(i)).collect();
+    let packed_first: Vec<std::sync::OnceLock<Result<PackedPhase, String>>> = (0..requests.len()).map(|_| std::sync::OnceLock::new()).collect();
+    let moved = std::sync::atomic::AtomicUsize::new(0);
     let entries = per_phase(db, "lower_exchanges", TABLES_VERSION, &keys, &db.tables_memo, |i| match validated.as_ref() {
         Some(tables) => {
             exchange::log_validated(&requests[i], &schedules[i], &tables[i]);
-            crate::tables::pack_phase(&tables[i], &buffers[i]).map_err(CompileError)
+            let f = first[i];
+            let packed = packed_first[f].get_or_init(|| crate::tables::pack_phase(&tables[f], &buffers[f]));
+            if f == i {
+                return packed.clone().map_err(CompileError);
+            }
+            match packed.as_ref().ok().and_then(|p| crate::tables::rebased_phase((&tables[f], &buffers[f], p), &tables[i], &buffers[i])) {
+                Some(p) => {
+                    moved.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    Ok(p)
+                }
+                None => crate::tables::pack_phase(&tables[i], &buffers[i]).map_err(CompileError),
+            }
         }
         None => exchange::reuse(target, &requests[i], &schedules[i]).map_err(CompileError::from).and_then(|p| crate::tables::pack_phase(&p, &buffers[i]).map_err(CompileError)),
     })?;
+    tracing::debug!(phases = entries.len(), moved = moved.into_inner(), "packed exchange tables (moved: a phase of the same schedule's packing, moved to this phase's buffers)");
     Ok(Staged { digest: combined("ipuq exchange tables v3", &entries), value: Arc::new(entries.iter().map(|e| e.value.clone()).collect()) })
 }
 

@@ -286,6 +286,95 @@ pub fn pack_phase(p: &ExchangePhase, buffers: &PhaseBuffers) -> Result<PackedPha
     Ok(PackedPhase { index: p.index, tiles, horizon: p.horizon, endpoint_lower_bound: p.endpoint_lower_bound })
 }
 
+/// `pack_phase(tables, buffers)` found from the packing of another phase (`rep`: its tables,
+/// buffers and packing) whose tables these are moved buffer by buffer, as the same phase of
+/// repeated layers is (the same schedule relocated): None when they are not, or when the
+/// buffers do not make the packing a function of the offsets alone (then pack them).
+///
+/// Checked here, per tile: the same tile, the same number of candidate buffers of the same
+/// sizes in the same order, non-empty buffers disjoint and within 32 bits on both sides, and
+/// every entry equal to `rep`'s but for its address, which is `rep`'s moved by the move of
+/// the buffer holding it. Then each entry lies in the corresponding buffer at the same offset
+/// (and in no other), so the same buffers are used and renumbered alike, the entries sort in
+/// the same order (the sort key holds the slot before the address, and one buffer's addresses
+/// move alike), and the runs are cut alike with the same strides: `pack_phase` would give
+/// `rep`'s runs, each address moved by its buffer's move, and this phase's bases.
+pub fn rebased_phase(rep: (&ExchangePhase, &PhaseBuffers, &PackedPhase), tables: &ExchangePhase, buffers: &PhaseBuffers) -> Option<PackedPhase> {
+    let (rep_tables, rep_buffers, rep_packed) = rep;
+    if rep_tables.tiles.len() != tables.tiles.len() || rep_packed.tiles.len() != tables.tiles.len() {
+        return None;
+    }
+    let tiles = rep_tables
+        .tiles
+        .iter()
+        .zip(&tables.tiles)
+        .zip(&rep_packed.tiles)
+        .map(|((a, b), packed)| {
+            let (from, to) = (tile_buffers(rep_buffers, a.tile)?, tile_buffers(buffers, b.tile)?);
+            rebased_tile(a, from, packed, b, to)
+        })
+        .collect::<Option<Vec<_>>>()?;
+    Some(PackedPhase { index: tables.index, tiles, horizon: tables.horizon, endpoint_lower_bound: tables.endpoint_lower_bound })
+}
+
+/// A tile's buffers in a phase's list of them.
+fn tile_buffers(list: &PhaseBuffers, tile: u32) -> Option<&[(u32, u64)]> {
+    list.binary_search_by_key(&tile, |l| l.0).ok().map(|i| list[i].1.as_slice())
+}
+
+/// One tile of `rebased_phase`: `packed` (of `a` over buffers `from`) for `b` over `to`.
+fn rebased_tile(a: &TileExchange, from: &[(u32, u64)], packed: &PackedTile, b: &TileExchange, to: &[(u32, u64)]) -> Option<PackedTile> {
+    let alike = a.tile == b.tile && packed.tile == a.tile && a.sends.len() == b.sends.len() && a.receives.len() == b.receives.len() && from.len() == to.len();
+    if !alike || from.iter().zip(to).any(|(x, y)| x.1 != y.1) || !separate(from) || !separate(to) {
+        return None;
+    }
+    let moved: Vec<u32> = from.iter().zip(to).map(|(x, y)| y.0.wrapping_sub(x.0)).collect();
+    let mut by_start: Vec<(u32, u64, u32)> = from.iter().enumerate().map(|(i, &(start, bytes))| (start, bytes, i as u32)).collect();
+    by_start.sort_unstable();
+    let mut used = vec![false; from.len()];
+    let mut follows = |address: u32, moved_to: u32| -> bool {
+        match slot_of(&by_start, address, a.tile, "") {
+            Ok(slot) => {
+                used[slot as usize] = true;
+                address.wrapping_add(moved[slot as usize]) == moved_to
+            }
+            Err(_) => false,
+        }
+    };
+    for (x, y) in a.sends.iter().zip(&b.sends) {
+        if (x.cycle, x.words, x.paired) != (y.cycle, y.words, y.paired) || !follows(x.address, y.address) {
+            return None;
+        }
+    }
+    for (x, y) in a.receives.iter().zip(&b.receives) {
+        if (x.cycle, x.source, x.words, x.paired) != (y.cycle, y.source, y.words, y.paired) || !follows(x.address, y.address) {
+            return None;
+        }
+    }
+    // The used buffers in candidate order are the packing's slots: their bases must be `from`'s.
+    let slots: Vec<usize> = (0..from.len()).filter(|&i| used[i]).collect();
+    if slots.len() != packed.bases.len() || slots.iter().zip(&packed.bases).any(|(&i, &base)| from[i].0 != base) {
+        return None;
+    }
+    let move_of = |slot: u32| slots.get(slot as usize).map(|&i| moved[i]);
+    let mut sends = Vec::with_capacity(packed.sends.len());
+    for r in &packed.sends {
+        sends.push(SendRun { address: r.address.wrapping_add(move_of(r.slot)?), ..*r });
+    }
+    let mut receives = Vec::with_capacity(packed.receives.len());
+    for r in &packed.receives {
+        receives.push(ReceiveRun { address: r.address.wrapping_add(move_of(r.slot)?), ..*r });
+    }
+    Some(PackedTile { tile: b.tile, bases: slots.iter().map(|&i| to[i].0).collect(), sends, receives })
+}
+
+/// Whether a tile's non-empty buffers are disjoint and each within 32 bits of address.
+fn separate(buffers: &[(u32, u64)]) -> bool {
+    let mut spans: Vec<(u64, u64)> = buffers.iter().filter(|b| b.1 > 0).map(|&(start, bytes)| (start as u64, start as u64 + bytes)).collect();
+    spans.sort_unstable();
+    spans.iter().all(|s| s.1 <= 1 << 32) && spans.windows(2).all(|w| w[0].1 <= w[1].0)
+}
+
 /// Phases packed without their buffers (`address_windows`), for tools and tests that write
 /// tables by hand.
 pub fn pack(phases: &[ExchangePhase]) -> Vec<PackedPhase> {
@@ -566,6 +655,64 @@ mod tests {
 
     fn receive(cycle: u32, source: u32, address: u32, words: u32) -> ReceiveEntry {
         ReceiveEntry { cycle, source, address, words, paired: false }
+    }
+
+    /// A random phase on a few tiles (entries in cycle order, each in one of its tile's
+    /// buffers) and its buffers, with every buffer placed at `starts(tile, buffer)`.
+    fn placed_phase(seed: u64, starts: &dyn Fn(u32, usize) -> u32) -> (ExchangePhase, PhaseBuffers) {
+        let mut rng = SplitMix64(seed);
+        let mut tiles = Vec::new();
+        let mut buffers: PhaseBuffers = Vec::new();
+        for tile in [1u32, 4, 5, 9] {
+            let sizes: Vec<u64> = (0..1 + rng.below(4)).map(|_| 64 * (1 + rng.below(16)) as u64).collect();
+            let list: Vec<(u32, u64)> = sizes.iter().enumerate().map(|(b, &bytes)| (starts(tile, b), bytes)).collect();
+            let entry = |cycle: u32, rng: &mut SplitMix64| {
+                let (start, bytes) = list[rng.below(list.len() as u32) as usize];
+                (cycle, start + 4 * rng.below(bytes as u32 / 4), 1 + rng.below(2))
+            };
+            let (mut sends, mut receives) = (Vec::new(), Vec::new());
+            for cycle in 0..rng.below(60) {
+                if rng.chance(60) {
+                    let (cycle, address, words) = entry(cycle * 3, &mut rng);
+                    sends.push(SendEntry { cycle, address, words, paired: false });
+                }
+                if rng.chance(60) {
+                    let (cycle, address, words) = entry(cycle * 3 + 1, &mut rng);
+                    receives.push(ReceiveEntry { cycle, source: rng.below(3), address, words, paired: false });
+                }
+            }
+            tiles.push(TileExchange { tile, sends, receives });
+            buffers.push((tile, list));
+        }
+        (ExchangePhase { index: 7, tiles, horizon: 200, endpoint_lower_bound: 150 }, buffers)
+    }
+
+    /// A phase whose tables are another's moved buffer by buffer packs as `rebased_phase`
+    /// says, without being packed; tables that differ otherwise, or buffers that overlap, are
+    /// refused (packed instead).
+    #[test]
+    fn moved_tables_pack_as_rebased() {
+        for seed in 0..200u64 {
+            // The same buffers 64 KiB apart, then in another order with other gaps.
+            let (a, from) = placed_phase(seed, &|_, b| 0x1_0000 * (b as u32 + 1));
+            let (b, to) = placed_phase(seed, &|tile, b| 0x20_0000 + 0x1_0000 * ((b as u32 * 7 + tile) % 5) + 0x100 * b as u32);
+            let packed = pack_phase(&a, &from).unwrap();
+            let rebased = rebased_phase((&a, &from, &packed), &b, &to).expect("moved buffer by buffer");
+            assert_eq!(rebased, pack_phase(&b, &to).unwrap(), "seed {seed}");
+            // One entry elsewhere in its buffer: not a move.
+            let mut other = b.clone();
+            if let Some(t) = other.tiles.iter_mut().find(|t| !t.receives.is_empty()) {
+                let r = &mut t.receives[0];
+                r.address = if r.address % 8 == 0 { r.address + 4 } else { r.address - 4 };
+                assert_eq!(rebased_phase((&a, &from, &packed), &other, &to), None, "seed {seed}");
+            }
+            // Overlapping buffers: refused.
+            let mut crowded = to.clone();
+            if let Some(list) = crowded.iter_mut().find(|l| l.1.len() > 1) {
+                list.1[1].0 = list.1[0].0;
+                assert_eq!(rebased_phase((&a, &from, &packed), &b, &crowded), None, "seed {seed}");
+            }
+        }
     }
 
     /// Phase `index` on tile 2: a send from buffer `send` and two interleaved strided receive
