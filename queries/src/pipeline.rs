@@ -666,12 +666,18 @@ pub fn tables(db: &dyn Db, sources: Sources) -> StageResult<Vec<Arc<PackedPhase>
     // else that phase is packed too.
     let mut first_of_schedule: HashMap<Digest, usize> = HashMap::new();
     let first: Vec<usize> = s.value.digests.iter().enumerate().map(|(i, d)| *first_of_schedule.entry(*d).or_insert(i)).collect();
+    let mut sharing = vec![0usize; first.len()];
+    first.iter().for_each(|&f| sharing[f] += 1);
     let packed_first: Vec<std::sync::OnceLock<Result<PackedPhase, String>>> = (0..requests.len()).map(|_| std::sync::OnceLock::new()).collect();
     let moved = std::sync::atomic::AtomicUsize::new(0);
     let entries = per_phase(db, "lower_exchanges", TABLES_VERSION, &keys, &db.tables_memo, |i| match validated.as_ref() {
         Some(tables) => {
             exchange::log_validated(&requests[i], &schedules[i], &tables[i]);
             let f = first[i];
+            // A schedule of one phase is packed alone, not kept for others.
+            if sharing[f] == 1 {
+                return crate::tables::pack_phase(&tables[i], &buffers[i]).map_err(CompileError);
+            }
             let packed = packed_first[f].get_or_init(|| crate::tables::pack_phase(&tables[f], &buffers[f]));
             if f == i {
                 return packed.clone().map_err(CompileError);

@@ -218,6 +218,14 @@ pub fn address_windows(p: &ExchangePhase) -> PhaseBuffers {
         .collect()
 }
 
+/// A tile's candidate buffers as `slot_of` searches them: (start, bytes, candidate index),
+/// sorted by start.
+fn by_start(buffers: &[(u32, u64)]) -> Vec<(u32, u64, u32)> {
+    let mut by_start: Vec<(u32, u64, u32)> = buffers.iter().enumerate().map(|(i, &(start, bytes))| (start, bytes, i as u32)).collect();
+    by_start.sort_unstable();
+    by_start
+}
+
 /// The slot (index into `buffers`) of the buffer holding `address`, or an error.
 fn slot_of(by_start: &[(u32, u64, u32)], address: u32, tile: u32, what: &str) -> Result<u32, String> {
     let inside = |&&(start, bytes, _): &&(u32, u64, u32)| address >= start && ((address - start) as u64) < bytes;
@@ -231,8 +239,7 @@ fn slot_of(by_start: &[(u32, u64, u32)], address: u32, tile: u32, what: &str) ->
 /// The runs of one tile's table, cut per buffer (`buffers`: candidate slots, in slot order;
 /// the slots used are renumbered in that order). An error when an entry lies in no buffer.
 pub fn pack_tile(t: &TileExchange, buffers: &[(u32, u64)]) -> Result<PackedTile, String> {
-    let mut by_start: Vec<(u32, u64, u32)> = buffers.iter().enumerate().map(|(i, &(start, bytes))| (start, bytes, i as u32)).collect();
-    by_start.sort_unstable();
+    let by_start = by_start(buffers);
     let mut used = vec![false; buffers.len()];
     let mut sends = Vec::with_capacity(t.sends.len());
     for e in &t.sends {
@@ -333,8 +340,7 @@ fn rebased_tile(a: &TileExchange, from: &[(u32, u64)], packed: &PackedTile, b: &
         return None;
     }
     let moved: Vec<u32> = from.iter().zip(to).map(|(x, y)| y.0.wrapping_sub(x.0)).collect();
-    let mut by_start: Vec<(u32, u64, u32)> = from.iter().enumerate().map(|(i, &(start, bytes))| (start, bytes, i as u32)).collect();
-    by_start.sort_unstable();
+    let by_start = by_start(from);
     let mut used = vec![false; from.len()];
     let mut follows = |address: u32, moved_to: u32| -> bool {
         match slot_of(&by_start, address, a.tile, "") {
