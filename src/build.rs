@@ -4,7 +4,7 @@
 //! Only this crate touches files: the compiler (`ipuq_queries`) gets text and returns bytes.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::Instant;
 
 use ipuq_cache::{Cache, CacheOptions, Remote, RemoteOptions};
@@ -18,9 +18,47 @@ use tracing::{info, info_span};
 
 /// The disk cache, and the remote cache behind it, as the compiler's store trait: local, then
 /// remote (verified, copied locally), then compute; computed entries go up in the background.
+/// Stage outputs the compiler hands over (`store_owned`) are written to the local cache by one
+/// writer thread, in the order they came, while the build goes on; `flush` (at the end of every
+/// build, before its record and the size budget) waits for them.
 pub struct DiskStore {
-    pub cache: Cache,
+    pub cache: Arc<Cache>,
     pub remote: Option<Remote>,
+    writer: Mutex<Option<Writer>>,
+}
+
+/// The local cache's writer thread and the queue it drains.
+struct Writer {
+    jobs: mpsc::Sender<WriteJob>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+enum WriteJob {
+    Put { stage: String, key: ipuq_cache::Key, schema: u64, payload: rkyv::util::AlignedVec<16>, digest: ipuq_cache::Digest },
+    /// Answered once every job queued before it is written.
+    Flush(mpsc::Sender<()>),
+}
+
+impl Writer {
+    fn start(cache: Arc<Cache>) -> Option<Writer> {
+        let (jobs, queue) = mpsc::channel::<WriteJob>();
+        let thread = std::thread::Builder::new()
+            .name("ipuq-cache-writer".into())
+            .spawn(move || {
+                for job in queue {
+                    match job {
+                        WriteJob::Put { stage, key, schema, payload, digest } => {
+                            let _ = cache.put_digested_or_warn(&stage, &key, schema, &payload, digest);
+                        }
+                        WriteJob::Flush(done) => {
+                            let _ = done.send(());
+                        }
+                    }
+                }
+            })
+            .ok()?;
+        Some(Writer { jobs, thread })
+    }
 }
 
 impl StageStore for DiskStore {
@@ -33,6 +71,27 @@ impl StageStore for DiskStore {
             remote.upload(stage, &key.0, schema, bytes);
         }
     }
+    fn store_owned(&self, stage: &str, key: &Digest, schema: u64, bytes: rkyv::util::AlignedVec<16>, digest: &Digest) {
+        if let Some(remote) = &self.remote {
+            remote.upload(stage, &key.0, schema, &bytes);
+        }
+        let job = WriteJob::Put { stage: stage.to_string(), key: key.0, schema, payload: bytes, digest: digest.0 };
+        let queued = match &*self.writer.lock().expect("cache writer lock") {
+            Some(writer) => writer.jobs.send(job).map_err(|e| e.0),
+            None => Err(job),
+        };
+        // No writer thread (it could not start, or it is gone): written here and now.
+        if let Err(WriteJob::Put { stage, key, schema, payload, digest }) = queued {
+            let _ = self.cache.put_digested_or_warn(&stage, &key, schema, &payload, digest);
+        }
+    }
+    fn flush(&self) {
+        let (done, wait) = mpsc::channel();
+        let sent = self.writer.lock().expect("cache writer lock").as_ref().is_some_and(|w| w.jobs.send(WriteJob::Flush(done)).is_ok());
+        if sent {
+            let _ = wait.recv();
+        }
+    }
 }
 
 impl DiskStore {
@@ -42,8 +101,13 @@ impl DiskStore {
 }
 
 impl Drop for DiskStore {
-    /// Bounded wait for queued uploads, then the remote counters join the cache's totals.
+    /// The queued local writes, then a bounded wait for queued uploads, then the remote
+    /// counters join the cache's totals.
     fn drop(&mut self) {
+        if let Some(writer) = self.writer.get_mut().ok().and_then(Option::take) {
+            drop(writer.jobs);
+            let _ = writer.thread.join();
+        }
         if let Some(remote) = &mut self.remote {
             remote.finish(Some(&self.cache));
         }
@@ -62,7 +126,9 @@ fn open_store(options: &BuildOptions) -> Result<Option<Arc<DiskStore>>, BuildErr
     if let Some(remote) = &remote {
         info!(remote = remote.shown_url(), "using a remote cache");
     }
-    Ok(Some(Arc::new(DiskStore { cache, remote })))
+    let cache = Arc::new(cache);
+    let writer = Mutex::new(if options.cache_read_only { None } else { Writer::start(cache.clone()) });
+    Ok(Some(Arc::new(DiskStore { cache, remote, writer })))
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -269,6 +335,10 @@ impl Session {
         let package = (*pkg.value).clone();
         info!(final_cycles = package.summary.estimated_cycles, final_exchange = package.summary.estimated_exchange_cycles, "costed final placed program");
         let bytes = write_package(&package, &path)?;
+        // Every entry of this build on disk before its record, and before the size budget.
+        if let Some(disk) = &self.disk {
+            disk.flush();
+        }
         let record = BuildRecord { file_head: bytes[..bytes.len().min(FILE_HEAD)].to_vec(), file_len: bytes.len() as u64, tiles: package.tile_count(), estimated_cycles: package.summary.estimated_cycles };
         store_build_record(db, &text, &target_text, &record);
         if let Some(disk) = &self.disk {
@@ -372,6 +442,56 @@ pub fn print_timings(timings: &[PhaseTiming]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn disk_store(dir: &Path) -> Arc<DiskStore> {
+        let options = BuildOptions {
+            target: None,
+            out_dir: dir.join("out"),
+            incremental: true,
+            cache_dir: Some(dir.to_path_buf()),
+            cache_read_only: false,
+            cache_max_bytes: None,
+            plan_finalists: 4,
+            table_budget: ipuq_queries::sizing::EXCHANGE_TABLE_BUDGET_BYTES,
+            remote: None,
+        };
+        open_store(&options).expect("the cache opens").expect("an incremental build has a store")
+    }
+
+    fn entry(i: u8) -> (Digest, rkyv::util::AlignedVec<16>) {
+        let mut bytes = rkyv::util::AlignedVec::<16>::new();
+        bytes.extend_from_slice(&vec![i; 1000 + 7919 * i as usize]);
+        (Digest::of_bytes(&[i]), bytes)
+    }
+
+    /// Entries handed to the writer thread are on disk after `flush`, and after the store is
+    /// dropped without one (a build that failed midway), as a new process would read them.
+    #[test]
+    fn entries_written_behind_are_on_disk_after_flush_and_drop() {
+        let dir = tempfile::tempdir().expect("a temporary folder");
+        let store = disk_store(dir.path());
+        for i in 0..20 {
+            let (key, bytes) = entry(i);
+            let digest = Digest::of_bytes(&bytes);
+            store.store_owned("test_stage", &key, 7, bytes, &digest);
+        }
+        store.flush();
+        let reader = Cache::open(dir.path(), CacheOptions { read_only: true, max_bytes: None }).expect("the cache opens read-only");
+        for i in 0..20 {
+            let (key, bytes) = entry(i);
+            assert_eq!(reader.get("test_stage", &key.0, 7).as_deref(), Some(&bytes[..]), "entry {i} after flush");
+        }
+        for i in 20..30 {
+            let (key, bytes) = entry(i);
+            let digest = Digest::of_bytes(&bytes);
+            store.store_owned("test_stage", &key, 7, bytes, &digest);
+        }
+        drop(store);
+        for i in 20..30 {
+            let (key, bytes) = entry(i);
+            assert_eq!(reader.get("test_stage", &key.0, 7).as_deref(), Some(&bytes[..]), "entry {i} after drop");
+        }
+    }
 
     #[test]
     fn byte_counts_take_binary_units_and_name_bad_text() {

@@ -238,7 +238,20 @@ impl Cache {
         schema: u64,
         payload: &[u8],
     ) -> Result<Digest, CacheError> {
-        let digest = digest_of(payload);
+        self.put_digested(stage, key, schema, payload, digest_of(payload))
+    }
+
+    /// [`Cache::put`] of a payload whose blake3 the caller has computed (`digest`), so a
+    /// large entry is not hashed twice. A wrong digest would name the blob wrongly, and
+    /// every read would then reject it as damaged.
+    pub fn put_digested(
+        &self,
+        stage: &str,
+        key: &Key,
+        schema: u64,
+        payload: &[u8],
+        digest: Digest,
+    ) -> Result<Digest, CacheError> {
         if self.options.read_only {
             return Ok(digest);
         }
@@ -282,7 +295,19 @@ impl Cache {
         schema: u64,
         payload: &[u8],
     ) -> Option<Digest> {
-        match self.put(stage, key, schema, payload) {
+        self.put_digested_or_warn(stage, key, schema, payload, digest_of(payload))
+    }
+
+    /// [`Cache::put_digested`], with a failure logged as a warning instead of returned.
+    pub fn put_digested_or_warn(
+        &self,
+        stage: &str,
+        key: &Key,
+        schema: u64,
+        payload: &[u8],
+        digest: Digest,
+    ) -> Option<Digest> {
+        match self.put_digested(stage, key, schema, payload, digest) {
             Ok(digest) => Some(digest),
             Err(error) => {
                 let disk_full = error.is_disk_full();

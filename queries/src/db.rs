@@ -19,6 +19,15 @@ pub const CACHE_FORMAT_VERSION: u32 = 1;
 pub trait StageStore: Send + Sync {
     fn load(&self, stage: &str, key: &Digest, schema: u64) -> Option<rkyv::util::AlignedVec<16>>;
     fn store(&self, stage: &str, key: &Digest, schema: u64, bytes: &[u8]);
+    /// Store bytes the caller is done with, whose blake3 is `digest`. A store may write them
+    /// after returning (in the background) as long as [`StageStore::flush`] waits for them;
+    /// by default they are written at once.
+    fn store_owned(&self, stage: &str, key: &Digest, schema: u64, bytes: rkyv::util::AlignedVec<16>, digest: &Digest) {
+        let _ = digest;
+        self.store(stage, key, schema, &bytes);
+    }
+    /// Wait until every entry handed to [`StageStore::store_owned`] is written.
+    fn flush(&self) {}
 }
 
 /// One value of this process (with its digest) under the key it was made for, taken by its
@@ -535,8 +544,9 @@ impl StageCache {
             return Staged::of(value);
         };
         let bytes = rkyv::to_bytes::<rkyv::rancor::Error>(&value).map_err(CompileError::from)?;
-        store.store(stage, &key, schema(stage, version), &bytes);
-        Ok(Staged { digest: Digest::of_bytes(&bytes), value: Arc::new(value) })
+        let digest = Digest::of_bytes(&bytes);
+        store.store_owned(stage, &key, schema(stage, version), bytes, &digest);
+        Ok(Staged { digest, value: Arc::new(value) })
     }
 }
 
