@@ -254,6 +254,14 @@ impl Session {
         Ok(Session { db, sources: None, disk })
     }
 
+    /// A session that builds again after edits (`ipuq watch`): it also keeps the plan beam's
+    /// states in memory, so an edit's resumed beam takes them instead of lowering them again.
+    pub fn rebuilding(options: &BuildOptions) -> Result<Session, BuildError> {
+        let mut session = Session::new(options)?;
+        session.db = session.db.keeping_beam_states(true);
+        Ok(session)
+    }
+
     /// The local cache and remote tier this session reads and writes, if any.
     pub fn store(&self) -> Option<&Arc<DiskStore>> {
         self.disk.as_ref()

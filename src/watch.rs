@@ -21,7 +21,7 @@ pub struct WatchOptions {
 
 /// Watch `workload`; `out_dir` names the output folder for the workload as it now reads.
 pub fn watch(workload: &Path, options: BuildOptions, out_dir: impl Fn(&Path) -> Result<PathBuf, String>, watch: &WatchOptions) -> Result<(), String> {
-    let mut session = Session::new(&options).map_err(|e| e.to_string())?;
+    let mut session = Session::rebuilding(&options).map_err(|e| e.to_string())?;
     let mut options = options;
     let mut last: Option<Result<Vec<u8>, String>> = None;
     let mut rebuilds = 0u32;

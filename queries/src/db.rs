@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::hash::{Digest, KeyHasher};
 use crate::ir::Graph;
-use crate::lower::search::BeamTrace;
+use crate::lower::search::{BeamTrace, KeptBeam};
 use crate::target::Target;
 
 /// Bump when any stage's output format or meaning changes.
@@ -35,7 +35,8 @@ pub trait StageStore: Send + Sync {
 pub(crate) type KeyedSlot<T> = Arc<Mutex<Option<(Digest, Staged<T>)>>>;
 
 /// The latest plan-beam trace of this process, under its key (`Database::beam_trace`).
-type TraceSlot = Arc<Mutex<Option<(Digest, Arc<BeamTrace>)>>>;
+/// With it, the beam's states per step when the database keeps them (`keeping_beam_states`).
+type TraceSlot = Arc<Mutex<Option<(Digest, Arc<BeamTrace>, Option<Arc<KeptBeam>>)>>>;
 
 /// Ranged results of one stage in this process (`Database::ranged`).
 pub(crate) type RangedMemo<T> = Arc<Mutex<Vec<(Digest, crate::lower::host::RateRange, Staged<T>)>>>;
@@ -221,6 +222,10 @@ pub struct Database {
     /// the next build of an edited workload resumes the beam from it, with or without a disk
     /// cache (`ipuq watch`).
     beam_trace_memo: TraceSlot,
+    /// Whether `lower_mid` keeps its beam's states with the trace (`search::KeptBeam`): set by
+    /// a process that builds again (`ipuq watch`), where the next build's resumed beam takes
+    /// them instead of lowering them again.
+    keep_beam_states: bool,
 }
 
 #[salsa::db]
@@ -252,6 +257,7 @@ impl Database {
             tile_memo: Arc::default(),
             tile_counts: Arc::default(),
             beam_trace_memo: Arc::default(),
+            keep_beam_states: false,
             plan_finalists: crate::lower::search::DEFAULT_FINALISTS,
             table_budget: crate::sizing::EXCHANGE_TABLE_BUDGET_BYTES,
         }
@@ -275,6 +281,17 @@ impl Database {
     pub fn verifying_hits(mut self, verify: bool) -> Self {
         self.cache.verify_hits = verify;
         self
+    }
+
+    /// Keep the plan beam's states of each build in memory for the next (`ipuq watch`; see
+    /// `search::KeptBeam`): faster resumed beams, at the price of holding the states.
+    pub fn keeping_beam_states(mut self, keep: bool) -> Self {
+        self.keep_beam_states = keep;
+        self
+    }
+
+    pub(crate) fn keeps_beam_states(&self) -> bool {
+        self.keep_beam_states && !self.cache.verify_hits
     }
 
     /// Keep `k` (at least one) operator-plan finalists.
@@ -313,7 +330,7 @@ impl Database {
         if self.cache.verify_hits {
             return None;
         }
-        if let Some((k, trace)) = &*self.beam_trace_memo.lock().expect("beam trace memo lock") {
+        if let Some((k, trace, _)) = &*self.beam_trace_memo.lock().expect("beam trace memo lock") {
             if *k == key {
                 return Some(trace.clone());
             }
@@ -340,7 +357,16 @@ impl Database {
 
     /// Keep the plan-beam trace of this build under `key`, in this process and in the disk store
     /// (replacing the previous build's: each workload name keeps its latest).
-    pub(crate) fn keep_beam_trace(&self, key: Digest, trace: BeamTrace) {
+    /// The beam states kept with `trace` under `key` in this process, if that trace is the one
+    /// kept there (`keep_beam_trace`).
+    pub(crate) fn beam_states(&self, key: Digest, trace: &Arc<BeamTrace>) -> Option<Arc<KeptBeam>> {
+        match &*self.beam_trace_memo.lock().expect("beam trace memo lock") {
+            Some((k, t, kept)) if *k == key && Arc::ptr_eq(t, trace) => kept.clone(),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn keep_beam_trace(&self, key: Digest, trace: BeamTrace, kept: Option<KeptBeam>) {
         if let Some(store) = &self.cache.store {
             match rkyv::to_bytes::<rkyv::rancor::Error>(&trace) {
                 Ok(body) => {
@@ -351,7 +377,7 @@ impl Database {
                 Err(error) => tracing::warn!(stage = BEAM_TRACE_STAGE, %error, "could not encode the plan beam's trace; not storing it"),
             }
         }
-        *self.beam_trace_memo.lock().expect("beam trace memo lock") = Some((key, Arc::new(trace)));
+        *self.beam_trace_memo.lock().expect("beam trace memo lock") = Some((key, Arc::new(trace), kept.map(Arc::new)));
     }
 }
 

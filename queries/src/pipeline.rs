@@ -81,12 +81,15 @@ pub fn finalists(db: &dyn Db, sources: Sources) -> StageResult<Vec<Lowered>> {
         // next: the same finalists either way, only faster (`search::finalists_resuming`).
         let trace_key = db.key(BEAM_TRACE_STAGE, BEAM_TRACE_VERSION, &[t.digest, KeyHasher::new("plan finalists").add(&(k as u64)).finish(), KeyHasher::new("workload name").add(&g.value.name).finish()]);
         let previous = db.beam_trace(trace_key);
+        let kept_before = previous.as_ref().and_then(|trace| db.beam_states(trace_key, trace));
         // Phases of a program the search lowers beside its beam, scheduled while it waits for
         // that program (`search::Warm`): entries the screen below finds made.
         let warmed: Arc<std::sync::Mutex<HashMap<Digest, Staged<Schedule>>>> = Arc::default();
         let warm = (!db.verifying()).then(|| warm_schedules(db, &x, &warmed));
-        let (found, trace) = search::finalists_warming(&g.value, &t.value, k, previous.as_deref(), warm);
-        db.keep_beam_trace(trace_key, trace);
+        let (found, trace, kept) = search::finalists_keeping(&g.value, &t.value, k, previous.as_deref(), kept_before.as_deref(), warm, db.keeps_beam_states());
+        // The previous build's states are dropped before this build's are kept.
+        drop(kept_before);
+        db.keep_beam_trace(trace_key, trace, kept);
         let found = found.map_err(CompileError::from)?;
         // Finalists whose exchange tables would exceed the budget are steered within it (or
         // dropped) here, their phases scheduled through the memo select_finalist reads.

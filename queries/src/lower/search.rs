@@ -392,6 +392,40 @@ struct State {
     history: Option<Arc<Snapshot>>,
 }
 
+/// The beam's states at each product step of a build (`TraceStep` by `TraceStep`), kept in a
+/// process that builds again (`ipuq watch`) beside the trace it wrote: a resumed beam takes
+/// the states of its last repeated step from here instead of lowering them again (`replay`).
+/// They are the previous build's own: lowered over the previous graph, whose prefix up to that
+/// step lowers identically over the edited one (what `identical_steps` checks); each is
+/// oriented over the edited graph again. Steps taken over from an earlier build keep that
+/// build's states (the same by the same argument, step by step).
+pub struct KeptBeam {
+    steps: Vec<Option<Arc<Vec<State>>>>,
+}
+
+impl KeptBeam {
+    /// The states kept for trace step `step`, if they are the ones `records` lists.
+    fn states(&self, step: usize, records: &[TracedState]) -> Option<&[State]> {
+        let states = self.steps.get(step)?.as_deref()?;
+        (states.len() == records.len() && states.iter().zip(records).all(|(s, r)| TracedState::of(s) == *r)).then_some(states.as_slice())
+    }
+}
+
+/// The states `kept` holds for the last repeated trace step `last`, oriented over `graph` as
+/// `replay` orients them (their products among those extended by then swapped, lowered up to
+/// that step's product): their prefixes, home-weights prefixes and replicated histories are
+/// the previous build's. None when a state's orientation is rejected over `graph`.
+fn reuse(kept: &[State], products: &[usize], last: usize, graph: &Graph) -> Option<Vec<State>> {
+    let next = products.get(last).copied();
+    kept.iter()
+        .map(|s| {
+            let swapped: BTreeSet<usize> = s.swapped.iter().copied().filter(|p| products[..last.min(products.len())].contains(p)).collect();
+            let oriented = Arc::new(orient_until(graph, &swapped, next.unwrap_or(usize::MAX)).ok()?);
+            (s.partial.lowered_operations() == end_before(&oriented, next)).then(|| State { swapped: s.swapped.clone(), oriented, partial: s.partial.clone(), home: s.home.clone(), history: s.history.clone() })
+        })
+        .collect()
+}
+
 /// A prefix of a program of the beam, lowered with replicated weights up to a product (the
 /// program before that product was extended), with the earlier ones of its lineage: a mixed
 /// program (the weights of the products from some operation on on home tiles, the earlier
@@ -571,7 +605,15 @@ fn retain(mut scored: Vec<(State, [u64; 5], bool)>, width: usize) -> Vec<State> 
 /// (`identical_steps`): that step's states are lowered again (`replay`) and the beam goes on
 /// from the next product, to the same programs as a beam from the start. The beam's own
 /// trace comes back in [`Beam::steps`].
+#[cfg(test)]
 fn beam(graph: &Graph, target: &Target, width: usize, previous: Option<(&Graph, &BeamTrace)>) -> Beam {
+    beam_keeping(graph, target, width, previous, None, false)
+}
+
+/// [`beam`], resuming from the states `kept_before` holds for the previous build's trace
+/// (where they are that trace's) instead of lowering them again, and with `keep`, keeping
+/// this beam's states per step (`Beam::kept`) for the next build in this process.
+fn beam_keeping(graph: &Graph, target: &Target, width: usize, previous: Option<(&Graph, &BeamTrace)>, kept_before: Option<&KeptBeam>, keep: bool) -> Beam {
     let products = swappable(graph);
     let chains = chains_allowed(graph, target);
     let (must, must_not) = orientation_constraints(graph);
@@ -583,7 +625,7 @@ fn beam(graph: &Graph, target: &Target, width: usize, previous: Option<(&Graph, 
             Err(message) => (Vec::new(), Some(LowerError::Unsupported { operation: graph.name.clone(), message })),
         };
         let far = vec![false; programs.len()];
-        return Beam { programs, far, histories: Vec::new(), first_error, steps: Vec::new(), resumed: 0, searched: 0, capped_ahead: None };
+        return Beam { programs, far, histories: Vec::new(), first_error, steps: Vec::new(), resumed: 0, searched: 0, capped_ahead: None, kept: None, reused: false };
     }
     let mut first_error: Option<LowerError> = None;
     let note = |e: LowerError, first_error: &mut Option<LowerError>| {
@@ -705,6 +747,7 @@ fn beam(graph: &Graph, target: &Target, width: usize, previous: Option<(&Graph, 
         Ok((Some((State { swapped, oriented, partial, home, history: None }, scored, fits)), kept))
     };
     // Resuming: the steps of the previous beam this one repeats, and the last one's states.
+    let mut reused = false;
     let resumed: Option<(usize, Vec<State>, bool)> = previous.and_then(|(old, trace)| {
         let done = identical_steps(old, trace, graph, width, &products, &must, &must_not, (chains_allowed(old, target), chains));
         let last = done.checked_sub(1)?;
@@ -712,7 +755,14 @@ fn beam(graph: &Graph, target: &Target, width: usize, previous: Option<(&Graph, 
         // prefixes (as the loop below starts its carry).
         let carry = trace.steps[..done].iter().any(|s| s.states.iter().any(|r| r.home_from == 0));
         let next = products.get(last).copied();
-        match replay(&trace.steps[last].states, &products, last, graph, target, carry && next.is_some()) {
+        let records = &trace.steps[last].states;
+        let taken = kept_before.and_then(|k| k.states(last, records)).and_then(|states| reuse(states, &products, last, graph));
+        reused = taken.is_some();
+        if let Some(states) = taken {
+            debug!(step = last, states = records.len(), "took the resumed step's states from the previous build in this process");
+            return Some((done, states, carry));
+        }
+        match replay(records, &products, last, graph, target, carry && next.is_some()) {
             Some(states) => Some((done, states, carry)),
             None => {
                 debug!(steps = done, "a traced state does not lower again; searching the plan beam from the start");
@@ -721,9 +771,15 @@ fn beam(graph: &Graph, target: &Target, width: usize, previous: Option<(&Graph, 
         }
     });
     let mut steps: Vec<TraceStep> = Vec::new();
+    // The states of each trace step, when kept (`KeptBeam`).
+    let mut kept: Vec<Option<Arc<Vec<State>>>> = Vec::new();
     let (mut states, mut carry, first_product) = match resumed {
         Some((done, states, carry)) => {
             steps.extend_from_slice(&previous.expect("resumed from a trace").1.steps[..done]);
+            if keep {
+                kept = (0..done - 1).map(|s| kept_before.and_then(|k| k.steps.get(s).cloned().flatten())).collect();
+                kept.push((done - 1 < products.len()).then(|| Arc::new(states.clone())));
+            }
             (states, carry, done - 1)
         }
         None => {
@@ -731,7 +787,7 @@ fn beam(graph: &Graph, target: &Target, width: usize, previous: Option<(&Graph, 
                 Ok(o) => State { swapped: BTreeSet::new(), oriented: Arc::new(o), partial: root_partial(graph, &products), home: None, history: None },
                 Err(message) => {
                     let first_error = Some(LowerError::Unsupported { operation: graph.name.clone(), message });
-                    return Beam { programs: Vec::new(), far: Vec::new(), histories: Vec::new(), first_error, steps, resumed: 0, searched: products.len(), capped_ahead: None };
+                    return Beam { programs: Vec::new(), far: Vec::new(), histories: Vec::new(), first_error, steps, resumed: 0, searched: products.len(), capped_ahead: None, kept: None, reused: false };
                 }
             };
             let states: Vec<State> = match grow(&root, BTreeSet::new(), products.first().copied(), false, &[]) {
@@ -742,6 +798,9 @@ fn beam(graph: &Graph, target: &Target, width: usize, previous: Option<(&Graph, 
                 }
             };
             steps.push(TraceStep { states: states.iter().map(TracedState::of).collect(), noted: first_error.is_some() });
+            if keep {
+                kept.push(Some(Arc::new(states.clone())));
+            }
             (states, false, 0)
         }
     };
@@ -858,6 +917,11 @@ fn beam(graph: &Graph, target: &Target, width: usize, previous: Option<(&Graph, 
             }
         }
         steps.push(TraceStep { states: states.iter().map(TracedState::of).collect(), noted: first_error.is_some() });
+        if keep {
+            // Not the last step's: completing its programs would then copy what they share
+            // with the kept ones (an edit after the last product lowers them again).
+            kept.push(next.is_some().then(|| Arc::new(states.clone())));
+        }
         debug!(product, states = states.len(), "extended the plan beam");
     }
     // The programs are completed in parallel; results (and errors) are taken in beam order.
@@ -885,7 +949,7 @@ fn beam(graph: &Graph, target: &Target, width: usize, previous: Option<(&Graph, 
             Err(e) => note(e, &mut first_error),
         }
     }
-    Beam { programs, far: far_over, histories, first_error, steps, resumed, searched, capped_ahead }
+    Beam { programs, far: far_over, histories, first_error, steps, resumed, searched, capped_ahead, kept: keep.then_some(KeptBeam { steps: kept }), reused }
 }
 
 /// What [`beam`] ends with.
@@ -908,6 +972,10 @@ struct Beam {
     searched: usize,
     /// The capped program lowered beside the beam, if one was started (`CappedAhead`).
     capped_ahead: Option<CappedAhead>,
+    /// The states of each step, when asked to keep them (`beam_keeping`).
+    kept: Option<KeptBeam>,
+    /// Whether the resumed step's states were the kept ones (not lowered again).
+    reused: bool,
 }
 
 /// The estimate the search ranks programs by: the sum of every operation's estimate.
@@ -931,6 +999,14 @@ pub fn finalists_resuming(graph: &Graph, target: &Target, keep: usize, previous:
 /// [`finalists_resuming`], handing `warm` the exchange phases of a program lowered beside the
 /// beam while the search waits for it (`CappedAhead`): the same finalists and trace.
 pub fn finalists_warming(graph: &Graph, target: &Target, keep: usize, previous: Option<&BeamTrace>, warm: Option<Arc<Warm>>) -> (Result<Vec<Lowered>, LowerError>, BeamTrace) {
+    let (found, trace, _) = finalists_keeping(graph, target, keep, previous, None, warm, false);
+    (found, trace)
+}
+
+/// [`finalists_warming`], the resumed step's states taken from `kept_before` (the states the
+/// build that wrote `previous` kept, `KeptBeam`) where it holds them, and with `keep_states`
+/// this beam's states kept for the next build in this process: the same finalists and trace.
+pub fn finalists_keeping(graph: &Graph, target: &Target, keep: usize, previous: Option<&BeamTrace>, kept_before: Option<&KeptBeam>, warm: Option<Arc<Warm>>, keep_states: bool) -> (Result<Vec<Lowered>, LowerError>, BeamTrace, Option<KeptBeam>) {
     let old = previous.and_then(|t| match Graph::parse(&t.workload, "the previous build's plan beam") {
         Ok(g) => Some((g, t)),
         Err(e) => {
@@ -939,17 +1015,17 @@ pub fn finalists_warming(graph: &Graph, target: &Target, keep: usize, previous: 
         }
     });
     let width = keep.max(DEFAULT_FINALISTS);
-    let mut run = beam(graph, target, width, old.as_ref().map(|(g, t)| (g, *t)));
+    let mut run = beam_keeping(graph, target, width, old.as_ref().map(|(g, t)| (g, *t)), kept_before, keep_states);
     if let Some(ahead) = run.capped_ahead.as_mut() {
         ahead.warm = warm;
     }
     if previous.is_some() {
-        info!(resumed_steps = run.resumed, searched_steps = run.searched, "resumed the plan beam from a previous build");
+        info!(resumed_steps = run.resumed, searched_steps = run.searched, kept_states = run.reused, "resumed the plan beam from a previous build");
     } else {
         debug!(searched_steps = run.searched, "searched the plan beam from the start");
     }
     let trace = BeamTrace { workload: workload_structure(graph), width: width as u64, steps: run.steps };
-    (feasible_finalists(graph, target, keep, run.programs, &run.far, true, &run.histories, run.first_error, run.capped_ahead.as_ref()).0, trace)
+    (feasible_finalists(graph, target, keep, run.programs, &run.far, true, &run.histories, run.first_error, run.capped_ahead.as_ref()).0, trace, run.kept)
 }
 
 /// The beam's programs made feasible, the best `keep` of them (`finalists`). Programs far over
@@ -2198,6 +2274,52 @@ mod tests {
                 assert_eq!(warm.steps, cold.steps, "{name} block {block}: the traces");
                 let (found, _) = finalists_resuming(&b, &target, width, Some(previous));
                 assert_eq!(found.unwrap(), finalists(&b, &target, width).unwrap(), "{name} block {block}");
+            }
+        }
+    }
+
+    /// A beam resumed from the states the previous build kept (`KeptBeam`, as `ipuq watch`
+    /// keeps them) takes them instead of lowering them again and ends with the programs, trace
+    /// and finalists of a beam from the start; it keeps its own states (those of the repeated
+    /// steps taken over), from which a second edit resumes alike. Over replicated weights and
+    /// over mixed and home-tile weights.
+    #[test]
+    fn a_beam_resumed_from_kept_states_equals_the_beam_from_the_start() {
+        let target = small16();
+        let width = DEFAULT_FINALISTS;
+        let edit = |text: &str, block: usize| text.replacen(&format!("name = \"g_{block}\"\nop = \"gelu\"\n"), &format!("name = \"g_{block}\"\nop = \"scale\"\nfactor = 0.5\n"), 1);
+        for (name, text) in [("small", mlp_text(4, 37, 64, 96)), ("row-partitioned", row_partitioned_text(4))] {
+            let products = swappable(&Graph::parse(&text, "mlp.toml").unwrap()).len();
+            let mut previous: Option<(Graph, BeamTrace, KeptBeam)> = None;
+            let mut current = text.clone();
+            for (round, block) in [None, Some(3), Some(2)].into_iter().enumerate() {
+                if let Some(block) = block {
+                    current = edit(&current, block);
+                }
+                let graph = Graph::parse(&current, "mlp.toml").unwrap();
+                let cold = beam(&graph, &target, width, None);
+                let run = beam_keeping(&graph, &target, width, previous.as_ref().map(|(g, t, _)| (g, t)), previous.as_ref().map(|(_, _, k)| k), true);
+                assert_eq!(run.reused, block.is_some(), "{name} round {round}");
+                if let Some(block) = block {
+                    assert_eq!(run.resumed, 2 * block, "{name} round {round}");
+                }
+                assert_eq!(programs_of(&run), programs_of(&cold), "{name} round {round}");
+                assert_eq!(run.steps, cold.steps, "{name} round {round}: the traces");
+                let trace = BeamTrace { workload: workload_structure(&graph), width: width as u64, steps: run.steps.clone() };
+                let kept = run.kept.expect("the states were kept");
+                assert_eq!(kept.steps.len(), products + 1);
+                assert!(kept.steps[..products].iter().all(Option::is_some) && kept.steps[products].is_none(), "{name} round {round}: every step's states but the last");
+                if let Some((g, t, k)) = &previous {
+                    let (found, _, _) = finalists_keeping(&graph, &target, width, Some(t), Some(k), None, false);
+                    assert_eq!(found.unwrap(), finalists(&graph, &target, width).unwrap(), "{name} round {round}");
+                    // States kept for another trace are not taken.
+                    let other = BeamTrace { steps: t.steps.iter().map(|s| TraceStep { states: s.states.iter().rev().cloned().collect(), noted: s.noted }).collect(), ..t.clone() };
+                    let mixed = t.steps.iter().any(|s| s.states.len() > 1 && s.states.first() != s.states.last());
+                    if mixed {
+                        assert!(!beam_keeping(&graph, &target, width, Some((g, &other)), Some(k), false).reused, "{name} round {round}");
+                    }
+                }
+                previous = Some((graph, trace, kept));
             }
         }
     }
