@@ -13,7 +13,8 @@ Usage: issue_figures.py [--runs N] [--cycles] [--only enc|mlp] IPUQ [BASELINE_IP
 - Issue 8: one and four full-size SigLIP MLP blocks, cold build ratio (asks <= 6 x and <= 10 s);
   the four blocks with `--incremental`: cold, no-op and the last block's GELU made a scale
   (asks the edit <= 20 % of the cold build), the edited package checked equal to a cold build
-  of the edited workload past the header's compiler id.
+  of the edited workload past the header's compiler id; and the same edit saved under
+  `ipuq watch` (one process, no disk cache): seconds from the save to the new result line.
 
 This machine's speed moves by a factor of two within hours (see the README), so only figures of
 binaries measured in the same run, alternating, compare. Nothing here is a test: CI runs none
@@ -83,6 +84,23 @@ def same_package(a, b):
     return len(x) == len(y) and x[124:] == y[124:]
 
 
+def watch_edit(binary, tag):
+    """`ipuq watch` on the four blocks (no disk cache): after its first build, the edited text is
+    saved over the watched file; seconds from the save to the second result line."""
+    watched, out = os.path.join(work, f"watched-{tag}.toml"), f"watch-{tag}"
+    shutil.copyfile(os.path.join(work, "mlp4.toml"), watched)
+    shutil.rmtree(os.path.join(work, out), ignore_errors=True)
+    process = subprocess.Popen([binary, "watch", watched, "-o", out, "--poll-ms", "10", "--max-rebuilds", "2"], cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    lines = (l for l in process.stdout if l.startswith("package="))
+    next(lines)
+    saved = time.monotonic()
+    shutil.copyfile(os.path.join(work, "mlp4e.toml"), watched)
+    next(lines)
+    wall = time.monotonic() - saved
+    process.wait()
+    return wall
+
+
 def main():
     made = workloads()
     label = {b: f"[{i}] {b}" for i, b in enumerate(binaries)}
@@ -110,6 +128,9 @@ def main():
                     put(b, k, v)
                 put(b, "edit over cold %", 100 * edit / cold)
                 print(f"run {run + 1} {label[b]} incremental mlp4 cold {cold:.2f} s, no-op {noop:.2f} s, edit {edit:.2f} s ({100 * edit / cold:.0f} %) load {load()}", flush=True)
+                watched = watch_edit(b, tag)
+                put(b, "watch edit mlp4", watched)
+                print(f"run {run + 1} {label[b]} ipuq watch: the same edit rebuilt {watched:.2f} s after the save load {load()}", flush=True)
                 if run == 0:
                     ref = f"edited-{tag}"
                     shutil.rmtree(os.path.join(work, ref), ignore_errors=True)
@@ -133,6 +154,9 @@ def main():
         if "edit over cold %" in med:
             e = med["edit over cold %"]
             print(f"  issue 8: the one-operation edit takes {e:.0f} % of the cold incremental build (asks <= 20 %: {'met' if e <= 20 else 'not met'})")
+        if "watch edit mlp4" in med and "cold mlp4" in med:
+            w = 100 * med["watch edit mlp4"] / med["cold mlp4"]
+            print(f"  issue 8: under ipuq watch the edit rebuilds in {med['watch edit mlp4']:.2f} s, {w:.0f} % of the cold build ({'met' if w <= 20 else 'not met'} against 20 %)")
         if cycles and "enc1" in made:
             found = {}
             for name in ("enc1", "enc4"):
