@@ -355,8 +355,6 @@ impl Database {
         }
     }
 
-    /// Keep the plan-beam trace of this build under `key`, in this process and in the disk store
-    /// (replacing the previous build's: each workload name keeps its latest).
     /// The beam states kept with `trace` under `key` in this process, if that trace is the one
     /// kept there (`keep_beam_trace`).
     pub(crate) fn beam_states(&self, key: Digest, trace: &Arc<BeamTrace>) -> Option<Arc<KeptBeam>> {
@@ -366,6 +364,9 @@ impl Database {
         }
     }
 
+    /// Keep the plan-beam trace of this build under `key`, in this process and in the disk store
+    /// (replacing the previous build's: each workload name keeps its latest), with the beam's
+    /// states in this process when they were kept (`keeping_beam_states`).
     pub(crate) fn keep_beam_trace(&self, key: Digest, trace: BeamTrace, kept: Option<KeptBeam>) {
         if let Some(store) = &self.cache.store {
             match rkyv::to_bytes::<rkyv::rancor::Error>(&trace) {

@@ -87,7 +87,8 @@ pub fn finalists(db: &dyn Db, sources: Sources) -> StageResult<Vec<Lowered>> {
         let warmed: Arc<std::sync::Mutex<HashMap<Digest, Staged<Schedule>>>> = Arc::default();
         let warm = (!db.verifying()).then(|| warm_schedules(db, &x, &warmed));
         let (found, trace, kept) = search::finalists_keeping(&g.value, &t.value, k, previous.as_deref(), kept_before.as_deref(), warm, db.keeps_beam_states());
-        // The previous build's states are dropped before this build's are kept.
+        // Released here, so that keeping this build's states below frees the previous build's
+        // (the memo held the only other reference) before the table screen runs.
         drop(kept_before);
         db.keep_beam_trace(trace_key, trace, kept);
         let found = found.map_err(CompileError::from)?;

@@ -412,15 +412,15 @@ impl KeptBeam {
 }
 
 /// The states `kept` holds for the last repeated trace step `last`, oriented over `graph` as
-/// `replay` orients them (their products among those extended by then swapped, lowered up to
-/// that step's product): their prefixes, home-weights prefixes and replicated histories are
-/// the previous build's. None when a state's orientation is rejected over `graph`.
+/// `replay` orients them (a state of that step swaps only products before it, and is lowered
+/// up to that step's product): their prefixes, home-weights prefixes and replicated histories
+/// are the previous build's. None when a state's orientation is rejected over `graph`, or its
+/// prefix does not end where the orientation over `graph` puts that product.
 fn reuse(kept: &[State], products: &[usize], last: usize, graph: &Graph) -> Option<Vec<State>> {
     let next = products.get(last).copied();
     kept.iter()
         .map(|s| {
-            let swapped: BTreeSet<usize> = s.swapped.iter().copied().filter(|p| products[..last.min(products.len())].contains(p)).collect();
-            let oriented = Arc::new(orient_until(graph, &swapped, next.unwrap_or(usize::MAX)).ok()?);
+            let oriented = Arc::new(orient_until(graph, &s.swapped, next.unwrap_or(usize::MAX)).ok()?);
             (s.partial.lowered_operations() == end_before(&oriented, next)).then(|| State { swapped: s.swapped.clone(), oriented, partial: s.partial.clone(), home: s.home.clone(), history: s.history.clone() })
         })
         .collect()
