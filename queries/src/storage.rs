@@ -71,34 +71,31 @@ pub fn place_storage_with(target: &Target, lowered: &Lowered, code_bytes: &[u32]
     for (i, b) in lowered.buffers.iter().enumerate() {
         per_tile[b.tile as usize].push(i as u32);
     }
-    let results: Vec<Result<TilePlacement, PlacementError>> = per_tile
+    // The error reported is the lowest failing tile's, so once a tile fails the tiles above it
+    // are not placed (`None`): their results could not change the outcome. A tile is skipped
+    // only above a tile that failed, so the lowest failing tile is always placed, whatever the
+    // threads' order: the same error at any thread count. (Placements that do not fit are
+    // common: the exchange-placement search tries offsets that do not fit, and feasibility
+    // places programs over tile memory.)
+    let lowest_failed = std::sync::atomic::AtomicUsize::new(usize::MAX);
+    let results: Vec<Option<Result<TilePlacement, PlacementError>>> = per_tile
         .par_iter()
         .enumerate()
         .map(|(tile, ids)| {
-            let code = code_bytes.get(tile).copied().unwrap_or(0);
-            let mut order = ids.clone();
-            order.sort_by_key(|&i| {
-                let b = &lowered.buffers[i as usize];
-                (b.first_step, std::cmp::Reverse(b.bytes), i)
-            });
-            let first = place_tile(m, lowered, rules, tile, code, &order, true);
-            if first.is_ok() || rules.opposites.is_empty() {
-                return first;
+            if tile > lowest_failed.load(std::sync::atomic::Ordering::Relaxed) {
+                return None;
             }
-            // Separating opposites fragmented the tile's memory (the rules move buffers off the
-            // lowest free addresses, and a later large buffer finds no room): the tile is placed
-            // again, the largest buffers first, under the same rules. Only tiles that failed
-            // change, so placements that fitted before are the same; the search scores the
-            // conflicts either order leaves.
-            order.sort_by_key(|&i| {
-                let b = &lowered.buffers[i as usize];
-                (std::cmp::Reverse(b.bytes), b.first_step, i)
-            });
-            place_tile(m, lowered, rules, tile, code, &order, false).or(first)
+            let placed = place_one_tile(m, lowered, rules, tile, code_bytes, ids);
+            if placed.is_err() {
+                lowest_failed.fetch_min(tile, std::sync::atomic::Ordering::Relaxed);
+            }
+            Some(placed)
         })
         .collect();
     let mut placement = Placement { addresses: vec![0; lowered.buffers.len()], code: Vec::new(), peak_standard: Vec::new(), peak_interleaved: Vec::new() };
     for r in results {
+        // A skipped tile lies above a failed one, whose error comes first.
+        let Some(r) = r else { unreachable!("a tile is skipped only above a tile that failed") };
         let (addresses, code, ps, pi) = r?;
         for (i, a) in addresses {
             placement.addresses[i as usize] = a;
@@ -108,6 +105,31 @@ pub fn place_storage_with(target: &Target, lowered: &Lowered, code_bytes: &[u32]
         placement.peak_interleaved.push(pi);
     }
     Ok(placement)
+}
+
+/// One tile's placement: its buffers by first step (largest first among equals), and when
+/// the exchange rules left no room, again largest first.
+fn place_one_tile(m: &crate::target::Memory, lowered: &Lowered, rules: &ExchangeRules, tile: usize, code_bytes: &[u32], ids: &[u32]) -> Result<TilePlacement, PlacementError> {
+    let code = code_bytes.get(tile).copied().unwrap_or(0);
+    let mut order = ids.to_vec();
+    order.sort_by_key(|&i| {
+        let b = &lowered.buffers[i as usize];
+        (b.first_step, std::cmp::Reverse(b.bytes), i)
+    });
+    let first = place_tile(m, lowered, rules, tile, code, &order, true);
+    if first.is_ok() || rules.opposites.is_empty() {
+        return first;
+    }
+    // Separating opposites fragmented the tile's memory (the rules move buffers off the
+    // lowest free addresses, and a later large buffer finds no room): the tile is placed
+    // again, the largest buffers first, under the same rules. Only tiles that failed
+    // change, so placements that fitted before are the same; the search scores the
+    // conflicts either order leaves.
+    order.sort_by_key(|&i| {
+        let b = &lowered.buffers[i as usize];
+        (std::cmp::Reverse(b.bytes), b.first_step, i)
+    });
+    place_tile(m, lowered, rules, tile, code, &order, false).or(first)
 }
 
 /// One tile's placement, buffers taken in `order`; `by_start`: the order is by first step,
@@ -288,6 +310,36 @@ mod tests {
         let by_start = place_storage_with(&target, &small, &[0], &rules).unwrap();
         assert_eq!(by_start.addresses[2], m.interleaved_start + 1024, "the third buffer follows the sender");
         assert!(by_start.addresses[1] >= m.interleaved_start + m.interleaved_element_bytes, "the receiver is in another element");
+    }
+
+    /// When tiles do not fit, the error is the lowest failing tile's at any thread count
+    /// (tiles above a failed one are not placed), and a program that fits is placed whole.
+    #[test]
+    fn the_lowest_tile_that_does_not_fit_is_reported_at_any_thread_count() {
+        let target = Target::from_toml(crate::target::fixtures::SMALL16, "small16.toml").unwrap();
+        let region = target.memory.loader_limit - target.memory.interleaved_start;
+        let tiles = 64u32;
+        let program = |over: &[u32]| {
+            let mut l = partials(&[]);
+            l.tiles = tiles;
+            for tile in 0..tiles {
+                let bytes = if over.contains(&tile) { region + 16 } else { 1024 };
+                l.labels.push(format!("t{tile}"));
+                l.buffers.push(crate::lower::BufferDecl { tile, bytes, kind: AllocationKind::Partials, prefer_interleaved: true, label: tile, first_step: 0, last_step: 1 });
+            }
+            l
+        };
+        let code = vec![0u32; tiles as usize];
+        for threads in [1, 4] {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            for over in [vec![63u32], vec![40, 9, 50], vec![0, 1, 2, 63]] {
+                let error = pool.install(|| place_storage(&target, &program(&over), &code)).expect_err("a tile is over its memory");
+                assert_eq!(error.tile, *over.iter().min().unwrap(), "{threads} threads, tiles over: {over:?}");
+            }
+            let placed = pool.install(|| place_storage(&target, &program(&[]), &code)).expect("every tile fits");
+            assert_eq!(placed.peak_interleaved.len(), tiles as usize);
+            assert!(placed.addresses.iter().all(|&a| a == target.memory.interleaved_start));
+        }
     }
 
     /// The first fit as it was: every placed buffer alive at the time and every avoided range,
