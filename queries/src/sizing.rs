@@ -17,7 +17,7 @@ use rayon::prelude::*;
 
 use crate::emit::{support_memory, tile_tables, SupportMemory};
 use crate::exchange::{self, Schedule};
-use crate::exchange_placement::{shared_relocation, RelativeMemo};
+use crate::exchange_placement::{relocation_memoized, shared_relocation, RelativeMemo};
 use crate::hash::Digest;
 use crate::lower::Lowered;
 use crate::pipeline::requests;
@@ -74,12 +74,19 @@ pub fn phase_buffers(lowered: &Lowered, phase: usize, starts: &[u32]) -> PhaseBu
 /// (`digests`), phases that share a pattern and schedule (the same phase of repeated layers)
 /// are written from relative tables made once for them (`exchange_placement::shared_relocation`:
 /// the same tables, sorted and joined once); each phase is packed as soon as it is written.
-/// Relative tables come from `memo` where an earlier relocation made them, and are left there.
+/// Relative tables come from `memo` where an earlier relocation made them, and are left there;
+/// with a memo, a phase alone in its group is written from relative tables too, made here
+/// once for `select_finalist`, which relocates the same program at every placement it tries
+/// (without one, such a phase is written whole: its relative tables would serve once).
 pub fn sizing_tables(target: &Target, lowered: &Lowered, schedules: &[Schedule], digests: Option<&[Digest]>, memo: Option<&RelativeMemo>) -> Result<Vec<PackedPhase>, String> {
     let bases = sizing_bases(lowered);
     if let Some(digests) = digests {
         // Each phase written and packed in one go (its tables are dropped once packed).
-        let relocation = shared_relocation(target, lowered, schedules, digests, memo).map_err(|e| e.0)?;
+        let relocation = match memo {
+            Some(_) => relocation_memoized(target, lowered, schedules, digests, memo),
+            None => shared_relocation(target, lowered, schedules, digests, None),
+        }
+        .map_err(|e| e.0)?;
         let address = |buffer: u32, offset: u32| bases[buffer as usize].wrapping_add(offset);
         return (0..relocation.len())
             .into_par_iter()
