@@ -1932,8 +1932,10 @@ impl<'a> Builder<'a> {
         let mut inputs: Vec<LHostTensor> = std::mem::take(&mut self.host).into_values().map(unshare).collect();
         for t in &mut inputs {
             for s in &t.segments {
-                let b = &mut self.buffers[s.buffer as usize];
-                b.first_step = 0;
+                // Written only where it moves (a write copies a chunk a prefix shares).
+                if self.buffers[s.buffer as usize].first_step != 0 {
+                    self.buffers[s.buffer as usize].first_step = 0;
+                }
             }
             t.segments = merge_segments(std::mem::take(&mut t.segments), t.dtype);
         }
