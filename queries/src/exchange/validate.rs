@@ -53,7 +53,11 @@ pub fn validate(target: &Target, phase: &PhaseRequest, tables: &ExchangePhase) -
     }
     let mut heard = vec![false; first.last().copied().unwrap_or(0)];
     let mut cover: Vec<(u32, u32, u32, u32)> = Vec::new();
-    let mut received: Vec<Run> = Vec::with_capacity(receives);
+    // The run lists come from the thread's spare storage (a phase holds up to hundreds of
+    // thousands of runs; fresh lists for every phase cost more in page faults than in work).
+    let (mut received, mut required) = SPARE_RUNS.take();
+    received.clear();
+    received.reserve(receives);
     let mut horizon = 0;
     for t in &tables.tiles {
         for r in &t.receives {
@@ -87,11 +91,19 @@ pub fn validate(target: &Target, phase: &PhaseRequest, tables: &ExchangePhase) -
     // Delivered mapping against the request.
     // Runs are sorted by tile first: one tile's at a time (`received` comes in tile order).
     let required_runs = || phase.transfers.iter().flat_map(|tr| tr.destinations.iter().map(|d| Run { tile: d.tile, address: d.address, source: tr.source, source_address: tr.source_address, words: tr.words }));
-    let mut required = sorted_by_bucket(required_runs, tiles as usize + 1, |r| r.tile.min(tiles) as usize);
+    sorted_by_bucket_into(required_runs, tiles as usize + 1, |r| r.tile.min(tiles) as usize, &mut required);
     sort_grouped(&mut received, |r| r.tile);
     normalise(&mut required);
     normalise(&mut received);
-    compare(&required, &received)
+    let result = compare(&required, &received);
+    SPARE_RUNS.set((received, required));
+    result
+}
+
+thread_local! {
+    /// Storage a validation leaves to the next one on the thread: its received and required
+    /// runs (emptied when taken).
+    static SPARE_RUNS: std::cell::Cell<(Vec<Run>, Vec<Run>)> = const { std::cell::Cell::new((Vec::new(), Vec::new())) };
 }
 
 fn check_shape<'a>(tables: &'a ExchangePhase, tiles: u32, sends_of: &mut [&'a [SendEntry]]) -> Result<(), ValidationError> {
@@ -297,7 +309,15 @@ fn compare(required: &[Run], received: &[Run]) -> Result<(), ValidationError> {
 /// cache, instead of one sort of a whole phase), by the stable sort: a bucket's items often
 /// come in a few ascending runs (a tile's destinations in transfer order), which it merges
 /// instead of sorting again; equal items are identical, so the result is the unstable sort's.
+#[cfg(test)]
 fn sorted_by_bucket<T: Ord + Copy + Default, I: Iterator<Item = T>>(items: impl Fn() -> I, buckets: usize, bucket: impl Fn(&T) -> usize) -> Vec<T> {
+    let mut out = Vec::new();
+    sorted_by_bucket_into(items, buckets, bucket, &mut out);
+    out
+}
+
+/// `sorted_by_bucket` into `out` (its contents replaced, its storage reused).
+fn sorted_by_bucket_into<T: Ord + Copy + Default, I: Iterator<Item = T>>(items: impl Fn() -> I, buckets: usize, bucket: impl Fn(&T) -> usize, out: &mut Vec<T>) {
     let mut next = vec![0usize; buckets + 1];
     for x in items() {
         next[bucket(&x) + 1] += 1;
@@ -306,7 +326,8 @@ fn sorted_by_bucket<T: Ord + Copy + Default, I: Iterator<Item = T>>(items: impl 
         next[b + 1] += next[b];
     }
     let bounds = next.clone();
-    let mut out = vec![T::default(); next[buckets]];
+    out.clear();
+    out.resize(next[buckets], T::default());
     for x in items() {
         let b = bucket(&x);
         out[next[b]] = x;
@@ -315,7 +336,6 @@ fn sorted_by_bucket<T: Ord + Copy + Default, I: Iterator<Item = T>>(items: impl 
     for w in bounds.windows(2) {
         out[w[0]..w[1]].sort();
     }
-    out
 }
 
 /// Sort `items` (what `sort_unstable` gives) that come in groups of equal `group`, groups in

@@ -135,3 +135,34 @@ fn a_wrong_horizon_and_unsorted_tables_are_refused() {
     t.tiles.swap(0, 1);
     assert!(matches!(check(&t), Err(ValidationError::Unsorted { .. })));
 }
+
+/// A tile hearing one source many times, and another hearing its first and last transfers:
+/// legal tables pass, and a receive moved one cycle late is unmatched on either.
+#[test]
+fn receives_from_one_source_are_matched_after_short_steps_and_long_jumps() {
+    let d = |tile, address| Destination { tile, address };
+    // Tile 2 sends 30 one-word transfers to tile 6; the first and the last go to tile 7 too.
+    let transfers: Vec<Transfer> = (0..30u32)
+        .map(|k| {
+            let mut destinations = vec![d(6, 0x80000 + 8 * k)];
+            if k == 0 || k == 29 {
+                destinations.push(d(7, 0x80000 + 8 * k));
+            }
+            Transfer { source: 2, source_address: 0x4C000 + 8 * k, words: 1, destinations }
+        })
+        .collect();
+    let phase = PhaseRequest { index: 3, transfers };
+    let pieces = (0..30u32).map(|k| piece(k, 0, 1, 3 * k, false)).collect();
+    let schedule = Schedule { pieces: std::sync::Arc::new(pieces), horizon: 0, endpoint_lower_bound: 0, stronger_bound: None, kind: ScheduleKind::Greedy, initial_horizon: 0, neighborhood_improvements: 0, paired: false };
+    let target = small16();
+    let legal = lower_to_tables(&target, &phase, &schedule);
+    assert_eq!(validate(&target, &phase, &legal), Ok(()));
+    assert_eq!(legal.tiles.iter().find(|t| t.tile == 7).map(|t| t.receives.len()), Some(2));
+    for (tile, receive) in [(6u32, 20usize), (7, 1)] {
+        let mut late = legal.clone();
+        let receives = &mut late.tiles.iter_mut().find(|t| t.tile == tile).unwrap().receives;
+        receives[receive].cycle += 1;
+        let error = validate(&target, &phase, &late);
+        assert!(matches!(error, Err(ValidationError::UnmatchedReceive { tile: t, source_tile: 2, .. }) if t == tile), "tile {tile}: {error:?}");
+    }
+}
