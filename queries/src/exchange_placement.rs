@@ -171,27 +171,49 @@ pub fn shared_relocation(target: &Target, lowered: &Lowered, schedules: &[Schedu
 /// transfer): `select_finalist` relocating the program `lower_mid`'s table screen sized takes
 /// the screen's instead of making them again. They are a function of that key, so taking them
 /// changes no table. The pipeline clears it once selection is done (the largest programs'
-/// relative tables hold millions of runs).
+/// relative tables hold millions of runs), but a process that builds again (`ipuq watch`)
+/// keeps the entries a build used for the next (`keep_used`): an edit's unchanged phases find
+/// their relative tables made.
 #[derive(Default)]
-pub struct RelativeMemo(std::sync::Mutex<HashMap<Digest, Arc<Option<RelativeTables>>>>);
+pub struct RelativeMemo(std::sync::Mutex<RelativeEntries>);
+
+/// The memo's entries, and the keys taken or made since it last kept the used ones.
+type RelativeEntries = (HashMap<Digest, Arc<Option<RelativeTables>>>, std::collections::HashSet<Digest>);
 
 impl RelativeMemo {
     /// Drops every entry.
     pub fn clear(&self) {
-        self.0.lock().expect("relative tables memo lock").clear();
+        let mut m = self.0.lock().expect("relative tables memo lock");
+        m.0.clear();
+        m.1.clear();
+    }
+
+    /// Drops the entries not taken or made since the last call (or `clear`).
+    pub fn keep_used(&self) {
+        let mut m = self.0.lock().expect("relative tables memo lock");
+        let (tables, used) = &mut *m;
+        tables.retain(|k, _| used.contains(k));
+        used.clear();
     }
 
     fn get(&self, key: &Digest) -> Option<Arc<Option<RelativeTables>>> {
-        self.0.lock().expect("relative tables memo lock").get(key).cloned()
+        let mut m = self.0.lock().expect("relative tables memo lock");
+        let found = m.0.get(key).cloned();
+        if found.is_some() {
+            m.1.insert(*key);
+        }
+        found
     }
 
     fn insert(&self, key: Digest, tables: Arc<Option<RelativeTables>>) {
-        self.0.lock().expect("relative tables memo lock").insert(key, tables);
+        let mut m = self.0.lock().expect("relative tables memo lock");
+        m.0.insert(key, tables);
+        m.1.insert(key);
     }
 
     /// Entries held (tests).
     pub fn len(&self) -> usize {
-        self.0.lock().expect("relative tables memo lock").len()
+        self.0.lock().expect("relative tables memo lock").0.len()
     }
 
     /// Whether it holds none (tests).
@@ -678,6 +700,19 @@ mod tests {
         let fresh = relocation(&target, &l.value, &s.value.phases, &s.value.digests).unwrap();
         assert_eq!(taken.tables(&target, &l.value, &s.value.phases, &p.value).unwrap(), fresh.tables(&target, &l.value, &s.value.phases, &p.value).unwrap());
         assert!(memo.len() >= shared);
+        // Kept for a rebuild: what was used stays, and taking it again makes nothing new.
+        let used = memo.len();
+        memo.keep_used();
+        assert_eq!(memo.len(), used);
+        let again = relocation_memoized(&target.selection_view(), &l.value, &s.value.phases, &s.value.digests, Some(&memo)).unwrap();
+        assert_eq!(memo.len(), used);
+        assert_eq!(again.tables(&target, &l.value, &s.value.phases, &p.value).unwrap(), fresh.tables(&target, &l.value, &s.value.phases, &p.value).unwrap());
+        // Kept again (the second relocation took them all); then a build that takes none of
+        // them leaves none.
+        memo.keep_used();
+        assert_eq!(memo.len(), used);
+        memo.keep_used();
+        assert!(memo.is_empty());
         memo.clear();
         assert!(memo.is_empty());
     }

@@ -110,7 +110,11 @@ pub fn finalists(db: &dyn Db, sources: Sources) -> StageResult<Vec<Lowered>> {
         let mut remember = |prepared: Lowered, digests: &[Digest], bytes: &[u32]| {
             sized.push(Screened { lowering: t.digest, budget, prepared, schedules: digests.to_vec(), bytes: Arc::new(bytes.to_vec()) });
         };
-        db.relative_memo.clear();
+        // A rebuilding process keeps what the previous build used (`select_finalist` drops
+        // the rest once it is done); others start empty.
+        if !db.keeps_beam_states() {
+            db.relative_memo.clear();
+        }
         let kept = crate::lower::screen::screen_tables(&g.value, &t.value, found, budget, &mut schedule, &mut remember, Some(&db.relative_memo));
         *db.schedule_memo.lock().expect("phase memo lock") = screened.into_inner();
         let kept = kept.map_err(CompileError)?;
@@ -263,14 +267,19 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
         // prepares its own copies).
         let mut replanned: Option<Vec<Lowered>> = None;
         // The screen's relative tables serve this selection only (`RelativeMemo`): dropped
-        // however it ends.
-        struct Cleared<'a>(&'a crate::exchange_placement::RelativeMemo);
+        // however it ends, but in a rebuilding process (`ipuq watch`), where those this build
+        // used are kept for the next.
+        struct Cleared<'a>(&'a crate::exchange_placement::RelativeMemo, bool);
         impl Drop for Cleared<'_> {
             fn drop(&mut self) {
-                self.0.clear();
+                if self.1 {
+                    self.0.keep_used();
+                } else {
+                    self.0.clear();
+                }
             }
         }
-        let _cleared = Cleared(&db.relative_memo);
+        let _cleared = Cleared(&db.relative_memo, db.keeps_beam_states());
         let mut steered: Vec<crate::ir::PlanConstraint> = Vec::new();
         for round in 0..=REPLANS {
             let candidates: &[Lowered] = replanned.as_deref().unwrap_or(&f.value);
