@@ -1,5 +1,6 @@
 //! `ipuq watch`: one long-lived compiler session (one salsa database) rebuilding a workload
-//! on every save. The file is polled (content compared every `poll`, 200 ms by default); each
+//! on every save. The file is polled (content compared every `poll`, 200 ms by default; a
+//! change is built once two polls in a row read it, so a save read half written is not); each
 //! change re-evaluates only the queries the edit touched (salsa's early cutoff), writes the
 //! package and, with `--run`, runs it on the simulator and prints the usual result lines. An
 //! error prints `error: …` and the watch goes on.
@@ -23,7 +24,7 @@ pub struct WatchOptions {
 pub fn watch(workload: &Path, options: BuildOptions, out_dir: impl Fn(&Path) -> Result<PathBuf, String>, watch: &WatchOptions) -> Result<(), String> {
     let mut session = Session::rebuilding(&options).map_err(|e| e.to_string())?;
     let mut options = options;
-    let mut last: Option<Result<Vec<u8>, String>> = None;
+    let mut changes = Changes::default();
     let mut rebuilds = 0u32;
     // Tensors drawn and reference operations computed for earlier runs: what an edit leaves
     // alone is reused.
@@ -31,7 +32,7 @@ pub fn watch(workload: &Path, options: BuildOptions, out_dir: impl Fn(&Path) -> 
     eprintln!("watching {} (Ctrl-C to stop)", workload.display());
     loop {
         let now = std::fs::read(workload).map_err(|e| format!("workload {}: cannot read: {e}", workload.display()));
-        if last.as_ref() != Some(&now) {
+        if changes.take(&now) {
             match &now {
                 Ok(_) => {
                     let start = Instant::now();
@@ -41,12 +42,37 @@ pub fn watch(workload: &Path, options: BuildOptions, out_dir: impl Fn(&Path) -> 
                 }
                 Err(message) => eprintln!("error: {message}"),
             }
-            last = Some(now);
             if watch.max_rebuilds.is_some_and(|m| rebuilds >= m) {
                 return Ok(());
             }
         }
         std::thread::sleep(watch.poll);
+    }
+}
+
+/// What the watch read of the workload: the read it last built (or reported), and a change
+/// read once and not yet taken. An editor's save may be read half written, so a change is
+/// taken when two polls in a row read it (the first read at once).
+#[derive(Default)]
+struct Changes {
+    last: Option<Result<Vec<u8>, String>>,
+    pending: Option<Result<Vec<u8>, String>>,
+}
+
+impl Changes {
+    /// Whether to build (or report) `now`, this poll's read; if so it becomes the last one.
+    fn take(&mut self, now: &Result<Vec<u8>, String>) -> bool {
+        if self.last.as_ref() == Some(now) {
+            self.pending = None;
+            return false;
+        }
+        if self.last.is_some() && self.pending.as_ref() != Some(now) {
+            self.pending = Some(now.clone());
+            return false;
+        }
+        self.pending = None;
+        self.last = Some(now.clone());
+        true
     }
 }
 
@@ -95,5 +121,40 @@ fn rebuild(
     };
     if let Err(message) = run_and_verify_cached(&package, &built.path, &request, Some(caches)) {
         eprintln!("error: {message}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Changes;
+
+    /// A change is taken when two polls in a row read it: a save read half written (or any
+    /// content seen once) is not built; the first read is; an unreadable file is reported once
+    /// it stays so, like any change.
+    #[test]
+    fn a_change_is_taken_when_two_polls_read_it() {
+        let read = |text: &str| -> Result<Vec<u8>, String> { Ok(text.as_bytes().to_vec()) };
+        let mut changes = Changes::default();
+        let polls = [
+            (read("a"), true),
+            (read("a"), false),
+            (read("b half"), false),
+            (read("b whole"), false),
+            (read("b whole"), true),
+            (read("b whole"), false),
+            // Back and forth: a content seen once is dropped when the last one returns.
+            (read("c"), false),
+            (read("b whole"), false),
+            (read("c"), false),
+            (read("c"), true),
+            (Err("cannot read".to_string()), false),
+            (Err("cannot read".to_string()), true),
+            (Err("cannot read".to_string()), false),
+            (read("c"), false),
+            (read("c"), true),
+        ];
+        for (i, (now, taken)) in polls.iter().enumerate() {
+            assert_eq!(changes.take(now), *taken, "poll {i}: {now:?}");
+        }
     }
 }
