@@ -621,7 +621,7 @@ fn beam_keeping(graph: &Graph, target: &Target, width: usize, previous: Option<(
     // bias add): that one orientation is the only program, and it is lowered as it is.
     if !must.iter().all(|m| products.contains(m)) {
         let (programs, first_error) = match orient(graph, &must) {
-            Ok(o) => (vec![(Arc::new(o), Pending::Unlowered, None)], None),
+            Ok(o) => (vec![(Arc::new(o), None, None)], None),
             Err(message) => (Vec::new(), Some(LowerError::Unsupported { operation: graph.name.clone(), message })),
         };
         let far = vec![false; programs.len()];
@@ -924,57 +924,40 @@ fn beam_keeping(graph: &Graph, target: &Target, width: usize, previous: Option<(
         }
         debug!(product, states = states.len(), "extended the plan beam");
     }
-    // The programs are completed in parallel, in beam order; those far over tile memory only
-    // when `feasible_finalists` needs them (usually it does not: a nearer one fits).
+    // The programs are completed in parallel; results (and errors) are taken in beam order.
     // A program that carries no home-weights prefix gets the pool's longest compatible one.
     let far_limit = tile_bytes(target).saturating_mul(FAR_OVER_MEMORY);
     #[allow(clippy::type_complexity)]
-    let completed: Vec<(Arc<Oriented>, Option<Arc<HomePrefix>>, Pending, bool, Option<Arc<Snapshot>>)> = states
+    let completed: Vec<(Arc<Oriented>, Option<Arc<HomePrefix>>, Result<(Attempt, usize), LowerError>, bool, Option<Arc<Snapshot>>)> = states
         .into_par_iter()
         .map(|mut s| {
             let home = s.partial.home_from();
             let far = score(&mut s.partial, target.chip.tiles)[4] > far_limit;
             let memo = s.home.or_else(|| longest_compatible(&pool, &s.oriented, s.oriented.graph.operations.len()).cloned());
-            let pending = if far {
-                Pending::Deferred(Box::new(s.partial), home)
-            } else {
-                match complete(s.partial, &s.oriented, target, &[]) {
-                    Ok(a) => Pending::Completed(a, home),
-                    Err(e) => Pending::Failed(e),
-                }
-            };
-            (s.oriented, memo, pending, far, s.history)
+            let attempt = complete(s.partial, &s.oriented, target, &[]).map(|a| (a, home));
+            (s.oriented, memo, attempt, far, s.history)
         })
         .collect();
     let (mut programs, mut far_over, mut histories) = (Vec::new(), Vec::new(), Vec::new());
-    for (oriented, memo, pending, far, history) in completed {
-        programs.push((oriented, pending, memo));
-        far_over.push(far);
-        histories.push(history);
+    for (oriented, memo, attempt, far, history) in completed {
+        match attempt {
+            Ok(a) => {
+                programs.push((oriented, Some(a), memo));
+                far_over.push(far);
+                histories.push(history);
+            }
+            Err(e) => note(e, &mut first_error),
+        }
     }
     Beam { programs, far: far_over, histories, first_error, steps, resumed, searched, capped_ahead, kept: keep.then_some(KeptBeam { steps: kept }), reused }
 }
 
-/// A program the beam ends with, as `feasible_finalists` takes it (a beam holds a few).
-#[allow(clippy::large_enum_variant)]
-enum Pending {
-    /// Completed: the first attempt of [`lower_feasible`], and its home start.
-    Completed(Attempt, usize),
-    /// Far over tile memory (`FAR_OVER_MEMORY`): the last state's partial program and home
-    /// start, completed only when no nearer program fits (completing it copies what it
-    /// shares with the other states: the four-block MLP's three all-home-weights programs).
-    Deferred(Box<Partial>, usize),
-    /// Its completion failed.
-    Failed(LowerError),
-    /// Not lowered yet: [`lower_feasible`] lowers it from the start.
-    Unlowered,
-}
-
 /// What [`beam`] ends with.
 struct Beam {
-    /// The programs, in beam order, completed or not (`Pending`), with the home-weights prefix
-    /// each may extend.
-    programs: Vec<(Arc<Oriented>, Pending, Option<Arc<HomePrefix>>)>,
+    /// The lowered programs, as first attempts of [`lower_feasible`] (with the home-weights
+    /// prefix each may extend).
+    #[allow(clippy::type_complexity)]
+    programs: Vec<(Arc<Oriented>, Option<(Attempt, usize)>, Option<Arc<HomePrefix>>)>,
     /// Per program: whether its peak bytes on a tile, as the beam scored it, are far over tile
     /// memory (`FAR_OVER_MEMORY`).
     far: Vec<bool>,
@@ -1051,31 +1034,15 @@ pub fn finalists_keeping(graph: &Graph, target: &Target, keep: usize, previous: 
 /// on fewer tiles (`capped_program`); with the finalists, how many were not.
 #[allow(clippy::type_complexity)]
 #[allow(clippy::too_many_arguments)]
-fn feasible_finalists(graph: &Graph, target: &Target, keep: usize, programs: Vec<(Arc<Oriented>, Pending, Option<Arc<HomePrefix>>)>, far: &[bool], skip_far: bool, histories: &[Option<Arc<Snapshot>>], mut first_error: Option<LowerError>, ahead: Option<&CappedAhead>) -> (Result<Vec<Lowered>, LowerError>, usize) {
+fn feasible_finalists(graph: &Graph, target: &Target, keep: usize, programs: Vec<(Arc<Oriented>, Option<(Attempt, usize)>, Option<Arc<HomePrefix>>)>, far: &[bool], skip_far: bool, histories: &[Option<Arc<Snapshot>>], mut first_error: Option<LowerError>, ahead: Option<&CappedAhead>) -> (Result<Vec<Lowered>, LowerError>, usize) {
     let mut found: Vec<(bool, u64, usize, usize, Feasible)> = Vec::new();
     // The beam's programs are made feasible in parallel, the far ones after the others and only
-    // when none of those fits (completed only then); results are taken in beam order.
+    // when none of those fits; results are taken in beam order.
     #[allow(clippy::type_complexity)]
     let (far_ones, near): (Vec<_>, Vec<_>) = programs.into_iter().enumerate().partition(|(i, _)| far.get(*i).copied().unwrap_or(false));
-    // An error is Err((true, e)) where the program's completion failed, Err((false, e)) where it
-    // was not made feasible.
     #[allow(clippy::type_complexity)]
-    let make_feasible = |items: Vec<(usize, (Arc<Oriented>, Pending, Option<Arc<HomePrefix>>))>, capped: bool| -> Vec<(usize, Result<Feasible, (bool, LowerError)>)> {
-        items
-            .into_par_iter()
-            .map(|(i, (oriented, pending, memo))| {
-                let first = match pending {
-                    Pending::Completed(a, home) => Some((a, home)),
-                    Pending::Deferred(partial, home) => match complete(*partial, &oriented, target, &[]) {
-                        Ok(a) => Some((a, home)),
-                        Err(e) => return (i, Err((true, e))),
-                    },
-                    Pending::Failed(e) => return (i, Err((true, e))),
-                    Pending::Unlowered => None,
-                };
-                (i, lower_feasible(&oriented, target, first, memo.as_deref(), histories.get(i).and_then(|h| h.as_deref()), capped, ahead).map_err(|e| (false, e)))
-            })
-            .collect()
+    let make_feasible = |items: Vec<(usize, (Arc<Oriented>, Option<(Attempt, usize)>, Option<Arc<HomePrefix>>))>, capped: bool| -> Vec<(usize, Result<Feasible, LowerError>)> {
+        items.into_par_iter().map(|(i, (oriented, first, memo))| (i, lower_feasible(&oriented, target, first, memo.as_deref(), histories.get(i).and_then(|h| h.as_deref()), capped, ahead))).collect()
     };
     let mut feasible = make_feasible(near, true);
     let mut skipped = 0;
@@ -1089,30 +1056,18 @@ fn feasible_finalists(graph: &Graph, target: &Target, keep: usize, programs: Vec
         }
     }
     feasible.sort_by_key(|(i, _)| *i);
-    // Report a constraint's reason first, else the first error met: the beam's, then the
-    // programs' completions, in beam order, then their feasibility.
-    let noted = |e: LowerError, first_error: &mut Option<LowerError>| {
-        let constraint = matches!(e, LowerError::Constraint { .. });
-        if first_error.is_none() || (constraint && !matches!(first_error, Some(LowerError::Constraint { .. }))) {
-            *first_error = Some(e);
-        }
-    };
-    let (completions, feasible): (Vec<_>, Vec<_>) = feasible.into_iter().partition(|(_, r)| matches!(r, Err((true, _))));
-    for (_, result) in completions {
-        if let Err((_, e)) = result {
-            debug!(error = %e, "partial program does not lower");
-            noted(e, &mut first_error);
-        }
-    }
     for (index, result) in feasible {
         match result {
             Ok((l, peaks, from)) => {
                 let swapped = l.plans.iter().filter(|p| p.orientation == "swapped").count();
                 found.push((peaks.is_none(), estimated_cycles(&l), swapped, index, (l, peaks, from)))
             }
-            Err((_, e)) => {
+            Err(e) => {
                 debug!(error = %e, "program does not lower");
-                noted(e, &mut first_error);
+                let constraint = matches!(e, LowerError::Constraint { .. });
+                if first_error.is_none() || (constraint && !matches!(first_error, Some(LowerError::Constraint { .. }))) {
+                    first_error = Some(e);
+                }
             }
         }
     }
@@ -2287,17 +2242,8 @@ mod tests {
     }
 
     /// Each beam program's lowering and home start, in beam order.
-    /// (Programs far over tile memory are completed here; programs whose completion failed
-    /// are left out, as the beam left them out before it deferred the far ones.)
-    fn programs_of(b: &Beam, target: &Target) -> Vec<(Lowered, usize)> {
-        b.programs
-            .iter()
-            .filter_map(|(oriented, pending, _)| match pending {
-                Pending::Completed(a, h) => Some((a.lowered.clone(), *h)),
-                Pending::Deferred(partial, h) => complete((**partial).clone(), oriented, target, &[]).ok().map(|a| (a.lowered, *h)),
-                Pending::Failed(_) | Pending::Unlowered => None,
-            })
-            .collect()
+    fn programs_of(b: &Beam) -> Vec<(Lowered, usize)> {
+        b.programs.iter().map(|(_, a, _)| a.as_ref().map(|(a, h)| (a.lowered.clone(), *h)).expect("a beam program")).collect()
     }
 
     /// A beam resumed from an earlier build's trace ends with the programs (and finalists) of
@@ -2324,7 +2270,7 @@ mod tests {
                 let warm = beam(&b, &target, width, Some((&Graph::parse(&previous.workload, "t").unwrap(), previous)));
                 assert_eq!((warm.resumed, warm.searched), (resumed, products - resumed), "{name} block {block}");
                 assert_eq!(cold.resumed, 0);
-                assert_eq!(programs_of(&warm, &target), programs_of(&cold, &target), "{name} block {block}");
+                assert_eq!(programs_of(&warm), programs_of(&cold), "{name} block {block}");
                 assert_eq!(warm.steps, cold.steps, "{name} block {block}: the traces");
                 let (found, _) = finalists_resuming(&b, &target, width, Some(previous));
                 assert_eq!(found.unwrap(), finalists(&b, &target, width).unwrap(), "{name} block {block}");
@@ -2357,7 +2303,7 @@ mod tests {
                 if let Some(block) = block {
                     assert_eq!(run.resumed, 2 * block, "{name} round {round}");
                 }
-                assert_eq!(programs_of(&run, &target), programs_of(&cold, &target), "{name} round {round}");
+                assert_eq!(programs_of(&run), programs_of(&cold), "{name} round {round}");
                 assert_eq!(run.steps, cold.steps, "{name} round {round}: the traces");
                 let trace = BeamTrace { workload: workload_structure(&graph), width: width as u64, steps: run.steps.clone() };
                 let kept = run.kept.expect("the states were kept");
@@ -2389,13 +2335,13 @@ mod tests {
             let last = cold.steps.last().unwrap();
             let replayed = replay(&last.states, &swappable(&graph), cold.steps.len() - 1, &graph, &target, false).unwrap();
             let completed: Vec<(Lowered, usize)> = replayed.into_iter().map(|s| (complete(s.partial.clone(), &s.oriented, &target, &[]).unwrap().lowered, s.partial.home_from())).collect();
-            assert_eq!(completed, programs_of(&cold, &target));
+            assert_eq!(completed, programs_of(&cold));
             let trace = BeamTrace { workload: workload_structure(&graph), width: DEFAULT_FINALISTS as u64, steps: cold.steps.clone() };
             for cut in 1..=trace.steps.len() {
                 let cut_trace = BeamTrace { steps: trace.steps[..cut].to_vec(), ..trace.clone() };
                 let warm = beam(&graph, &target, DEFAULT_FINALISTS, Some((&graph, &cut_trace)));
                 assert_eq!(warm.resumed, cut - 1);
-                assert_eq!(programs_of(&warm, &target), programs_of(&cold, &target), "cut {cut}");
+                assert_eq!(programs_of(&warm), programs_of(&cold), "cut {cut}");
                 assert_eq!(warm.steps, cold.steps, "cut {cut}");
             }
         }
