@@ -19,8 +19,10 @@
 //! maximal contiguous byte run moves as one multicast transfer. A group qualifies when its runs
 //! start on word boundaries and padding a run to whole words stays inside the buffer and short
 //! of the next run; a second buffer on one tile stays a host write. Homes are spread over tiles
-//! (least words sent so far, then the lowest tile), so no tile's send port carries a whole
-//! tensor. Deterministic: groups in shape order.
+//! (least words sent so far in the phase; then, for a weight, the tile nearest the middle of
+//! its group's tiles; then the lowest tile), so no tile's send port carries a whole tensor; a
+//! weight's phase counts only its own sends, so repeated layers' equal weights get equal
+//! phases. Deterministic: groups in shape order.
 
 use std::collections::BTreeMap;
 
@@ -99,7 +101,12 @@ fn replicate_with(mut l: Lowered, target: &Target, every_input: bool) -> (Lowere
     let mut input_phase: Vec<Transfer> = Vec::new();
     let mut sends = vec![0u64; l.tiles as usize];
     for i in 0..l.inputs.len() {
-        let plan = plan_tensor(&l, &l.inputs[i], &mut sends.clone());
+        // A weight's replication is its own phase: its homes are spread by its own sends only,
+        // so equal weights (repeated layers' and blocks') get equal phases, which share their
+        // schedules and table segments. Inputs share one phase, so their homes are spread by
+        // the sends of the inputs before them too.
+        let weight = l.inputs[i].role == HostRole::Weight;
+        let plan = if weight { plan_tensor(&l, &l.inputs[i], &mut vec![0; l.tiles as usize]) } else { plan_tensor(&l, &l.inputs[i], &mut sends.clone()) };
         if plan.transfers.is_empty() {
             continue;
         }
@@ -117,7 +124,7 @@ fn replicate_with(mut l: Lowered, target: &Target, every_input: bool) -> (Lowere
             continue;
         }
         // Commit the home choices' send load for the next tensors.
-        let committed = plan_tensor(&l, &l.inputs[i], &mut sends);
+        let committed = if weight { plan } else { plan_tensor(&l, &l.inputs[i], &mut sends) };
         let tensor = &mut l.inputs[i];
         tensor.segments = committed.host_segments;
         if tensor.role == HostRole::Weight {
@@ -218,6 +225,7 @@ fn shape_of(segments: &[LSegment], dtype_bytes: u32, buffer_bytes: u32) -> Optio
 /// Group a tensor's buffers by the bytes they hold and choose homes.
 fn plan_tensor(l: &Lowered, tensor: &LHostTensor, sends: &mut [u64]) -> Plan {
     let bytes = tensor.dtype.bytes();
+    let weight = tensor.role == HostRole::Weight;
     let mut by_buffer: BTreeMap<u32, Vec<LSegment>> = BTreeMap::new();
     for s in &tensor.segments {
         by_buffer.entry(s.buffer).or_default().push(*s);
@@ -241,7 +249,12 @@ fn plan_tensor(l: &Lowered, tensor: &LHostTensor, sends: &mut [u64]) -> Plan {
             continue;
         }
         let words: u64 = shape.runs.iter().map(|r| ((r.1 - r.0) / 4) as u64).sum();
-        let (&home_tile, &(home, home_base)) = members.iter().min_by_key(|(&tile, _)| (sends[tile as usize], tile)).expect("two or more members");
+        // A weight's ties between the least-sending members go to the one nearest the middle
+        // of the group's tiles (the least farthest destination), then the lowest tile; an
+        // input's to the lowest tile.
+        let (low, high) = (*members.keys().next().expect("two or more members"), *members.keys().next_back().expect("two or more members"));
+        let reach = |tile: u32| if weight { (tile - low).max(high - tile) } else { 0 };
+        let (&home_tile, &(home, home_base)) = members.iter().min_by_key(|(&tile, _)| (sends[tile as usize], reach(tile), tile)).expect("two or more members");
         sends[home_tile as usize] += words;
         group_sends[home_tile as usize] += words;
         let copies: Vec<(u32, u32, u32)> = members.iter().filter(|(&t, _)| t != home_tile).map(|(&t, &(b, base))| (t, b, base)).collect();

@@ -1942,6 +1942,38 @@ mod tests {
         assert!(prepared.phases.iter().zip(&lowered.phases).all(|(a, b)| Arc::ptr_eq(a, b)));
     }
 
+    /// The host pass gives repeated blocks' equal weights equal load-time replication phases
+    /// (the same tiles, offsets in their buffers and words; only the buffers differ), so they
+    /// share their schedules and table segments: a weight's homes are spread by its own phase's
+    /// sends, not by the weights replicated before it.
+    #[test]
+    fn repeated_blocks_equal_weights_get_equal_replication_phases() {
+        let target = small16();
+        for blocks in [2, 3] {
+            let graph = mlp(blocks);
+            let oriented = orient(&graph, &BTreeSet::new()).unwrap();
+            let ops = oriented.graph.operations.len();
+            let prefix = extend(Partial::new(false), &oriented, &target, &[], ops).unwrap();
+            let lowered = crate::lower::host::replicate(complete(prefix, &oriented, &target, &[]).unwrap().lowered, &target);
+            // Each weight's phase as (source tile, offset in its buffer, words, destinations as
+            // (tile, offset in its buffer)), by weight name.
+            let relative = |phase: u32| -> Vec<(u32, u32, u32, Vec<(u32, u32)>)> {
+                let at = |(buffer, offset): (u32, u32)| (lowered.buffers[buffer as usize].tile, offset);
+                lowered.phases[phase as usize].iter().map(|t| (at(t.source).0, at(t.source).1, t.words, t.destinations.iter().map(|&d| at(d)).collect())).collect()
+            };
+            let weights: Vec<&LHostTensor> = lowered.inputs.iter().filter(|t| t.role == crate::package::HostRole::Weight).collect();
+            assert_eq!(lowered.initialize.len(), weights.len(), "{blocks} blocks: every weight is replicated");
+            let phases: std::collections::BTreeMap<&str, Vec<_>> = weights.iter().zip(&lowered.initialize).map(|(t, &p)| (t.name.as_str(), relative(p))).collect();
+            for b in 1..blocks {
+                for w in ["w1", "w2"] {
+                    let (first, this) = (&phases[format!("{w}_0").as_str()], &phases[format!("{w}_{b}").as_str()]);
+                    assert!(!first.is_empty());
+                    assert_eq!(first, this, "{blocks} blocks: {w}_{b}'s replication differs from {w}_0's");
+                }
+            }
+        }
+    }
+
     /// `blocks` MLP blocks of 64 tokens, dimension 256 and hidden dimension 768, each product
     /// held normal at four row partitions (`[[constraint]]`), so that on 16 tiles a replicated
     /// weight takes a quarter of itself (96 KiB) on every tile.
