@@ -297,6 +297,12 @@ impl Session {
     /// Build `workload` into `out_dir/model.ipuexe`.
     pub fn build(&mut self, workload: &Path, options: &BuildOptions) -> Result<Built, BuildError> {
         let text = std::fs::read_to_string(workload).map_err(|e| BuildError::Io { path: workload.display().to_string(), message: format!("cannot read workload: {e}") })?;
+        self.build_text(text, workload, options)
+    }
+
+    /// [`Session::build`] of `text`, the workload as read from `workload` (`ipuq watch` builds
+    /// the bytes its polls read, not the file as it reads a moment later).
+    pub fn build_text(&mut self, text: String, workload: &Path, options: &BuildOptions) -> Result<Built, BuildError> {
         let (target_text, target_origin) = load_target(options.target.as_deref())?;
         let path = options.out_dir.join("model.ipuexe");
         // A no-op rebuild: this compiler built exactly these inputs into exactly this file.

@@ -263,7 +263,12 @@ fn out_dir(compile: &CompileArgs, name: &str) -> PathBuf {
 
 fn workload_name(path: &Path) -> Result<String, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("workload {}: cannot read: {e}", path.display()))?;
-    Graph::parse(&text, &path.display().to_string()).map(|g| g.name).map_err(|e| e.to_string())
+    workload_name_of(path, &text)
+}
+
+/// The name of the workload `text`, read from `path`.
+fn workload_name_of(path: &Path, text: &str) -> Result<String, String> {
+    Graph::parse(text, &path.display().to_string()).map(|g| g.name).map_err(|e| e.to_string())
 }
 
 fn build_options(args: &CompileArgs, out_dir: PathBuf) -> Result<BuildOptions, String> {
@@ -346,7 +351,7 @@ fn run(cli: Cli) -> Result<Outcome, String> {
         Command::Watch { workload, compile: args, run, lock_timeout, poll_ms, max_rebuilds } => {
             let options = build_options(&args, PathBuf::new())?;
             let watch = crate::watch::WatchOptions { run, lock_timeout: Duration::from_secs(lock_timeout), poll: Duration::from_millis(poll_ms.max(1)), max_rebuilds };
-            crate::watch::watch(&workload, options, |w| workload_name(w).map(|name| out_dir(&args, &name)), &watch)?;
+            crate::watch::watch(&workload, options, |w, text| workload_name_of(w, text).map(|name| out_dir(&args, &name)), &watch)?;
             Ok(Outcome::Pass)
         }
         Command::Profile { file, chrome_trace, package } => {

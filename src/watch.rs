@@ -20,8 +20,8 @@ pub struct WatchOptions {
     pub max_rebuilds: Option<u32>,
 }
 
-/// Watch `workload`; `out_dir` names the output folder for the workload as it now reads.
-pub fn watch(workload: &Path, options: BuildOptions, out_dir: impl Fn(&Path) -> Result<PathBuf, String>, watch: &WatchOptions) -> Result<(), String> {
+/// Watch `workload`; `out_dir` names the output folder for the workload's text as a poll read it.
+pub fn watch(workload: &Path, options: BuildOptions, out_dir: impl Fn(&Path, &str) -> Result<PathBuf, String>, watch: &WatchOptions) -> Result<(), String> {
     let mut session = Session::rebuilding(&options).map_err(|e| e.to_string())?;
     let mut options = options;
     let mut changes = Changes::default();
@@ -34,9 +34,10 @@ pub fn watch(workload: &Path, options: BuildOptions, out_dir: impl Fn(&Path) -> 
         let now = std::fs::read(workload).map_err(|e| format!("workload {}: cannot read: {e}", workload.display()));
         if changes.take(&now) {
             match &now {
-                Ok(_) => {
+                Ok(bytes) => {
                     let start = Instant::now();
-                    rebuild(&mut session, workload, &mut options, &out_dir, watch, &mut caches);
+                    // The bytes the polls read are built (the file may change again meanwhile).
+                    rebuild(&mut session, workload, bytes, &mut options, &out_dir, watch, &mut caches);
                     tracing::info!(elapsed_ms = start.elapsed().as_millis() as u64, "watch rebuild finished");
                     rebuilds += 1;
                 }
@@ -79,14 +80,16 @@ impl Changes {
 fn rebuild(
     session: &mut Session,
     workload: &Path,
+    bytes: &[u8],
     options: &mut BuildOptions,
-    out_dir: &impl Fn(&Path) -> Result<PathBuf, String>,
+    out_dir: &impl Fn(&Path, &str) -> Result<PathBuf, String>,
     watch: &WatchOptions,
     caches: &mut RunCaches,
 ) {
-    let result = out_dir(workload).and_then(|dir| {
-        options.out_dir = dir;
-        session.build(workload, options).map_err(|e| e.to_string())
+    let text = String::from_utf8(bytes.to_vec()).map_err(|e| format!("{}: cannot read workload: {e}", workload.display()));
+    let result = text.and_then(|text| {
+        options.out_dir = out_dir(workload, &text)?;
+        session.build_text(text, workload, options).map_err(|e| e.to_string())
     });
     let built = match result {
         Ok(built) => built,
@@ -126,7 +129,47 @@ fn rebuild(
 
 #[cfg(test)]
 mod tests {
-    use super::Changes;
+    use super::{rebuild, Changes, WatchOptions};
+    use crate::build::{BuildOptions, Session};
+    use crate::report::RunCaches;
+    use std::path::Path;
+    use std::time::Duration;
+
+    /// A rebuild builds the bytes the polls took, not the file as it reads by then: a save
+    /// landing between the poll and the build (here half written) changes nothing.
+    #[test]
+    fn a_rebuild_builds_the_polled_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let workload = dir.path().join("mlp.toml");
+        let text = include_str!("../fixtures/workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml");
+        std::fs::write(&workload, &text[..text.len() / 2]).unwrap();
+        let mut options = BuildOptions {
+            target: Some("small16".to_string()),
+            out_dir: dir.path().to_path_buf(),
+            incremental: false,
+            cache_dir: None,
+            cache_read_only: false,
+            cache_max_bytes: None,
+            plan_finalists: 4,
+            table_budget: ipuq_queries::sizing::EXCHANGE_TABLE_BUDGET_BYTES,
+            remote: None,
+        };
+        let mut session = Session::rebuilding(&options).unwrap();
+        let watch = WatchOptions { run: false, lock_timeout: Duration::from_secs(1), poll: Duration::from_millis(1), max_rebuilds: None };
+        let out = dir.path().join("out");
+        let named = |_: &Path, polled: &str| -> Result<std::path::PathBuf, String> {
+            assert_eq!(polled, text, "the out folder is named from the polled text");
+            Ok(out.clone())
+        };
+        rebuild(&mut session, &workload, text.as_bytes(), &mut options, &named, &watch, &mut RunCaches::default());
+        assert!(out.join("model.ipuexe").is_file(), "the polled text was not built");
+        // The same bytes built by a plain build once the save is whole.
+        std::fs::write(&workload, text).unwrap();
+        options.out_dir = dir.path().join("plain");
+        crate::build::build(&workload, &options).unwrap();
+        let package = |p: &Path| std::fs::read(p.join("model.ipuexe")).unwrap();
+        assert!(package(&out) == package(&options.out_dir), "the watch's package differs from a plain build's");
+    }
 
     /// A change is taken when two polls in a row read it: a save read half written (or any
     /// content seen once) is not built; the first read is; an unreadable file is reported once
