@@ -524,9 +524,29 @@ fn checked_tables_memoized(
         return Err(CompileError(format!("{} tables and {} schedules for {} exchange phases", written.len(), schedules.len(), requests.len())));
     }
     let keys: Vec<Digest> = requests.par_iter().zip(digests.par_iter()).map(|(r, d)| db.key("exchange_validation", TABLES_VERSION, &[exchange, *d, request_digest(r)])).collect();
+    // Phases of one schedule (the same phase of repeated layers): the first is validated, and
+    // another that is the first moved buffer by buffer (`exchange::moved_alike`) validates
+    // exactly when the first does, so it is not validated again once the first has.
+    let mut first_of_schedule: HashMap<Digest, usize> = HashMap::new();
+    let first: Vec<usize> = digests.iter().enumerate().map(|(i, d)| *first_of_schedule.entry(*d).or_insert(i)).collect();
+    let buffers: Vec<std::sync::OnceLock<crate::tables::PhaseBuffers>> = (0..requests.len()).map(|_| std::sync::OnceLock::new()).collect();
+    let buffers_of = |i: usize| buffers[i].get_or_init(|| crate::sizing::phase_buffers(lowered, i, addresses)).as_slice();
+    let validate = |i: usize| exchange::check_relocated(target, &requests[i], &schedules[i], &written[i]).map(|()| written[i].horizon).map_err(CompileError::from);
+    let outcomes: Vec<std::sync::OnceLock<Result<u32, CompileError>>> = (0..requests.len()).map(|_| std::sync::OnceLock::new()).collect();
+    let carried = std::sync::atomic::AtomicUsize::new(0);
     per_phase(db, "exchange_validation", TABLES_VERSION, &keys, memo, |i| {
-        exchange::check_relocated(target, &requests[i], &schedules[i], &written[i]).map(|()| written[i].horizon).map_err(CompileError::from)
+        let f = first[i];
+        if f == i {
+            return outcomes[i].get_or_init(|| validate(i)).clone();
+        }
+        let first_valid = outcomes[f].get_or_init(|| validate(f)).is_ok();
+        if first_valid && exchange::moved_alike((&requests[f], &written[f], buffers_of(f)), (&requests[i], &written[i], buffers_of(i))) {
+            carried.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            return Ok(written[i].horizon);
+        }
+        validate(i)
     })?;
+    tracing::debug!(phases = requests.len(), carried = carried.into_inner(), "validated exchange tables (carried: the tables of a phase moved buffer by buffer from a validated one)");
     Ok(written)
 }
 
