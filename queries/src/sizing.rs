@@ -13,6 +13,8 @@
 //! (`select_finalist` drops such a finalist; when none is left, the operation whose phase
 //! holds most of the oversized tables is planned again, steered away from its plan).
 
+use std::collections::HashMap;
+
 use rayon::prelude::*;
 
 use crate::emit::{support_memory, tile_tables, SupportMemory};
@@ -20,6 +22,7 @@ use crate::exchange::{self, Schedule};
 use crate::exchange_placement::{relocation_memoized, shared_relocation, RelativeMemo};
 use crate::hash::Digest;
 use crate::lower::Lowered;
+use crate::package::ExchangePhase;
 use crate::pipeline::requests;
 use crate::tables::{encode_tile, pack_phase, PackedPhase, PhaseBuffers};
 use crate::target::Target;
@@ -88,11 +91,48 @@ pub fn sizing_tables(target: &Target, lowered: &Lowered, schedules: &[Schedule],
         }
         .map_err(|e| e.0)?;
         let address = |buffer: u32, offset: u32| bases[buffer as usize].wrapping_add(offset);
-        return (0..relocation.len())
+        if relocation.len() != digests.len() {
+            return Err(format!("{} relocated phases for {} schedule digests", relocation.len(), digests.len()));
+        }
+        // The first phase of each schedule is written and packed; another phase of it (the
+        // same phase of repeated layers) takes the first's packing moved to its buffers where
+        // its tables are the first's moved buffer by buffer (`tables::rebased_phase`: the
+        // packing `pack_phase` gives), else it is packed too.
+        let mut first_of_schedule: HashMap<Digest, usize> = HashMap::new();
+        let first: Vec<usize> = digests.iter().enumerate().map(|(i, d)| *first_of_schedule.entry(*d).or_insert(i)).collect();
+        let mut shared = vec![false; first.len()];
+        first.iter().enumerate().filter(|(i, f)| *i != **f).for_each(|(_, &f)| shared[f] = true);
+        let write = |i: usize| -> Result<(ExchangePhase, PhaseBuffers), String> {
+            Ok((relocation.phase_at(target, lowered, schedules, i, &address).map_err(|e| e.0)?, phase_buffers(lowered, i, &bases)))
+        };
+        // Firsts kept for the others: (tables, buffers, packing), by phase.
+        let firsts: Vec<Option<Result<(ExchangePhase, PhaseBuffers, PackedPhase), String>>> = (0..first.len())
             .into_par_iter()
             .map(|i| {
-                let p = relocation.phase_at(target, lowered, schedules, i, &address).map_err(|e| e.0)?;
-                pack_phase(&p, &phase_buffers(lowered, i, &bases))
+                (first[i] == i && shared[i]).then(|| {
+                    let (tables, buffers) = write(i)?;
+                    let packed = pack_phase(&tables, &buffers)?;
+                    Ok((tables, buffers, packed))
+                })
+            })
+            .collect();
+        return (0..first.len())
+            .into_par_iter()
+            .map(|i| {
+                let f = first[i];
+                if let Some(kept) = &firsts[f] {
+                    let (rep_tables, rep_buffers, rep_packed) = kept.as_ref().map_err(|e| e.clone())?;
+                    if f == i {
+                        return Ok(rep_packed.clone());
+                    }
+                    let (tables, buffers) = write(i)?;
+                    return match crate::tables::rebased_phase((rep_tables, rep_buffers, rep_packed), &tables, &buffers) {
+                        Some(packed) => Ok(packed),
+                        None => pack_phase(&tables, &buffers),
+                    };
+                }
+                let (tables, buffers) = write(i)?;
+                pack_phase(&tables, &buffers)
             })
             .collect();
     }
