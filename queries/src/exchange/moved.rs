@@ -6,15 +6,17 @@
 //! aligned, and (2) the word-level mapping (tile, destination address) -> (source tile, source
 //! address) that the receives deliver and that the request asks for (runs are followed word by
 //! word, merged and compared). Ports, cycles, delays, sources and word counts are read
-//! without addresses.
+//! without addresses. The checks around it (`check_relocated`: the request prepared, its
+//! schedule fitted) read addresses modulo 8 (word alignment, pairing), through overlaps of
+//! destination ranges, and against the 32-bit limit.
 //!
 //! So when, on every tile, the two phases' buffers correspond one to one (same sizes, each
-//! side's non-empty buffers disjoint), every move is a multiple of 8 bytes, and every table
-//! entry and every request range of the second phase is the first's (same tile, cycle,
-//! source, words, pairing) with its address moved by the move of the one buffer that holds
-//! its whole range, then the second phase is the first under a bijection of words that keeps
-//! tiles, contiguity within a buffer and 8-byte alignment: it validates exactly when the first
-//! does. `moved_alike` checks those conditions (in time linear in the entries, against a
+//! side's non-empty buffers disjoint and within 32-bit addresses), every move is a multiple of
+//! 8 bytes, and every table entry and every request range of the second phase is the first's
+//! (same tile, cycle, source, words, pairing) with its address moved by the move of the one
+//! buffer that holds its whole range, then the second phase is the first under a bijection of
+//! words that keeps tiles, contiguity within a buffer, overlaps and 8-byte alignment: it
+//! validates exactly when the first does. `moved_alike` checks those conditions (in time linear in the entries, against a
 //! validation's sorting of every run), and says no whenever one fails: then the phase is
 //! validated itself.
 
@@ -32,13 +34,15 @@ struct Moves {
 
 impl Moves {
     /// The tile's moves, or None when the buffers do not correspond (count, sizes), overlap
-    /// on either side, or move by other than a multiple of 8 bytes.
+    /// or end past 32-bit addresses on either side, or move by other than a multiple of 8
+    /// bytes.
     fn of(from: &[(u32, u64)], to: &[(u32, u64)]) -> Option<Moves> {
         if from.len() != to.len() || from.iter().zip(to).any(|(a, b)| a.1 != b.1) {
             return None;
         }
         let slots: Vec<(u32, u64, i64)> = from.iter().zip(to).map(|(a, b)| (a.0, a.1, b.0 as i64 - a.0 as i64)).collect();
-        if slots.iter().any(|s| s.2 % 8 != 0) || !disjoint(from) || !disjoint(to) {
+        let within = |list: &[(u32, u64)]| list.iter().all(|b| b.0 as u64 + b.1 <= u32::MAX as u64);
+        if slots.iter().any(|s| s.2 % 8 != 0) || !disjoint(from) || !disjoint(to) || !within(from) || !within(to) {
             return None;
         }
         let mut slots = slots;

@@ -19,10 +19,11 @@
 //! maximal contiguous byte run moves as one multicast transfer. A group qualifies when its runs
 //! start on word boundaries and padding a run to whole words stays inside the buffer and short
 //! of the next run; a second buffer on one tile stays a host write. Homes are spread over tiles
-//! (least words sent so far in the phase; then, for a weight, the tile nearest the middle of
-//! its group's tiles; then the lowest tile), so no tile's send port carries a whole tensor; a
-//! weight's phase counts only its own sends, so repeated layers' equal weights get equal
-//! phases. Deterministic: groups in shape order.
+//! (least words sent so far by the tensors before; then, for a weight, the tile nearest the
+//! middle of its group's tiles; then the lowest tile), so no tile's send port carries a whole
+//! tensor and table entries spread over tiles; a weight whose groups (shapes and member tiles)
+//! equal an earlier weight's takes that weight's homes, so repeated layers' equal weights get
+//! equal phases. Deterministic: groups in shape order.
 
 use std::collections::BTreeMap;
 
@@ -100,13 +101,15 @@ fn replicate_with(mut l: Lowered, target: &Target, every_input: bool) -> (Lowere
     let mut range = RateRange::ALL;
     let mut input_phase: Vec<Transfer> = Vec::new();
     let mut sends = vec![0u64; l.tiles as usize];
+    // The homes each weight's groups took, by the groups' shapes and member tiles
+    // (`Signature`): a weight equal to an earlier one (the same weight of a repeated layer or
+    // block) takes the same homes, so their phases are equal.
+    let mut homes: Homes = BTreeMap::new();
     for i in 0..l.inputs.len() {
-        // A weight's replication is its own phase: its homes are spread by its own sends only,
-        // so equal weights (repeated layers' and blocks') get equal phases, which share their
-        // schedules and table segments. Inputs share one phase, so their homes are spread by
-        // the sends of the inputs before them too.
+        // A weight is always taken: planned once, its homes committed. An input is planned on
+        // copies, then again if taken.
         let weight = l.inputs[i].role == HostRole::Weight;
-        let plan = if weight { plan_tensor(&l, &l.inputs[i], &mut vec![0; l.tiles as usize]) } else { plan_tensor(&l, &l.inputs[i], &mut sends.clone()) };
+        let plan = if weight { plan_tensor(&l, &l.inputs[i], &mut sends, &mut homes) } else { plan_tensor(&l, &l.inputs[i], &mut sends.clone(), &mut homes.clone()) };
         if plan.transfers.is_empty() {
             continue;
         }
@@ -124,7 +127,7 @@ fn replicate_with(mut l: Lowered, target: &Target, every_input: bool) -> (Lowere
             continue;
         }
         // Commit the home choices' send load for the next tensors.
-        let committed = if weight { plan } else { plan_tensor(&l, &l.inputs[i], &mut sends) };
+        let committed = if weight { plan } else { plan_tensor(&l, &l.inputs[i], &mut sends, &mut homes) };
         let tensor = &mut l.inputs[i];
         tensor.segments = committed.host_segments;
         if tensor.role == HostRole::Weight {
@@ -222,8 +225,15 @@ fn shape_of(segments: &[LSegment], dtype_bytes: u32, buffer_bytes: u32) -> Optio
     Some((base, Shape { segments: list, runs }))
 }
 
-/// Group a tensor's buffers by the bytes they hold and choose homes.
-fn plan_tensor(l: &Lowered, tensor: &LHostTensor, sends: &mut [u64]) -> Plan {
+/// A weight's groups (two or more members), in shape order: each one's shape and member tiles.
+type Signature = Vec<(Shape, Vec<u32>)>;
+
+/// The home tile of each group of the weights planned so far, by their `Signature`.
+type Homes = BTreeMap<Signature, Vec<u32>>;
+
+/// Group a tensor's buffers by the bytes they hold and choose homes (a weight equal to one in
+/// `homes` takes its homes; another weight's are recorded there).
+fn plan_tensor(l: &Lowered, tensor: &LHostTensor, sends: &mut [u64], homes: &mut Homes) -> Plan {
     let bytes = tensor.dtype.bytes();
     let weight = tensor.role == HostRole::Weight;
     let mut by_buffer: BTreeMap<u32, Vec<LSegment>> = BTreeMap::new();
@@ -240,6 +250,9 @@ fn plan_tensor(l: &Lowered, tensor: &LHostTensor, sends: &mut [u64]) -> Plan {
     }
     // The buffers whose copies move by exchange (sorted once filled): a set of this tensor's
     // buffers, not a flag per buffer of the program (the pass plans every input).
+    let signature: Signature = if weight { groups.iter().filter(|g| g.1.len() >= 2).map(|(shape, members)| (shape.clone(), members.keys().copied().collect())).collect() } else { Vec::new() };
+    let known: Option<Vec<u32>> = homes.get(&signature).cloned().filter(|_| weight);
+    let mut chosen: Vec<u32> = Vec::new();
     let mut replaced: Vec<u32> = Vec::new();
     let mut receives = vec![0u64; l.tiles as usize];
     let mut group_sends = vec![0u64; l.tiles as usize];
@@ -254,7 +267,11 @@ fn plan_tensor(l: &Lowered, tensor: &LHostTensor, sends: &mut [u64]) -> Plan {
         // input's to the lowest tile.
         let (low, high) = (*members.keys().next().expect("two or more members"), *members.keys().next_back().expect("two or more members"));
         let reach = |tile: u32| if weight { (tile - low).max(high - tile) } else { 0 };
-        let (&home_tile, &(home, home_base)) = members.iter().min_by_key(|(&tile, _)| (sends[tile as usize], reach(tile), tile)).expect("two or more members");
+        let (&home_tile, &(home, home_base)) = match known.as_ref().and_then(|k| k.get(chosen.len())).and_then(|t| members.get_key_value(t)) {
+            Some(found) => found,
+            None => members.iter().min_by_key(|(&tile, _)| (sends[tile as usize], reach(tile), tile)).expect("two or more members"),
+        };
+        chosen.push(home_tile);
         sends[home_tile as usize] += words;
         group_sends[home_tile as usize] += words;
         let copies: Vec<(u32, u32, u32)> = members.iter().filter(|(&t, _)| t != home_tile).map(|(&t, &(b, base))| (t, b, base)).collect();
@@ -267,6 +284,9 @@ fn plan_tensor(l: &Lowered, tensor: &LHostTensor, sends: &mut [u64]) -> Plan {
             let destinations = copies.iter().map(|&(_, buffer, base)| (buffer, base + a)).collect();
             transfers.push(Transfer { source: (home, home_base + a), words: (b - a) / 4, destinations });
         }
+    }
+    if weight && known.is_none() {
+        homes.insert(signature, chosen);
     }
     let bound_words = receives.iter().chain(&group_sends).copied().max().unwrap_or(0);
     replaced.sort_unstable();
