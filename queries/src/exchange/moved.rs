@@ -132,6 +132,140 @@ mod tests {
         (0..16).map(|t| [base + 1024 * t, base + 1024 * t + gap]).collect()
     }
 
+    /// Per tile, the maximal byte ranges the request reads or writes there (its "buffers").
+    fn ranges_as_buffers(request: &PhaseRequest) -> Vec<(u32, Vec<(u32, u64)>)> {
+        let mut spans: std::collections::BTreeMap<u32, Vec<(u64, u64)>> = std::collections::BTreeMap::new();
+        for t in &request.transfers {
+            let bytes = t.words as u64 * 4;
+            spans.entry(t.source).or_default().push((t.source_address as u64, t.source_address as u64 + bytes));
+            for d in &t.destinations {
+                spans.entry(d.tile).or_default().push((d.address as u64, d.address as u64 + bytes));
+            }
+        }
+        spans
+            .into_iter()
+            .map(|(tile, mut list)| {
+                list.sort_unstable();
+                let mut merged: Vec<(u64, u64)> = Vec::new();
+                for (a, b) in list {
+                    match merged.last_mut() {
+                        Some(last) if a <= last.1 => last.1 = last.1.max(b),
+                        _ => merged.push((a, b)),
+                    }
+                }
+                (tile, merged.into_iter().map(|(a, b)| (a as u32, b - a)).collect())
+            })
+            .collect()
+    }
+
+    /// Every buffer laid out again at a random place (same residue mod 8, random gaps, in
+    /// order), and the map of an address on a tile to its new place.
+    fn relaid(rng: &mut crate::exchange::synthetic::SplitMix64, buffers: &[(u32, Vec<(u32, u64)>)]) -> Vec<(u32, Vec<(u32, u64)>)> {
+        buffers
+            .iter()
+            .map(|(tile, list)| {
+                let mut cursor = 1024 + 8 * rng.below(4096);
+                let moved = list
+                    .iter()
+                    .map(|&(start, bytes)| {
+                        let at = cursor + (start % 8 + 8 - cursor % 8) % 8;
+                        cursor = at + bytes as u32 + 8 * rng.below(64);
+                        (at, bytes)
+                    })
+                    .collect();
+                (*tile, moved)
+            })
+            .collect()
+    }
+
+    /// `address` on `tile` moved from `from`'s buffer holding it to `to`'s.
+    fn moved_address(from: &[(u32, Vec<(u32, u64)>)], to: &[(u32, Vec<(u32, u64)>)], tile: u32, address: u32) -> u32 {
+        let i = from.binary_search_by_key(&tile, |b| b.0).expect("the tile has buffers");
+        let slot = from[i].1.iter().position(|&(start, bytes)| start <= address && (address as u64) < start as u64 + bytes.max(1)).expect("a buffer holds the address");
+        address - from[i].1[slot].0 + to[i].1[slot].0
+    }
+
+    fn moved_request(request: &PhaseRequest, from: &[(u32, Vec<(u32, u64)>)], to: &[(u32, Vec<(u32, u64)>)]) -> PhaseRequest {
+        let mut out = request.clone();
+        for t in &mut out.transfers {
+            t.source_address = moved_address(from, to, t.source, t.source_address);
+            for d in &mut t.destinations {
+                d.address = moved_address(from, to, d.tile, d.address);
+            }
+        }
+        out
+    }
+
+    fn moved_tables(tables: &ExchangePhase, from: &[(u32, Vec<(u32, u64)>)], to: &[(u32, Vec<(u32, u64)>)]) -> ExchangePhase {
+        let mut out = tables.clone();
+        for t in &mut out.tiles {
+            for s in &mut t.sends {
+                s.address = moved_address(from, to, t.tile, s.address);
+            }
+            for r in &mut t.receives {
+                r.address = moved_address(from, to, t.tile, r.address);
+            }
+        }
+        out
+    }
+
+    /// The claim `moved_alike` rests on, over random phases: a phase whose request and tables
+    /// are another's moved buffer by buffer validates exactly when that one does, valid or not
+    /// (the tables corrupted before the move: addresses shifted inside their buffers, entries'
+    /// addresses swapped, cycles changed), and `moved_alike` recognises every such pair.
+    #[test]
+    fn moved_phases_validate_alike_valid_or_not() {
+        let target = small16();
+        let mut rng = crate::exchange::synthetic::SplitMix64(0x5eed_0039);
+        let (mut checked, mut invalid) = (0, 0);
+        for round in 0..200 {
+            let transfers = rng.between(1, 24);
+            let request = crate::exchange::synthetic::random_phase(&mut rng, 16, transfers, 24, 30, 20);
+            let Ok(schedule) = schedule_phase(&target, &request) else { continue };
+            let buffers = ranges_as_buffers(&request);
+            let mut tables = lower_to_tables(&target, &request, &schedule);
+            // Corrupt most rounds' tables, inside the buffers (so the move still applies).
+            let tiles = tables.tiles.len();
+            if round % 4 != 0 && tiles > 0 {
+                let tile = &mut tables.tiles[rng.below(tiles as u32) as usize];
+                let within = |tile: u32, a: u32, words: u32| buffers.iter().find(|b| b.0 == tile).is_some_and(|b| b.1.iter().any(|&(s, n)| s <= a && a as u64 + words as u64 * 4 <= s as u64 + n));
+                match rng.below(3) {
+                    0 if !tile.receives.is_empty() => {
+                        let i = rng.below(tile.receives.len() as u32) as usize;
+                        let r = tile.receives[i];
+                        let shifted = if rng.chance(50) { r.address.wrapping_add(8) } else { r.address.wrapping_sub(8) };
+                        if within(tile.tile, shifted, r.words) {
+                            tile.receives[i].address = shifted;
+                        }
+                    }
+                    1 if tile.sends.len() >= 2 => {
+                        let (i, j) = (rng.below(tile.sends.len() as u32) as usize, rng.below(tile.sends.len() as u32) as usize);
+                        let (a, b) = (tile.sends[i], tile.sends[j]);
+                        if within(tile.tile, b.address, a.words) && within(tile.tile, a.address, b.words) {
+                            tile.sends[i].address = b.address;
+                            tile.sends[j].address = a.address;
+                        }
+                    }
+                    _ if !tile.receives.is_empty() => {
+                        let i = rng.below(tile.receives.len() as u32) as usize;
+                        tile.receives[i].cycle += 1;
+                    }
+                    _ => {}
+                }
+            }
+            let first = validate(&target, &request, &tables).is_ok();
+            for _ in 0..3 {
+                let to = relaid(&mut rng, &buffers);
+                let (request_b, tables_b) = (moved_request(&request, &buffers, &to), moved_tables(&tables, &buffers, &to));
+                assert!(moved_alike((&request, &tables, &buffers), (&request_b, &tables_b, &to)), "round {round}: a moved phase is not recognised");
+                assert_eq!(validate(&target, &request_b, &tables_b).is_ok(), first, "round {round}: the moved phase validates otherwise");
+                checked += 1;
+            }
+            invalid += usize::from(!first);
+        }
+        assert!(checked > 300 && invalid > 20, "{checked} moved phases checked, {invalid} rounds invalid");
+    }
+
     #[test]
     fn a_phase_moved_buffer_by_buffer_is_recognised_and_anything_else_is_not() {
         let target = small16();
