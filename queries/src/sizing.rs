@@ -106,7 +106,8 @@ pub fn sizing_tables(target: &Target, lowered: &Lowered, schedules: &[Schedule],
             Ok((relocation.phase_at(target, lowered, schedules, i, &address).map_err(|e| e.0)?, phase_buffers(lowered, i, &bases)))
         };
         // Firsts kept for the others: (tables, buffers, packing), by phase.
-        let firsts: Vec<Option<Result<(ExchangePhase, PhaseBuffers, PackedPhase), String>>> = (0..first.len())
+        type Kept = (ExchangePhase, PhaseBuffers, PackedPhase);
+        let firsts: Vec<Option<Result<Kept, String>>> = (0..first.len())
             .into_par_iter()
             .map(|i| {
                 (first[i] == i && shared[i]).then(|| {
