@@ -106,10 +106,10 @@ fn replicate_with(mut l: Lowered, target: &Target, every_input: bool) -> (Lowere
     // block) takes the same homes, so their phases are equal.
     let mut homes: Homes = BTreeMap::new();
     for i in 0..l.inputs.len() {
-        // A weight is always taken: planned once, its homes committed. An input is planned on
-        // copies, then again if taken.
+        // A weight is always taken: planned once, its homes committed. An input (which reads
+        // no weight's homes) is planned on a copy of the sends, then again if taken.
         let weight = l.inputs[i].role == HostRole::Weight;
-        let plan = if weight { plan_tensor(&l, &l.inputs[i], &mut sends, &mut homes) } else { plan_tensor(&l, &l.inputs[i], &mut sends.clone(), &mut homes.clone()) };
+        let plan = if weight { plan_tensor(&l, &l.inputs[i], &mut sends, &mut homes) } else { plan_tensor(&l, &l.inputs[i], &mut sends.clone(), &mut Homes::new()) };
         if plan.transfers.is_empty() {
             continue;
         }
