@@ -248,11 +248,13 @@ fn plan_tensor(l: &Lowered, tensor: &LHostTensor, sends: &mut [u64], homes: &mut
             groups.entry(shape).or_default().entry(b.tile).or_insert((buffer, base));
         }
     }
-    // The buffers whose copies move by exchange (sorted once filled): a set of this tensor's
-    // buffers, not a flag per buffer of the program (the pass plans every input).
+    // A weight's signature, the homes an equal earlier weight took (if any), and the homes
+    // chosen here, group by group.
     let signature: Signature = if weight { groups.iter().filter(|g| g.1.len() >= 2).map(|(shape, members)| (shape.clone(), members.keys().copied().collect())).collect() } else { Vec::new() };
     let known: Option<Vec<u32>> = homes.get(&signature).cloned().filter(|_| weight);
     let mut chosen: Vec<u32> = Vec::new();
+    // The buffers whose copies move by exchange (sorted once filled): a set of this tensor's
+    // buffers, not a flag per buffer of the program (the pass plans every input).
     let mut replaced: Vec<u32> = Vec::new();
     let mut receives = vec![0u64; l.tiles as usize];
     let mut group_sends = vec![0u64; l.tiles as usize];
