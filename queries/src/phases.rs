@@ -64,6 +64,13 @@ enum Tier {
     Memory,
 }
 
+/// For each phase, the first phase with the same schedule digest (itself when it is the
+/// first): the same phase of repeated layers maps to the first layer's.
+pub(crate) fn first_of_schedule(digests: &[Digest]) -> Vec<usize> {
+    let mut first: HashMap<Digest, usize> = HashMap::new();
+    digests.iter().enumerate().map(|(i, d)| *first.entry(*d).or_insert(i)).collect()
+}
+
 /// The entry of every phase, in phase order; `keys[i]` is phase i's key, `compute(i)` makes it.
 pub(crate) fn per_phase<T>(
     db: &StageCache,

@@ -34,7 +34,7 @@ use crate::hash::{Digest, KeyHasher};
 use crate::lower::search;
 use crate::lower::select::{select_finalist, Selection};
 use crate::lower::Lowered;
-use crate::phases::{combined, per_phase, per_tile};
+use crate::phases::{combined, first_of_schedule, per_phase, per_tile};
 use crate::package::{ExchangePhase, Package};
 use crate::tables::PackedPhase;
 use crate::storage::{place_storage, Placement};
@@ -527,8 +527,7 @@ fn checked_tables_memoized(
     // Phases of one schedule (the same phase of repeated layers): the first is validated, and
     // another that is the first moved buffer by buffer (`exchange::moved_alike`) validates
     // exactly when the first does, so it is not validated again once the first has.
-    let mut first_of_schedule: HashMap<Digest, usize> = HashMap::new();
-    let first: Vec<usize> = digests.iter().enumerate().map(|(i, d)| *first_of_schedule.entry(*d).or_insert(i)).collect();
+    let first = first_of_schedule(digests);
     let buffers: Vec<std::sync::OnceLock<crate::tables::PhaseBuffers>> = (0..requests.len()).map(|_| std::sync::OnceLock::new()).collect();
     let buffers_of = |i: usize| buffers[i].get_or_init(|| crate::sizing::phase_buffers(lowered, i, addresses)).as_slice();
     let validate = |i: usize| exchange::check_relocated(target, &requests[i], &schedules[i], &written[i]).map(|()| written[i].horizon).map_err(CompileError::from);
@@ -697,8 +696,7 @@ pub fn tables(db: &dyn Db, sources: Sources) -> StageResult<Vec<Arc<PackedPhase>
     // one's packing is moved to another's buffers where its validated tables are the first
     // one's moved buffer by buffer (`tables::rebased_phase`: the packing `pack_phase` gives),
     // else that phase is packed too.
-    let mut first_of_schedule: HashMap<Digest, usize> = HashMap::new();
-    let first: Vec<usize> = s.value.digests.iter().enumerate().map(|(i, d)| *first_of_schedule.entry(*d).or_insert(i)).collect();
+    let first = first_of_schedule(&s.value.digests);
     let mut sharing = vec![0usize; first.len()];
     first.iter().for_each(|&f| sharing[f] += 1);
     let packed_first: Vec<std::sync::OnceLock<Result<PackedPhase, String>>> = (0..requests.len()).map(|_| std::sync::OnceLock::new()).collect();

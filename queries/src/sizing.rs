@@ -13,8 +13,6 @@
 //! (`select_finalist` drops such a finalist; when none is left, the operation whose phase
 //! holds most of the oversized tables is planned again, steered away from its plan).
 
-use std::collections::HashMap;
-
 use rayon::prelude::*;
 
 use crate::emit::{support_memory, tile_tables, SupportMemory};
@@ -98,8 +96,7 @@ pub fn sizing_tables(target: &Target, lowered: &Lowered, schedules: &[Schedule],
         // same phase of repeated layers) takes the first's packing moved to its buffers where
         // its tables are the first's moved buffer by buffer (`tables::rebased_phase`: the
         // packing `pack_phase` gives), else it is packed too.
-        let mut first_of_schedule: HashMap<Digest, usize> = HashMap::new();
-        let first: Vec<usize> = digests.iter().enumerate().map(|(i, d)| *first_of_schedule.entry(*d).or_insert(i)).collect();
+        let first = crate::phases::first_of_schedule(digests);
         let mut shared = vec![false; first.len()];
         first.iter().enumerate().filter(|(i, f)| *i != **f).for_each(|(_, &f)| shared[f] = true);
         let write = |i: usize| -> Result<(ExchangePhase, PhaseBuffers), String> {
