@@ -333,6 +333,17 @@ fn every_mutation_is_caught() {
     assert_error(&run(d, "misaligned-operand", &p, &[]), "-byte aligned");
     kinds += 1;
 
+    // 14b. A matrix product whose input is moved into its output's memory element (the
+    // AMP loads both and stores partials in one instruction: different elements).
+    let mut p = base.clone();
+    programs(&mut p, |x| {
+        if let Some(VertexCall::MatMul { a, c, .. }) = calls(x).find(|c| matches!(c, VertexCall::MatMul { .. })) {
+            a.address = c.address;
+        }
+    });
+    assert_error(&run(d, "input-in-output-element", &p, &[]), "must lie in different memory elements");
+    kinds += 1;
+
     // 15. A vertex writing into the tile's code and tables.
     let mut p = base.clone();
     programs(&mut p, |x| {

@@ -447,11 +447,12 @@ fn corrupted_image_records_are_load_errors_naming_tile_and_address() {
 #[test]
 fn partials_in_standard_memory_are_rejected() {
     let (mut package, _) = pipeline();
-    // The matrix product on tile 1 writes its partials into its A buffer (standard memory).
+    // The matrix product on tile 1 writes its partials into standard memory, in the element
+    // after its A buffer's (the input and output may not share one).
     let copy = package.clone();
     edit(&mut package, |x| {
         let VertexCall::MatMul { c, .. } = &mut sets_of(&copy, x, 1)[0].calls[0] else { panic!("tile 1 multiplies") };
-        *c = op(STD, N);
+        *c = op(STD + 0x4000, N);
     });
     let err = load(&package).err().expect("partials below the interleaved region must be rejected");
     assert!(matches!(err, DeviceError::Access { tile: 1, operand: "c", .. }), "{err}");
@@ -463,6 +464,23 @@ fn partials_in_standard_memory_are_rejected() {
     tile0.allocations.iter_mut().find(|a| a.kind == AllocationKind::Partials).unwrap().start = STD + 0x1000;
     let err = load(&package).err().expect("a partials allocation in standard memory must be rejected");
     assert!(matches!(err, DeviceError::Load { tile: 0, .. }) && err.to_string().contains("interleaved"), "{err}");
+}
+
+#[test]
+fn a_product_whose_input_shares_its_outputs_memory_element_is_rejected() {
+    // Tile 1's product reads A in standard memory and writes partials in interleaved memory:
+    // it loads. With A moved next to its partials (the same 32 KiB element pair) it does not.
+    let (package, _) = pipeline();
+    load(&package).expect("the pipeline's products keep input and output apart");
+    let mut package = package;
+    let copy = package.clone();
+    edit(&mut package, |x| {
+        let VertexCall::MatMul { a, c, .. } = &mut sets_of(&copy, x, 1)[0].calls[0] else { panic!("tile 1 multiplies") };
+        *a = Operand { address: c.address + 0x1000, row_stride: a.row_stride };
+    });
+    let err = load(&package).err().expect("an input in its output's element must be rejected");
+    assert!(matches!(err, DeviceError::Access { tile: 1, compute_set: 0, call: 0, operand: "c", .. }), "{err}");
+    assert!(err.to_string().contains("must lie in different memory elements"), "{err}");
 }
 
 #[test]
@@ -482,14 +500,15 @@ fn never_written_memory_reads_as_poison_and_zero_fill_as_zero() {
 
 #[test]
 fn a_product_adds_its_epilogue_addend_by_rows_columns_or_whole_block_before_rounding() {
-    // c = a . b + addend for each broadcast, on tile 5: a [2 x 4], b [4 x 8], c [2 x 8].
+    // c = a . b + addend for each broadcast, on tile 5: a [2 x 4], b [4 x 8], c [2 x 8]; a in
+    // the next 32 KiB element pair (a product's input and output never share an element).
     let (m, k, n) = (2u32, 4u32, 8u32);
     let mut b = Build::new();
-    for (name, offset, bytes) in [("a", 0, 16), ("b", 0x100, 64), ("row", 0x200, 16), ("column", 0x240, 8), ("full", 0x280, 32), ("c1", 0x300, 32), ("c2", 0x340, 32), ("c3", 0x380, 32)] {
+    for (name, offset, bytes) in [("a", 0x8000, 16), ("b", 0x100, 64), ("row", 0x200, 16), ("column", 0x240, 8), ("full", 0x280, 32), ("c1", 0x300, 32), ("c2", 0x340, 32), ("c3", 0x380, 32)] {
         b.alloc(5, name, IL + offset, bytes, AllocationKind::Data);
     }
     let call = |c: u32, add: Operand, broadcast: Broadcast| VertexCall::MatMul {
-        m, k, n, a: op(IL, k), a_panel: 0, b: op(IL + 0x100, n), b_transposed: false, c: op(IL + c, n), c_panel: 0, partials: false,
+        m, k, n, a: op(IL + 0x8000, k), a_panel: 0, b: op(IL + 0x100, n), b_transposed: false, c: op(IL + c, n), c_panel: 0, partials: false,
         add: Some(Addend { operand: add, broadcast }),
     };
     b.call(5, 0, call(0x300, op(IL + 0x200, n), Broadcast::Row));
@@ -502,7 +521,7 @@ fn a_product_adds_its_epilogue_addend_by_rows_columns_or_whole_block_before_roun
     let package = b.finish();
     let mut device = load(&package).unwrap();
     let (av, bv, row, column, full) = (values(8, 5), values(32, 6), values(8, 7), values(2, 8), values(16, 9));
-    for (name, address, rows, cols, v) in [("a", 0, m, k, &av), ("b", 0x100, k, n, &bv), ("row", 0x200, 1, n, &row), ("column", 0x240, 1, m, &column), ("full", 0x280, m, n, &full)] {
+    for (name, address, rows, cols, v) in [("a", 0x8000, m, k, &av), ("b", 0x100, k, n, &bv), ("row", 0x200, 1, n, &row), ("column", 0x240, 1, m, &column), ("full", 0x280, m, n, &full)] {
         device.write_tensor(&t(name, IL + address, rows, cols), &to_bytes(v)).unwrap();
     }
     let report = device.run(&[]).unwrap();

@@ -6,6 +6,13 @@
 //! matrix-product weights prefer interleaved memory (128-bit weight loads); everything else
 //! prefers standard memory. First fit by start step; a buffer that fits nowhere is an error
 //! naming the tile, the region, the bytes and the capacity.
+//!
+//! A matrix product's streamed input (A) and its output (C: partials or f16) never share a
+//! memory element: the AMP's inner loop loads the input and the partials and stores partials
+//! in one instruction, whose accesses must hit different memory elements (machine model,
+//! memory rules `[OFF]`; poplibs' AMP convolution vertices carry the same constraint between
+//! their input and output fields). This rule is hard: unlike the exchange rules it is never
+//! relaxed when room is short, and a buffer that cannot keep it does not fit.
 
 use rayon::prelude::*;
 
@@ -67,6 +74,7 @@ pub struct ExchangeRules {
 /// `place_storage` under exchange rules (see `ExchangeRules`).
 pub fn place_storage_with(target: &Target, lowered: &Lowered, code_bytes: &[u32], rules: &ExchangeRules) -> Result<Placement, PlacementError> {
     let m = &target.memory;
+    let amp = amp_counterparts(lowered);
     let mut per_tile: Vec<Vec<u32>> = vec![Vec::new(); lowered.tiles as usize];
     for (i, b) in lowered.buffers.iter().enumerate() {
         per_tile[b.tile as usize].push(i as u32);
@@ -85,7 +93,7 @@ pub fn place_storage_with(target: &Target, lowered: &Lowered, code_bytes: &[u32]
             if tile > lowest_failed.load(std::sync::atomic::Ordering::Relaxed) {
                 return None;
             }
-            let placed = place_one_tile(m, lowered, rules, tile, code_bytes, ids);
+            let placed = place_one_tile(m, lowered, rules, &amp, tile, code_bytes, ids);
             if placed.is_err() {
                 lowest_failed.fetch_min(tile, std::sync::atomic::Ordering::Relaxed);
             }
@@ -109,32 +117,55 @@ pub fn place_storage_with(target: &Target, lowered: &Lowered, code_bytes: &[u32]
 
 /// One tile's placement: its buffers by first step (largest first among equals), and when
 /// the exchange rules left no room, again largest first.
-fn place_one_tile(m: &crate::target::Memory, lowered: &Lowered, rules: &ExchangeRules, tile: usize, code_bytes: &[u32], ids: &[u32]) -> Result<TilePlacement, PlacementError> {
+fn place_one_tile(m: &crate::target::Memory, lowered: &Lowered, rules: &ExchangeRules, amp: &[Vec<u32>], tile: usize, code_bytes: &[u32], ids: &[u32]) -> Result<TilePlacement, PlacementError> {
     let code = code_bytes.get(tile).copied().unwrap_or(0);
     let mut order = ids.to_vec();
     order.sort_by_key(|&i| {
         let b = &lowered.buffers[i as usize];
         (b.first_step, std::cmp::Reverse(b.bytes), i)
     });
-    let first = place_tile(m, lowered, rules, tile, code, &order, true);
-    if first.is_ok() || rules.opposites.is_empty() {
+    let first = place_tile(m, lowered, rules, amp, tile, code, &order, true);
+    if first.is_ok() || (rules.opposites.is_empty() && ids.iter().all(|&i| amp[i as usize].is_empty())) {
         return first;
     }
-    // Separating opposites fragmented the tile's memory (the rules move buffers off the
-    // lowest free addresses, and a later large buffer finds no room): the tile is placed
-    // again, the largest buffers first, under the same rules. Only tiles that failed
+    // Separating opposites (or a product's input from its output) fragmented the tile's
+    // memory (the rules move buffers off the lowest free addresses, and a later large buffer
+    // finds no room): the tile is placed again, the largest buffers first, under the same rules. Only tiles that failed
     // change, so placements that fitted before are the same; the search scores the
     // conflicts either order leaves.
     order.sort_by_key(|&i| {
         let b = &lowered.buffers[i as usize];
         (std::cmp::Reverse(b.bytes), b.first_step, i)
     });
-    place_tile(m, lowered, rules, tile, code, &order, false).or(first)
+    place_tile(m, lowered, rules, amp, tile, code, &order, false).or(first)
+}
+
+/// Per buffer: the buffers it meets as a matrix product's input (A) or output (C) in some
+/// call, the other side of that call (a product's input and output must lie in different
+/// memory elements; see the module note). Sorted, without repeats.
+fn amp_counterparts(lowered: &Lowered) -> Vec<Vec<u32>> {
+    let mut amp: Vec<Vec<u32>> = vec![Vec::new(); lowered.buffers.len()];
+    for set in &lowered.compute_sets {
+        for (_, call) in set.iter() {
+            if let crate::package::VertexCall::MatMul { a, c, .. } = call {
+                if a.buffer != c.buffer && (a.buffer as usize) < amp.len() && (c.buffer as usize) < amp.len() {
+                    amp[a.buffer as usize].push(c.buffer);
+                    amp[c.buffer as usize].push(a.buffer);
+                }
+            }
+        }
+    }
+    for list in &mut amp {
+        list.sort_unstable();
+        list.dedup();
+    }
+    amp
 }
 
 /// One tile's placement, buffers taken in `order`; `by_start`: the order is by first step,
 /// so buffers that ended before the current one's first step are dropped from the scans.
-fn place_tile(m: &crate::target::Memory, lowered: &Lowered, rules: &ExchangeRules, tile: usize, code: u32, order: &[u32], by_start: bool) -> Result<TilePlacement, PlacementError> {
+#[allow(clippy::too_many_arguments)]
+fn place_tile(m: &crate::target::Memory, lowered: &Lowered, rules: &ExchangeRules, amp: &[Vec<u32>], tile: usize, code: u32, order: &[u32], by_start: bool) -> Result<TilePlacement, PlacementError> {
     let code_end = data_start(m.base, code);
     let standard = (code_end, m.interleaved_start);
     let interleaved = (m.interleaved_start, m.loader_limit);
@@ -169,11 +200,18 @@ fn place_tile(m: &crate::target::Memory, lowered: &Lowered, rules: &ExchangeRule
             .filter_map(|o| at.get(o).map(|&s| (s, s + lowered.buffers[*o as usize].bytes)))
             .map(|(s, e)| (element_range(m, s).0, element_range(m, e.saturating_sub(1).max(s)).1))
             .collect();
-        avoid.sort_unstable();
+        // Element ranges of the placed buffers it meets across a matrix product: never shared.
+        let elements = |(s, e): (u32, u32)| (element_range(m, s).0, element_range(m, e.saturating_sub(1).max(s)).1);
+        let mut hard: Vec<(u32, u32)> = amp[i as usize].iter().filter_map(|o| at.get(o).map(|&s| elements((s, s + lowered.buffers[*o as usize].bytes)))).collect();
+        hard.sort_unstable();
+        if !hard.is_empty() {
+            avoid.extend_from_slice(&hard);
+            avoid.sort_unstable();
+        }
         let offset = if rules.receives.get(i as usize).copied().unwrap_or(false) { rules.receive_offset } else { 0 };
         // Try: away from opposite elements from the offset, then from the region start,
-        // then (room is short) anywhere.
-        let attempts: [(&[(u32, u32)], u32); 3] = [(&avoid, offset), (&avoid, 0), (&[], 0)];
+        // then (room is short) anywhere but a product counterpart's elements.
+        let attempts: [(&[(u32, u32)], u32); 3] = [(&avoid, offset), (&avoid, 0), (&hard, 0)];
         let mut done = false;
         'attempts: for (avoid, offset) in attempts {
             for &inter in regions {
@@ -259,6 +297,7 @@ fn first_fit(range: (u32, u32), placed: &[Placed], avoid: &[(u32, u32)], bytes: 
 #[cfg(test)]
 mod tests {
     use super::{align, first_fit, place_storage, place_storage_with, ExchangeRules, Placed};
+    use crate::elements::element_range;
     use crate::lower::{BufferDecl, Lowered};
     use crate::package::AllocationKind;
     use crate::target::Target;
@@ -310,6 +349,44 @@ mod tests {
         let by_start = place_storage_with(&target, &small, &[0], &rules).unwrap();
         assert_eq!(by_start.addresses[2], m.interleaved_start + 1024, "the third buffer follows the sender");
         assert!(by_start.addresses[1] >= m.interleaved_start + m.interleaved_element_bytes, "the receiver is in another element");
+    }
+
+    /// A matrix product's input and output never share a memory element: the output moves to
+    /// the next element when the first fit would put it beside the input, also with no
+    /// exchange rules, and when only the input's element has room the placement fails rather
+    /// than share it.
+    #[test]
+    fn a_products_input_and_output_are_placed_in_different_elements() {
+        let target = Target::from_toml(crate::target::fixtures::SMALL16, "small16.toml").unwrap();
+        let m = &target.memory;
+        let region = m.loader_limit - m.interleaved_start;
+        let loc = |buffer| crate::lower::Loc { buffer, offset: 0, row_stride: 4, dtype_bytes: 2 };
+        let program = |input: u32, output: u32| {
+            // Buffer 0: an input block in interleaved memory (as a weight prefers); buffer 1:
+            // the product's partials; buffer 2: the weights (B), which the rule does not concern.
+            let mut l = partials(&[(output, 0, 1)]);
+            l.labels = vec!["a".into(), "c".into(), "b".into()];
+            let data = |bytes, label| BufferDecl { tile: 0, bytes, kind: AllocationKind::Data, prefer_interleaved: true, label, first_step: 0, last_step: 1 };
+            l.buffers = vec![data(input, 0), BufferDecl { label: 1, ..l.buffers[0].clone() }, data(64, 2)];
+            let call = crate::package::VertexCall::MatMul { m: 4, k: 4, n: 4, a: loc(0), a_panel: 0, b: loc(2), b_transposed: false, c: loc(1), c_panel: 0, partials: true, add: None };
+            l.compute_sets = vec![std::sync::Arc::new(vec![(0, call)])];
+            l
+        };
+        let placed = place_storage(&target, &program(1024, 1024), &[0]).expect("fits");
+        let a = &placed.addresses;
+        assert_eq!(a[0], m.interleaved_start, "the input takes the first fit");
+        let (input, output) = (element_range(m, a[0]), element_range(m, a[1]));
+        assert!(output.0 >= input.1, "the output left the input's element: input {input:x?}, output {output:x?}");
+        assert_eq!(a[2], m.interleaved_start + 1024, "the weights may share the input's element");
+        // Without the product the output follows the input in its element.
+        let mut plain = program(1024, 1024);
+        plain.compute_sets.clear();
+        assert_eq!(place_storage(&target, &plain, &[0]).unwrap().addresses[1], m.interleaved_start + 1024);
+        // The input fills all of the interleaved memory but part of its last element: the
+        // output would fit only there, and does not fit.
+        let input = (region - 4096) / m.interleaved_element_bytes * m.interleaved_element_bytes + 1024;
+        let error = place_storage(&target, &program(input, 1024), &[0]).expect_err("only the input's element has room");
+        assert_eq!((error.label.as_str(), error.region), ("c", "interleaved"));
     }
 
     /// When tiles do not fit, the error is the lowest failing tile's at any thread count

@@ -8,7 +8,10 @@
 //!
 //! Every operand must lie in an allocation of the right kind that is live at each step the set
 //! runs, start at the target's data alignment (partials: in interleaved memory at the partial
-//! alignment). This module must not run a call that `check_set` has not accepted: execution indexes
+//! alignment). A matrix product's input A and its output C must not share a memory element:
+//! the AMP loop loads input and partials and stores partials in one instruction, whose
+//! accesses must hit different elements (the target's `element_bytes`, and
+//! `interleaved_element_bytes` pairs in the interleaved window). This module must not run a call that `check_set` has not accepted: execution indexes
 //! memory without further checks.
 
 use half::f16;
@@ -189,6 +192,9 @@ pub fn check_set(
                 problem: "is an epilogue addend on a call that writes fp32 partials".into(),
             });
         }
+        if let VertexCall::MatMul { .. } = call {
+            check_input_output_elements(target, memory.tile, set.index, index, call)?;
+        }
         for access in accesses(call) {
             let (start, end) = extent(access.op, access.rows, access.cols, access.element_bytes);
             let fail = |problem: String| DeviceError::Access {
@@ -238,6 +244,33 @@ pub fn check_set(
         }
     }
     Ok(CheckedSet { calls: set.calls.clone(), cycles, unmeasured, flops })
+}
+
+/// A matrix product's input A and output C must lie in different memory elements: the first
+/// element both extents touch is the error, named with both operands' extents.
+fn check_input_output_elements(target: &Target, tile: u32, compute_set: u32, index: usize, call: &VertexCall) -> Result<(), DeviceError> {
+    let list = accesses(call);
+    let extent_of = |name: &str| list.iter().find(|a| a.name == name).map(|a| extent(a.op, a.rows, a.cols, a.element_bytes)).filter(|(s, e)| s < e);
+    let (Some(a), Some(c)) = (extent_of("a"), extent_of("c")) else { return Ok(()) };
+    let span = |(s, e): (u64, u64)| (super::elements::element(target, s).0, super::elements::element(target, e - 1).1);
+    let (ea, ec) = (span(a), span(c));
+    if ea.0 < ec.1 && ec.0 < ea.1 {
+        let shared = ea.0.max(ec.0);
+        return Err(DeviceError::Access {
+            tile,
+            compute_set,
+            call: index,
+            vertex: vertex_name(call),
+            operand: "c",
+            start: c.0,
+            end: c.1,
+            problem: format!(
+                "shares the memory element at {shared:#x} with input a [{:#x}, {:#x}): a matrix product's input and output must lie in different memory elements",
+                a.0, a.1
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// Run one checked call on a tile's memory.

@@ -8,6 +8,8 @@
 //! becomes runs of (element, first cycle, end cycle); a tile whose send and receive runs on one
 //! element share a cycle breaks the rule, and the error names phase, tile, cycle and element.
 //! This code is the simulator's own: it shares nothing with the compiler's placement scoring.
+//! `compute.rs` takes `element` for the matrix-product rule (input and output in different
+//! elements).
 
 use std::collections::BTreeMap;
 
@@ -20,7 +22,7 @@ use crate::device::DeviceError;
 const WORD_BYTES: u64 = 4;
 
 /// [first byte, end) of the element holding `address`.
-fn element(target: &Target, address: u64) -> (u64, u64) {
+pub(super) fn element(target: &Target, address: u64) -> (u64, u64) {
     let m = &target.memory;
     let (base, split) = (m.base as u64, m.interleaved_start as u64);
     let small = (m.element_bytes as u64).max(1);
