@@ -198,6 +198,8 @@ fn packages_never_panic_the_reader_or_the_device() {
 
 /// Field-level mutations of a decoded package: tables, calls, allocations and steps with
 /// hostile numbers. The device must reject or run each, never panic or hang.
+/// `IPUQ_FUZZ_DUMP=N` prints what case N changed (compute sets, allocations, tile ids, steps,
+/// outputs) before running it: a failing case is read without a debugger.
 #[test]
 fn structurally_mutated_packages_never_panic_the_device() {
     let (package, inputs) = small_package();
@@ -277,6 +279,23 @@ fn structurally_mutated_packages_never_panic_the_device() {
                 p.tiles[tile].tile = value;
             }
         }
+        if std::env::var("IPUQ_FUZZ_DUMP").ok().and_then(|v| v.parse::<usize>().ok()) == Some(case) {
+            let before = ipuq_queries::image::Programs::of(&package).unwrap();
+            match ipuq_queries::image::Programs::of(&p) {
+                Ok(after) => {
+                    for (t, (x, y)) in before.compute_sets.iter().zip(&after.compute_sets).enumerate() {
+                        if x != y { eprintln!("DUMP tile {t}: {:?}\n  -> {:?}", x, y); }
+                    }
+                }
+                Err(e) => eprintln!("DUMP programs: {e}"),
+            }
+            for (t, (x, y)) in package.tiles.iter().zip(&p.tiles).enumerate() {
+                if x.allocations != y.allocations { eprintln!("DUMP allocations tile {t}: {:?} -> {:?}", x.allocations, y.allocations); }
+                if x.tile != y.tile { eprintln!("DUMP tile id {t}: {} -> {}", x.tile, y.tile); }
+            }
+            if package.steps != p.steps { eprintln!("DUMP steps changed"); }
+            if package.host.outputs != p.host.outputs { eprintln!("DUMP outputs changed"); }
+        }
         if catch_unwind(AssertUnwindSafe(|| ipuq::runtime::execute(&p, &inputs, &options))).is_err() {
             panic!("structural mutation case {case} panicked the device");
         }
@@ -304,5 +323,44 @@ fn an_output_shape_larger_than_its_segments_is_refused_before_allocating() {
             Err(e) => e.to_string(),
         };
         assert!(error.contains(&name) && error.contains(reason), "{error}");
+    }
+}
+
+/// Regression (`structurally_mutated_packages_never_panic_the_device` at
+/// `IPUQ_FUZZ_SCALE=300`, session 40, case 6309): a matrix product mutated to zero output
+/// columns with its output at address 0. The empty operand passed the checks (an empty extent
+/// touches no memory) and the run then took its rows' addresses relative to the tile's base,
+/// which underflowed. Empty operands anywhere, with hostile row strides, are now run as the
+/// nothing they touch.
+#[test]
+fn empty_operands_anywhere_do_not_panic_the_device() {
+    let (package, inputs) = small_package();
+    let options = ipuq::runtime::RunOptions::default();
+    let mutants: [fn(&mut VertexCall) -> bool; 2] = [
+        |call| match call {
+            VertexCall::MatMul { n, c, .. } => {
+                (*n, c.address) = (0, 0);
+                true
+            }
+            _ => false,
+        },
+        |call| match call {
+            VertexCall::Gelu { rows, cols, input, output } => {
+                (*rows, *cols) = (u32::MAX / 2, 0);
+                *input = Operand { address: 0, row_stride: u32::MAX };
+                *output = Operand { address: u32::MAX, row_stride: u32::MAX / 3 };
+                true
+            }
+            _ => false,
+        },
+    ];
+    for (i, mutate) in mutants.iter().enumerate() {
+        let mut p = package.clone();
+        let mut programs = ipuq_queries::image::Programs::of(&p).unwrap();
+        let done = programs.compute_sets.iter_mut().flatten().flat_map(|s| s.calls.iter_mut()).any(mutate);
+        assert!(done, "mutant {i} found no call to change");
+        programs.write(&mut p).unwrap();
+        let outcome = catch_unwind(AssertUnwindSafe(|| ipuq::runtime::execute(&p, &inputs, &options)));
+        assert!(outcome.is_ok(), "mutant {i} panicked the device");
     }
 }

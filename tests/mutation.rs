@@ -333,6 +333,16 @@ fn every_mutation_is_caught() {
     assert_error(&run(d, "misaligned-operand", &p, &[]), "-byte aligned");
     kinds += 1;
 
+    // 14a. A matrix product's rows moved off the alignment: A's row stride one element longer.
+    let mut p = base.clone();
+    programs(&mut p, |x| {
+        if let Some(VertexCall::MatMul { a, .. }) = calls(x).find(|c| matches!(c, VertexCall::MatMul { m, .. } if *m > 1)) {
+            a.row_stride += 1;
+        }
+    });
+    assert_error(&run(d, "misaligned-rows", &p, &[]), "row 1 starts unaligned");
+    kinds += 1;
+
     // 14b. A matrix product whose input is moved into its output's memory element (the
     // AMP loads both and stores partials in one instruction: different elements).
     let mut p = base.clone();

@@ -484,6 +484,35 @@ fn a_product_whose_input_shares_its_outputs_memory_element_is_rejected() {
 }
 
 #[test]
+fn rows_off_the_alignment_are_rejected_unless_a_contiguous_block_is_one_vector() {
+    let gelu = |cols: u32, stride: u32| {
+        let mut b = Build::new();
+        b.alloc(3, "t", IL, 64, AllocationKind::Data);
+        b.call(3, 0, VertexCall::Gelu { rows: 2, cols, input: op(IL, stride), output: op(IL, stride) });
+        b.steps = vec![Step::Compute { index: 0 }];
+        load(&b.finish()).err()
+    };
+    assert!(gelu(6, 6).is_none(), "a contiguous block is one vector");
+    assert!(gelu(6, 8).is_none(), "rows 16 bytes apart");
+    let err = gelu(6, 7).expect("rows 14 bytes apart must be rejected");
+    assert!(matches!(err, DeviceError::Access { tile: 3, operand: "input", .. }) && err.to_string().contains("row 1 starts unaligned"), "{err}");
+    // A matrix product reads every row of its operands with 64-bit loads: contiguous rows of
+    // 6 elements (12 bytes) are rejected, rows padded to 8 elements load.
+    let product = |k: u32, stride: u32| {
+        let mut b = Build::new();
+        b.alloc(4, "a", STD, 64, AllocationKind::Data);
+        b.alloc(4, "b", IL, 128, AllocationKind::Data);
+        b.alloc(4, "c", STD + 0x4000, 64, AllocationKind::Data);
+        b.call(4, 0, VertexCall::MatMul { m: 2, k, n: 4, a: op(STD, stride), a_panel: 0, b: op(IL, 4), b_transposed: false, c: op(STD + 0x4000, 4), c_panel: 0, partials: false, add: None });
+        b.steps = vec![Step::Compute { index: 0 }];
+        load(&b.finish()).err()
+    };
+    assert!(product(6, 8).is_none(), "rows padded to 8 elements");
+    let err = product(6, 6).expect("contiguous product rows of 12 bytes must be rejected");
+    assert!(matches!(err, DeviceError::Access { tile: 4, operand: "a", .. }) && err.to_string().contains("row 1 starts unaligned"), "{err}");
+}
+
+#[test]
 fn never_written_memory_reads_as_poison_and_zero_fill_as_zero() {
     let mut b = Build::new();
     // One allocation: its first row cleared at load, its second never written.
@@ -554,14 +583,15 @@ fn a_product_adds_its_epilogue_addend_by_rows_columns_or_whole_block_before_roun
 
 #[test]
 fn add_softmax_and_copy_match_the_reference() {
-    // s = x + y, p = softmax(s) per row, q = p copied into rows of stride 10.
+    // s = x + y, p = softmax(s) per row, q = p copied into rows of stride 12 (24 bytes: each
+    // row starts on the 8-byte alignment).
     let mut b = Build::new();
     for (name, offset) in [("x", 0), ("y", 0x100), ("s", 0x200), ("p", 0x300), ("q", 0x400)] {
         b.alloc(4, name, IL + offset, 64, AllocationKind::Data);
     }
     b.call(4, 0, VertexCall::Add { rows: 2, cols: 8, a: op(IL, 8), b: op(IL + 0x100, 8), output: op(IL + 0x200, 8) });
     b.call(4, 0, VertexCall::Softmax { rows: 2, cols: 8, scale: 1.0, input: op(IL + 0x200, 8), input_panel: 0, output: op(IL + 0x300, 8), reciprocals: None });
-    b.call(4, 0, VertexCall::Copy { rows: 2, cols: 8, dtype: DType::F16, input: op(IL + 0x300, 8), output: op(IL + 0x400, 10) });
+    b.call(4, 0, VertexCall::Copy { rows: 2, cols: 8, dtype: DType::F16, input: op(IL + 0x300, 8), output: op(IL + 0x400, 12) });
     b.steps = vec![Step::Compute { index: 0 }];
     let t = |name: &str, address, stride: u32| {
         tensor(name, vec![2, 8], HostRole::Input, (0..2).map(|r| segment(4, address + r * stride * 2, r * 8, 8)).collect())
@@ -572,7 +602,7 @@ fn add_softmax_and_copy_match_the_reference() {
     device.write_tensor(&t("y", IL + 0x100, 8), &to_bytes(&y)).unwrap();
     let report = device.run(&[]).unwrap();
     let p = from_bytes(&device.read_tensor(&t("p", IL + 0x300, 8)).unwrap());
-    assert_eq!(from_bytes(&device.read_tensor(&t("q", IL + 0x400, 10)).unwrap()), p, "the copy is bit exact");
+    assert_eq!(from_bytes(&device.read_tensor(&t("q", IL + 0x400, 12)).unwrap()), p, "the copy is bit exact");
     // f64 reference from the f16-rounded sum; tolerance half an f16 ulp plus f32 rounding.
     let sum: Vec<f64> = x.iter().zip(&y).map(|(a, b)| f16::from_f32(a.to_f32() + b.to_f32()).to_f64()).collect();
     for row in 0..2 {

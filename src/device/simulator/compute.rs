@@ -8,11 +8,14 @@
 //!
 //! Every operand must lie in an allocation of the right kind that is live at each step the set
 //! runs, start at the target's data alignment (partials: in interleaved memory at the partial
-//! alignment). A matrix product's input A and its output C must not share a memory element:
-//! the AMP loop loads input and partials and stores partials in one instruction, whose
-//! accesses must hit different elements (the target's `element_bytes`, and
-//! `interleaved_element_bytes` pairs in the interleaved window). This module must not run a call that `check_set` has not accepted: execution indexes
-//! memory without further checks.
+//! alignment), and so must each of its rows: rows at a pitch of their own, and every row of a
+//! matrix product's operands (a contiguous block of another vertex is one vector). A matrix
+//! product's input A and its output C must not share a memory element: the AMP loop loads
+//! input and partials and stores partials in one instruction, whose accesses must hit
+//! different elements (the target's `element_bytes`, and `interleaved_element_bytes` pairs in
+//! the interleaved window). This module must not run a call that `check_set` has not
+//! accepted: execution indexes memory without further checks (an empty operand, which the
+//! checks skip, touches nothing: see `TileMemory::range`).
 
 use half::f16;
 use ipuq_queries::cost;
@@ -228,6 +231,19 @@ pub fn check_set(
                 }
             } else if start % m.data_alignment as u64 != 0 {
                 return Err(fail(format!("starts at an address that is not {}-byte aligned (the target's data alignment: 64-bit loads)", m.data_alignment)));
+            }
+            // Every row starts aligned too: rows at a pitch of their own are separate vectors
+            // (2-D vertex fields align each inner vector), and a matrix product reads each row
+            // of its operands with 64-bit loads whatever the pitch. A contiguous block of another
+            // vertex is one vector.
+            let strided = access.rows > 1 && (access.op.row_stride != access.cols || matches!(call, VertexCall::MatMul { .. }));
+            let pitch = access.op.row_stride as u64 * access.element_bytes as u64;
+            let row_alignment = if access.need == Need::Partials { m.partial_alignment } else { m.data_alignment } as u64;
+            if strided && !pitch.is_multiple_of(row_alignment) {
+                return Err(fail(format!(
+                    "has rows {pitch} bytes apart ({} elements), not a multiple of the {row_alignment}-byte alignment: row 1 starts unaligned",
+                    access.op.row_stride
+                )));
             }
             memory.check(start, end, access.need, steps, labels).map_err(|problem| {
                 let at = steps.first().map(|s| format!(" at step {s}")).unwrap_or_default();

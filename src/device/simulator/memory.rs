@@ -155,12 +155,21 @@ impl TileMemory {
         }
     }
 
+    /// The `len` bytes from `address`. An empty range is empty wherever it points: a call's
+    /// empty operand (a zero dimension) is not checked against the tile's memory
+    /// (`compute::check_set` skips empty extents), so its address may be anything.
     pub fn range(&self, address: u32, len: usize) -> &[u8] {
+        if len == 0 {
+            return &[];
+        }
         let offset = (address - self.base) as usize;
         &self.bytes[offset..offset + len]
     }
 
     pub fn range_mut(&mut self, address: u32, len: usize) -> &mut [u8] {
+        if len == 0 {
+            return &mut [];
+        }
         let offset = (address - self.base) as usize;
         &mut self.bytes[offset..offset + len]
     }
@@ -198,6 +207,10 @@ impl TileMemory {
 
     /// Write `values` (row-major `rows` x `cols`) as f16, rounding to nearest even.
     pub fn write_f16(&mut self, op: Operand, rows: u32, cols: u32, values: &[f32], halves: &mut Vec<f16>) {
+        if rows == 0 || cols == 0 {
+            // An empty operand: nothing to write, wherever it points (see `range`).
+            return;
+        }
         halves.clear();
         halves.resize(values.len(), f16::ZERO);
         halves.convert_from_f32_slice(values);
@@ -213,6 +226,10 @@ impl TileMemory {
 
     /// Write `values` (row-major `rows` x `cols`) as f32.
     pub fn write_f32(&mut self, op: Operand, rows: u32, cols: u32, values: &[f32]) {
+        if rows == 0 || cols == 0 {
+            // An empty operand: nothing to write, wherever it points (see `range`).
+            return;
+        }
         let cols = cols as usize;
         for r in 0..rows {
             let row = self.range_mut(row_address(op, r, 4), cols * 4);
@@ -226,6 +243,10 @@ impl TileMemory {
     /// Copy `rows` x `cols` elements of `element_bytes` each between two operands of this
     /// tile, reading everything before writing anything.
     pub fn copy(&mut self, input: Operand, output: Operand, rows: u32, cols: u32, element_bytes: u32, staging: &mut Vec<u8>) {
+        if rows == 0 || cols == 0 {
+            // An empty operand: nothing to write, wherever it points (see `range`).
+            return;
+        }
         let row_bytes = (cols * element_bytes) as usize;
         staging.clear();
         for r in 0..rows {
@@ -284,7 +305,9 @@ impl RawTiles<'_> {
 
 /// Address of row `r` of a strided operand with elements of `element_bytes`.
 pub fn row_address(op: Operand, r: u32, element_bytes: u32) -> u32 {
-    op.address + r * op.row_stride * element_bytes
+    // Wrapping: for a checked operand the sum lies within tile memory (its extent, taken in 64
+    // bits, was checked); for an empty one it is never used (`range` of nothing is empty).
+    op.address.wrapping_add(r.wrapping_mul(op.row_stride).wrapping_mul(element_bytes))
 }
 
 /// The byte range `[start, end)` a `rows` x `cols` strided operand touches (empty when either
