@@ -167,8 +167,13 @@ fn cache_entries_never_panic() {
 }
 
 fn small_package() -> (Package, std::collections::BTreeMap<String, Vec<u8>>) {
+    package_of("fixtures/workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml")
+}
+
+/// A fixture built for small16, with its input bytes.
+fn package_of(fixture: &str) -> (Package, std::collections::BTreeMap<String, Vec<u8>>) {
     let dir = tempfile::tempdir().unwrap();
-    let workload = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml");
+    let workload = Path::new(env!("CARGO_MANIFEST_DIR")).join(fixture);
     let options = ipuq::build::BuildOptions { target: Some("small16".into()), out_dir: dir.path().to_path_buf(), incremental: false, cache_dir: None, cache_read_only: false, cache_max_bytes: None, plan_finalists: ipuq_queries::lower::search::DEFAULT_FINALISTS, table_budget: ipuq_queries::sizing::EXCHANGE_TABLE_BUDGET_BYTES, remote: None };
     let built = ipuq::build::build(&workload, &options).unwrap();
     let package = ipuq::build::read_package(&built.path).unwrap();
@@ -304,6 +309,63 @@ fn structurally_mutated_packages_never_panic_the_device() {
     eprintln!("fuzz campaign structural package mutations: {cases} executions in {:?}, no panic", started.elapsed());
 }
 
+/// The sizes of vertex calls mutated to hostile numbers (rows, columns, panel widths, segment
+/// counts, row strides) in the small encoder's package, whose calls cover every vertex kind
+/// the encoder uses (LayerNorm statistics and segments, softmax with panels and reciprocals,
+/// bias adds, copies): the device must reject or run each, never panic or hang.
+#[test]
+fn vertex_sizes_mutated_never_panic_the_device() {
+    let (package, inputs) = package_of("fixtures/workloads/siglip-encoder-f16-b1-t5-d256-h4-m96-l1.toml");
+    let options = ipuq::runtime::RunOptions::default();
+    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+    let started = Instant::now();
+    let cases = 300 * scale();
+    let hostile = [0u32, 1, 2, 3, 4, 5, 7, 8, 15, 16, 17, 63, 64, 65, 4096, 1 << 16, u32::MAX, u32::MAX / 2];
+    let base = ipuq_queries::image::Programs::of(&package).unwrap();
+    let calls: Vec<(usize, usize, usize)> = base.compute_sets.iter().enumerate().flat_map(|(t, sets)| sets.iter().enumerate().flat_map(move |(s, set)| (0..set.calls.len()).map(move |c| (t, s, c)))).collect();
+    assert!(!calls.is_empty());
+    for case in 0..cases {
+        let value = if rng.below(2) == 0 { hostile[rng.below(hostile.len())] } else { rng.next() as u32 % 1024 };
+        let (t, set, c) = calls[rng.below(calls.len())];
+        let mut programs = base.clone();
+        let call = &mut programs.compute_sets[t][set].calls[c];
+        let field = rng.below(4);
+        match call {
+            VertexCall::MatMul { m, k, n, a_panel, c_panel, .. } => *[m, k, n, a_panel, c_panel].into_iter().nth(rng.below(5)).unwrap() = value,
+            VertexCall::Softmax { rows, cols, input_panel, .. } => *[rows, cols, input_panel].into_iter().nth(rng.below(3)).unwrap() = value,
+            VertexCall::LayerNormSegment { rows, cols, segments, segment, .. } => *[rows, cols, segments, segment].into_iter().nth(rng.below(4)).unwrap() = value,
+            VertexCall::Reduce { rows, cols, .. }
+            | VertexCall::Gelu { rows, cols, .. }
+            | VertexCall::Scale { rows, cols, .. }
+            | VertexCall::Add { rows, cols, .. }
+            | VertexCall::GeluErf { rows, cols, .. }
+            | VertexCall::BiasAdd { rows, cols, .. }
+            | VertexCall::LayerNorm { rows, cols, .. }
+            | VertexCall::LayerNormStatistics { rows, cols, .. }
+            | VertexCall::Copy { rows, cols, .. }
+            | VertexCall::Transpose { rows, cols, .. } => *(if field.is_multiple_of(2) { rows } else { cols }) = value,
+        }
+        if field == 3 {
+            // And one operand's row stride.
+            let pick = rng.below(4);
+            let mut seen = 0;
+            *call = call.map(|o| {
+                seen += 1;
+                if seen - 1 == pick { Operand { address: o.address, row_stride: value } } else { *o }
+            });
+        }
+        let mut p = package.clone();
+        if programs.write(&mut p).is_err() {
+            continue;
+        }
+        if catch_unwind(AssertUnwindSafe(|| ipuq::runtime::execute(&p, &inputs, &options))).is_err() {
+            panic!("vertex size mutation case {case} panicked the device: {:?}", programs.compute_sets[t][set].calls[c]);
+        }
+    }
+    assert!(started.elapsed() < Duration::from_secs(300) * scale() as u32, "{cases} cases took {:?}", started.elapsed());
+    eprintln!("fuzz campaign vertex sizes: {cases} executions in {:?}, no panic", started.elapsed());
+}
+
 /// Regression (cargo-fuzz `package_device`, session 17): an output tensor whose shape was
 /// corrupted to far more elements than its segments store made the host read allocate
 /// coverage and output buffers the size of the shape (34 GB) before finding the gap. It is
@@ -362,5 +424,60 @@ fn empty_operands_anywhere_do_not_panic_the_device() {
         programs.write(&mut p).unwrap();
         let outcome = catch_unwind(AssertUnwindSafe(|| ipuq::runtime::execute(&p, &inputs, &options)));
         assert!(outcome.is_ok(), "mutant {i} panicked the device");
+    }
+}
+
+/// Regressions (`vertex_sizes_mutated_never_panic_the_device` at `IPUQ_FUZZ_SCALE=300`,
+/// session 40): LayerNorm statistics of a zero-column segment (the kernel wrote no records and
+/// the write read past them), a product of 2^32 - 1 rows at a row stride of 2^32 - 1 (its
+/// extent overflowed 64 bits), a softmax of zero columns with deferred reciprocals (no
+/// reciprocals written), and a LayerNorm segment numbered past its row's segments (its
+/// statistics spliced past the others'). Each must be rejected or run, never panic.
+#[test]
+fn degenerate_vertex_sizes_do_not_panic_the_device() {
+    let (package, inputs) = package_of("fixtures/workloads/siglip-encoder-f16-b1-t5-d256-h4-m96-l1.toml");
+    let options = ipuq::runtime::RunOptions::default();
+    let mutants: [fn(&mut VertexCall) -> bool; 4] = [
+        |call| match call {
+            VertexCall::LayerNormStatistics { cols, .. } => {
+                *cols = 0;
+                true
+            }
+            _ => false,
+        },
+        |call| match call {
+            VertexCall::MatMul { m, c, .. } => {
+                (*m, c.row_stride) = (u32::MAX, u32::MAX);
+                true
+            }
+            _ => false,
+        },
+        |call| match call {
+            VertexCall::Softmax { cols, reciprocals: Some(_), .. } => {
+                *cols = 0;
+                true
+            }
+            _ => false,
+        },
+        |call| match call {
+            VertexCall::LayerNormSegment { segments, segment, .. } => {
+                *segment = *segments;
+                true
+            }
+            _ => false,
+        },
+    ];
+    for (i, mutate) in mutants.iter().enumerate() {
+        let mut p = package.clone();
+        let mut programs = ipuq_queries::image::Programs::of(&p).unwrap();
+        let done = programs.compute_sets.iter_mut().flatten().flat_map(|s| s.calls.iter_mut()).any(mutate);
+        assert!(done, "mutant {i} found no call to change");
+        programs.write(&mut p).unwrap();
+        let outcome = catch_unwind(AssertUnwindSafe(|| ipuq::runtime::execute(&p, &inputs, &options)));
+        assert!(outcome.is_ok(), "mutant {i} panicked the device");
+        if i == 3 {
+            let error = outcome.unwrap().err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(error.contains("segments"), "a segment past its row's segments is refused by name: {error}");
+        }
     }
 }

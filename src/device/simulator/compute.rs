@@ -181,6 +181,22 @@ pub fn check_set(
     let m = &target.memory;
     let (mut cycles, mut unmeasured, mut flops) = (0, 0, 0u64);
     for (index, call) in set.calls.iter().enumerate() {
+        if let VertexCall::LayerNormSegment { segments, segment, rows, cols, input, .. } = call {
+            // The call's own statistics go in at `segment` among the `segments`.
+            if segment >= segments {
+                let (start, end) = extent(*input, *rows, *cols, 2);
+                return Err(DeviceError::Access {
+                    tile: memory.tile,
+                    compute_set: set.index,
+                    call: index,
+                    vertex: vertex_name(call),
+                    operand: "input",
+                    start,
+                    end,
+                    problem: format!("is segment {segment} of a row cut into {segments} segments"),
+                });
+            }
+        }
         if let VertexCall::MatMul { partials: true, add: Some(x), .. } = call {
             // The addend belongs to the reduction that finishes the product: added to every
             // partial it would be counted once per member.
@@ -266,7 +282,9 @@ pub fn check_set(
 /// element both extents touch is the error, named with both operands' extents.
 fn check_input_output_elements(target: &Target, tile: u32, compute_set: u32, index: usize, call: &VertexCall) -> Result<(), DeviceError> {
     let list = accesses(call);
-    let extent_of = |name: &str| list.iter().find(|a| a.name == name).map(|a| extent(a.op, a.rows, a.cols, a.element_bytes)).filter(|(s, e)| s < e);
+    // Extents outside the tile's memory are left to the per-operand checks that follow.
+    let memory_end = target.memory.base as u64 + target.memory.size as u64;
+    let extent_of = |name: &str| list.iter().find(|a| a.name == name).map(|a| extent(a.op, a.rows, a.cols, a.element_bytes)).filter(|&(s, e)| s < e && e <= memory_end);
     let (Some(a), Some(c)) = (extent_of("a"), extent_of("c")) else { return Ok(()) };
     let span = |(s, e): (u64, u64)| (super::elements::element(target, s).0, super::elements::element(target, e - 1).1);
     let (ea, ec) = (span(a), span(c));
@@ -375,7 +393,7 @@ pub fn execute(memory: &mut TileMemory, call: &VertexCall, s: &mut Scratch) {
             }
             match reciprocals {
                 Some(r) => {
-                    kernels::softmax_rows_unnormalised(&mut s.a, *cols as usize, &mut s.b);
+                    kernels::softmax_rows_unnormalised(&mut s.a, *rows as usize, *cols as usize, &mut s.b);
                     memory.write_f32(*r, *rows, 1, &s.b);
                 }
                 None => kernels::softmax_rows(&mut s.a, *cols as usize),
@@ -402,7 +420,7 @@ pub fn execute(memory: &mut TileMemory, call: &VertexCall, s: &mut Scratch) {
         }
         VertexCall::LayerNormStatistics { rows, cols, input, statistics } => {
             memory.read_f16(*input, *rows, *cols, &mut s.bits, &mut s.a);
-            kernels::layer_norm_statistics(&s.a, *cols as usize, &mut s.b);
+            kernels::layer_norm_statistics(&s.a, *rows as usize, *cols as usize, &mut s.b);
             memory.write_f32(*statistics, *rows, kernels::STATISTICS, &s.b);
         }
         VertexCall::LayerNormSegment { rows, cols, segments, segment, eps, input, statistics, others, gamma, beta, output } => {

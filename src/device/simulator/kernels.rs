@@ -182,10 +182,12 @@ pub const STATISTICS: u32 = 4;
 /// The statistics of each row (`cols` elements) of a LayerNorm segment into `out`, four fp32
 /// elements a row (`STATISTICS`): the count, the mean (the sum in increasing column order over
 /// the count), the sum of the squared deviations from it in the same order (two passes, as
-/// `layer_norm_rows`), and 0.
-pub fn layer_norm_statistics(values: &[f32], cols: usize, out: &mut Vec<f32>) {
+/// `layer_norm_rows`), and 0. A segment of no columns has `rows` records of zeros (no
+/// elements: count, mean and squares 0).
+pub fn layer_norm_statistics(values: &[f32], rows: usize, cols: usize, out: &mut Vec<f32>) {
     out.clear();
     if cols == 0 {
+        out.resize(rows * STATISTICS as usize, 0.0);
         return;
     }
     for row in values.chunks_exact(cols) {
@@ -275,9 +277,11 @@ fn exp_row(row: &mut [f32]) -> f32 {
 /// Softmax over each row of `cols` elements with the normalisation deferred: subtract the row
 /// maximum and exponentiate, summing in increasing column order (as `softmax_rows`), and leave
 /// the values unnormalised; `reciprocals` receives 1 / sum per row, in row order.
-pub fn softmax_rows_unnormalised(values: &mut [f32], cols: usize, reciprocals: &mut Vec<f32>) {
+pub fn softmax_rows_unnormalised(values: &mut [f32], rows: usize, cols: usize, reciprocals: &mut Vec<f32>) {
     reciprocals.clear();
     if cols == 0 {
+        // Rows of no elements: each sums to 0, whose reciprocal is infinite.
+        reciprocals.resize(rows, f32::INFINITY);
         return;
     }
     for row in values.chunks_exact_mut(cols) {
@@ -329,7 +333,7 @@ mod tests {
         assert!((v[..3].iter().sum::<f32>() - 1.0).abs() < 1e-6);
         let mut u = vec![1.0, 2.0, 3.0, -1.0, 0.0, 1.0];
         let mut reciprocals = Vec::new();
-        softmax_rows_unnormalised(&mut u, 3, &mut reciprocals);
+        softmax_rows_unnormalised(&mut u, 2, 3, &mut reciprocals);
         assert_eq!(reciprocals.len(), 2);
         assert_eq!(u[2], 1.0, "the row maximum exponentiates to one");
         scale_rows(&mut u, &reciprocals);
@@ -362,7 +366,7 @@ mod tests {
             let mut statistics = Vec::new();
             for p in 0..cuts.len() - 1 {
                 let mut records = Vec::new();
-                layer_norm_statistics(&block(p), segment(p).1 - segment(p).0, &mut records);
+                layer_norm_statistics(&block(p), rows, segment(p).1 - segment(p).0, &mut records);
                 assert_eq!(records.len(), rows * STATISTICS as usize);
                 statistics.extend(records);
             }

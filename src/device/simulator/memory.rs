@@ -317,6 +317,8 @@ pub fn extent(op: Operand, rows: u32, cols: u32, element_bytes: u32) -> (u64, u6
     if rows == 0 || cols == 0 {
         return (start, start);
     }
-    let elements = (rows as u64 - 1) * op.row_stride as u64 + cols as u64;
-    (start, start + elements * element_bytes as u64)
+    // Saturating: rows and a row stride near 2^32 with 4-byte elements exceed 64 bits; such an
+    // extent ends at u64::MAX, past any tile's memory, and is refused as lying outside it.
+    let elements = (rows as u64 - 1).saturating_mul(op.row_stride as u64).saturating_add(cols as u64);
+    (start, start.saturating_add(elements.saturating_mul(element_bytes as u64)))
 }
