@@ -397,7 +397,6 @@ fn an_output_shape_larger_than_its_segments_is_refused_before_allocating() {
 #[test]
 fn empty_operands_anywhere_do_not_panic_the_device() {
     let (package, inputs) = small_package();
-    let options = ipuq::runtime::RunOptions::default();
     let mutants: [fn(&mut VertexCall) -> bool; 2] = [
         |call| match call {
             VertexCall::MatMul { n, c, .. } => {
@@ -416,15 +415,24 @@ fn empty_operands_anywhere_do_not_panic_the_device() {
             _ => false,
         },
     ];
+    run_mutants(&package, &inputs, &mutants);
+}
+
+/// Each mutant applied to the first call it changes, and the package run: the outcome of
+/// each run (rejected or run), none panicking.
+fn run_mutants(package: &Package, inputs: &std::collections::BTreeMap<String, Vec<u8>>, mutants: &[fn(&mut VertexCall) -> bool]) -> Vec<Result<ipuq::runtime::RunResult, String>> {
+    let options = ipuq::runtime::RunOptions::default();
+    let mut outcomes = Vec::new();
     for (i, mutate) in mutants.iter().enumerate() {
         let mut p = package.clone();
         let mut programs = ipuq_queries::image::Programs::of(&p).unwrap();
         let done = programs.compute_sets.iter_mut().flatten().flat_map(|s| s.calls.iter_mut()).any(mutate);
         assert!(done, "mutant {i} found no call to change");
         programs.write(&mut p).unwrap();
-        let outcome = catch_unwind(AssertUnwindSafe(|| ipuq::runtime::execute(&p, &inputs, &options)));
-        assert!(outcome.is_ok(), "mutant {i} panicked the device");
+        let outcome = catch_unwind(AssertUnwindSafe(|| ipuq::runtime::execute(&p, inputs, &options)));
+        outcomes.push(outcome.unwrap_or_else(|_| panic!("mutant {i} panicked the device")).map_err(|e| e.to_string()));
     }
+    outcomes
 }
 
 /// Regressions (`vertex_sizes_mutated_never_panic_the_device` at `IPUQ_FUZZ_SCALE=300`,
@@ -436,7 +444,6 @@ fn empty_operands_anywhere_do_not_panic_the_device() {
 #[test]
 fn degenerate_vertex_sizes_do_not_panic_the_device() {
     let (package, inputs) = package_of("fixtures/workloads/siglip-encoder-f16-b1-t5-d256-h4-m96-l1.toml");
-    let options = ipuq::runtime::RunOptions::default();
     let mutants: [fn(&mut VertexCall) -> bool; 4] = [
         |call| match call {
             VertexCall::LayerNormStatistics { cols, .. } => {
@@ -467,17 +474,7 @@ fn degenerate_vertex_sizes_do_not_panic_the_device() {
             _ => false,
         },
     ];
-    for (i, mutate) in mutants.iter().enumerate() {
-        let mut p = package.clone();
-        let mut programs = ipuq_queries::image::Programs::of(&p).unwrap();
-        let done = programs.compute_sets.iter_mut().flatten().flat_map(|s| s.calls.iter_mut()).any(mutate);
-        assert!(done, "mutant {i} found no call to change");
-        programs.write(&mut p).unwrap();
-        let outcome = catch_unwind(AssertUnwindSafe(|| ipuq::runtime::execute(&p, &inputs, &options)));
-        assert!(outcome.is_ok(), "mutant {i} panicked the device");
-        if i == 3 {
-            let error = outcome.unwrap().err().map(|e| e.to_string()).unwrap_or_default();
-            assert!(error.contains("segments"), "a segment past its row's segments is refused by name: {error}");
-        }
-    }
+    let outcomes = run_mutants(&package, &inputs, &mutants);
+    let error = outcomes[3].as_ref().err().cloned().unwrap_or_default();
+    assert!(error.contains("segments"), "a segment past its row's segments is refused by name: {error}");
 }
