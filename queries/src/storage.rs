@@ -191,19 +191,20 @@ fn place_tile(m: &crate::target::Memory, lowered: &Lowered, rules: &ExchangeRule
             (_, true) => &[true, false],
             _ => &[false, true],
         };
-        // Element ranges of placed buffers this one exchanges against, sorted.
-        let mut avoid: Vec<(u32, u32)> = rules
-            .opposites
-            .get(i as usize)
-            .into_iter()
-            .flatten()
-            .filter_map(|o| at.get(o).map(|&s| (s, s + lowered.buffers[*o as usize].bytes)))
-            .map(|(s, e)| (element_range(m, s).0, element_range(m, e.saturating_sub(1).max(s)).1))
-            .collect();
-        // Element ranges of the placed buffers it meets across a matrix product: never shared.
-        let elements = |(s, e): (u32, u32)| (element_range(m, s).0, element_range(m, e.saturating_sub(1).max(s)).1);
-        let mut hard: Vec<(u32, u32)> = amp[i as usize].iter().filter_map(|o| at.get(o).map(|&s| elements((s, s + lowered.buffers[*o as usize].bytes)))).collect();
-        hard.sort_unstable();
+        // The element range of each placed buffer in `others`, sorted: those it exchanges
+        // against (avoided where room allows) and those it meets across a matrix product
+        // (never shared).
+        let elements_of = |others: &[u32]| -> Vec<(u32, u32)> {
+            let mut list: Vec<(u32, u32)> = others
+                .iter()
+                .filter_map(|o| at.get(o).map(|&s| (s, s + lowered.buffers[*o as usize].bytes)))
+                .map(|(s, e)| (element_range(m, s).0, element_range(m, e.saturating_sub(1).max(s)).1))
+                .collect();
+            list.sort_unstable();
+            list
+        };
+        let hard = elements_of(&amp[i as usize]);
+        let mut avoid = elements_of(rules.opposites.get(i as usize).map_or(&[], |v| v.as_slice()));
         if !hard.is_empty() {
             avoid.extend_from_slice(&hard);
             avoid.sort_unstable();

@@ -211,10 +211,11 @@ pub fn check_set(
                 problem: "is an epilogue addend on a call that writes fp32 partials".into(),
             });
         }
+        let list = accesses(call);
         if let VertexCall::MatMul { .. } = call {
-            check_input_output_elements(target, memory.tile, set.index, index, call)?;
+            check_input_output_elements(target, memory.tile, set.index, index, call, &list)?;
         }
-        for access in accesses(call) {
+        for access in list {
             let (start, end) = extent(access.op, access.rows, access.cols, access.element_bytes);
             let fail = |problem: String| DeviceError::Access {
                 tile: memory.tile,
@@ -280,8 +281,7 @@ pub fn check_set(
 
 /// A matrix product's input A and output C must lie in different memory elements: the first
 /// element both extents touch is the error, named with both operands' extents.
-fn check_input_output_elements(target: &Target, tile: u32, compute_set: u32, index: usize, call: &VertexCall) -> Result<(), DeviceError> {
-    let list = accesses(call);
+fn check_input_output_elements(target: &Target, tile: u32, compute_set: u32, index: usize, call: &VertexCall, list: &[Access]) -> Result<(), DeviceError> {
     // Extents outside the tile's memory are left to the per-operand checks that follow.
     let memory_end = target.memory.base as u64 + target.memory.size as u64;
     let extent_of = |name: &str| list.iter().find(|a| a.name == name).map(|a| extent(a.op, a.rows, a.cols, a.element_bytes)).filter(|&(s, e)| s < e && e <= memory_end);
