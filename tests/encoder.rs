@@ -115,6 +115,32 @@ fn layer_norm_rows_split_over_idle_tiles_match_the_host_reference() {
     }
 }
 
+/// Heads 2 mod 4 f16 elements wide (6, 10, 14) put every other row of a head's block 4 bytes
+/// past the 8-byte alignment: the blocks a tile holds itself copy one 32-bit word at a time
+/// (`CopyWords`) and agree with the host reference in both layer styles. Odd head widths would
+/// move half words, which ipuq does not: exit 2, naming the value.
+#[test]
+fn heads_two_mod_four_elements_wide_copy_in_words_and_match_the_host_reference() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases = [(LayerStyle::PreNorm, (11, 18, 3, 40)), (LayerStyle::PostNorm, (11, 30, 3, 40)), (LayerStyle::PreNorm, (11, 28, 2, 40)), (LayerStyle::PostNorm, (11, 40, 4, 40))];
+    for (i, (style, shape)) in cases.into_iter().enumerate() {
+        let text = tiny_of(style, Activation::GeluTanh, false, 1, shape);
+        let file = format!("words{i}.toml");
+        let out = run_file(dir.path(), &file, &text);
+        assert_pass(&out);
+        assert_eq!(field(&out.stdout, "diagnosticCheckpoints=", "numericalTest").as_deref(), Some("PASS"), "{style:?} {shape:?}");
+        let package = ipuq::build::read_package(&dir.path().join(format!("out-{file}/model.ipuexe"))).unwrap();
+        let programs = ipuq_queries::image::Programs::of(&package).unwrap();
+        let words = programs.compute_sets.iter().flatten().flat_map(|s| &s.calls).filter(|c| matches!(c, ipuq_queries::package::VertexCall::CopyWords { .. })).count();
+        assert!(words > 0, "{style:?} {shape:?}: no word copy in the package");
+    }
+    let text = tiny_of(LayerStyle::PreNorm, Activation::GeluTanh, false, 1, (9, 20, 4, 40));
+    std::fs::write(dir.path().join("odd.toml"), &text).unwrap();
+    let out = ipuq(&["build", "odd.toml", "--target", "small16", "-o", "out-odd"], dir.path());
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(out.stderr.contains("needs sub-word transfers") && out.stderr.contains("l0."), "{}", out.stderr);
+}
+
 #[test]
 fn the_generator_writes_a_named_pre_norm_encoder_that_runs() {
     let dir = tempfile::tempdir().unwrap();

@@ -343,6 +343,7 @@ fn vertex_sizes_mutated_never_panic_the_device() {
             | VertexCall::LayerNorm { rows, cols, .. }
             | VertexCall::LayerNormStatistics { rows, cols, .. }
             | VertexCall::Copy { rows, cols, .. }
+            | VertexCall::CopyWords { rows, cols, .. }
             | VertexCall::Transpose { rows, cols, .. } => *(if field.is_multiple_of(2) { rows } else { cols }) = value,
         }
         if field == 3 {

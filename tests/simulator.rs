@@ -622,6 +622,59 @@ fn add_softmax_and_copy_match_the_reference() {
 }
 
 #[test]
+fn a_word_copy_moves_rows_that_start_on_a_word_and_only_those() {
+    // x: 4 rows of 6 f16 at stride 18 (a 3-head row's first head: rows 36 bytes apart, every
+    // other row 4 bytes past the 8-byte alignment) copied into rows of stride 8 (16 bytes).
+    // A 64-bit copy of it is rejected; a word copy moves it bit for bit at the target's
+    // per-word cost.
+    let (rows, cols) = (4u32, 6u32);
+    let mut b = Build::new();
+    b.alloc(3, "x", IL, 144, AllocationKind::Data);
+    b.alloc(3, "y", IL + 0x100, 64, AllocationKind::Data);
+    let call = |words: bool, input: Operand, output: Operand| {
+        if words {
+            VertexCall::CopyWords { rows, cols, dtype: DType::F16, input, output }
+        } else {
+            VertexCall::Copy { rows, cols, dtype: DType::F16, input, output }
+        }
+    };
+    b.call(3, 0, call(true, op(IL, 18), op(IL + 0x100, 8)));
+    b.steps = vec![Step::Compute { index: 0 }];
+    let package = b.finish();
+    let x_view = tensor("x", vec![rows, cols], HostRole::Input, (0..rows).map(|r| segment(3, IL + r * 36, r * cols, cols)).collect());
+    let y_view = tensor("y", vec![rows, cols], HostRole::Input, (0..rows).map(|r| segment(3, IL + 0x100 + r * 16, r * cols, cols)).collect());
+    let mut device = load(&package).unwrap();
+    let x = values((rows * cols) as usize, 21);
+    device.write_tensor(&x_view, &to_bytes(&x)).unwrap();
+    let report = device.run(&[]).unwrap();
+    let want: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+    assert_eq!(from_bytes(&device.read_tensor(&y_view).unwrap()), want, "the word copy is bit exact");
+    let t = target();
+    let bytes = (rows * cols * 2) as u64;
+    assert_eq!(report.timeline.cycles(), cost::copy_words(&t, bytes));
+    assert_eq!(cost::copy_words(&t, bytes), t.costs.kernel_launch + t.costs.copy_overhead + bytes / 4 * t.costs.copy_word_cycles);
+    assert!(cost::copy_words(&t, bytes) > cost::copy(&t, bytes, true), "a word copy is slower than a 64-bit one");
+
+    let with = |c: VertexCall| {
+        let mut package = package.clone();
+        let at = package.tiles.iter().position(|t| t.tile == 3).unwrap();
+        edit(&mut package, |x| x.compute_sets[at][0].calls[0] = c.clone());
+        load(&package).err()
+    };
+    // The same rows through the 64-bit copy: row 1 starts 4 bytes past the alignment.
+    let err = with(call(false, op(IL, 18), op(IL + 0x100, 8))).expect("a 64-bit copy of word-aligned rows must be rejected");
+    assert!(matches!(err, DeviceError::Access { tile: 3, operand: "input", .. }) && err.to_string().contains("row 1 starts unaligned"), "{err}");
+    // Half a word off: a start 2 bytes past a word, or rows 2 bytes apart.
+    let err = with(call(true, op(IL + 2, 18), op(IL + 0x100, 8))).expect("a word copy from half a word must be rejected");
+    assert!(err.to_string().contains("not 4-byte aligned"), "{err}");
+    let err = with(call(true, op(IL, 17), op(IL + 0x100, 8))).expect("rows 34 bytes apart must be rejected");
+    assert!(err.to_string().contains("row 1 starts unaligned"), "{err}");
+    // Rows of 5 f16 (10 bytes) are not whole words.
+    let err = with(VertexCall::CopyWords { rows, cols: 5, dtype: DType::F16, input: op(IL, 18), output: op(IL + 0x100, 8) }).expect("rows of half words must be rejected");
+    assert!(err.to_string().contains("not whole 32-bit words"), "{err}");
+}
+
+#[test]
 fn a_transpose_writes_each_element_at_its_mirrored_place() {
     // x: 3 rows of 5 at stride 8; t = xᵀ: 5 rows of 3 at stride 4. Costed as the target's
     // transpose: the copy's overhead and the per-element term.

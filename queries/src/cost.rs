@@ -201,6 +201,15 @@ pub fn copy(t: &Target, bytes: u64, both_interleaved: bool) -> u64 {
     c.kernel_launch + c.copy_overhead + ceil_div(bytes, rate)
 }
 
+/// A local copy one 32-bit word at a time (`CopyWords`: rows that start on a word but not on
+/// the data alignment): the measured copy's call overhead, then `copy_word_cycles` per word
+/// (the 64-bit path does not apply; each word is loaded and stored alone). The per-word term
+/// is an assumption (`[INF]` in the target).
+pub fn copy_words(t: &Target, bytes: u64) -> u64 {
+    let c = &t.costs;
+    c.kernel_launch + c.copy_overhead + ceil_div(bytes, 4) * c.copy_word_cycles
+}
+
 /// A local transpose of rows x cols f16 elements: the measured copy's call overhead, then
 /// `transpose_cycles_per_element` per element (no 64-bit loads or stores apply: each element
 /// is loaded and stored alone). The per-element term is an assumption (`[INF]` in the target).
@@ -286,6 +295,7 @@ pub fn vertex_constants(t: &Target, call: &VertexCall) -> Vec<&'static str> {
         VertexCall::LayerNormStatistics { .. } => keys.extend(LAYER_NORM_STATISTICS_CONSTANTS),
         VertexCall::LayerNormSegment { .. } => keys.extend(LAYER_NORM_SEGMENT_CONSTANTS),
         VertexCall::Copy { .. } => keys.extend(["costs.copy_overhead", "costs.copy_standard_bytes_per_cycle", "costs.copy_interleaved_bytes_per_cycle"]),
+        VertexCall::CopyWords { .. } => keys.extend(["costs.copy_overhead", "costs.copy_word_cycles"]),
         VertexCall::Transpose { .. } => keys.extend(["costs.copy_overhead", "costs.transpose_cycles_per_element"]),
     }
     keys
@@ -347,6 +357,7 @@ pub fn vertex_with<O>(t: &Target, call: &VertexCall<O>, interleaved: impl Fn(&O)
         VertexCall::Copy { rows, cols, dtype, input, output } => {
             copy(t, *rows as u64 * *cols as u64 * dtype.bytes() as u64, interleaved(input) && interleaved(output))
         }
+        VertexCall::CopyWords { rows, cols, dtype, .. } => copy_words(t, *rows as u64 * *cols as u64 * dtype.bytes() as u64),
         VertexCall::Transpose { rows, cols, .. } => transpose(t, *rows, *cols),
     }
 }

@@ -100,6 +100,7 @@ fn scalars<O>(call: &VertexCall<O>) -> (u32, Vec<u32>) {
         VertexCall::Add { rows, cols, .. } => (5, vec![*rows, *cols]),
         VertexCall::Softmax { rows, cols, scale, input_panel, .. } => (6, vec![*rows, *cols, scale.to_bits(), *input_panel]),
         VertexCall::Copy { rows, cols, dtype, .. } => (7, vec![*rows, *cols, dtype.bytes()]),
+        VertexCall::CopyWords { rows, cols, dtype, .. } => (14, vec![*rows, *cols, dtype.bytes()]),
         VertexCall::GeluErf { rows, cols, .. } => (8, vec![*rows, *cols]),
         VertexCall::BiasAdd { rows, cols, .. } => (9, vec![*rows, *cols]),
         VertexCall::LayerNorm { rows, cols, eps, .. } => (10, vec![*rows, *cols, eps.to_bits()]),
@@ -183,14 +184,19 @@ fn decode_call(kind: u32, s: &[u32], o: &[Operand]) -> Result<VertexCall, String
             shape(4, o.len().clamp(2, 3))?;
             VertexCall::Softmax { rows: s[0], cols: s[1], scale: f32::from_bits(s[2]), input: o[0], input_panel: s[3], output: o[1], reciprocals: o.get(2).copied() }
         }
-        7 => {
+        7 | 14 => {
             shape(3, 2)?;
             let dtype = match s[2] {
                 2 => DType::F16,
                 4 => DType::F32,
                 b => return Err(format!("copy of {b}-byte elements (only 2 and 4)")),
             };
-            VertexCall::Copy { rows: s[0], cols: s[1], dtype, input: o[0], output: o[1] }
+            let (rows, cols, input, output) = (s[0], s[1], o[0], o[1]);
+            if kind == 7 {
+                VertexCall::Copy { rows, cols, dtype, input, output }
+            } else {
+                VertexCall::CopyWords { rows, cols, dtype, input, output }
+            }
         }
         8 => unary(|rows, cols, input, output| VertexCall::GeluErf { rows, cols, input, output })?,
         9 => {
@@ -517,6 +523,7 @@ mod tests {
             VertexCall::Softmax { rows: 3, cols: 2, scale: 1.0, input: op(3, 4), input_panel: 0, output: op(5, 6), reciprocals: Some(op(7, 3)) },
             VertexCall::Reduce { rows: 3, cols: 16, parts: vec![op(1, 2), op(3, 4)], out: op(13, 14), add: Some(Addend { operand: op(15, 3), broadcast: Broadcast::RowScale }) },
             VertexCall::Copy { rows: 1, cols: 2, dtype: DType::F32, input: op(3, 4), output: op(5, 6) },
+            VertexCall::CopyWords { rows: 3, cols: 6, dtype: DType::F16, input: op(3, 18), output: op(5, 8) },
             VertexCall::GeluErf { rows: 1, cols: 2, input: op(3, 4), output: op(5, 6) },
             VertexCall::BiasAdd { rows: 1, cols: 2, input: op(3, 4), bias: op(5, 6), output: op(7, 8) },
             VertexCall::LayerNorm { rows: 1, cols: 2, eps: 1e-6, input: op(3, 4), gamma: op(5, 6), beta: op(7, 8), output: op(9, 10) },

@@ -246,8 +246,14 @@ pub enum VertexCall<O = Operand> {
     /// LayerNorm of each row of `cols` elements, f16 in and out, fp32 statistics:
     /// `(x - mean) / sqrt(var + eps) * gamma + beta`; `gamma` and `beta` are one row each.
     LayerNorm { rows: u32, cols: u32, eps: f32, input: O, gamma: O, beta: O, output: O },
-    /// Local copy of rows x cols elements of `dtype`.
+    /// Local copy of rows x cols elements of `dtype`, 64 bits at a time: every row of both
+    /// operands starts on the target's data alignment.
     Copy { rows: u32, cols: u32, dtype: DType, input: O, output: O },
+    /// Local copy of rows x cols elements of `dtype`, one 32-bit word at a time: for blocks
+    /// whose rows start on a word but not on the data alignment (an attention head 2 mod 4
+    /// f16 elements wide inside a row). Each row of both operands starts on a 4-byte boundary
+    /// and holds whole words.
+    CopyWords { rows: u32, cols: u32, dtype: DType, input: O, output: O },
     /// Local transpose, f16: `input` is rows x cols (row stride `input.row_stride`), `output`
     /// cols x rows (row stride `output.row_stride`), output[c][r] = input[r][c].
     Transpose { rows: u32, cols: u32, input: O, output: O },
@@ -303,6 +309,7 @@ impl<O> VertexCall<O> {
                 VertexCall::LayerNormSegment { rows: *rows, cols: *cols, segments: *segments, segment: *segment, eps: *eps, input, statistics, others, gamma, beta, output }
             }
             VertexCall::Copy { rows, cols, dtype, input, output } => VertexCall::Copy { rows: *rows, cols: *cols, dtype: *dtype, input: f(input), output: f(output) },
+            VertexCall::CopyWords { rows, cols, dtype, input, output } => VertexCall::CopyWords { rows: *rows, cols: *cols, dtype: *dtype, input: f(input), output: f(output) },
             VertexCall::Transpose { rows, cols, input, output } => VertexCall::Transpose { rows: *rows, cols: *cols, input: f(input), output: f(output) },
         }
     }
@@ -312,7 +319,7 @@ impl<O> VertexCall<O> {
         match self {
             VertexCall::MatMul { a, b, c, add, .. } => [a, b, c].into_iter().chain(add.as_ref().map(|x| &x.operand)).collect(),
             VertexCall::Reduce { parts, out, add, .. } => parts.iter().chain([out]).chain(add.as_ref().map(|x| &x.operand)).collect(),
-            VertexCall::Gelu { input, output, .. } | VertexCall::Scale { input, output, .. } | VertexCall::Copy { input, output, .. } | VertexCall::Transpose { input, output, .. } => vec![input, output],
+            VertexCall::Gelu { input, output, .. } | VertexCall::Scale { input, output, .. } | VertexCall::Copy { input, output, .. } | VertexCall::CopyWords { input, output, .. } | VertexCall::Transpose { input, output, .. } => vec![input, output],
             VertexCall::Softmax { input, output, reciprocals, .. } => [input, output].into_iter().chain(reciprocals.as_ref()).collect(),
             VertexCall::Add { a, b, output, .. } => vec![a, b, output],
             VertexCall::GeluErf { input, output, .. } => vec![input, output],

@@ -93,6 +93,7 @@ pub struct Costs {
     pub copy_overhead: u64,
     pub copy_standard_bytes_per_cycle: u64,
     pub copy_interleaved_bytes_per_cycle: u64,
+    pub copy_word_cycles: u64,
     pub transpose_cycles_per_element: u64,
 }
 

@@ -136,6 +136,9 @@ struct LocalCopy {
     cols: u32,
     src: Loc,
     dst: Loc,
+    /// Moved one 32-bit word at a time (`CopyWords`): a row starts on a word but not on the
+    /// data alignment.
+    words: bool,
 }
 
 struct Builder<'a> {
@@ -841,13 +844,16 @@ impl<'a> Builder<'a> {
             for p in pieces.iter() {
                 let dst = Loc { buffer, ..p.dst };
                 if p.src_tile == tile {
-                    // A local copy loads and stores 64 bits at a time: both ends start at the
-                    // target's data alignment.
+                    // A local copy loads and stores 64 bits at a time where both ends start at
+                    // the target's data alignment, else one 32-bit word at a time (slower, a
+                    // `CopyWords`) where both start on a word and the piece is whole words.
                     let align = self.target.memory.data_alignment;
-                    if !(p.src.offset * bytes).is_multiple_of(align) || !(dst.offset * bytes).is_multiple_of(align) {
-                        return Err(LowerError::Unsupported { operation: self.operation_name.clone(), message: format!("a local copy of value '{name}' from element {} would not start {align}-byte aligned", p.element) });
+                    let (src_at, dst_at, len) = (p.src.offset * bytes, dst.offset * bytes, p.elements * bytes);
+                    let words = !src_at.is_multiple_of(align) || !dst_at.is_multiple_of(align);
+                    if words && (!src_at.is_multiple_of(4) || !dst_at.is_multiple_of(4) || !len.is_multiple_of(4)) {
+                        return Err(LowerError::Unsupported { operation: self.operation_name.clone(), message: format!("a local copy of value '{name}' from element {} would not start {align}-byte aligned, nor move whole 32-bit words", p.element) });
                     }
-                    self.local_copy(p.elements, p.src, dst);
+                    self.local_copy(p.elements, p.src, dst, words);
                 } else {
                     let (src_offset, dst_offset) = (p.src.offset * bytes, dst.offset * bytes);
                     if !src_offset.is_multiple_of(4) || !dst_offset.is_multiple_of(4) || (!(p.elements * bytes).is_multiple_of(4) && !p.ends_rows) {
@@ -903,21 +909,27 @@ impl<'a> Builder<'a> {
         (self.target.memory.data_alignment / 2).max(2)
     }
 
-    fn local_copy(&mut self, cols: u32, src: Loc, dst: Loc) {
+    fn local_copy(&mut self, cols: u32, src: Loc, dst: Loc, words: bool) {
         if let Some(last) = self.copies.last_mut() {
+            // Rows at a pitch that is not a multiple of the data alignment alternate between
+            // aligned and word-aligned starts: they merge into one word copy (a word copy moves
+            // aligned rows too). A copy of more rows keeps its kind: at its pitch the next row
+            // starts aligned if its first did.
             let same = last.cols == cols && last.src.buffer == src.buffer && last.dst.buffer == dst.buffer;
             if same && last.rows == 1 && src.offset > last.src.offset && dst.offset > last.dst.offset {
                 last.src.row_stride = src.offset - last.src.offset;
                 last.dst.row_stride = dst.offset - last.dst.offset;
                 last.rows = 2;
+                last.words |= words;
                 return;
             }
-            if same && last.rows > 1 && src.offset == last.src.offset + last.rows * last.src.row_stride && dst.offset == last.dst.offset + last.rows * last.dst.row_stride {
+            let kept = last.words || !words;
+            if same && kept && last.rows > 1 && src.offset == last.src.offset + last.rows * last.src.row_stride && dst.offset == last.dst.offset + last.rows * last.dst.row_stride {
                 last.rows += 1;
                 return;
             }
         }
-        self.copies.push(LocalCopy { rows: 1, cols, src, dst });
+        self.copies.push(LocalCopy { rows: 1, cols, src, dst, words });
     }
 
     /// Close the gathers of one operation: an exchange phase if anything moves, then the
@@ -943,7 +955,9 @@ impl<'a> Builder<'a> {
             let tile = self.buffers[copy.src.buffer as usize].tile;
             let (rows, cols) = (copy.rows, copy.cols);
             let dtype = if copy.src.dtype_bytes == 2 { DType::F16 } else { DType::F32 };
-            self.emit(step, tile, Call::Copy { rows, cols, dtype, input: copy.src, output: copy.dst });
+            let (input, output) = (copy.src, copy.dst);
+            let call = if copy.words { Call::CopyWords { rows, cols, dtype, input, output } } else { Call::Copy { rows, cols, dtype, input, output } };
+            self.emit(step, tile, call);
         }
         step
     }

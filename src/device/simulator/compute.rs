@@ -27,6 +27,9 @@ use super::kernels;
 use super::memory::{extent, Need, TileMemory};
 use crate::device::DeviceError;
 
+/// Bytes of the machine word a `CopyWords` call moves at a time (32 bits, the exchange's word).
+const WORD_BYTES: u64 = 4;
+
 /// One tile's calls of one compute set, checked, with their cycles.
 pub struct CheckedSet {
     pub calls: Vec<VertexCall>,
@@ -73,6 +76,7 @@ fn vertex_name(call: &VertexCall) -> &'static str {
         VertexCall::LayerNormStatistics { .. } => "LayerNormStatistics",
         VertexCall::LayerNormSegment { .. } => "LayerNormSegment",
         VertexCall::Copy { .. } => "Copy",
+        VertexCall::CopyWords { .. } => "CopyWords",
         VertexCall::Transpose { .. } => "Transpose",
     }
 }
@@ -151,7 +155,7 @@ fn accesses(call: &VertexCall) -> Vec<Access> {
             half("beta", *beta, 1, *cols),
             half("output", *output, *rows, *cols),
         ],
-        VertexCall::Copy { rows, cols, dtype, input, output } => {
+        VertexCall::Copy { rows, cols, dtype, input, output } | VertexCall::CopyWords { rows, cols, dtype, input, output } => {
             let bytes = dtype.bytes();
             let tensor = |name, op| Access { name, op, rows: *rows, cols: *cols, element_bytes: bytes, need: Need::Tensor };
             vec![tensor("input", *input), tensor("output", *output)]
@@ -239,6 +243,12 @@ pub fn check_set(
             if start % access.element_bytes as u64 != 0 {
                 return Err(fail(format!("is not aligned to its {}-byte elements", access.element_bytes)));
             }
+            // A word copy moves 32-bit words: its rows start on a word and hold whole words.
+            let words = matches!(call, VertexCall::CopyWords { .. });
+            let data_alignment = if words { WORD_BYTES } else { m.data_alignment as u64 };
+            if words && !(access.cols as u64 * access.element_bytes as u64).is_multiple_of(WORD_BYTES) {
+                return Err(fail(format!("has rows of {} bytes, not whole 32-bit words (a word copy moves words)", access.cols as u64 * access.element_bytes as u64)));
+            }
             if access.need == Need::Partials {
                 if start < m.interleaved_start as u64 {
                     return Err(fail(format!("holds AMP partials but lies in standard memory (interleaved memory starts at {:#x})", m.interleaved_start)));
@@ -246,8 +256,12 @@ pub fn check_set(
                 if start % m.partial_alignment as u64 != 0 {
                     return Err(fail(format!("holds AMP partials but is not {}-byte aligned", m.partial_alignment)));
                 }
-            } else if start % m.data_alignment as u64 != 0 {
-                return Err(fail(format!("starts at an address that is not {}-byte aligned (the target's data alignment: 64-bit loads)", m.data_alignment)));
+            } else if start % data_alignment != 0 {
+                return Err(fail(if words {
+                    format!("starts at an address that is not {WORD_BYTES}-byte aligned (a word copy moves 32-bit words)")
+                } else {
+                    format!("starts at an address that is not {}-byte aligned (the target's data alignment: 64-bit loads)", m.data_alignment)
+                }));
             }
             // Every row starts aligned too: rows at a pitch of their own are separate vectors
             // (2-D vertex fields align each inner vector), and a matrix product reads each row
@@ -255,7 +269,7 @@ pub fn check_set(
             // vertex is one vector.
             let strided = access.rows > 1 && (access.op.row_stride != access.cols || matches!(call, VertexCall::MatMul { .. }));
             let pitch = access.op.row_stride as u64 * access.element_bytes as u64;
-            let row_alignment = if access.need == Need::Partials { m.partial_alignment } else { m.data_alignment } as u64;
+            let row_alignment = if access.need == Need::Partials { m.partial_alignment as u64 } else { data_alignment };
             if strided && !pitch.is_multiple_of(row_alignment) {
                 return Err(fail(format!(
                     "has rows {pitch} bytes apart ({} elements), not a multiple of the {row_alignment}-byte alignment: row 1 starts unaligned",
@@ -436,7 +450,7 @@ pub fn execute(memory: &mut TileMemory, call: &VertexCall, s: &mut Scratch) {
             kernels::layer_norm_segment(&mut s.a, &s.c, *segments as usize, &s.b, &s.t, *eps);
             memory.write_f16(*output, *rows, *cols, &s.a, &mut s.halves);
         }
-        VertexCall::Copy { rows, cols, dtype, input, output } => {
+        VertexCall::Copy { rows, cols, dtype, input, output } | VertexCall::CopyWords { rows, cols, dtype, input, output } => {
             memory.copy(*input, *output, *rows, *cols, dtype.bytes(), &mut s.bytes);
         }
         VertexCall::Transpose { rows, cols, input, output } => {
