@@ -312,7 +312,8 @@ fn structurally_mutated_packages_never_panic_the_device() {
 /// The sizes of vertex calls mutated to hostile numbers (rows, columns, panel widths, segment
 /// counts, row strides) in the small encoder's package, whose calls cover every vertex kind
 /// the encoder uses (LayerNorm statistics and segments, softmax with panels and reciprocals,
-/// bias adds, copies): the device must reject or run each, never panic or hang.
+/// bias adds, copies, some made word copies): the device must reject or run each, never panic
+/// or hang.
 #[test]
 fn vertex_sizes_mutated_never_panic_the_device() {
     let (package, inputs) = package_of("fixtures/workloads/siglip-encoder-f16-b1-t5-d256-h4-m96-l1.toml");
@@ -324,12 +325,22 @@ fn vertex_sizes_mutated_never_panic_the_device() {
     let base = ipuq_queries::image::Programs::of(&package).unwrap();
     let calls: Vec<(usize, usize, usize)> = base.compute_sets.iter().enumerate().flat_map(|(t, sets)| sets.iter().enumerate().flat_map(move |(s, set)| (0..set.calls.len()).map(move |c| (t, s, c)))).collect();
     assert!(!calls.is_empty());
+    let copies = calls.iter().filter(|&&(t, s, c)| matches!(base.compute_sets[t][s].calls[c], VertexCall::Copy { .. })).count();
+    assert!(copies > 0, "the fixture's package has no local copy to make a word copy of");
     for case in 0..cases {
         let value = if rng.below(2) == 0 { hostile[rng.below(hostile.len())] } else { rng.next() as u32 % 1024 };
         let (t, set, c) = calls[rng.below(calls.len())];
         let mut programs = base.clone();
         let call = &mut programs.compute_sets[t][set].calls[c];
         let field = rng.below(4);
+        // Half the copies become word copies (32-bit moves), half of those from a start moved
+        // by half a word or a word.
+        if let VertexCall::Copy { rows, cols, dtype, input, output } = *call {
+            if rng.below(2) == 0 {
+                let input = Operand { address: input.address.wrapping_add([0, 2, 4][rng.below(3)]), row_stride: input.row_stride };
+                *call = VertexCall::CopyWords { rows, cols, dtype, input, output };
+            }
+        }
         match call {
             VertexCall::MatMul { m, k, n, a_panel, c_panel, .. } => *[m, k, n, a_panel, c_panel].into_iter().nth(rng.below(5)).unwrap() = value,
             VertexCall::Softmax { rows, cols, input_panel, .. } => *[rows, cols, input_panel].into_iter().nth(rng.below(3)).unwrap() = value,
