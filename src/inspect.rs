@@ -43,6 +43,7 @@ pub fn describe(p: &Package) -> Result<String, String> {
     let mut peak = (0u64, 0u32);
     let mut code = 0u64;
     let mut calls = 0usize;
+    let mut kinds: BTreeMap<&str, usize> = BTreeMap::new();
     for (tile, program) in p.tiles.iter().zip(&programs) {
         let bytes: u64 = tile.allocations.iter().map(|a| a.end.saturating_sub(a.start) as u64).sum();
         if bytes > peak.0 {
@@ -50,8 +51,13 @@ pub fn describe(p: &Package) -> Result<String, String> {
         }
         code = code.max(tile.allocations.iter().filter(|a| a.kind == AllocationKind::Code).map(|a| a.end.saturating_sub(a.start) as u64).sum());
         calls += program.compute_sets.iter().map(|s| s.calls.len()).sum::<usize>();
+        for call in program.compute_sets.iter().flat_map(|s| &s.calls) {
+            *kinds.entry(call.kind_name()).or_insert(0usize) += 1;
+        }
     }
     line(format!("memory largestAllocatedBytes={} onTile={} largestCodeBytes={} vertexCalls={calls}", peak.0, peak.1, code));
+    // Calls per vertex kind, by name.
+    line(format!("vertices {}", kinds.iter().map(|(k, n)| format!("{k}={n}")).collect::<Vec<_>>().join(" ")));
     // Exchange-table bytes per tile, as the runtime headers state them (shared copies count per tile).
     let table_bytes: Vec<(u32, u32)> = p.tiles.iter().filter_map(|t| image::header_of(&p.shared_segments, t).map(|h| (h.table_bytes, t.tile))).collect();
     let (largest, on) = table_bytes.iter().map(|&(b, t)| (b, std::cmp::Reverse(t))).max().map_or((0, 0), |(b, t)| (b, t.0));

@@ -81,6 +81,11 @@ fn bad_input_gets_one_clear_error_and_exit_code_2() {
     let inspected = ipuq(&["inspect", "good/model.ipuexe"], dir.path());
     assert_eq!(inspected.code, 0, "{}", inspected.stderr);
     assert!(inspected.stdout.contains("program tiles=16") && inspected.stdout.contains("host output=y_0"), "{}", inspected.stdout);
+    // Calls per vertex kind add up to the calls.
+    let calls: usize = field(&inspected.stdout, "memory ", "vertexCalls").and_then(|v| v.parse().ok()).expect("vertexCalls");
+    let kinds = inspected.stdout.lines().find_map(|l| l.strip_prefix("vertices ")).expect("a vertices line");
+    assert!(kinds.contains("MatMul=") && kinds.contains("Gelu="), "{kinds}");
+    assert_eq!(kinds.split(' ').map(|kv| kv.split_once('=').unwrap().1.parse::<usize>().unwrap()).sum::<usize>(), calls, "{kinds}");
     let mut flipped = good.clone();
     flipped[good.len() / 2] ^= 0x10;
     let mut foreign = good.clone();

@@ -314,6 +314,26 @@ impl<O> VertexCall<O> {
         }
     }
 
+    /// The vertex's name, as the simulator's errors and `ipuq inspect` print it.
+    pub fn kind_name(&self) -> &'static str {
+        match self {
+            VertexCall::MatMul { .. } => "MatMul",
+            VertexCall::Reduce { .. } => "Reduce",
+            VertexCall::Gelu { .. } => "Gelu",
+            VertexCall::Scale { .. } => "Scale",
+            VertexCall::Add { .. } => "Add",
+            VertexCall::Softmax { .. } => "Softmax",
+            VertexCall::GeluErf { .. } => "GeluErf",
+            VertexCall::BiasAdd { .. } => "BiasAdd",
+            VertexCall::LayerNorm { .. } => "LayerNorm",
+            VertexCall::LayerNormStatistics { .. } => "LayerNormStatistics",
+            VertexCall::LayerNormSegment { .. } => "LayerNormSegment",
+            VertexCall::Copy { .. } => "Copy",
+            VertexCall::CopyWords { .. } => "CopyWords",
+            VertexCall::Transpose { .. } => "Transpose",
+        }
+    }
+
     /// Every operand the call reads or writes.
     pub fn operands(&self) -> Vec<&O> {
         match self {

@@ -62,25 +62,6 @@ struct Access {
     need: Need,
 }
 
-fn vertex_name(call: &VertexCall) -> &'static str {
-    match call {
-        VertexCall::MatMul { .. } => "MatMul",
-        VertexCall::Reduce { .. } => "Reduce",
-        VertexCall::Gelu { .. } => "Gelu",
-        VertexCall::Scale { .. } => "Scale",
-        VertexCall::Add { .. } => "Add",
-        VertexCall::Softmax { .. } => "Softmax",
-        VertexCall::GeluErf { .. } => "GeluErf",
-        VertexCall::BiasAdd { .. } => "BiasAdd",
-        VertexCall::LayerNorm { .. } => "LayerNorm",
-        VertexCall::LayerNormStatistics { .. } => "LayerNormStatistics",
-        VertexCall::LayerNormSegment { .. } => "LayerNormSegment",
-        VertexCall::Copy { .. } => "Copy",
-        VertexCall::CopyWords { .. } => "CopyWords",
-        VertexCall::Transpose { .. } => "Transpose",
-    }
-}
-
 fn accesses(call: &VertexCall) -> Vec<Access> {
     let half = |name, op, rows, cols| Access { name, op, rows, cols, element_bytes: 2, need: Need::Data };
     match call {
@@ -193,7 +174,7 @@ pub fn check_set(
                     tile: memory.tile,
                     compute_set: set.index,
                     call: index,
-                    vertex: vertex_name(call),
+                    vertex: call.kind_name(),
                     operand: "input",
                     start,
                     end,
@@ -208,7 +189,7 @@ pub fn check_set(
                 tile: memory.tile,
                 compute_set: set.index,
                 call: index,
-                vertex: vertex_name(call),
+                vertex: call.kind_name(),
                 operand: "add",
                 start: x.operand.address as u64,
                 end: x.operand.address as u64,
@@ -225,7 +206,7 @@ pub fn check_set(
                 tile: memory.tile,
                 compute_set: set.index,
                 call: index,
-                vertex: vertex_name(call),
+                vertex: call.kind_name(),
                 operand: access.name,
                 start,
                 end,
@@ -308,7 +289,7 @@ fn check_input_output_elements(target: &Target, tile: u32, compute_set: u32, ind
             tile,
             compute_set,
             call: index,
-            vertex: vertex_name(call),
+            vertex: call.kind_name(),
             operand: "c",
             start: c.0,
             end: c.1,
