@@ -312,8 +312,8 @@ fn structurally_mutated_packages_never_panic_the_device() {
 /// The sizes of vertex calls mutated to hostile numbers (rows, columns, panel widths, segment
 /// counts, row strides) in the small encoder's package, whose calls cover every vertex kind
 /// the encoder uses (LayerNorm statistics and segments, softmax with panels and reciprocals,
-/// bias adds, copies, some made word copies): the device must reject or run each, never panic
-/// or hang.
+/// bias adds, copies, some made word copies or copies of halves): the device must reject or run
+/// each, never panic or hang.
 #[test]
 fn vertex_sizes_mutated_never_panic_the_device() {
     let (package, inputs) = package_of("fixtures/workloads/siglip-encoder-f16-b1-t5-d256-h4-m96-l1.toml");
@@ -333,12 +333,14 @@ fn vertex_sizes_mutated_never_panic_the_device() {
         let mut programs = base.clone();
         let call = &mut programs.compute_sets[t][set].calls[c];
         let field = rng.below(4);
-        // Half the copies become word copies (32-bit moves), half of those from a start moved
-        // by half a word or a word.
+        // A third of the copies become word copies (32-bit moves) and a third copies of halves
+        // (f16 one at a time), two thirds of those from a start moved by half a word or a word.
         if let VertexCall::Copy { rows, cols, dtype, input, output } = *call {
-            if rng.below(2) == 0 {
-                let input = Operand { address: input.address.wrapping_add([0, 2, 4][rng.below(3)]), row_stride: input.row_stride };
-                *call = VertexCall::CopyWords { rows, cols, dtype, input, output };
+            let input = Operand { address: input.address.wrapping_add([0, 2, 4][rng.below(3)]), row_stride: input.row_stride };
+            match rng.below(3) {
+                0 => *call = VertexCall::CopyWords { rows, cols, dtype, input, output },
+                1 => *call = VertexCall::CopyHalves { rows, cols, input, output },
+                _ => {}
             }
         }
         match call {
@@ -355,6 +357,7 @@ fn vertex_sizes_mutated_never_panic_the_device() {
             | VertexCall::LayerNormStatistics { rows, cols, .. }
             | VertexCall::Copy { rows, cols, .. }
             | VertexCall::CopyWords { rows, cols, .. }
+            | VertexCall::CopyHalves { rows, cols, .. }
             | VertexCall::Transpose { rows, cols, .. } => *(if field.is_multiple_of(2) { rows } else { cols }) = value,
         }
         if field == 3 {

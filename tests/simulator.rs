@@ -675,6 +675,46 @@ fn a_word_copy_moves_rows_that_start_on_a_word_and_only_those() {
 }
 
 #[test]
+fn a_copy_of_halves_moves_rows_that_start_inside_a_word() {
+    // x: 3 rows of 5 f16 at stride 15 (30 bytes: rows start 2 bytes into a word every other
+    // row), from element 1 (2 bytes past the allocation's start), copied into rows of stride 8.
+    // Only a copy of halves moves them; it is bit exact at the target's per-element cost.
+    let (rows, cols) = (3u32, 5u32);
+    let mut b = Build::new();
+    b.alloc(6, "x", IL, 96, AllocationKind::Data);
+    b.alloc(6, "y", IL + 0x100, 48, AllocationKind::Data);
+    b.call(6, 0, VertexCall::CopyHalves { rows, cols, input: op(IL + 2, 15), output: op(IL + 0x100, 8) });
+    b.steps = vec![Step::Compute { index: 0 }];
+    let package = b.finish();
+    let x_view = tensor("x", vec![rows, cols], HostRole::Input, (0..rows).map(|r| segment(6, IL + 2 + r * 30, r * cols, cols)).collect());
+    let y_view = tensor("y", vec![rows, cols], HostRole::Input, (0..rows).map(|r| segment(6, IL + 0x100 + r * 16, r * cols, cols)).collect());
+    let mut device = load(&package).unwrap();
+    let x = values((rows * cols) as usize, 23);
+    device.write_tensor(&x_view, &to_bytes(&x)).unwrap();
+    let report = device.run(&[]).unwrap();
+    let want: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+    assert_eq!(from_bytes(&device.read_tensor(&y_view).unwrap()), want, "the copy of halves is bit exact");
+    let t = target();
+    let elements = (rows * cols) as u64;
+    assert_eq!(report.timeline.cycles(), cost::copy_halves(&t, elements));
+    assert_eq!(cost::copy_halves(&t, elements), t.costs.kernel_launch + t.costs.copy_overhead + elements * t.costs.copy_word_cycles);
+    let with = |c: VertexCall| {
+        let mut package = package.clone();
+        let at = package.tiles.iter().position(|t| t.tile == 6).unwrap();
+        edit(&mut package, |x| x.compute_sets[at][0].calls[0] = c.clone());
+        load(&package).err()
+    };
+    // The same rows through a word copy or a 64-bit copy: rejected at the start.
+    let err = with(VertexCall::CopyWords { rows, cols, dtype: DType::F16, input: op(IL + 2, 15), output: op(IL + 0x100, 8) }).expect("a word copy from inside a word must be rejected");
+    assert!(err.to_string().contains("not 4-byte aligned") || err.to_string().contains("whole 32-bit words"), "{err}");
+    let err = with(VertexCall::Copy { rows, cols, dtype: DType::F16, input: op(IL + 2, 15), output: op(IL + 0x100, 8) }).expect("a 64-bit copy from inside a word must be rejected");
+    assert!(matches!(err, DeviceError::Access { tile: 6, operand: "input", .. }), "{err}");
+    // A copy of halves outside the tile's memory is refused like any other call.
+    let err = with(VertexCall::CopyHalves { rows, cols, input: op(IL + 2, 15), output: op(0x10, 8) }).expect("an output outside memory must be rejected");
+    assert!(matches!(err, DeviceError::Access { tile: 6, operand: "output", .. }), "{err}");
+}
+
+#[test]
 fn a_transpose_writes_each_element_at_its_mirrored_place() {
     // x: 3 rows of 5 at stride 8; t = xᵀ: 5 rows of 3 at stride 4. Costed as the target's
     // transpose: the copy's overhead and the per-element term.

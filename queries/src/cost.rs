@@ -210,6 +210,15 @@ pub fn copy_words(t: &Target, bytes: u64) -> u64 {
     c.kernel_launch + c.copy_overhead + ceil_div(bytes, 4) * c.copy_word_cycles
 }
 
+/// A local copy of f16 elements one at a time (`CopyHalves`: rows that start or end inside a
+/// 32-bit word): the measured copy's call overhead, then `copy_word_cycles` per element (one
+/// 16-bit load and one 16-bit store each, as the word copy's one 32-bit load and store). The
+/// per-element term is the word copy's assumption (`[INF]` in the target).
+pub fn copy_halves(t: &Target, elements: u64) -> u64 {
+    let c = &t.costs;
+    c.kernel_launch + c.copy_overhead + elements * c.copy_word_cycles
+}
+
 /// A local transpose of rows x cols f16 elements: the measured copy's call overhead, then
 /// `transpose_cycles_per_element` per element (no 64-bit loads or stores apply: each element
 /// is loaded and stored alone). The per-element term is an assumption (`[INF]` in the target).
@@ -295,7 +304,7 @@ pub fn vertex_constants(t: &Target, call: &VertexCall) -> Vec<&'static str> {
         VertexCall::LayerNormStatistics { .. } => keys.extend(LAYER_NORM_STATISTICS_CONSTANTS),
         VertexCall::LayerNormSegment { .. } => keys.extend(LAYER_NORM_SEGMENT_CONSTANTS),
         VertexCall::Copy { .. } => keys.extend(["costs.copy_overhead", "costs.copy_standard_bytes_per_cycle", "costs.copy_interleaved_bytes_per_cycle"]),
-        VertexCall::CopyWords { .. } => keys.extend(["costs.copy_overhead", "costs.copy_word_cycles"]),
+        VertexCall::CopyWords { .. } | VertexCall::CopyHalves { .. } => keys.extend(["costs.copy_overhead", "costs.copy_word_cycles"]),
         VertexCall::Transpose { .. } => keys.extend(["costs.copy_overhead", "costs.transpose_cycles_per_element"]),
     }
     keys
@@ -358,6 +367,7 @@ pub fn vertex_with<O>(t: &Target, call: &VertexCall<O>, interleaved: impl Fn(&O)
             copy(t, *rows as u64 * *cols as u64 * dtype.bytes() as u64, interleaved(input) && interleaved(output))
         }
         VertexCall::CopyWords { rows, cols, dtype, .. } => copy_words(t, *rows as u64 * *cols as u64 * dtype.bytes() as u64),
+        VertexCall::CopyHalves { rows, cols, .. } => copy_halves(t, *rows as u64 * *cols as u64),
         VertexCall::Transpose { rows, cols, .. } => transpose(t, *rows, *cols),
     }
 }

@@ -101,6 +101,7 @@ fn scalars<O>(call: &VertexCall<O>) -> (u32, Vec<u32>) {
         VertexCall::Softmax { rows, cols, scale, input_panel, .. } => (6, vec![*rows, *cols, scale.to_bits(), *input_panel]),
         VertexCall::Copy { rows, cols, dtype, .. } => (7, vec![*rows, *cols, dtype.bytes()]),
         VertexCall::CopyWords { rows, cols, dtype, .. } => (14, vec![*rows, *cols, dtype.bytes()]),
+        VertexCall::CopyHalves { rows, cols, .. } => (15, vec![*rows, *cols]),
         VertexCall::GeluErf { rows, cols, .. } => (8, vec![*rows, *cols]),
         VertexCall::BiasAdd { rows, cols, .. } => (9, vec![*rows, *cols]),
         VertexCall::LayerNorm { rows, cols, eps, .. } => (10, vec![*rows, *cols, eps.to_bits()]),
@@ -216,6 +217,7 @@ fn decode_call(kind: u32, s: &[u32], o: &[Operand]) -> Result<VertexCall, String
             }
             VertexCall::LayerNormSegment { rows: s[0], cols: s[1], segments: s[2], segment: s[3], eps: f32::from_bits(s[4]), input: o[0], statistics: o[1], others: o[2], gamma: o[3], beta: o[4], output: o[5] }
         }
+        15 => unary(|rows, cols, input, output| VertexCall::CopyHalves { rows, cols, input, output })?,
         _ => return Err(format!("unknown vertex kind {kind}")),
     })
 }
@@ -524,6 +526,7 @@ mod tests {
             VertexCall::Reduce { rows: 3, cols: 16, parts: vec![op(1, 2), op(3, 4)], out: op(13, 14), add: Some(Addend { operand: op(15, 3), broadcast: Broadcast::RowScale }) },
             VertexCall::Copy { rows: 1, cols: 2, dtype: DType::F32, input: op(3, 4), output: op(5, 6) },
             VertexCall::CopyWords { rows: 3, cols: 6, dtype: DType::F16, input: op(3, 18), output: op(5, 8) },
+            VertexCall::CopyHalves { rows: 3, cols: 5, input: op(3, 20), output: op(5, 8) },
             VertexCall::GeluErf { rows: 1, cols: 2, input: op(3, 4), output: op(5, 6) },
             VertexCall::BiasAdd { rows: 1, cols: 2, input: op(3, 4), bias: op(5, 6), output: op(7, 8) },
             VertexCall::LayerNorm { rows: 1, cols: 2, eps: 1e-6, input: op(3, 4), gamma: op(5, 6), beta: op(7, 8), output: op(9, 10) },

@@ -254,6 +254,10 @@ pub enum VertexCall<O = Operand> {
     /// f16 elements wide inside a row). Each row of both operands starts on a 4-byte boundary
     /// and holds whole words.
     CopyWords { rows: u32, cols: u32, dtype: DType, input: O, output: O },
+    /// Local copy of rows x cols f16 elements, one element at a time: for blocks whose rows
+    /// start or end inside a 32-bit word (an attention head of an odd width inside a row, or
+    /// taken from the words the exchange moved into a staging buffer).
+    CopyHalves { rows: u32, cols: u32, input: O, output: O },
     /// Local transpose, f16: `input` is rows x cols (row stride `input.row_stride`), `output`
     /// cols x rows (row stride `output.row_stride`), output[c][r] = input[r][c].
     Transpose { rows: u32, cols: u32, input: O, output: O },
@@ -310,6 +314,7 @@ impl<O> VertexCall<O> {
             }
             VertexCall::Copy { rows, cols, dtype, input, output } => VertexCall::Copy { rows: *rows, cols: *cols, dtype: *dtype, input: f(input), output: f(output) },
             VertexCall::CopyWords { rows, cols, dtype, input, output } => VertexCall::CopyWords { rows: *rows, cols: *cols, dtype: *dtype, input: f(input), output: f(output) },
+            VertexCall::CopyHalves { rows, cols, input, output } => VertexCall::CopyHalves { rows: *rows, cols: *cols, input: f(input), output: f(output) },
             VertexCall::Transpose { rows, cols, input, output } => VertexCall::Transpose { rows: *rows, cols: *cols, input: f(input), output: f(output) },
         }
     }
@@ -330,6 +335,7 @@ impl<O> VertexCall<O> {
             VertexCall::LayerNormSegment { .. } => "LayerNormSegment",
             VertexCall::Copy { .. } => "Copy",
             VertexCall::CopyWords { .. } => "CopyWords",
+            VertexCall::CopyHalves { .. } => "CopyHalves",
             VertexCall::Transpose { .. } => "Transpose",
         }
     }
@@ -339,7 +345,7 @@ impl<O> VertexCall<O> {
         match self {
             VertexCall::MatMul { a, b, c, add, .. } => [a, b, c].into_iter().chain(add.as_ref().map(|x| &x.operand)).collect(),
             VertexCall::Reduce { parts, out, add, .. } => parts.iter().chain([out]).chain(add.as_ref().map(|x| &x.operand)).collect(),
-            VertexCall::Gelu { input, output, .. } | VertexCall::Scale { input, output, .. } | VertexCall::Copy { input, output, .. } | VertexCall::CopyWords { input, output, .. } | VertexCall::Transpose { input, output, .. } => vec![input, output],
+            VertexCall::Gelu { input, output, .. } | VertexCall::Scale { input, output, .. } | VertexCall::Copy { input, output, .. } | VertexCall::CopyWords { input, output, .. } | VertexCall::CopyHalves { input, output, .. } | VertexCall::Transpose { input, output, .. } => vec![input, output],
             VertexCall::Softmax { input, output, reciprocals, .. } => [input, output].into_iter().chain(reciprocals.as_ref()).collect(),
             VertexCall::Add { a, b, output, .. } => vec![a, b, output],
             VertexCall::GeluErf { input, output, .. } => vec![input, output],

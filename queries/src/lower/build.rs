@@ -136,9 +136,35 @@ struct LocalCopy {
     cols: u32,
     src: Loc,
     dst: Loc,
-    /// Moved one 32-bit word at a time (`CopyWords`): a row starts on a word but not on the
-    /// data alignment.
-    words: bool,
+    /// How it moves: 64 bits at a time, one 32-bit word at a time (`CopyWords`: a row starts
+    /// on a word but not on the data alignment), or one f16 element at a time (`CopyHalves`:
+    /// a row starts or ends inside a word).
+    granule: Granule,
+}
+
+/// What a local copy moves at a time, coarsest first (`LocalCopy`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Granule {
+    Doubles,
+    Words,
+    Halves,
+}
+
+impl Granule {
+    /// The coarsest granule a copy of `len` bytes between byte offsets `src` and `dst` can
+    /// use (`align`: the data alignment), if any: halves need 2-byte elements.
+    fn of(src: u32, dst: u32, len: u32, align: u32, element_bytes: u32) -> Option<Granule> {
+        let all = |m: u32| src.is_multiple_of(m) && dst.is_multiple_of(m) && len.is_multiple_of(m.min(4));
+        if src.is_multiple_of(align) && dst.is_multiple_of(align) {
+            Some(Granule::Doubles)
+        } else if all(4) {
+            Some(Granule::Words)
+        } else if element_bytes == 2 {
+            Some(Granule::Halves)
+        } else {
+            None
+        }
+    }
 }
 
 struct Builder<'a> {
@@ -841,25 +867,52 @@ impl<'a> Builder<'a> {
                 }
             };
             let bytes = dtype.bytes();
+            // Pieces that move through a staging buffer: (source buffer, first byte, words,
+            // bytes skipped in the first word, elements, destination).
+            let mut staged: Vec<(u32, u32, u32, u32, u32, Loc)> = Vec::new();
             for p in pieces.iter() {
                 let dst = Loc { buffer, ..p.dst };
                 if p.src_tile == tile {
                     // A local copy loads and stores 64 bits at a time where both ends start at
                     // the target's data alignment, else one 32-bit word at a time (slower, a
-                    // `CopyWords`) where both start on a word and the piece is whole words.
+                    // `CopyWords`) where both start on a word and the piece is whole words,
+                    // else one f16 element at a time (slower still, a `CopyHalves`).
                     let align = self.target.memory.data_alignment;
                     let (src_at, dst_at, len) = (p.src.offset * bytes, dst.offset * bytes, p.elements * bytes);
-                    let words = !src_at.is_multiple_of(align) || !dst_at.is_multiple_of(align);
-                    if words && (!src_at.is_multiple_of(4) || !dst_at.is_multiple_of(4) || !len.is_multiple_of(4)) {
+                    let Some(granule) = Granule::of(src_at, dst_at, len, align, bytes) else {
                         return Err(LowerError::Unsupported { operation: self.operation_name.clone(), message: format!("a local copy of value '{name}' from element {} would not start {align}-byte aligned, nor move whole 32-bit words", p.element) });
-                    }
-                    self.local_copy(p.elements, p.src, dst, words);
+                    };
+                    self.local_copy(p.elements, p.src, dst, granule);
                 } else {
                     let (src_offset, dst_offset) = (p.src.offset * bytes, dst.offset * bytes);
                     if !src_offset.is_multiple_of(4) || !dst_offset.is_multiple_of(4) || (!(p.elements * bytes).is_multiple_of(4) && !p.ends_rows) {
-                        return Err(LowerError::SubWord { operation: self.operation_name.clone(), value: name.clone(), offset: p.element, dtype: dtype.name() });
+                        // The exchange moves whole words: an f16 piece that starts or ends
+                        // inside one (an attention head of an odd width) moves the words that
+                        // hold it into a staging buffer, and a local copy takes it from there.
+                        if bytes != 2 {
+                            return Err(LowerError::SubWord { operation: self.operation_name.clone(), value: name.clone(), offset: p.element, dtype: dtype.name() });
+                        }
+                        let first = src_offset / 4 * 4;
+                        let words = (src_offset + p.elements * bytes - first).div_ceil(4);
+                        if (first + words * 4) as u64 > self.buffers[p.src.buffer as usize].bytes as u64 {
+                            return Err(LowerError::SubWord { operation: self.operation_name.clone(), value: name.clone(), offset: p.element, dtype: dtype.name() });
+                        }
+                        staged.push((p.src.buffer, first, words, src_offset - first, p.elements, dst));
+                        continue;
                     }
                     self.pending.push((p.src.buffer, src_offset), p.words, (buffer, dst_offset));
+                }
+            }
+            if !staged.is_empty() {
+                let total: u64 = staged.iter().map(|s| s.2 as u64 * 4).sum();
+                let staging = self.buffer(tile, total, AllocationKind::Data, false, &format!("{name}.staged"));
+                let mut at = 0u32;
+                for (source, first, words, skip, elements, dst) in staged {
+                    self.pending.push((source, first), words, (staging, at));
+                    let src = Loc { buffer: staging, offset: (at + skip) / 2, row_stride: 0, dtype_bytes: 2 };
+                    let granule = Granule::of(at + skip, dst.offset * 2, elements * 2, self.target.memory.data_alignment, 2).expect("f16 pieces copy by halves at least");
+                    self.local_copy(elements, src, dst, granule);
+                    at += words * 4;
                 }
             }
             Arc::make_mut(self.gathered.entry(value).or_default()).insert(key, (held.buffer, held.dtype, held.panel));
@@ -909,27 +962,34 @@ impl<'a> Builder<'a> {
         (self.target.memory.data_alignment / 2).max(2)
     }
 
-    fn local_copy(&mut self, cols: u32, src: Loc, dst: Loc, words: bool) {
+    fn local_copy(&mut self, cols: u32, src: Loc, dst: Loc, granule: Granule) {
         if let Some(last) = self.copies.last_mut() {
             // Rows at a pitch that is not a multiple of the data alignment alternate between
-            // aligned and word-aligned starts: they merge into one word copy (a word copy moves
-            // aligned rows too). A copy of more rows keeps its kind: at its pitch the next row
-            // starts aligned if its first did.
+            // aligned and word-aligned starts: they merge into one copy of the finer granule (a
+            // word copy moves aligned rows too, a copy of halves any rows). A copy of more rows
+            // keeps its granule: the next row must not need a finer one.
             let same = last.cols == cols && last.src.buffer == src.buffer && last.dst.buffer == dst.buffer;
             if same && last.rows == 1 && src.offset > last.src.offset && dst.offset > last.dst.offset {
                 last.src.row_stride = src.offset - last.src.offset;
                 last.dst.row_stride = dst.offset - last.dst.offset;
                 last.rows = 2;
-                last.words |= words;
+                last.granule = last.granule.max(granule);
+                let pitch = |stride: u32| stride * src.dtype_bytes;
+                // Two rows at a pitch off the granule's alignment: the pitch decides.
+                if !pitch(last.src.row_stride).is_multiple_of(4) || !pitch(last.dst.row_stride).is_multiple_of(4) {
+                    last.granule = last.granule.max(Granule::Halves);
+                } else if !pitch(last.src.row_stride).is_multiple_of(self.target.memory.data_alignment) || !pitch(last.dst.row_stride).is_multiple_of(self.target.memory.data_alignment) {
+                    last.granule = last.granule.max(Granule::Words);
+                }
                 return;
             }
-            let kept = last.words || !words;
+            let kept = last.granule >= granule;
             if same && kept && last.rows > 1 && src.offset == last.src.offset + last.rows * last.src.row_stride && dst.offset == last.dst.offset + last.rows * last.dst.row_stride {
                 last.rows += 1;
                 return;
             }
         }
-        self.copies.push(LocalCopy { rows: 1, cols, src, dst, words });
+        self.copies.push(LocalCopy { rows: 1, cols, src, dst, granule });
     }
 
     /// Close the gathers of one operation: an exchange phase if anything moves, then the
@@ -956,7 +1016,11 @@ impl<'a> Builder<'a> {
             let (rows, cols) = (copy.rows, copy.cols);
             let dtype = if copy.src.dtype_bytes == 2 { DType::F16 } else { DType::F32 };
             let (input, output) = (copy.src, copy.dst);
-            let call = if copy.words { Call::CopyWords { rows, cols, dtype, input, output } } else { Call::Copy { rows, cols, dtype, input, output } };
+            let call = match copy.granule {
+                Granule::Doubles => Call::Copy { rows, cols, dtype, input, output },
+                Granule::Words => Call::CopyWords { rows, cols, dtype, input, output },
+                Granule::Halves => Call::CopyHalves { rows, cols, input, output },
+            };
             self.emit(step, tile, call);
         }
         step

@@ -141,6 +141,10 @@ fn accesses(call: &VertexCall) -> Vec<Access> {
             let tensor = |name, op| Access { name, op, rows: *rows, cols: *cols, element_bytes: bytes, need: Need::Tensor };
             vec![tensor("input", *input), tensor("output", *output)]
         }
+        VertexCall::CopyHalves { rows, cols, input, output } => {
+            let tensor = |name, op| Access { name, op, rows: *rows, cols: *cols, element_bytes: 2, need: Need::Tensor };
+            vec![tensor("input", *input), tensor("output", *output)]
+        }
         VertexCall::Transpose { rows, cols, input, output } => vec![half("input", *input, *rows, *cols), half("output", *output, *cols, *rows)],
     }
 }
@@ -226,7 +230,9 @@ pub fn check_set(
             }
             // A word copy moves 32-bit words: its rows start on a word and hold whole words.
             let words = matches!(call, VertexCall::CopyWords { .. });
-            let data_alignment = if words { WORD_BYTES } else { m.data_alignment as u64 };
+            // A copy of halves moves f16 elements one at a time: each row starts on 2 bytes.
+            let halves = matches!(call, VertexCall::CopyHalves { .. });
+            let data_alignment = if halves { 2 } else if words { WORD_BYTES } else { m.data_alignment as u64 };
             if words && !(access.cols as u64 * access.element_bytes as u64).is_multiple_of(WORD_BYTES) {
                 return Err(fail(format!("has rows of {} bytes, not whole 32-bit words (a word copy moves words)", access.cols as u64 * access.element_bytes as u64)));
             }
@@ -238,8 +244,8 @@ pub fn check_set(
                     return Err(fail(format!("holds AMP partials but is not {}-byte aligned", m.partial_alignment)));
                 }
             } else if start % data_alignment != 0 {
-                return Err(fail(if words {
-                    format!("starts at an address that is not {WORD_BYTES}-byte aligned (a word copy moves 32-bit words)")
+                return Err(fail(if words || halves {
+                    format!("starts at an address that is not {data_alignment}-byte aligned (a copy of {} moves them one at a time)", if words { "32-bit words" } else { "f16 elements" })
                 } else {
                     format!("starts at an address that is not {}-byte aligned (the target's data alignment: 64-bit loads)", m.data_alignment)
                 }));
@@ -433,6 +439,9 @@ pub fn execute(memory: &mut TileMemory, call: &VertexCall, s: &mut Scratch) {
         }
         VertexCall::Copy { rows, cols, dtype, input, output } | VertexCall::CopyWords { rows, cols, dtype, input, output } => {
             memory.copy(*input, *output, *rows, *cols, dtype.bytes(), &mut s.bytes);
+        }
+        VertexCall::CopyHalves { rows, cols, input, output } => {
+            memory.copy(*input, *output, *rows, *cols, 2, &mut s.bytes);
         }
         VertexCall::Transpose { rows, cols, input, output } => {
             memory.read_f16(*input, *rows, *cols, &mut s.bits, &mut s.a);
