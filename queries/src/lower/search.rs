@@ -47,7 +47,7 @@
 
 use std::cell::Cell;
 use std::collections::BTreeSet;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use rayon::prelude::*;
@@ -909,9 +909,11 @@ fn beam_keeping(graph: &Graph, target: &Target, width: usize, previous: Option<(
         }
         states = retain(scored, width);
         // The first step whose best program keeps weights on home tiles: start the capped
-        // program's lowering beside the beam (`CappedAhead`).
+        // program's lowering beside the beam (`CappedAhead`), over the best one's orientation.
         if ahead_capped && capped_ahead.is_none() && next.is_some() {
-            if let Some(best) = states.first().filter(|b| b.partial.home_from() < usize::MAX) {
+            // On a wide pool, the first step where any program of the beam does (`WIDE_POOL`).
+            let homing = |s: &State| s.partial.home_from() < usize::MAX;
+            if let Some(best) = states.first().filter(|b| homing(b) || (wide_pool() && states.iter().any(homing))) {
                 let partials: Vec<&Partial> = states.iter().map(|s| &s.partial).collect();
                 capped_ahead = CappedAhead::start(graph, target, &best.swapped, &partials, &products);
             }
@@ -1538,6 +1540,22 @@ fn first_cap(weight_bytes: u64, live: u64, target: &Target) -> u32 {
     (1..=tiles).take_while(|&r| weight_bytes.div_ceil((tiles / r).max(1) as u64) <= room).last().unwrap_or(0)
 }
 
+/// The fewest threads in the pool (`rayon::current_num_threads`) for which the search spends
+/// spare cores on speculative work that only shortens the wall time (the programs are the same
+/// at any thread count): the capped program's lowering starts at the first beam step where any
+/// program keeps weights on home tiles, not only the best one, and the exchange phases it hands
+/// on are scheduled on all threads but two while the search waits for it (`CappedAhead`). On a
+/// 16-core machine (session 42) four encoder layers waited 2.5 s of their 7 s `lower_mid` for
+/// that lowering after the beam had ended, with 15 cores idle. On fewer threads it would take
+/// the cores the beam needs: on two, the four-block MLP starts a lowering there that is never
+/// used (a swapped side program homes at its third product) and built 0.1–0.8 s slower.
+const WIDE_POOL: usize = 4;
+
+/// Whether the current pool has `WIDE_POOL` threads or more.
+fn wide_pool() -> bool {
+    rayon::current_num_threads() >= WIDE_POOL
+}
+
 /// The first lowering of a capped program (`fit_capped`'s round without reserves), started on
 /// a thread of its own at the step where the beam's best program first keeps weights on home
 /// tiles: from there the beam most likely ends with home-tile weights, and then
@@ -1681,33 +1699,49 @@ impl HandedOn {
 /// program's buffers declared so far are final: `ProvisionalBases`). Stops once the lowering
 /// has finished (after the phase at hand). `warm` runs on a pool of one thread: the lowering
 /// has the other core, and a scheduler spread over both would slow the lowering waited for.
+///
+/// On a wide pool (`WIDE_POOL`) the warming pool has all the pool's threads but two (the
+/// lowering's and this one's), and the phases are scheduled side by side as they come; a phase
+/// whose turn comes after the lowering has ended is skipped.
 fn warm_while_lowering<T>(handle: &std::thread::JoinHandle<T>, lowering: &std::sync::mpsc::Receiver<HandedOn>, warm: &Warm) {
-    let Ok(pool) = rayon::ThreadPoolBuilder::new().num_threads(1).thread_name(|_| "ipuq-warm".into()).build() else {
+    let threads = if wide_pool() { rayon::current_num_threads() - 2 } else { 1 };
+    let Ok(pool) = rayon::ThreadPoolBuilder::new().num_threads(threads).thread_name(|_| "ipuq-warm".into()).build() else {
         return;
     };
     let mut bases = crate::pipeline::ProvisionalBases::default();
-    let mut warmed = 0usize;
-    'wait: while !handle.is_finished() {
-        let next = match lowering.recv_timeout(std::time::Duration::from_millis(2)) {
-            Ok(next) => next,
-            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => continue,
-            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
-        };
-        next.declare(&mut bases);
-        for k in 0..next.phases.len() {
-            if handle.is_finished() {
-                break 'wait;
-            }
-            let request = next.request(k, &bases);
-            let span = tracing::Span::current();
-            pool.install(|| {
-                let _span = span.enter();
-                warm(&request)
-            });
-            warmed += 1;
+    let warmed = AtomicUsize::new(0);
+    let span = tracing::Span::current();
+    let warm_one = |request: crate::exchange::PhaseRequest| {
+        if handle.is_finished() {
+            return;
         }
-    }
-    debug!(warmed, "exchange phases of the capped program handed on while it was lowered");
+        let _span = span.enter();
+        warm(&request);
+        warmed.fetch_add(1, Ordering::Relaxed);
+    };
+    pool.in_place_scope_fifo(|scope| {
+        'wait: while !handle.is_finished() {
+            let next = match lowering.recv_timeout(std::time::Duration::from_millis(2)) {
+                Ok(next) => next,
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => continue,
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
+            };
+            next.declare(&mut bases);
+            for k in 0..next.phases.len() {
+                if handle.is_finished() {
+                    break 'wait;
+                }
+                let request = next.request(k, &bases);
+                if threads > 1 {
+                    let warm_one = &warm_one;
+                    scope.spawn_fifo(move |_| warm_one(request));
+                } else {
+                    pool.install(|| warm_one(request));
+                }
+            }
+        }
+    });
+    debug!(warmed = warmed.into_inner(), threads, "exchange phases of the capped program handed on while it was lowered");
 }
 
 impl Drop for CappedAhead {
@@ -2535,31 +2569,39 @@ mod tests {
 
     /// A search that hands the capped program's phases to a `Warm` while it waits finds the
     /// same finalists (the handing on is a speed matter only), and what it hands on are valid
-    /// exchange requests (each schedules).
+    /// exchange requests (each schedules); on two threads (one warming thread) and on a wide
+    /// pool (`WIDE_POOL`: phases warmed side by side, the lowering started at the first step
+    /// any program homes weights).
     #[test]
     fn warming_the_capped_programs_phases_leaves_the_finalists_alone() {
         let (graph, target) = (row_partitioned_mlp(4), small16());
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
-        let seen: Arc<std::sync::Mutex<Vec<crate::exchange::PhaseRequest>>> = Arc::default();
-        let record = seen.clone();
-        let warm: Arc<Warm> = Arc::new(move |r: &crate::exchange::PhaseRequest| record.lock().unwrap().push(r.clone()));
-        let (plain, warmed) = pool.install(|| (finalists(&graph, &target, DEFAULT_FINALISTS).unwrap(), finalists_warming(&graph, &target, DEFAULT_FINALISTS, None, Some(warm)).0.unwrap()));
-        assert_eq!(plain, warmed);
-        for r in seen.lock().unwrap().iter() {
-            crate::exchange::schedule_phase(&target, r).expect("a phase handed on schedules");
+        for threads in [2, WIDE_POOL + 2] {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            let seen: Arc<std::sync::Mutex<Vec<crate::exchange::PhaseRequest>>> = Arc::default();
+            let record = seen.clone();
+            let warm: Arc<Warm> = Arc::new(move |r: &crate::exchange::PhaseRequest| record.lock().unwrap().push(r.clone()));
+            let (plain, warmed) = pool.install(|| (finalists(&graph, &target, DEFAULT_FINALISTS).unwrap(), finalists_warming(&graph, &target, DEFAULT_FINALISTS, None, Some(warm)).0.unwrap()));
+            assert_eq!(plain, warmed, "{threads} threads");
+            for r in seen.lock().unwrap().iter() {
+                crate::exchange::schedule_phase(&target, r).expect("a phase handed on schedules");
+            }
         }
     }
 
-    /// The finalists are the same with one thread (no lowering beside the beam) and with two.
+    /// The finalists are the same with one thread (no lowering beside the beam), with two, and
+    /// on a wide pool (`WIDE_POOL`: the lowering beside the beam starts earlier, and its phases
+    /// are warmed on several threads).
     #[test]
-    fn finalists_are_the_same_at_one_and_two_threads() {
+    fn finalists_are_the_same_at_any_thread_count() {
         let target = small16();
         for graph in [row_partitioned_mlp(4), Graph::parse(&mlp_text(4, 64, 256, 768), "mlp.toml").unwrap()] {
             let at = |threads: usize| {
                 let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
                 pool.install(|| finalists(&graph, &target, DEFAULT_FINALISTS).unwrap())
             };
-            assert_eq!(at(1), at(2));
+            let one = at(1);
+            assert_eq!(one, at(2));
+            assert_eq!(one, at(WIDE_POOL + 2));
         }
     }
 }
