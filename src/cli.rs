@@ -15,6 +15,10 @@ use crate::report::{self, Outcome};
 #[derive(Parser)]
 #[command(name = "ipuq", version, about = "A compiler and runtime for the Graphcore IPU; runs on its simulator by default")]
 pub struct Cli {
+    /// Threads for compiling and simulating (default: $RAYON_NUM_THREADS, else one per core).
+    /// Packages and results are the same at any count.
+    #[arg(short = 'j', long, global = true, value_parser = clap::value_parser!(u16).range(1..))]
+    threads: Option<u16>,
     #[command(subcommand)]
     command: Command,
 }
@@ -248,6 +252,12 @@ pub fn main() -> ExitCode {
             return if e.use_stderr() { ExitCode::from(2) } else { ExitCode::SUCCESS };
         }
     };
+    if let Some(threads) = cli.threads {
+        if let Err(e) = rayon::ThreadPoolBuilder::new().num_threads(threads as usize).build_global() {
+            eprintln!("error: --threads {threads}: {e}");
+            return ExitCode::from(2);
+        }
+    }
     match run(cli) {
         Ok(outcome) => ExitCode::from(outcome as u8),
         Err(message) => {

@@ -112,6 +112,15 @@ fn cold_builds_are_byte_identical_and_incremental_rebuilds_reuse_everything() {
     let pa = std::fs::read(dir.path().join("a/model.ipuexe")).unwrap();
     let pb = std::fs::read(dir.path().join("b/model.ipuexe")).unwrap();
     assert!(pa == pb, "two cold builds differ");
+    // The thread count (`-j`, `--threads`) changes no byte; a count of zero is a usage error.
+    for (folder, threads) in [("j1", "-j1"), ("j5", "--threads=5")] {
+        let t = ipuq(&["build", &workload, "--target", "small16", "-o", folder, threads], dir.path());
+        assert_eq!(t.code, 0, "{threads}: {}", t.stderr);
+        assert!(std::fs::read(dir.path().join(folder).join("model.ipuexe")).unwrap() == pa, "{threads}: the package differs");
+    }
+    let zero = ipuq(&["build", &workload, "--target", "small16", "-o", "j0", "--threads", "0"], dir.path());
+    assert_eq!(zero.code, 2, "{}", zero.stderr);
+    assert!(zero.stderr.contains("--threads"), "{}", zero.stderr);
 
     let cache = "cache";
     let first = ipuq(&["build", &workload, "--target", "small16", "-o", "c", "--incremental", "--cache-dir", cache, "--timings"], dir.path());
