@@ -1700,9 +1700,10 @@ impl HandedOn {
 /// has finished (after the phase at hand). `warm` runs on a pool of one thread: the lowering
 /// has the other core, and a scheduler spread over both would slow the lowering waited for.
 ///
-/// On a wide pool (`WIDE_POOL`) the warming pool has all the pool's threads but two (the
-/// lowering's and this one's), and the phases are scheduled side by side as they come; a phase
-/// whose turn comes after the lowering has ended is skipped.
+/// Phases are queued on the warming pool as they come (this thread keeps receiving); one whose
+/// turn comes after the lowering has ended is skipped. On a wide pool (`WIDE_POOL`) that pool
+/// has all the pool's threads but two (the lowering's and this one's), so phases are scheduled
+/// side by side.
 fn warm_while_lowering<T>(handle: &std::thread::JoinHandle<T>, lowering: &std::sync::mpsc::Receiver<HandedOn>, warm: &Warm) {
     let threads = if wide_pool() { rayon::current_num_threads() - 2 } else { 1 };
     let Ok(pool) = rayon::ThreadPoolBuilder::new().num_threads(threads).thread_name(|_| "ipuq-warm".into()).build() else {
@@ -1732,12 +1733,8 @@ fn warm_while_lowering<T>(handle: &std::thread::JoinHandle<T>, lowering: &std::s
                     break 'wait;
                 }
                 let request = next.request(k, &bases);
-                if threads > 1 {
-                    let warm_one = &warm_one;
-                    scope.spawn_fifo(move |_| warm_one(request));
-                } else {
-                    pool.install(|| warm_one(request));
-                }
+                let warm_one = &warm_one;
+                scope.spawn_fifo(move |_| warm_one(request));
             }
         }
     });
