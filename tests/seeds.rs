@@ -191,12 +191,13 @@ fn a_full_size_encoder_layer_with_swapped_mlp_products_passes_faster() {
 ///
 /// Four layers: replicated at the planner's own partitions their weights do not fit, and kept
 /// once on home tiles every layer multicasts its weights at each product (4.37 x one layer).
-/// Replicated on fewer tiles each (four), they fit and pass (measured: 1,509,048 cycles;
+/// Replicated on fewer tiles each (five since session 43: the first cap claims the margin it
+/// used to leave), they fit and pass (measured: 1,491,756 cycles; four replicas 1,509,048;
 /// 1,577,328 before Q, K and V ran side by side; 1,769,352 before the LayerNorms split their
 /// rows and the products' tiles were numbered for paired gathers). Four layers' weights leave
 /// no room for the swapped MLP's replicas (capped at four or five replicas, swapped MLPs run
 /// 1,694,232 and 1,736,670 cycles), so they keep the MLP normal, and since one layer took the
-/// swapped MLP they run 4.36 x one layer's cycles, over issue 9's 4.2 x (4.04 x before). The
+/// swapped MLP they run 4.31 x one layer's cycles, over issue 9's 4.2 x (4.04 x before). The
 /// bound below guards the four-layer program itself. Their fullest tile is so full that
 /// separating exchange buffers by memory element fragments it; placing that tile again
 /// largest buffers first finds room, so `select_finalist` keeps the planner's program
@@ -221,7 +222,7 @@ fn one_full_size_encoder_layer_runs_within_350000_cycles_and_four_fit_replicated
         cycles.push(field(&out.stdout, "workload=", "cycles").unwrap().parse::<u64>().unwrap());
     }
     assert!(cycles[0] <= 350_000, "one layer {}", cycles[0]);
-    assert!(cycles[1] <= 1_520_000, "four layers {}", cycles[1]);
+    assert!(cycles[1] <= 1_500_000, "four layers {}", cycles[1]);
 }
 
 /// A BERT-base-sized layer (128 tokens, width 768, 12 heads, MLP 3072) on the 1472 tiles: its

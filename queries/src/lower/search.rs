@@ -70,9 +70,14 @@ const ROUNDS: usize = 3;
 /// lowering; each overflow left names the next, earlier start), before every weight is homed.
 const MIXED_TRIES: usize = 3;
 
-/// The share of a tile's bytes (1 / this) `capped_program`'s first cap leaves unclaimed: the
-/// partitions of a product need not divide the tiles evenly (the fullest tile holds more than
-/// the mean), and placement loses bytes to regions and alignment.
+/// The share of a tile's bytes (1 / this) the fallback cap of `capped_program` leaves
+/// unclaimed: the partitions of a product need not divide the tiles evenly (the fullest tile
+/// holds more than the mean), and placement loses bytes to regions and alignment. The first
+/// cap claims them all (`first_cap` without the margin), since the capped plans' own
+/// transient bytes shrink as replicas grow (each tile gathers 1/r of the rows it multiplies);
+/// where it does not fit, the cap with the margin is tried (session 43: four encoder layers
+/// fit five replicas, 1,491,756 cycles against four's 1,509,048). `chains_allowed` keeps the
+/// margin.
 const CAP_MARGIN: u64 = 32;
 
 /// Finalists kept by default (`--plan-finalists`).
@@ -1381,12 +1386,14 @@ fn fit_capped(oriented: &Oriented, target: &Target, cap: u32, mut first: Option<
 ///
 /// The first cap tried is what memory suggests: the most replicas r for which the program's
 /// rank-2 weights, spread over tiles / r tiles (one replica set), fit in the bytes a tile has
-/// beside the code reserve (less a margin, `CAP_MARGIN`) and the most that the beam's program
-/// keeps live on a tile in buffers the host does not write (activations, partials, gathered
-/// operands: a replicated program holds about as much). No lower cap is tried: fewer replicas
-/// trade weight bytes for larger operand blocks and partials, so a lower cap seldom fits where
-/// it does not (six full-size encoder layers: 3, 2 and 1 all overflow; trying 3 and 2 side by
-/// side cost about 20 s of a 74 s build). Higher caps are (session 34): that first cap counts
+/// beside the code reserve and the most that the beam's program keeps live on a tile in
+/// buffers the host does not write (activations, partials, gathered operands: a replicated
+/// program holds about as much, less as r grows). Where that cap does not fit, the same count
+/// less a margin (`CAP_MARGIN`) is tried once, when it is lower (it was the first cap until
+/// session 43; four encoder layers: 5, then 4). No cap lower than that is tried: fewer
+/// replicas trade weight bytes for larger operand blocks and partials, so a lower cap seldom
+/// fits where it does not (six full-size encoder layers: 3, 2 and 1 all overflow; trying 3 and
+/// 2 side by side cost about 20 s of a 74 s build). Higher caps are (session 34): that first cap counts
 /// every weight at the cap, so where some products keep fewer replicas than the cap (or run
 /// side by side on a share of the tiles) more may fit; each about a fifth higher is lowered
 /// while the weight bytes it could add fit in what the last one's placement left free, and
@@ -1400,7 +1407,7 @@ fn capped_program(oriented: &Oriented, target: &Target, beam: &Attempt, ahead: O
     }
     let l = &beam.lowered;
     let live = transient_peak(l.buffers.iter(), &host_written(l), l.tiles);
-    let start = first_cap(weight_bytes, live, target);
+    let start = first_cap(weight_bytes, live, target, false);
     let beam_estimate = estimated_cycles(l);
     debug!(weight_bytes, transient_peak = live, start, beam_estimate, "replicated weights did not fit; trying fewer replicas");
     if start == 0 {
@@ -1408,8 +1415,17 @@ fn capped_program(oriented: &Oriented, target: &Target, beam: &Attempt, ahead: O
     }
     // The first lowering of this cap, when it was lowered beside the beam over this orientation.
     let first = ahead.and_then(|a| a.take(oriented, start));
-    let Some((mut lowered, mut peaks)) = fit_capped(oriented, target, start, first) else {
-        debug!(cap = start, "replicated weights on this many tiles do not fit");
+    let fitted = match fit_capped(oriented, target, start, first) {
+        Some(fitted) => Some((start, fitted)),
+        None => {
+            // The cap with the margin, when it is lower.
+            let fallback = first_cap(weight_bytes, live, target, true);
+            debug!(cap = start, fallback, "replicated weights on this many tiles do not fit");
+            (fallback > 0 && fallback < start).then(|| fit_capped(oriented, target, fallback, None).map(|f| (fallback, f))).flatten()
+        }
+    };
+    let Some((start, (mut lowered, mut peaks))) = fitted else {
+        debug!("replicated weights on fewer tiles do not fit");
         return None;
     };
     let mut estimate = estimated_cycles(&lowered);
@@ -1508,7 +1524,7 @@ const CHAIN_REPLICAS: u32 = 12;
 /// every tile at `CHAIN_REPLICAS` replicas or more (`first_cap` with no transient bytes).
 fn chains_allowed(graph: &Graph, target: &Target) -> bool {
     let weight_bytes = matrix_weight_bytes(graph);
-    weight_bytes > 0 && first_cap(weight_bytes, 0, target) >= CHAIN_REPLICAS
+    weight_bytes > 0 && first_cap(weight_bytes, 0, target, true) >= CHAIN_REPLICAS
 }
 
 /// `orient_until` for the search: an orientation that writes a swapped chain's end out
@@ -1533,10 +1549,12 @@ fn transient_peak<'a>(buffers: impl Iterator<Item = &'a BufferDecl> + Clone, hos
 
 /// The first replication cap `capped_program` tries (its docs): the most replicas r for which
 /// `weight_bytes` spread over tiles / r tiles fit in a tile's bytes beside the code reserve,
-/// less the margin and `live` transient bytes; 0 when not even one replica set fits.
-fn first_cap(weight_bytes: u64, live: u64, target: &Target) -> u32 {
+/// less `live` transient bytes and, with `margin`, `CAP_MARGIN`'s share (the fallback cap);
+/// 0 when not even one replica set fits.
+fn first_cap(weight_bytes: u64, live: u64, target: &Target, margin: bool) -> u32 {
     let tiles = target.chip.tiles;
-    let room = tile_bytes(target).saturating_sub(tile_bytes(target) / CAP_MARGIN).saturating_sub(live);
+    let margin = if margin { tile_bytes(target) / CAP_MARGIN } else { 0 };
+    let room = tile_bytes(target).saturating_sub(margin).saturating_sub(live);
     (1..=tiles).take_while(|&r| weight_bytes.div_ceil((tiles / r).max(1) as u64) <= room).last().unwrap_or(0)
 }
 
@@ -1606,7 +1624,7 @@ impl CappedAhead {
     fn start(graph: &Graph, target: &Target, swapped: &BTreeSet<usize>, partials: &[&Partial], products: &[usize]) -> Option<CappedAhead> {
         let weight_bytes = matrix_weight_bytes(graph);
         let live = partials.iter().map(|p| transient_peak(p.buffers().iter(), &p.host_flags(), target.chip.tiles)).max().unwrap_or(0);
-        let cap = first_cap(weight_bytes, live, target);
+        let cap = first_cap(weight_bytes, live, target, false);
         if weight_bytes == 0 || cap == 0 {
             return None;
         }
