@@ -123,7 +123,7 @@ pub fn exchange_rules(lowered: &Lowered, receive_offset: u32) -> ExchangeRules {
         o.sort_unstable();
         o.dedup();
     });
-    ExchangeRules { opposites: Arc::new(opposites), receives: Arc::new(receives), receive_offset }
+    ExchangeRules { opposites: Arc::new(opposites), receives: Arc::new(receives), receive_offset, strict: false }
 }
 
 /// Tables of every phase under a placement (`check`: validated, as the final tables are).

@@ -69,6 +69,10 @@ pub struct ExchangeRules {
     pub opposites: std::sync::Arc<Vec<Vec<u32>>>,
     pub receives: std::sync::Arc<Vec<bool>>,
     pub receive_offset: u32,
+    /// Opposites are never shared, not only where room allows: a buffer that finds no room
+    /// away from its opposites' elements does not fit (the search's test of whether a program
+    /// leaves room to keep every phase free of memory-element conflicts).
+    pub strict: bool,
 }
 
 /// `place_storage` under exchange rules (see `ExchangeRules`).
@@ -211,10 +215,12 @@ fn place_tile(m: &crate::target::Memory, lowered: &Lowered, rules: &ExchangeRule
         }
         let offset = if rules.receives.get(i as usize).copied().unwrap_or(false) { rules.receive_offset } else { 0 };
         // Try: away from opposite elements from the offset, then from the region start,
-        // then (room is short) anywhere but a product counterpart's elements.
+        // then (room is short, and the rules are not strict) anywhere but a product
+        // counterpart's elements.
         let attempts: [(&[(u32, u32)], u32); 3] = [(&avoid, offset), (&avoid, 0), (&hard, 0)];
+        let tries = if rules.strict { 2 } else { 3 };
         let mut done = false;
-        'attempts: for (avoid, offset) in attempts {
+        'attempts: for (avoid, offset) in attempts.into_iter().take(tries) {
             for &inter in regions {
                 let (range, placed) = if inter { (interleaved, &mut placed_int) } else { (standard, &mut placed_std) };
                 let from = (range.0.saturating_add(offset).min(range.1), range.1);
@@ -323,6 +329,30 @@ mod tests {
         }
     }
 
+    /// Strict rules never put a buffer in an element its opposite holds: where only that
+    /// element has room, the placement fails, though the usual rules place it there.
+    #[test]
+    fn strict_rules_refuse_what_the_usual_rules_place_against_an_opposite() {
+        let target = Target::from_toml(crate::target::fixtures::SMALL16, "small16.toml").unwrap();
+        let m = &target.memory;
+        // The elements before the last (the region need not end on an element boundary).
+        let whole = (m.loader_limit - m.interleaved_start - 1) / m.interleaved_element_bytes * m.interleaved_element_bytes;
+        // A buffer filling all elements but the last, and a sender and its receiver beside it:
+        // the last element holds both only if they share it.
+        let l = partials(&[(1024, 0, 2), (1024, 0, 2), (whole, 0, 2)]);
+        let rules = ExchangeRules { opposites: std::sync::Arc::new(vec![vec![1], vec![0], vec![]]), receives: std::sync::Arc::new(vec![false, true, false]), receive_offset: 0, strict: false };
+        let placed = place_storage_with(&target, &l, &[0], &rules).expect("placed, sharing an element");
+        let element = |b: usize| (placed.addresses[b] - m.interleaved_start) / m.interleaved_element_bytes;
+        assert_eq!(element(0), element(1), "{:?}", placed.addresses);
+        let strict = ExchangeRules { strict: true, ..rules };
+        assert!(place_storage_with(&target, &l, &[0], &strict).is_err());
+        // With room in another element, strict rules place them apart.
+        let roomy = partials(&[(1024, 0, 2), (1024, 0, 2), (whole - m.interleaved_element_bytes, 0, 2)]);
+        let apart = place_storage_with(&target, &roomy, &[0], &strict).expect("placed apart");
+        let element = |b: usize| (apart.addresses[b] - m.interleaved_start) / m.interleaved_element_bytes;
+        assert_ne!(element(0), element(1), "{:?}", apart.addresses);
+    }
+
     #[test]
     fn a_tile_that_separating_opposites_fragments_is_placed_largest_first() {
         let target = Target::from_toml(crate::target::fixtures::SMALL16, "small16.toml").unwrap();
@@ -332,7 +362,7 @@ mod tests {
         // the interleaved memory but the sender's 1 KiB and the receiver's.
         let big = region - 2048;
         let l = partials(&[(1024, 0, 2), (1024, 0, 2), (big, 1, 3)]);
-        let rules = ExchangeRules { opposites: std::sync::Arc::new(vec![vec![1], vec![0], vec![]]), receives: std::sync::Arc::new(vec![false, true, false]), receive_offset: 0 };
+        let rules = ExchangeRules { opposites: std::sync::Arc::new(vec![vec![1], vec![0], vec![]]), receives: std::sync::Arc::new(vec![false, true, false]), receive_offset: 0, strict: false };
         // Without the rule the three fit by first step; with it, by first step the receiver
         // moves to the next element and the large buffer no longer fits.
         assert!(place_storage(&target, &l, &[0]).is_ok());

@@ -1397,7 +1397,8 @@ fn fit_capped(oriented: &Oriented, target: &Target, cap: u32, mut first: Option<
 /// every weight at the cap, so where some products keep fewer replicas than the cap (or run
 /// side by side on a share of the tiles) more may fit; each about a fifth higher is lowered
 /// while the weight bytes it could add fit in what the last one's placement left free, and
-/// kept while it fits and is estimated faster (one full-size encoder layer with its MLP
+/// kept while it fits, leaves room to keep exchange buffers apart (`keeps_opposites_apart`)
+/// and is estimated faster (one full-size encoder layer with its MLP
 /// swapped: 20 replicas, 366,992 estimated, then 24, 350,711; 28 fits, estimated the same:
 /// at 24 the MLP's plans take 23 replicas, and caps up to 39 fit with the same plans).
 fn capped_program(oriented: &Oriented, target: &Target, beam: &Attempt, ahead: Option<&CappedAhead>) -> Option<(Feasible, bool)> {
@@ -1463,7 +1464,7 @@ fn capped_program(oriented: &Oriented, target: &Target, beam: &Attempt, ahead: O
             }
         };
         match first {
-            Some((l, p)) if estimated_cycles(&l) < estimate => {
+            Some((l, p)) if estimated_cycles(&l) < estimate && keeps_opposites_apart(&l, target) => {
                 debug!(cap = next, estimate = estimated_cycles(&l), previous = estimate, "more replicas fit and are estimated faster");
                 estimate = estimated_cycles(&l);
                 (lowered, peaks, cap) = (l, p, next);
@@ -1482,6 +1483,24 @@ fn capped_program(oriented: &Oriented, target: &Target, beam: &Attempt, ahead: O
         debug!(cap, estimate, beam_estimate, "replicated weights on this many tiles fit but are estimated slower than home-tile weights");
     }
     Some(((lowered, Some(peaks), usize::MAX), better))
+}
+
+/// Whether `l`, placed with the code reserve in place of code, keeps every tile's sending and
+/// receiving buffers of each exchange phase in different memory elements (strict exchange
+/// rules, receive buffers from the region start, as `select_finalist`'s first exchange-placement
+/// candidate places them). A larger cap is kept only then: `select_finalist` drops a program
+/// whose memory-element conflicts placement cannot remove and plans again. Three full-size
+/// encoder layers took cap 8 when it fitted with 336 bytes to spare, left 171,019 conflicting
+/// tile-cycles, and were steered and planned again (11 s of a 17 s build) to 1,171,200 cycles;
+/// kept at 7 they run 1,121,346 cycles and build in about 6 s (session 43).
+fn keeps_opposites_apart(l: &Lowered, target: &Target) -> bool {
+    let code = vec![CODE_RESERVE_BYTES as u32; l.tiles as usize];
+    let rules = crate::storage::ExchangeRules { strict: true, ..crate::exchange_placement::exchange_rules(l, 0) };
+    let apart = crate::storage::place_storage_with(target, l, &code, &rules);
+    if let Err(e) = &apart {
+        debug!(error = %e, "the program leaves no room to keep exchange buffers apart");
+    }
+    apart.is_ok()
 }
 
 /// The replication cap `capped_program` tries after `cap`: about a fifth more, at least one.
