@@ -243,6 +243,22 @@ fn three_full_size_encoder_layers_keep_a_cap_that_leaves_room_for_exchange_place
     assert!(cycles <= 1_130_000, "three layers {cycles}");
 }
 
+/// Five full-size layers: four replicas do not fit, and three fit with too little room to keep
+/// each phase's sending and receiving buffers apart, so `select_finalist` steered a product and
+/// planned the whole program again (2,103,032 cycles, about 48 s). No capped program is taken
+/// now, and the home-tile weights' program runs faster (measured: 1,992,272 cycles).
+#[test]
+fn five_full_size_encoder_layers_take_no_capped_program_that_placement_cannot_separate() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = ipuq(&["workload", "siglip-encoder", "--layers", "5", "-o", "enc5.toml"], dir.path());
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let out = ipuq(&["build", "enc5.toml", "-o", "out"], dir.path());
+    assert_eq!(out.code, 0, "{}", common::tail(&out.stderr));
+    assert!(!out.stderr.contains("no finalist can be placed"), "{}", common::tail(&out.stderr));
+    let cycles: u64 = field(&out.stdout, "package=", "estimatedCycles").unwrap().parse().unwrap();
+    assert!(cycles <= 2_000_000, "five layers {cycles}");
+}
+
 /// A BERT-base-sized layer (128 tokens, width 768, 12 heads, MLP 3072) on the 1472 tiles: its
 /// 128 LayerNorm rows would leave 1344 tiles idle, so each row is split into eight segments
 /// (1024 tiles) whose statistics are exchanged; each tile receives the other segments'
