@@ -232,15 +232,22 @@ fn one_full_size_encoder_layer_runs_within_350000_cycles_and_four_fit_replicated
 /// cap that leaves that room (measured: 1,121,346 cycles, PASS, built in about 6.6 s).
 #[test]
 fn three_full_size_encoder_layers_keep_a_cap_that_leaves_room_for_exchange_placement() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = ipuq(&["workload", "siglip-encoder", "--layers", "3", "-o", "enc3.toml"], dir.path());
-    assert_eq!(out.code, 0, "{}", out.stderr);
-    let out = ipuq(&["build", "enc3.toml", "-o", "out"], dir.path());
-    assert_eq!(out.code, 0, "{}", common::tail(&out.stderr));
-    assert!(out.stderr.contains("replicated weights fit on fewer tiles each"), "{}", common::tail(&out.stderr));
-    assert!(!out.stderr.contains("no finalist can be placed"), "{}", common::tail(&out.stderr));
-    let cycles: u64 = field(&out.stdout, "package=", "estimatedCycles").unwrap().parse().unwrap();
+    let (stderr, cycles) = build_layers_unsteered("3");
+    assert!(stderr.contains("replicated weights fit on fewer tiles each"), "{}", common::tail(&stderr));
     assert!(cycles <= 1_130_000, "three layers {cycles}");
+}
+
+/// Builds `layers` full-size encoder layers, checks that `select_finalist` did not steer and
+/// plan again, and gives the build's log and its exact (scheduled) cycles.
+fn build_layers_unsteered(layers: &str) -> (String, u64) {
+    let dir = tempfile::tempdir().unwrap();
+    let out = ipuq(&["workload", "siglip-encoder", "--layers", layers, "-o", "enc.toml"], dir.path());
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let out = ipuq(&["build", "enc.toml", "-o", "out"], dir.path());
+    assert_eq!(out.code, 0, "{}", common::tail(&out.stderr));
+    assert!(!out.stderr.contains("no finalist can be placed"), "{}", common::tail(&out.stderr));
+    let cycles = field(&out.stdout, "package=", "estimatedCycles").unwrap().parse().unwrap();
+    (out.stderr, cycles)
 }
 
 /// Five full-size layers: four replicas do not fit, and three fit with too little room to keep
@@ -249,13 +256,7 @@ fn three_full_size_encoder_layers_keep_a_cap_that_leaves_room_for_exchange_place
 /// now, and the home-tile weights' program runs faster (measured: 1,992,272 cycles).
 #[test]
 fn five_full_size_encoder_layers_take_no_capped_program_that_placement_cannot_separate() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = ipuq(&["workload", "siglip-encoder", "--layers", "5", "-o", "enc5.toml"], dir.path());
-    assert_eq!(out.code, 0, "{}", out.stderr);
-    let out = ipuq(&["build", "enc5.toml", "-o", "out"], dir.path());
-    assert_eq!(out.code, 0, "{}", common::tail(&out.stderr));
-    assert!(!out.stderr.contains("no finalist can be placed"), "{}", common::tail(&out.stderr));
-    let cycles: u64 = field(&out.stdout, "package=", "estimatedCycles").unwrap().parse().unwrap();
+    let (_, cycles) = build_layers_unsteered("5");
     assert!(cycles <= 2_000_000, "five layers {cycles}");
 }
 
