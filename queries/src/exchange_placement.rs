@@ -174,11 +174,22 @@ pub fn shared_relocation(target: &Target, lowered: &Lowered, schedules: &[Schedu
 /// relative tables hold millions of runs), but a process that builds again (`ipuq watch`)
 /// keeps the entries a build used for the next (`keep_used`): an edit's unchanged phases find
 /// their relative tables made.
+///
+/// In a process that builds again it also holds the table screen's packed sizing of each
+/// phase (`sizing::sizing_tables`, `keep_packings`), by
+/// everything that packing reads (`sizing::packed_key`): the target, the schedule's digest,
+/// the phase's index, every transfer's tiles, addresses and words, and the phase's buffers at
+/// their sizing addresses. A watch edit that leaves a phase's buffers where they were finds
+/// its packing made (session 43: 21 of the four-block MLP's 22 phases after its last GELU is
+/// made a scale).
 #[derive(Default)]
-pub struct RelativeMemo(std::sync::Mutex<RelativeEntries>);
+pub struct RelativeMemo(std::sync::Mutex<RelativeEntries>, std::sync::Mutex<PackedEntries>, std::sync::atomic::AtomicBool);
 
 /// The memo's entries, and the keys taken or made since it last kept the used ones.
 type RelativeEntries = (HashMap<Digest, Arc<Option<RelativeTables>>>, std::collections::HashSet<Digest>);
+
+/// Packed sizings by key, and the keys taken or made since the memo last kept the used ones.
+type PackedEntries = (HashMap<Digest, crate::tables::PackedPhase>, std::collections::HashSet<Digest>);
 
 impl RelativeMemo {
     /// Drops every entry.
@@ -186,6 +197,9 @@ impl RelativeMemo {
         let mut m = self.0.lock().expect("relative tables memo lock");
         m.0.clear();
         m.1.clear();
+        let mut p = self.1.lock().expect("packed sizing memo lock");
+        p.0.clear();
+        p.1.clear();
     }
 
     /// Drops the entries not taken or made since the last call (or `clear`).
@@ -194,6 +208,43 @@ impl RelativeMemo {
         let (tables, used) = &mut *m;
         tables.retain(|k, _| used.contains(k));
         used.clear();
+        let mut p = self.1.lock().expect("packed sizing memo lock");
+        let (packed, used) = &mut *p;
+        packed.retain(|k, _| used.contains(k));
+        used.clear();
+    }
+
+    /// Whether sizings take and keep packings here (set per build: only a process that builds
+    /// again, `ipuq watch`, keeps them).
+    pub fn keep_packings(&self, keep: bool) {
+        self.2.store(keep, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether packings are kept (`keep_packings`).
+    pub(crate) fn keeps_packings(&self) -> bool {
+        self.2.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The packed sizing made under `key`, if any.
+    pub(crate) fn packed(&self, key: &Digest) -> Option<crate::tables::PackedPhase> {
+        let mut p = self.1.lock().expect("packed sizing memo lock");
+        let found = p.0.get(key).cloned();
+        if found.is_some() {
+            p.1.insert(*key);
+        }
+        found
+    }
+
+    /// Keeps the packed sizing made under `key`.
+    pub(crate) fn keep_packed(&self, key: Digest, packed: &crate::tables::PackedPhase) {
+        let mut p = self.1.lock().expect("packed sizing memo lock");
+        p.0.insert(key, packed.clone());
+        p.1.insert(key);
+    }
+
+    /// Packed sizings held (tests).
+    pub fn packed_len(&self) -> usize {
+        self.1.lock().expect("packed sizing memo lock").0.len()
     }
 
     fn get(&self, key: &Digest) -> Option<Arc<Option<RelativeTables>>> {
@@ -682,6 +733,35 @@ mod tests {
         let sources = Sources::new(&db, text.to_string(), "workload.toml".into(), fixtures::SMALL16.to_string(), "small16".into());
         let target = Target::from_toml(fixtures::SMALL16, "small16.toml").unwrap();
         (target, lowered(&db, sources).unwrap(), schedules(&db, sources).unwrap(), placement(&db, sources).unwrap())
+    }
+
+    /// Packed sizings kept for a rebuild (`keep_packings`) equal those made afresh, are taken
+    /// where everything a phase's packing reads is unchanged, and are made again for the
+    /// phases a moved buffer touches; a memo not asked to keep them keeps none.
+    #[test]
+    fn packed_sizings_kept_for_a_rebuild_equal_those_made_afresh() {
+        let (target, l, s, _) = built(include_str!("../../fixtures/workloads/siglip-encoder-f16-b1-t29-d64-h4-m96-l3.toml"));
+        let (phases, digests) = (&s.value.phases, Some(s.value.digests.as_slice()));
+        let fresh = crate::sizing::sizing_tables(&target, &l.value, phases, digests, None).unwrap();
+        let memo = RelativeMemo::default();
+        assert_eq!(crate::sizing::sizing_tables(&target, &l.value, phases, digests, Some(&memo)).unwrap(), fresh);
+        assert_eq!(memo.packed_len(), 0, "a cold build keeps no packings");
+        memo.keep_packings(true);
+        assert_eq!(crate::sizing::sizing_tables(&target, &l.value, phases, digests, Some(&memo)).unwrap(), fresh);
+        let made = memo.packed_len();
+        assert_eq!(made, l.value.phases.len());
+        memo.keep_used();
+        assert_eq!(crate::sizing::sizing_tables(&target, &l.value, phases, digests, Some(&memo)).unwrap(), fresh);
+        assert_eq!(memo.packed_len(), made, "every packing taken, none made");
+        // One buffer that a phase sends from grows: the buffers after it on its tile move, and
+        // the phases touching them are packed again, as a fresh sizing packs them.
+        let mut moved: Lowered = (*l.value).clone();
+        let source = moved.phases.iter().flat_map(|p| p.iter()).map(|t| t.source.0).next().expect("a transfer");
+        moved.buffers[source as usize].bytes += 64;
+        let fresh_moved = crate::sizing::sizing_tables(&target, &moved, phases, digests, None).unwrap();
+        assert_ne!(fresh_moved, fresh);
+        assert_eq!(crate::sizing::sizing_tables(&target, &moved, phases, digests, Some(&memo)).unwrap(), fresh_moved);
+        assert!(memo.packed_len() > made);
     }
 
     /// Relative tables taken from the memo the table screen's sizing left (the same program,

@@ -115,6 +115,9 @@ pub fn finalists(db: &dyn Db, sources: Sources) -> StageResult<Vec<Lowered>> {
         if !db.keeps_beam_states() {
             db.relative_memo.clear();
         }
+        // Packed sizings are kept only for a next build (a cold build would hash and copy
+        // every phase's packing for nothing: four encoder layers about 0.25 s).
+        db.relative_memo.keep_packings(db.keeps_beam_states());
         let kept = crate::lower::screen::screen_tables(&g.value, &t.value, found, budget, &mut schedule, &mut remember, Some(&db.relative_memo));
         *db.schedule_memo.lock().expect("phase memo lock") = screened.into_inner();
         let kept = kept.map_err(CompileError)?;

@@ -92,13 +92,24 @@ pub fn sizing_tables(target: &Target, lowered: &Lowered, schedules: &[Schedule],
         if relocation.len() != digests.len() {
             return Err(format!("{} relocated phases for {} schedule digests", relocation.len(), digests.len()));
         }
+        // With a memo, each phase's packing made by an earlier sizing under the same key
+        // (`packed_key`: everything the packing reads) is taken, and the others are kept there.
+        let memo = memo.filter(|m| m.keeps_packings());
+        let keys: Option<Vec<Digest>> = memo.map(|_| {
+            let target_digest = target.digest();
+            (0..digests.len()).into_par_iter().map(|i| packed_key(&target_digest, &digests[i], lowered, i, &bases)).collect()
+        });
+        let made: Vec<Option<PackedPhase>> = match (memo, &keys) {
+            (Some(m), Some(keys)) => keys.iter().map(|k| m.packed(k)).collect(),
+            _ => vec![None; digests.len()],
+        };
         // The first phase of each schedule is written and packed; another phase of it (the
         // same phase of repeated layers) takes the first's packing moved to its buffers where
         // its tables are the first's moved buffer by buffer (`tables::rebased_phase`: the
-        // packing `pack_phase` gives), else it is packed too.
+        // packing `pack_phase` gives), else it is packed too. Phases found made are neither.
         let first = crate::phases::first_of_schedule(digests);
         let mut shared = vec![false; first.len()];
-        first.iter().enumerate().filter(|(i, f)| *i != **f).for_each(|(_, &f)| shared[f] = true);
+        first.iter().enumerate().filter(|(i, f)| *i != **f && made[*i].is_none()).for_each(|(_, &f)| shared[f] = true);
         let write = |i: usize| -> Result<(ExchangePhase, PhaseBuffers), String> {
             Ok((relocation.phase_at(target, lowered, schedules, i, &address).map_err(|e| e.0)?, phase_buffers(lowered, i, &bases)))
         };
@@ -114,9 +125,12 @@ pub fn sizing_tables(target: &Target, lowered: &Lowered, schedules: &[Schedule],
                 })
             })
             .collect();
-        return (0..first.len())
+        let packed: Result<Vec<PackedPhase>, String> = (0..first.len())
             .into_par_iter()
             .map(|i| {
+                if let Some(made) = &made[i] {
+                    return Ok(made.clone());
+                }
                 let f = first[i];
                 if let Some(kept) = &firsts[f] {
                     let (rep_tables, rep_buffers, rep_packed) = kept.as_ref().map_err(|e| e.clone())?;
@@ -133,6 +147,14 @@ pub fn sizing_tables(target: &Target, lowered: &Lowered, schedules: &[Schedule],
                 pack_phase(&tables, &buffers)
             })
             .collect();
+        if let (Some(m), Some(keys), Ok(packed)) = (memo, &keys, &packed) {
+            for ((key, p), made) in keys.iter().zip(packed).zip(&made) {
+                if made.is_none() {
+                    m.keep_packed(*key, p);
+                }
+            }
+        }
+        return packed;
     }
     let requests = requests(lowered, |buffer, offset| bases[buffer as usize].wrapping_add(offset));
     requests
@@ -144,6 +166,33 @@ pub fn sizing_tables(target: &Target, lowered: &Lowered, schedules: &[Schedule],
             pack_phase(&p, &phase_buffers(lowered, i, &bases))
         })
         .collect()
+}
+
+/// The key of phase `i`'s packed sizing (`sizing_tables` with a memo): the target, the
+/// schedule's digest, the phase index, every transfer's source tile and address, words,
+/// destination tiles and addresses at the sizing addresses `bases`, and the phase's buffers
+/// (`phase_buffers`) — everything writing and packing the phase reads.
+fn packed_key(target: &Digest, schedule: &Digest, lowered: &Lowered, i: usize, bases: &[u32]) -> Digest {
+    let mut h = crate::hash::KeyHasher::new("ipuq packed sizing v1");
+    let phase = &lowered.phases[i];
+    let tile = |b: u32| lowered.buffers[b as usize].tile;
+    let address = |b: u32, offset: u32| bases[b as usize].wrapping_add(offset);
+    h.add(target).add(schedule).add(&(i as u64)).add(&(phase.len() as u64));
+    for t in phase.iter() {
+        h.add(&tile(t.source.0)).add(&address(t.source.0, t.source.1)).add(&t.words).add(&(t.destinations.len() as u64));
+        for d in &t.destinations {
+            h.add(&tile(d.0)).add(&address(d.0, d.1));
+        }
+    }
+    let buffers = phase_buffers(lowered, i, bases);
+    h.add(&(buffers.len() as u64));
+    for (tile, list) in &buffers {
+        h.add(tile).add(&(list.len() as u64));
+        for (start, bytes) in list {
+            h.add(start).add(bytes);
+        }
+    }
+    h.finish()
 }
 
 /// Digest of what [`table_bytes_checked`] reads of a program besides the target and the
