@@ -183,7 +183,12 @@ pub fn shared_relocation(target: &Target, lowered: &Lowered, schedules: &[Schedu
 /// its packing made (session 43: 21 of the four-block MLP's 22 phases after its last GELU is
 /// made a scale).
 #[derive(Default)]
-pub struct RelativeMemo(std::sync::Mutex<RelativeEntries>, std::sync::Mutex<PackedEntries>, std::sync::atomic::AtomicBool);
+pub struct RelativeMemo {
+    relative: std::sync::Mutex<RelativeEntries>,
+    packed: std::sync::Mutex<PackedEntries>,
+    /// Whether sizings take and keep packings (`keep_packings`).
+    packing: std::sync::atomic::AtomicBool,
+}
 
 /// The memo's entries, and the keys taken or made since it last kept the used ones.
 type RelativeEntries = (HashMap<Digest, Arc<Option<RelativeTables>>>, std::collections::HashSet<Digest>);
@@ -194,21 +199,21 @@ type PackedEntries = (HashMap<Digest, crate::tables::PackedPhase>, std::collecti
 impl RelativeMemo {
     /// Drops every entry.
     pub fn clear(&self) {
-        let mut m = self.0.lock().expect("relative tables memo lock");
+        let mut m = self.relative.lock().expect("relative tables memo lock");
         m.0.clear();
         m.1.clear();
-        let mut p = self.1.lock().expect("packed sizing memo lock");
+        let mut p = self.packed.lock().expect("packed sizing memo lock");
         p.0.clear();
         p.1.clear();
     }
 
     /// Drops the entries not taken or made since the last call (or `clear`).
     pub fn keep_used(&self) {
-        let mut m = self.0.lock().expect("relative tables memo lock");
+        let mut m = self.relative.lock().expect("relative tables memo lock");
         let (tables, used) = &mut *m;
         tables.retain(|k, _| used.contains(k));
         used.clear();
-        let mut p = self.1.lock().expect("packed sizing memo lock");
+        let mut p = self.packed.lock().expect("packed sizing memo lock");
         let (packed, used) = &mut *p;
         packed.retain(|k, _| used.contains(k));
         used.clear();
@@ -217,17 +222,17 @@ impl RelativeMemo {
     /// Whether sizings take and keep packings here (set per build: only a process that builds
     /// again, `ipuq watch`, keeps them).
     pub fn keep_packings(&self, keep: bool) {
-        self.2.store(keep, std::sync::atomic::Ordering::Relaxed);
+        self.packing.store(keep, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Whether packings are kept (`keep_packings`).
     pub(crate) fn keeps_packings(&self) -> bool {
-        self.2.load(std::sync::atomic::Ordering::Relaxed)
+        self.packing.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The packed sizing made under `key`, if any.
     pub(crate) fn packed(&self, key: &Digest) -> Option<crate::tables::PackedPhase> {
-        let mut p = self.1.lock().expect("packed sizing memo lock");
+        let mut p = self.packed.lock().expect("packed sizing memo lock");
         let found = p.0.get(key).cloned();
         if found.is_some() {
             p.1.insert(*key);
@@ -237,18 +242,18 @@ impl RelativeMemo {
 
     /// Keeps the packed sizing made under `key`.
     pub(crate) fn keep_packed(&self, key: Digest, packed: &crate::tables::PackedPhase) {
-        let mut p = self.1.lock().expect("packed sizing memo lock");
+        let mut p = self.packed.lock().expect("packed sizing memo lock");
         p.0.insert(key, packed.clone());
         p.1.insert(key);
     }
 
     /// Packed sizings held (tests).
     pub fn packed_len(&self) -> usize {
-        self.1.lock().expect("packed sizing memo lock").0.len()
+        self.packed.lock().expect("packed sizing memo lock").0.len()
     }
 
     fn get(&self, key: &Digest) -> Option<Arc<Option<RelativeTables>>> {
-        let mut m = self.0.lock().expect("relative tables memo lock");
+        let mut m = self.relative.lock().expect("relative tables memo lock");
         let found = m.0.get(key).cloned();
         if found.is_some() {
             m.1.insert(*key);
@@ -257,14 +262,14 @@ impl RelativeMemo {
     }
 
     fn insert(&self, key: Digest, tables: Arc<Option<RelativeTables>>) {
-        let mut m = self.0.lock().expect("relative tables memo lock");
+        let mut m = self.relative.lock().expect("relative tables memo lock");
         m.0.insert(key, tables);
         m.1.insert(key);
     }
 
     /// Entries held (tests).
     pub fn len(&self) -> usize {
-        self.0.lock().expect("relative tables memo lock").0.len()
+        self.relative.lock().expect("relative tables memo lock").0.len()
     }
 
     /// Whether it holds none (tests).
