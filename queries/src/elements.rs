@@ -111,6 +111,19 @@ pub fn phase_conflicts(target: &Target, phase: &ExchangePhase) -> Conflicts {
     out
 }
 
+/// The tiles of a phase that send from and receive into one element in some cycle, in order.
+pub fn conflict_tiles(target: &Target, phase: &ExchangePhase) -> Vec<u32> {
+    let mut out = Vec::new();
+    tile_runs(target, phase, |tile, sends, receives| {
+        let mut c = Conflicts::default();
+        tile_conflicts(tile, sends, receives, &mut c);
+        if c.tile_cycles > 0 {
+            out.push(tile);
+        }
+    });
+    out
+}
+
 /// `phase_conflicts` and `element_bound` of a phase, splitting its runs by element once.
 pub fn conflicts_and_bound(target: &Target, phase: &ExchangePhase) -> (Conflicts, u64) {
     let mut out = Conflicts::default();

@@ -42,8 +42,8 @@ use crate::storage::{place_storage, Placement};
 /// The phases in order, as the driver runs and logs them.
 pub const PHASES: &[&str] = &["lower_mid", "select_finalist", "lower_exchanges_provisional", "size_tile_code", "place_storage", "optimize_exchange_placement", "lower_exchanges", "build_tile_images"];
 
-const LOWER_VERSION: u32 = 33;
-const SELECT_VERSION: u32 = 20;
+const LOWER_VERSION: u32 = 34;
+const SELECT_VERSION: u32 = 21;
 const SCHEDULE_VERSION: u32 = 9;
 const CODE_VERSION: u32 = 14;
 const PLACE_VERSION: u32 = 10;
@@ -175,6 +175,10 @@ fn schedule_through_memo(db: &Database, x: &Staged<crate::target::Target>, reque
 /// Re-plans `selection` may make when no finalist can be placed (each steers the operations
 /// blamed for it away from their plans, `lower/select.rs`).
 const REPLANS: usize = 8;
+
+/// Rounds of half-duplex tiles `selection` may add to a program left with memory-element
+/// conflicts before it steers a plan instead.
+const HALF_DUPLEX_ROUNDS: usize = 3;
 
 /// Every finalist's exchange phases are scheduled through the per-phase memo, so the chosen
 /// program's schedules stage finds them there.
@@ -311,6 +315,49 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
                 }
                 Err(e) => e,
             };
+            // Memory-element conflicts that placement cannot remove, on a finalist that fails
+            // for nothing else: its schedules keep those tiles' sends and receives apart in
+            // time (`Lowered::half_duplex`), a few more cycles in those phases, before any plan
+            // is steered (which plans the whole program again). The tiles gathered are placed
+            // again with the new schedules' table sizes, so more may turn up: a few rounds.
+            let mut failure = failure;
+            let mut pending = failure.conflicted.take();
+            let mut rounds = 0;
+            while let Some(c) = pending.take() {
+                rounds += 1;
+                let (program, added) = crate::lower::select::half_duplex(c.program, &c.tiles);
+                if added == 0 || rounds > HALF_DUPLEX_ROUNDS {
+                    break;
+                }
+                let phases: Vec<u32> = c.tiles.iter().map(|t| t.0).collect();
+                tracing::info!(finalist = c.finalist, round = rounds, phases = ?phases, tiles = added, "memory-element conflicts remain after exchange placement: keeping these tiles' sends and receives apart in time");
+                memo.lock().expect("placement memo lock").clear();
+                sized.lock().expect("sizing memo lock").clear();
+                baselines.lock().expect("baseline memo lock").clear();
+                programs.lock().expect("program digests lock").clear();
+                match select_finalist(&t.value, std::slice::from_ref(&program), |l| l, schedule, digest, size, keep_sizing, &keep_placement, optimize, Some(&db.relative_memo)) {
+                    Ok(mut s) => {
+                        // The program is not the host pass of a finalist: it goes with the
+                        // selection (`lowered`).
+                        s.chosen = c.finalist;
+                        for costed in &mut s.costed {
+                            costed.finalist = c.finalist;
+                        }
+                        s.failures.clear();
+                        s.steered = steered.iter().map(|c| format!("{}: {}", c.operation, c.describe())).collect();
+                        let range = *range.lock().expect("rate range lock");
+                        tracing::info!(lowest_link_bytes_per_second = range.low, highest_link_bytes_per_second = range.high, "the host pass decides alike over a range of host link rates: the selection holds for all of them");
+                        return Ok((s, range));
+                    }
+                    Err(e) => {
+                        tracing::info!(round = rounds, reason = %e.message, "half-duplex tiles did not make the program placeable");
+                        pending = e.conflicted.map(|mut next| {
+                            next.finalist = c.finalist;
+                            next
+                        });
+                    }
+                }
+            }
             // Steer the plans blamed in the best finalist (the first one blamed).
             let Some(first) = failure.blamed.first().map(|b| b.0) else { return Err(CompileError(failure.message)) };
             let mut changed = false;
@@ -383,7 +430,11 @@ pub fn requests(lowered: &Lowered, address: impl Fn(u32, u32) -> u32 + Sync) -> 
 
 /// Phase `index`'s exchange request, with addresses from `address(buffer, offset)`.
 pub fn phase_request<F: Fn(u32, u32) -> u32 + ?Sized>(lowered: &Lowered, index: usize, address: &F) -> PhaseRequest {
-    transfers_request(index, &lowered.phases[index], |buffer| lowered.buffers[buffer as usize].tile, address)
+    let mut request = transfers_request(index, &lowered.phases[index], |buffer| lowered.buffers[buffer as usize].tile, address);
+    if let Ok(at) = lowered.half_duplex.binary_search_by_key(&(index as u32), |h| h.0) {
+        request.half_duplex = lowered.half_duplex[at].1.clone();
+    }
+    request
 }
 
 /// The exchange request of `transfers` as phase `index`, each buffer on tile `tile(buffer)`,
@@ -401,6 +452,7 @@ pub fn transfers_request<F: Fn(u32, u32) -> u32 + ?Sized>(index: usize, transfer
                 destinations: t.destinations.iter().map(|d| Destination { tile: tile(d.0), address: address(d.0, d.1) }).collect(),
             })
             .collect(),
+        half_duplex: Vec::new(),
     }
 }
 

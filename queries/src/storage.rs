@@ -326,6 +326,7 @@ mod tests {
             plans: Vec::new(),
             gemm_flops: 0,
             logical_shards: 1,
+            half_duplex: Vec::new(),
         }
     }
 

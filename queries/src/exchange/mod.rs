@@ -31,6 +31,7 @@ mod lower;
 mod matching;
 mod moved;
 mod problem;
+mod serialize;
 pub mod synthetic;
 mod timing;
 mod types;
@@ -136,8 +137,17 @@ fn best(built: Vec<Option<Built>>) -> Option<Built> {
 }
 
 /// Schedule one phase: constructions, comparison of ordinary and paired, local search.
+/// Half-duplex tiles (`PhaseRequest::half_duplex`) get the best schedule with the pieces they
+/// would receive while sending moved after it (`serialize.rs`).
 pub fn schedule_phase(target: &Target, phase: &PhaseRequest) -> Result<Schedule, ExchangeError> {
-    schedule_with(target, phase, true)
+    let schedule = schedule_with(target, phase, true)?;
+    if phase.half_duplex.is_empty() {
+        return Ok(schedule);
+    }
+    let before = schedule.horizon;
+    let (schedule, moved) = serialize::half_duplex(target, phase, schedule);
+    info!(phase = phase.index, half_duplex_tiles = phase.half_duplex.len(), moved_pieces = moved, horizon_before = before, horizon = schedule.horizon, "kept sends and receives of half-duplex tiles apart in time");
+    Ok(schedule)
 }
 
 /// `schedule_phase`, with `coalescing` off for the tests that compare against it.

@@ -123,7 +123,7 @@ mod tests {
             transfers.push(Transfer { source: t, source_address: starts[t as usize][1] + 32, words: 4, destinations: vec![Destination { tile: after, address: starts[after as usize][0] + 64 }] });
         }
         let buffers = (0..n).map(|t| (t, vec![(starts[t as usize][0], 256), (starts[t as usize][1], 256)])).collect();
-        (PhaseRequest { index: 0, transfers }, buffers)
+        (PhaseRequest { index: 0, transfers, half_duplex: Vec::new() }, buffers)
     }
 
     /// Starts of the two buffers on each of 16 tiles: the first at `base + 1024 * tile`, the

@@ -318,5 +318,12 @@ pub fn pattern_digest(phase: &PhaseRequest) -> Digest {
             h.add(&d.tile);
         }
     }
+    // Half-duplex tiles change the schedule; a phase without them keeps its digest.
+    if !phase.half_duplex.is_empty() {
+        h.add("half duplex").add(&(phase.half_duplex.len() as u64));
+        for t in &phase.half_duplex {
+            h.add(t);
+        }
+    }
     h.finish()
 }

@@ -96,7 +96,7 @@ pub fn gemm_gather(tiles: u32, transfers: u32, low: u32, high: u32, seed: u64) -
             out.push(layout.transfer(&mut rng, (d + shift) % tiles, words, &[d]));
         }
     }
-    PhaseRequest { index: 1, transfers: out }
+    PhaseRequest { index: 1, transfers: out, half_duplex: Vec::new() }
 }
 
 /// Reductions: all-to-all exchange of partials inside groups of 4..=15 consecutive tiles at
@@ -120,7 +120,7 @@ pub fn reduction_groups(tiles: u32, transfers: u32, low: u32, high: u32, seed: u
             }
         }
     }
-    PhaseRequest { index: 3, transfers: out }
+    PhaseRequest { index: 3, transfers: out, half_duplex: Vec::new() }
 }
 
 /// Multicast broadcasts: `blocks` blocks, each from a random source to a contiguous range of
@@ -137,7 +137,7 @@ pub fn broadcast(tiles: u32, blocks: u32, fanout: u32, words: u32, seed: u64) ->
             layout.transfer(&mut rng, source, even(words), &destinations)
         })
         .collect();
-    PhaseRequest { index: 2, transfers: out }
+    PhaseRequest { index: 2, transfers: out, half_duplex: Vec::new() }
 }
 
 /// The large seed phase: many small gathers (`low..=high` words) plus a few big row blocks
@@ -176,7 +176,7 @@ pub fn random_phase(rng: &mut SplitMix64, tiles: u32, transfers: u32, max_words:
             layout.transfer(rng, source, words, &destinations)
         })
         .collect();
-    PhaseRequest { index: 0, transfers: out }
+    PhaseRequest { index: 0, transfers: out, half_duplex: Vec::new() }
 }
 
 /// The three seed-sized phases: (name, phase) for 15,064, 24,760 and 84,859 transfers.

@@ -92,7 +92,7 @@ fn multicast_triangle_reports_the_clique_bound() {
         words,
         destinations: vec![Destination { tile: a, address: 0x80004 + source * 0x1000 }, Destination { tile: b, address: 0x80004 + source * 0x1000 }],
     };
-    let phase = PhaseRequest { index: 4, transfers: vec![t(0, 4, 6), t(2, 6, 8), t(10, 4, 8)] };
+    let phase = PhaseRequest { index: 4, transfers: vec![t(0, 4, 6), t(2, 6, 8), t(10, 4, 8)], half_duplex: Vec::new() };
     let schedule = check(&target, &phase);
     let delay = target.exchange.delay_base;
     assert_eq!(schedule.endpoint_lower_bound, 2 * words + delay);
@@ -114,11 +114,11 @@ fn malformed_requests_name_the_transfer() {
         (Transfer { destinations: vec![], ..good.clone() }, "no destination"),
     ];
     for (bad, expected) in cases {
-        let phase = PhaseRequest { index: 9, transfers: vec![good.clone(), bad] };
+        let phase = PhaseRequest { index: 9, transfers: vec![good.clone(), bad], half_duplex: Vec::new() };
         let error = schedule_phase(&target, &phase).unwrap_err().to_string();
         assert!(error.contains("transfer 1") && error.contains(expected), "{error}");
     }
-    let overlap = PhaseRequest { index: 9, transfers: vec![good.clone(), Transfer { source: 2, ..good.clone() }] };
+    let overlap = PhaseRequest { index: 9, transfers: vec![good.clone(), Transfer { source: 2, ..good.clone() }], half_duplex: Vec::new() };
     assert!(schedule_phase(&target, &overlap).unwrap_err().to_string().contains("also writes"));
 }
 
@@ -185,7 +185,7 @@ fn a_jobs_largest_delay_is_its_ports_largest_either_way() {
 #[test]
 fn empty_phase_has_an_empty_schedule() {
     let target = small16();
-    let phase = PhaseRequest { index: 0, transfers: vec![] };
+    let phase = PhaseRequest { index: 0, transfers: vec![], half_duplex: Vec::new() };
     let schedule = check(&target, &phase);
     assert_eq!((schedule.horizon, schedule.pieces.len()), (0, 0));
 }
@@ -231,7 +231,7 @@ fn row_segments(sources: u32, rows: u32, words: u32, fanout: u32) -> PhaseReques
             transfers.push(Transfer { source, source_address: 0x4_0000 + r * words * 4, words, destinations });
         }
     }
-    PhaseRequest { index: 3, transfers }
+    PhaseRequest { index: 3, transfers, half_duplex: Vec::new() }
 }
 
 #[test]
@@ -346,10 +346,53 @@ fn relative_tables_refuse_ties_and_repeated_destinations() {
     let piece = |transfer: u32, send_cycle: u32| Piece { transfer, offset_words: 0, words: 4, send_cycle, paired: false };
     let schedule = |pieces: Vec<Piece>| Schedule { pieces: std::sync::Arc::new(pieces), horizon: 0, endpoint_lower_bound: 0, stronger_bound: None, kind: ScheduleKind::Reused, initial_horizon: 0, neighborhood_improvements: 0, paired: false };
     // Two sends of tile 0 in one cycle: their order would depend on the addresses.
-    let phase = PhaseRequest { index: 0, transfers: vec![transfer(0, 0x40, &[1]), transfer(0, 0x80, &[2])] };
+    let phase = PhaseRequest { index: 0, transfers: vec![transfer(0, 0x40, &[1]), transfer(0, 0x80, &[2])], half_duplex: Vec::new() };
     assert!(relative_tables(&target, &phase, &schedule(vec![piece(0, 0), piece(1, 0)])).is_none());
     assert!(relative_tables(&target, &phase, &schedule(vec![piece(0, 0), piece(1, 4)])).is_some());
     // A transfer naming tile 1 twice: two bases on one tile.
-    let phase = PhaseRequest { index: 0, transfers: vec![transfer(0, 0x40, &[1, 1])] };
+    let phase = PhaseRequest { index: 0, transfers: vec![transfer(0, 0x40, &[1, 1])], half_duplex: Vec::new() };
     assert!(relative_tables(&target, &phase, &schedule(vec![piece(0, 0)])).is_none());
+}
+
+/// Tiles of `tables` that send and receive in one cycle, in order.
+fn sending_while_receiving(tables: &ExchangePhase) -> Vec<u32> {
+    let cycles = |words: u32, paired: bool| if paired { words / 2 } else { words };
+    tables
+        .tiles
+        .iter()
+        .filter(|t| t.sends.iter().any(|s| t.receives.iter().any(|r| s.cycle < r.cycle + cycles(r.words, r.paired) && r.cycle < s.cycle + cycles(s.words, s.paired))))
+        .map(|t| t.tile)
+        .collect()
+}
+
+#[test]
+fn half_duplex_tiles_never_send_and_receive_in_one_cycle() {
+    for (target, tiles, seed) in [(small16(), 16, 11), (ipu21(), 1472, 12)] {
+        let mut rng = SplitMix64(seed);
+        let mut moved = 0;
+        for _ in 0..40 {
+            let transfers = rng.between(5, 60);
+            let max_words = rng.between(8, 400);
+            let phase = synthetic::random_phase(&mut rng, tiles, transfers, max_words, 40, 30);
+            let plain = check(&target, &phase);
+            let before = sending_while_receiving(&lower_to_tables(&target, &phase, &plain));
+            if before.is_empty() {
+                continue;
+            }
+            // Half of them half-duplex: those may no longer overlap; the others keep theirs
+            // or lose them, and no tile gains one.
+            let half: Vec<u32> = before.iter().copied().step_by(2).collect();
+            let request = PhaseRequest { half_duplex: half.clone(), ..phase.clone() };
+            assert_ne!(pattern_digest(&request), pattern_digest(&phase), "half-duplex tiles are part of the pattern");
+            let schedule = check(&target, &request);
+            let after = sending_while_receiving(&lower_to_tables(&target, &request, &schedule));
+            assert!(after.iter().all(|t| !half.contains(t) && before.contains(t)), "half-duplex {half:?}: before {before:?}, after {after:?}");
+            assert!(schedule.horizon >= plain.horizon);
+            assert_eq!(schedule.pieces.iter().map(|p| p.words as u64).sum::<u64>(), plain.pieces.iter().map(|p| p.words as u64).sum::<u64>());
+            // A request without half-duplex tiles keeps its schedule.
+            assert_eq!(schedule_phase(&target, &phase).unwrap(), plain);
+            moved += 1;
+        }
+        assert!(moved >= 10, "only {moved} phases had a tile sending while receiving");
+    }
 }

@@ -26,6 +26,11 @@ pub struct Destination {
 pub struct PhaseRequest {
     pub index: u32,
     pub transfers: Vec<Transfer>,
+    /// Tiles that must not send and receive in the same cycle in this phase (sorted): where
+    /// placement cannot keep a tile's sending and receiving buffers in different memory
+    /// elements, the schedule keeps the two apart in time instead (`serialize::half_duplex`).
+    /// Empty for nearly every phase.
+    pub half_duplex: Vec<u32>,
 }
 
 /// Address-independent schedule: pieces refer to transfers by index and word offset.

@@ -18,6 +18,7 @@ fn phase() -> PhaseRequest {
             Transfer { source: 8, source_address: 0x4C004, words: 4, destinations: vec![d(6, 0x80104)] },
             Transfer { source: 9, source_address: 0x4C000, words: 2, destinations: vec![d(7, 0x80000)] },
         ],
+        half_duplex: Vec::new(),
     }
 }
 
@@ -151,7 +152,7 @@ fn receives_from_one_source_are_matched_after_short_steps_and_long_jumps() {
             Transfer { source: 2, source_address: 0x4C000 + 8 * k, words: 1, destinations }
         })
         .collect();
-    let phase = PhaseRequest { index: 3, transfers };
+    let phase = PhaseRequest { index: 3, transfers, half_duplex: Vec::new() };
     let pieces = (0..30u32).map(|k| piece(k, 0, 1, 3 * k, false)).collect();
     let schedule = Schedule { pieces: std::sync::Arc::new(pieces), horizon: 0, endpoint_lower_bound: 0, stronger_bound: None, kind: ScheduleKind::Greedy, initial_horizon: 0, neighborhood_improvements: 0, paired: false };
     let target = small16();

@@ -2034,6 +2034,7 @@ impl<'a> Builder<'a> {
             plans: self.plans.into_vec(),
             gemm_flops: self.gemm_flops,
             logical_shards,
+            half_duplex: Vec::new(),
         };
         Ok(Attempt { lowered, owners: self.owners.into_vec(), spans: self.spans, interleaved_weights: self.interleaved_weights })
     }

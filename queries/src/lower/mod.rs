@@ -149,6 +149,10 @@ pub struct Lowered {
     pub plans: Vec<OperationPlan>,
     pub gemm_flops: u64,
     pub logical_shards: u32,
+    /// Per exchange phase (sorted by phase, only phases that have any): tiles whose sends and
+    /// receives the phase's schedule keeps in different cycles (`PhaseRequest::half_duplex`),
+    /// set by `select_finalist` where placement leaves memory-element conflicts on them.
+    pub half_duplex: Vec<(u32, Vec<u32>)>,
 }
 
 impl Lowered {

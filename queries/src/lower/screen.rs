@@ -100,6 +100,7 @@ fn sizing_view(l: &Lowered) -> Lowered {
         plans: Vec::new(),
         gemm_flops: l.gemm_flops,
         logical_shards: l.logical_shards,
+        half_duplex: l.half_duplex.clone(),
     }
 }
 

@@ -16,7 +16,7 @@ use crate::cost;
 use crate::emit::vertex;
 use crate::exchange::{self, Schedule};
 use crate::pipeline::{provisional_bases, requests};
-use crate::elements::{conflicts_and_bound, phase_conflicts};
+use crate::elements::{conflict_tiles, conflicts_and_bound, phase_conflicts};
 use crate::exchange_placement::{checked_tables, placed_tables, relocation_memoized, Baseline, RelativeMemo};
 use crate::hash::Digest;
 use crate::storage::{place_storage, Placement};
@@ -59,18 +59,62 @@ pub struct NoFinalist {
     pub message: String,
     /// (finalist, plan index, what went wrong, in words).
     pub blamed: Vec<(u32, u32, String)>,
+    /// The first finalist that could not be placed only for memory-element conflicts left
+    /// after exchange placement, where it went no further: its program as prepared, and the
+    /// tiles with conflicts per phase. Naming those tiles half-duplex in its program
+    /// (`Lowered::half_duplex`) removes the conflicts there (`half_duplex`).
+    pub conflicted: Option<Box<Conflicted>>,
 }
 
-/// Why one finalist cannot be placed, and the plan blamed for it (if one is).
+/// (phase, tiles), by phase.
+pub type PhaseTiles = Vec<(u32, Vec<u32>)>;
+
+/// A finalist left with memory-element conflicts (`NoFinalist::conflicted`).
+#[derive(Clone, Debug)]
+pub struct Conflicted {
+    pub finalist: u32,
+    pub program: Lowered,
+    /// The tiles with conflicts per phase.
+    pub tiles: PhaseTiles,
+}
+
+/// Why one finalist cannot be placed, and the plan blamed for it (if one is); for
+/// memory-element conflicts, the tiles with conflicts per phase.
 struct Failure {
     message: String,
     blamed: Option<u32>,
+    conflicts: PhaseTiles,
 }
 
 impl From<String> for Failure {
     fn from(message: String) -> Failure {
-        Failure { message, blamed: None }
+        Failure { message, blamed: None, conflicts: Vec::new() }
     }
+}
+
+/// `program` with `tiles` (phase, tiles with conflicts) added to its half-duplex tiles, and
+/// how many (phase, tile) pairs were new: its schedules keep those tiles' sends and receives
+/// apart in time, so the conflicts on them cannot come back wherever placement puts the
+/// buffers.
+pub fn half_duplex(mut program: Lowered, tiles: &[(u32, Vec<u32>)]) -> (Lowered, usize) {
+    let mut added = 0;
+    for (phase, list) in tiles {
+        let at = match program.half_duplex.binary_search_by_key(phase, |h| h.0) {
+            Ok(at) => at,
+            Err(at) => {
+                program.half_duplex.insert(at, (*phase, Vec::new()));
+                at
+            }
+        };
+        let held = &mut program.half_duplex[at].1;
+        for &t in list {
+            if let Err(i) = held.binary_search(&t) {
+                held.insert(i, t);
+                added += 1;
+            }
+        }
+    }
+    (program, added)
 }
 
 /// A finalist's support memory per tile, or the tile whose exchange tables exceed the budget
@@ -133,7 +177,7 @@ pub fn select_finalist(
             requests(l, |buffer, offset| provisional[buffer as usize] + offset).into_iter().map(move |r| (f, r))
         })
         .unzip();
-    let scheduled = schedule(&requests).map_err(|message| NoFinalist { message, blamed: Vec::new() })?;
+    let scheduled = schedule(&requests).map_err(|message| NoFinalist { message, blamed: Vec::new(), conflicted: None })?;
     drop(requests);
     let mut per_finalist: Vec<Vec<Schedule>> = vec![Vec::new(); finalists.len()];
     let mut digests: Vec<Vec<Digest>> = vec![Vec::new(); finalists.len()];
@@ -167,12 +211,16 @@ pub fn select_finalist(
         .collect();
     let mut ok: Vec<Costed> = Vec::new();
     let mut blamed: Vec<(u32, u32, String)> = Vec::new();
+    let mut conflicted: Option<(u32, PhaseTiles)> = None;
     for (f, c) in costed.into_iter().enumerate() {
         match c {
             Ok(c) => ok.push(c),
             Err(e) if !failures.iter().any(|x| x.0 == f as u32) => {
                 if let Some(plan) = e.blamed {
                     blamed.push((f as u32, plan, e.message.clone()));
+                }
+                if conflicted.is_none() && !e.conflicts.is_empty() {
+                    conflicted = Some((f as u32, e.conflicts));
                 }
                 failures.push((f as u32, e.message));
             }
@@ -185,7 +233,10 @@ pub fn select_finalist(
     }
     let best = ok.iter().min_by_key(|c| (c.scheduled_cycles, c.estimated_cycles, c.finalist)).cloned();
     let Some(best) = best else {
-        return Err(NoFinalist { message: failures.first().map(|f| f.1.clone()).unwrap_or_else(|| "no finalist".into()), blamed });
+        let message = failures.first().map(|f| f.1.clone()).unwrap_or_else(|| "no finalist".into());
+        let mut prepared = prepared;
+        let conflicted = conflicted.map(|(finalist, tiles)| Box::new(Conflicted { finalist, program: prepared.swap_remove(finalist as usize), tiles }));
+        return Err(NoFinalist { message, blamed, conflicted });
     };
     for p in finalists[best.finalist as usize].plans.iter().filter(|p| !p.constraint.is_empty()) {
         info!(source_operation = %p.value, matching_plans = p.matching_plans, constraint = %p.constraint, "applied GEMM plan constraint");
@@ -218,7 +269,7 @@ fn cost_placed(
     let blame = |phase: u32| l.phase_plans.get(phase as usize).copied();
     let support = match sizing {
         Ok(s) => s,
-        Err(o) => return Err(Failure { message: o.to_string(), blamed: o.phase.and_then(blame) }),
+        Err(o) => return Err(Failure { message: o.to_string(), blamed: o.phase.and_then(blame), conflicts: Vec::new() }),
     };
     let code: Vec<u32> = support.iter().map(|s| s.total()).collect();
     let placement = place_storage(target, l, &code).map_err(|e| e.to_string())?;
@@ -254,9 +305,11 @@ fn cost_placed(
             let tables = placed_tables(target, l, schedules, &optimized, false).map_err(|e| e.0)?;
             if let Some((phase, c)) = tables.iter().map(|p| (p.index, phase_conflicts(target, p))).find(|(_, c)| c.tile_cycles > 0) {
                 let (tile, cycle, element) = c.first.unwrap_or((0, 0, 0));
+                let conflicts: PhaseTiles = tables.par_iter().map(|p| (p.index, conflict_tiles(target, p))).filter(|(_, t)| !t.is_empty()).collect();
                 return Err(Failure {
                     message: format!("memory-element conflicts remain after exchange placement: exchange phase {phase}, tile {tile} sends from and receives into element {element} in cycle {cycle} ({} tile-cycles on {} tiles)", c.tile_cycles, c.tiles),
                     blamed: blame(phase),
+                    conflicts,
                 });
             }
         }
@@ -324,7 +377,7 @@ pub fn steer_away(plan: &super::OperationPlan, user: Option<&crate::ir::PlanCons
 
 #[cfg(test)]
 mod tests {
-    use super::steer_away;
+    use super::{half_duplex, steer_away};
     use crate::ir::PlanConstraint;
     use crate::lower::OperationPlan;
 
@@ -358,6 +411,33 @@ mod tests {
         assert_eq!((c.orientation.as_deref(), c.column_partitions, c.inner_partitions), (Some("swapped"), Some(1), Some(27)));
         let c = steer_away(&plan("matmul", [1, 48, 1, 1]), None).expect("steered");
         assert_eq!((c.row_partitions, c.column_partitions, c.inner_partitions), (Some(24), None, None));
+    }
+
+    #[test]
+    fn half_duplex_tiles_merge_by_phase_and_count_only_new_ones() {
+        let empty = crate::lower::Lowered {
+            tiles: 16,
+            labels: Vec::new(),
+            buffers: Vec::new(),
+            steps: Vec::new(),
+            compute_sets: Vec::new(),
+            phases: Vec::new(),
+            phase_plans: Vec::new(),
+            initialize: Vec::new(),
+            inputs: Vec::new(),
+            outputs: Vec::new(),
+            checkpoints: Vec::new(),
+            plans: Vec::new(),
+            gemm_flops: 0,
+            logical_shards: 1,
+            half_duplex: Vec::new(),
+        };
+        let (l, added) = half_duplex(empty, &[(14, vec![9, 3]), (2, vec![5])]);
+        assert_eq!((l.half_duplex.clone(), added), (vec![(2, vec![5]), (14, vec![3, 9])], 3));
+        let (l, added) = half_duplex(l, &[(14, vec![3, 4]), (7, vec![1])]);
+        assert_eq!((l.half_duplex.clone(), added), (vec![(2, vec![5]), (7, vec![1]), (14, vec![3, 4, 9])], 2));
+        let (_, added) = half_duplex(l, &[(2, vec![5])]);
+        assert_eq!(added, 0, "tiles already half-duplex add nothing (the pipeline then steers)");
     }
 
     #[test]
