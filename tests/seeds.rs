@@ -263,19 +263,20 @@ fn five_full_size_encoder_layers_take_no_capped_program_that_placement_cannot_se
 /// Seven full-size layers, the most that fit at f16: their memory is so full that placement
 /// leaves memory-element conflicts on 14 tiles of three phases of the first layer (a tile
 /// sending from and receiving into one element in a cycle, which the device and the simulator
-/// reject). Before, `select_finalist` steered `l0.q.product` and planned the whole program
-/// again (2,946,550 cycles, a 43 s build); now those tiles are made half-duplex in those
-/// phases (their schedules keep sends and receives apart in time) and the program runs
-/// (measured: 2,815,638 cycles, PASS, built in about 27 s).
+/// reject). Before, `select_finalist` only steered `l0.q.product` and planned the whole program
+/// again (2,946,550 cycles); now it also makes those tiles half-duplex in those phases (their
+/// schedules keep sends and receives apart in time), and that program runs faster than the
+/// steered one, so it is the one kept (measured: 2,815,622 cycles, PASS).
 #[test]
-fn seven_full_size_encoder_layers_keep_conflicting_tiles_half_duplex_instead_of_planning_again() {
+fn seven_full_size_encoder_layers_run_faster_with_conflicting_tiles_half_duplex_than_steered() {
     let dir = tempfile::tempdir().unwrap();
     let out = ipuq(&["workload", "siglip-encoder", "--layers", "7", "-o", "enc.toml"], dir.path());
     assert_eq!(out.code, 0, "{}", out.stderr);
     let out = ipuq(&["run", "enc.toml", "-o", "out"], dir.path());
     assert_pass(&out);
-    assert!(out.stderr.contains("keeping these tiles' sends and receives apart in time"), "{}", common::tail(&out.stderr));
-    assert!(!out.stderr.contains("no finalist can be placed"), "{}", common::tail(&out.stderr));
+    for line in ["keeping these tiles' sends and receives apart in time", "compared the program with half-duplex tiles and the steered one", "selected the program with half-duplex tiles"] {
+        assert!(out.stderr.contains(line), "{line}: {}", common::tail(&out.stderr));
+    }
     let cycles: u64 = field(&out.stdout, "workload=", "cycles").unwrap().parse().unwrap();
     assert!(cycles <= 2_830_000, "seven layers {cycles}");
 }

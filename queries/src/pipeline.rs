@@ -176,8 +176,19 @@ fn schedule_through_memo(db: &Database, x: &Staged<crate::target::Target>, reque
 /// blamed for it away from their plans, `lower/select.rs`).
 const REPLANS: usize = 8;
 
+/// A program `selection` made placeable with half-duplex tiles, and the memo entries of its
+/// round (for the stages after selection, should it be the one chosen: its placement search,
+/// sizing, baseline placement and schedules).
+struct HalfDuplexed {
+    selection: Selection,
+    placements: HashMap<Digest, Arc<crate::exchange_placement::Searched>>,
+    sizings: HashMap<Digest, Arc<Vec<crate::emit::SupportMemory>>>,
+    baselines: HashMap<Digest, Arc<Placement>>,
+    schedules: HashMap<Digest, Staged<Schedule>>,
+}
+
 /// Rounds of half-duplex tiles `selection` may add to a program left with memory-element
-/// conflicts before it steers a plan instead.
+/// conflicts (each adds the tiles still in conflict).
 const HALF_DUPLEX_ROUNDS: usize = 3;
 
 /// Every finalist's exchange phases are scheduled through the per-phase memo, so the chosen
@@ -288,6 +299,22 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
         }
         let _cleared = Cleared(&db.relative_memo, db.keeps_beam_states());
         let mut steered: Vec<crate::ir::PlanConstraint> = Vec::new();
+        // The cheapest program made placeable by half-duplex tiles (below), with the memo
+        // entries its round left for the later stages: taken over a steered program only where
+        // it runs in fewer cycles, and where steering finds none.
+        let mut half: Option<HalfDuplexed> = None;
+        let chosen_cycles = |s: &Selection| s.costed.iter().find(|c| c.finalist == s.chosen).map_or(u64::MAX, |c| c.scheduled_cycles);
+        let take_half = |h: HalfDuplexed| {
+            *memo.lock().expect("placement memo lock") = h.placements;
+            *sized.lock().expect("sizing memo lock") = h.sizings;
+            *baselines.lock().expect("baseline memo lock") = h.baselines;
+            // Its schedules, for the stage `schedules` (the memo holds the last round's).
+            db.schedule_memo.lock().expect("phase memo lock").extend(h.schedules);
+            let range = *range.lock().expect("rate range lock");
+            tracing::info!(scheduled_cycles = chosen_cycles(&h.selection), "selected the program with half-duplex tiles");
+            tracing::info!(lowest_link_bytes_per_second = range.low, highest_link_bytes_per_second = range.high, "the host pass decides alike over a range of host link rates: the selection holds for all of them");
+            (h.selection, range)
+        };
         for round in 0..=REPLANS {
             let candidates: &[Lowered] = replanned.as_deref().unwrap_or(&f.value);
             memo.lock().expect("placement memo lock").clear();
@@ -297,6 +324,13 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
             let failure = match select_finalist(&t.value, candidates, prepare, schedule, digest, size, keep_sizing, &keep_placement, optimize, Some(&db.relative_memo)) {
                 Ok(mut s) => {
                     s.steered = steered.iter().map(|c| format!("{}: {}", c.operation, c.describe())).collect();
+                    if let Some(h) = half.take() {
+                        let (with_half, steered_cycles) = (chosen_cycles(&h.selection), chosen_cycles(&s));
+                        tracing::info!(half_duplex_cycles = with_half, steered_cycles, "compared the program with half-duplex tiles and the steered one");
+                        if with_half < steered_cycles {
+                            return Ok(take_half(h));
+                        }
+                    }
                     if steered.is_empty() {
                         // The host pass of lower_mid's finalist: not stored again; `lowered`
                         // takes it from this process's memo, or derives it again.
@@ -317,9 +351,12 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
             };
             // Memory-element conflicts that placement cannot remove, on a finalist that fails
             // for nothing else: its schedules keep those tiles' sends and receives apart in
-            // time (`Lowered::half_duplex`), a few more cycles in those phases, before any plan
-            // is steered (which plans the whole program again). The tiles gathered are placed
-            // again with the new schedules' table sizes, so more may turn up: a few rounds.
+            // time (`Lowered::half_duplex`), a few more cycles in those phases. The tiles
+            // gathered are placed again with the new schedules' table sizes, so more may turn
+            // up: a few rounds. A plan is steered all the same (planning the whole program
+            // again), since a steered plan can run faster still (one layer with its MLP
+            // constrained to swapped: 359,677 cycles steered, 365,461 half-duplex, 360,863 the
+            // program with its conflicts); the faster of the two is kept.
             let mut failure = failure;
             let mut pending = failure.conflicted.take();
             let mut rounds = 0;
@@ -345,9 +382,17 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
                         }
                         s.failures.clear();
                         s.steered = steered.iter().map(|c| format!("{}: {}", c.operation, c.describe())).collect();
-                        let range = *range.lock().expect("rate range lock");
-                        tracing::info!(lowest_link_bytes_per_second = range.low, highest_link_bytes_per_second = range.high, "the host pass decides alike over a range of host link rates: the selection holds for all of them");
-                        return Ok((s, range));
+                        tracing::info!(round = rounds, scheduled_cycles = chosen_cycles(&s), "half-duplex tiles made the program placeable; steering a plan too, to keep the faster");
+                        if half.as_ref().is_none_or(|h| chosen_cycles(&s) < chosen_cycles(&h.selection)) {
+                            half = Some(HalfDuplexed {
+                                selection: s,
+                                placements: memo.lock().expect("placement memo lock").clone(),
+                                sizings: sized.lock().expect("sizing memo lock").clone(),
+                                baselines: baselines.lock().expect("baseline memo lock").clone(),
+                                schedules: db.schedule_memo.lock().expect("phase memo lock").clone(),
+                            });
+                        }
+                        break;
                     }
                     Err(e) => {
                         tracing::info!(round = rounds, reason = %e.message, "half-duplex tiles did not make the program placeable");
@@ -359,7 +404,12 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
                 }
             }
             // Steer the plans blamed in the best finalist (the first one blamed).
-            let Some(first) = failure.blamed.first().map(|b| b.0) else { return Err(CompileError(failure.message)) };
+            let Some(first) = failure.blamed.first().map(|b| b.0) else {
+                return match half.take() {
+                    Some(h) => Ok(take_half(h)),
+                    None => Err(CompileError(failure.message)),
+                };
+            };
             let mut changed = false;
             for (finalist, plan, why) in failure.blamed.iter().filter(|b| b.0 == first) {
                 let Some(p) = candidates[*finalist as usize].plans.get(*plan as usize) else { continue };
@@ -375,19 +425,33 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
                 changed = true;
             }
             if !changed {
-                return Err(CompileError(failure.message));
+                return match half.take() {
+                    Some(h) => Ok(take_half(h)),
+                    None => Err(CompileError(failure.message)),
+                };
             }
             let mut graph = (*g.value).clone();
             graph.file.constraints.retain(|c| !steered.iter().any(|s| s.operation == c.operation));
             graph.file.constraints.extend(steered.iter().cloned());
             // A finalist lowered under a replication cap is lowered again alone with it (the
             // whole search would end with the same program); others by the whole search.
-            replanned = Some(match search::relower_capped(&graph, &lt.value, &candidates[first as usize]) {
-                Some(l) => vec![l],
-                None => search::finalists(&graph, &lt.value, k).map_err(CompileError::from)?,
+            let again = match search::relower_capped(&graph, &lt.value, &candidates[first as usize]) {
+                Some(l) => Ok(vec![l]),
+                None => search::finalists(&graph, &lt.value, k).map_err(CompileError::from),
+            };
+            replanned = Some(match (again, half.take()) {
+                (Ok(again), h) => {
+                    half = h;
+                    again
+                }
+                (Err(_), Some(h)) => return Ok(take_half(h)),
+                (Err(e), None) => return Err(e),
             });
         }
-        Err(CompileError("no finalist can be placed".into()))
+        match half.take() {
+            Some(h) => Ok(take_half(h)),
+            None => Err(CompileError("no finalist can be placed".into())),
+        }
     })
 }
 
@@ -513,8 +577,9 @@ pub fn schedules(db: &dyn Db, sources: Sources) -> StageResult<Schedules> {
     let s = selection(db, sources)?;
     let f = finalists(db, sources)?;
     let full = selection_target(db, sources)?;
-    // (After a re-plan the first finalists are not the ones selection chose among.)
-    for (i, other) in f.value.iter().enumerate().filter(|_| s.value.steered.is_empty()) {
+    // (After a re-plan, or with half-duplex tiles, the chosen program is not the host pass of
+    // one of these finalists: `lowered` holds it, and the others were not scheduled.)
+    for (i, other) in f.value.iter().enumerate().filter(|_| s.value.steered.is_empty() && s.value.lowered.is_none()) {
         let skipped = s.value.failures.iter().any(|x| x.0 == i as u32 && x.1.starts_with("not costed"));
         if i as u32 != s.value.chosen && !skipped {
             let other = crate::lower::host::replicate(other.clone(), &full.value);

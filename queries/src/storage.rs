@@ -302,7 +302,7 @@ fn first_fit(range: (u32, u32), placed: &[Placed], avoid: &[(u32, u32)], bytes: 
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::{align, first_fit, place_storage, place_storage_with, ExchangeRules, Placed};
     use crate::elements::element_range;
     use crate::lower::{BufferDecl, Lowered};
@@ -310,7 +310,7 @@ mod tests {
     use crate::target::Target;
 
     /// One tile's buffers (bytes, first step, last step), all partials (interleaved memory).
-    fn partials(buffers: &[(u32, u32, u32)]) -> Lowered {
+    pub(crate) fn partials(buffers: &[(u32, u32, u32)]) -> Lowered {
         Lowered {
             tiles: 1,
             labels: buffers.iter().enumerate().map(|(i, _)| format!("b{i}")).collect(),

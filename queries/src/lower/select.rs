@@ -415,23 +415,7 @@ mod tests {
 
     #[test]
     fn half_duplex_tiles_merge_by_phase_and_count_only_new_ones() {
-        let empty = crate::lower::Lowered {
-            tiles: 16,
-            labels: Vec::new(),
-            buffers: Vec::new(),
-            steps: Vec::new(),
-            compute_sets: Vec::new(),
-            phases: Vec::new(),
-            phase_plans: Vec::new(),
-            initialize: Vec::new(),
-            inputs: Vec::new(),
-            outputs: Vec::new(),
-            checkpoints: Vec::new(),
-            plans: Vec::new(),
-            gemm_flops: 0,
-            logical_shards: 1,
-            half_duplex: Vec::new(),
-        };
+        let empty = crate::storage::tests::partials(&[]);
         let (l, added) = half_duplex(empty, &[(14, vec![9, 3]), (2, vec![5])]);
         assert_eq!((l.half_duplex.clone(), added), (vec![(2, vec![5]), (14, vec![3, 9])], 3));
         let (l, added) = half_duplex(l, &[(14, vec![3, 4]), (7, vec![1])]);
