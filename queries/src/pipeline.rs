@@ -197,7 +197,10 @@ const HALF_DUPLEX_ROUNDS: usize = 3;
 /// When no finalist can be placed because a plan's exchanges made it infeasible (tables over
 /// the per-tile budget, memory-element conflicts placement cannot remove), the operations
 /// blamed are steered away from their plans by constraints (`steer_away`) and the program is
-/// planned again, up to `REPLANS` times; the build fails only when that cannot help.
+/// planned again, up to `REPLANS` times; the build fails only when that cannot help. Where
+/// memory-element conflicts are all that is wrong with a finalist, the conflicting tiles are
+/// also made half-duplex in their phases (`HALF_DUPLEX_ROUNDS`), and that program is kept
+/// where it runs in fewer cycles than the steered one (or where steering finds none).
 #[salsa::tracked(returns(clone))]
 pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
     // The selection view: the lowering view and the host link rate, which the host pass
