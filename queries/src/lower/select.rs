@@ -272,7 +272,9 @@ fn cost_placed(
         Err(o) => return Err(Failure { message: o.to_string(), blamed: o.phase.and_then(blame), conflicts: Vec::new() }),
     };
     let code: Vec<u32> = support.iter().map(|s| s.total()).collect();
-    let placement = place_storage(target, l, &code).map_err(|e| e.to_string())?;
+    // A buffer that does not fit blames the product it belongs to, so that the pipeline can
+    // steer that plan and plan again (eight full-size encoder layers fit so, by 2,304 bytes).
+    let placement = place_storage(target, l, &code).map_err(|e| Failure { message: e.to_string(), blamed: owner_plan(l, &e.label), conflicts: Vec::new() })?;
     keep_placement(program, &code, &placement);
     // Phases relocate independently, from relative tables made once per distinct pattern and
     // schedule (the same phase of repeated layers shares them) and reused by the candidates of
@@ -343,6 +345,15 @@ fn cost_placed(
     })
 }
 
+/// The matrix product whose buffer `label` is, as an index into the program's plans: the
+/// lowering names a product's partials after the value it writes (`l0.mlp_down.partials`, the
+/// bias add its epilogue folds in), and the plan after the product (`l0.mlp_down.product`) or
+/// that value; None for any other buffer.
+fn owner_plan(l: &Lowered, label: &str) -> Option<u32> {
+    let (value, _) = label.rsplit_once('.')?;
+    l.plans.iter().position(|p| p.kind == "matmul" && (p.value == value || p.value.strip_prefix(value).is_some_and(|rest| rest == ".product"))).map(|i| i as u32)
+}
+
 /// A constraint steering a matrix product away from `plan`, which made every finalist
 /// infeasible: half as many pieces along the first axis the user left free, in the order
 /// inner, column, row partitions (fewer pieces mean fewer partial and operand transfers per
@@ -377,7 +388,7 @@ pub fn steer_away(plan: &super::OperationPlan, user: Option<&crate::ir::PlanCons
 
 #[cfg(test)]
 mod tests {
-    use super::{half_duplex, steer_away};
+    use super::{half_duplex, owner_plan, steer_away};
     use crate::ir::PlanConstraint;
     use crate::lower::OperationPlan;
 
@@ -422,6 +433,21 @@ mod tests {
         assert_eq!((l.half_duplex.clone(), added), (vec![(2, vec![5]), (7, vec![1]), (14, vec![3, 4, 9])], 2));
         let (_, added) = half_duplex(l, &[(2, vec![5])]);
         assert_eq!(added, 0, "tiles already half-duplex add nothing (the pipeline then steers)");
+    }
+
+    #[test]
+    fn a_buffer_that_does_not_fit_blames_the_product_it_belongs_to() {
+        let mut l = crate::storage::tests::partials(&[]);
+        for (value, kind) in [("l0.ln2", "layer_norm"), ("l0.mlp_up.product", "matmul"), ("l0.mlp_down.product", "matmul"), ("l1.q", "matmul")] {
+            l.plans.push(OperationPlan { value: value.into(), ..plan(kind, [1, 2, 3, 4]) });
+        }
+        assert_eq!(owner_plan(&l, "l0.mlp_down.partials"), Some(2));
+        assert_eq!(owner_plan(&l, "l0.mlp_up.weight"), Some(1));
+        assert_eq!(owner_plan(&l, "l1.q.partials"), Some(3));
+        // Not a product's: another operation's, a value of no plan, or a name without parts.
+        assert_eq!(owner_plan(&l, "l0.ln2.statistics"), None);
+        assert_eq!(owner_plan(&l, "l0.mlp.partials"), None);
+        assert_eq!(owner_plan(&l, "w2_3"), None);
     }
 
     #[test]
