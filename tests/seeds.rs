@@ -269,16 +269,22 @@ fn five_full_size_encoder_layers_take_no_capped_program_that_placement_cannot_se
 /// steered one, so it is the one kept (measured: 2,815,622 cycles, PASS).
 #[test]
 fn seven_full_size_encoder_layers_run_faster_with_conflicting_tiles_half_duplex_than_steered() {
+    let cycles = run_layers_logging("7", &["keeping these tiles' sends and receives apart in time", "compared the program with half-duplex tiles and the steered one", "selected the program with half-duplex tiles"]);
+    assert!(cycles <= 2_830_000, "seven layers {cycles}");
+}
+
+/// Runs `layers` full-size encoder layers, checks that they pass and that the build's log
+/// holds each of `lines`, and gives the simulated cycles.
+fn run_layers_logging(layers: &str, lines: &[&str]) -> u64 {
     let dir = tempfile::tempdir().unwrap();
-    let out = ipuq(&["workload", "siglip-encoder", "--layers", "7", "-o", "enc.toml"], dir.path());
+    let out = ipuq(&["workload", "siglip-encoder", "--layers", layers, "-o", "enc.toml"], dir.path());
     assert_eq!(out.code, 0, "{}", out.stderr);
     let out = ipuq(&["run", "enc.toml", "-o", "out"], dir.path());
     assert_pass(&out);
-    for line in ["keeping these tiles' sends and receives apart in time", "compared the program with half-duplex tiles and the steered one", "selected the program with half-duplex tiles"] {
+    for line in lines {
         assert!(out.stderr.contains(line), "{line}: {}", common::tail(&out.stderr));
     }
-    let cycles: u64 = field(&out.stdout, "workload=", "cycles").unwrap().parse().unwrap();
-    assert!(cycles <= 2_830_000, "seven layers {cycles}");
+    field(&out.stdout, "workload=", "cycles").unwrap().parse().unwrap()
 }
 
 /// Eight full-size layers: the planner's program leaves one buffer 2,304 bytes short of tile
@@ -289,15 +295,7 @@ fn seven_full_size_encoder_layers_run_faster_with_conflicting_tiles_half_duplex_
 /// 3,423,794 cycles, PASS, built in about 80 s).
 #[test]
 fn eight_full_size_encoder_layers_fit_once_the_product_of_a_buffer_that_does_not_fit_is_steered() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = ipuq(&["workload", "siglip-encoder", "--layers", "8", "-o", "enc.toml"], dir.path());
-    assert_eq!(out.code, 0, "{}", out.stderr);
-    let out = ipuq(&["run", "enc.toml", "-o", "out"], dir.path());
-    assert_pass(&out);
-    for line in ["steered away from its plan operation=l0.mlp_down.product", "selected the program with half-duplex tiles"] {
-        assert!(out.stderr.contains(line), "{line}: {}", common::tail(&out.stderr));
-    }
-    let cycles: u64 = field(&out.stdout, "workload=", "cycles").unwrap().parse().unwrap();
+    let cycles = run_layers_logging("8", &["steered away from its plan operation=l0.mlp_down.product", "selected the program with half-duplex tiles"]);
     assert!(cycles <= 3_440_000, "eight layers {cycles}");
 }
 
