@@ -70,7 +70,6 @@ pub fn half_duplex(target: &Target, phase: &PhaseRequest, schedule: Schedule) ->
     if !half.iter().any(|&h| h) {
         return (schedule, 0);
     }
-    // Each half-duplex tile's send intervals [start, end), sorted and merged.
     let delay = |s: u32, d: u32| target.delay(s.min(target.chip.tiles - 1), d.min(target.chip.tiles - 1));
     // Each half-duplex tile's send and receive intervals [start, end), sorted and merged.
     let mut busy: Vec<[Vec<(u32, u32)>; 2]> = vec![[Vec::new(), Vec::new()]; tiles];
@@ -109,46 +108,62 @@ pub fn half_duplex(target: &Target, phase: &PhaseRequest, schedule: Schedule) ->
             .map(|d| d.tile as usize)
             .collect()
     };
+    let overlapping: Vec<(Option<usize>, Vec<usize>)> = schedule.pieces.iter().map(|p| (sent_over(p), received_over(p))).collect();
     // Each half-duplex tile gives up the side that moves fewer cycles: the pieces it sends
     // while receiving, or those it receives while sending.
     let mut cost = vec![[0u64; 2]; tiles];
-    for p in schedule.pieces.iter() {
-        if let Some(s) = sent_over(p) {
-            cost[s][SEND] += p.cycles() as u64;
+    for (p, (sent, received)) in schedule.pieces.iter().zip(&overlapping) {
+        if let Some(s) = sent {
+            cost[*s][SEND] += p.cycles() as u64;
         }
-        for d in received_over(p) {
+        for &d in received {
             cost[d][RECEIVE] += p.cycles() as u64;
         }
     }
     let gives_up = |tile: usize| if cost[tile][SEND] < cost[tile][RECEIVE] { SEND } else { RECEIVE };
-    let moves: Vec<bool> = schedule.pieces.iter().map(|p| sent_over(p).is_some_and(|s| gives_up(s) == SEND) || received_over(p).into_iter().any(|d| gives_up(d) == RECEIVE)).collect();
+    let moves: Vec<bool> = overlapping.iter().map(|(sent, received)| sent.is_some_and(|s| gives_up(s) == SEND) || received.iter().any(|&d| gives_up(d) == RECEIVE)).collect();
     let moved = moves.iter().filter(|&&m| m).count();
     if moved == 0 {
         return (schedule, 0);
     }
-    // The ports the kept pieces hold: per tile, send and receive (a paired piece holds its
-    // partner's too), merged into disjoint intervals.
-    let mut ports: Vec<[Vec<(u32, u32)>; 2]> = vec![[Vec::new(), Vec::new()]; tiles];
-    let hold = |ports: &mut Vec<[Vec<(u32, u32)>; 2]>, p: &Piece, cycle: u32| {
-        let Some(t) = phase.transfers.get(p.transfer as usize) else { return };
-        let n = p.cycles();
-        let partners = |tile: u32| [Some(tile), p.paired.then_some(tile ^ 1)];
-        for tile in partners(t.source).into_iter().flatten().filter(|&x| (x as usize) < tiles) {
-            ports[tile as usize][SEND].push((cycle, cycle + n));
+    // (tile, port, cycles after the send) of every port a piece holds: its source's send port
+    // and each destination's receive port, and a paired piece its partners' too; with
+    // `idle_other`, also the other port of its source and of each destination.
+    let held = |t: &super::types::Transfer, p: &Piece, idle_other: bool| -> Vec<(usize, usize, u32)> {
+        let mut out = Vec::new();
+        let mut add = |tile: u32, port: usize, at: u32| {
+            if (tile as usize) < tiles {
+                out.push((tile as usize, port, at));
+            }
+        };
+        let partners = |tile: u32| [Some(tile), p.paired.then_some(tile ^ 1)].into_iter().flatten();
+        for tile in partners(t.source) {
+            add(tile, SEND, 0);
+        }
+        if idle_other {
+            add(t.source, RECEIVE, 0);
         }
         for d in &t.destinations {
-            let at = cycle + delay(t.source, d.tile);
-            for tile in partners(d.tile).into_iter().flatten().filter(|&x| (x as usize) < tiles) {
-                ports[tile as usize][RECEIVE].push((at, at + n));
+            let at = delay(t.source, d.tile);
+            for tile in partners(d.tile) {
+                add(tile, RECEIVE, at);
+            }
+            if idle_other {
+                add(d.tile, SEND, at);
             }
         }
+        out
     };
+    // The ports the kept pieces hold, per tile, merged into disjoint intervals.
+    let mut ports: Vec<[Vec<(u32, u32)>; 2]> = vec![[Vec::new(), Vec::new()]; tiles];
     let mut pieces: Vec<Piece> = Vec::with_capacity(schedule.pieces.len());
-    for (p, &m) in schedule.pieces.iter().zip(&moves) {
-        if !m {
-            hold(&mut ports, p, p.send_cycle);
-            pieces.push(*p);
+    for (p, _) in schedule.pieces.iter().zip(&moves).filter(|(_, &m)| !m) {
+        if let Some(t) = phase.transfers.get(p.transfer as usize) {
+            for (tile, port, at) in held(t, p, false) {
+                ports[tile][port].push((p.send_cycle + at, p.send_cycle + at + p.cycles()));
+            }
         }
+        pieces.push(*p);
     }
     for tile in ports.iter_mut() {
         for list in tile.iter_mut() {
@@ -164,24 +179,7 @@ pub fn half_duplex(target: &Target, phase: &PhaseRequest, schedule: Schedule) ->
     for (p, _) in schedule.pieces.iter().zip(&moves).filter(|(_, &m)| m) {
         let t = &phase.transfers[p.transfer as usize];
         let n = p.cycles();
-        // (tile, port, delay from the send): every interval the piece needs free.
-        let mut needs: Vec<(usize, usize, u32)> = Vec::new();
-        let mut need = |tile: u32, port: usize, at: u32| {
-            if (tile as usize) < tiles {
-                needs.push((tile as usize, port, at));
-            }
-        };
-        for tile in [Some(t.source), p.paired.then_some(t.source ^ 1)].into_iter().flatten() {
-            need(tile, SEND, 0);
-        }
-        need(t.source, RECEIVE, 0);
-        for d in &t.destinations {
-            let at = delay(t.source, d.tile);
-            for tile in [Some(d.tile), p.paired.then_some(d.tile ^ 1)].into_iter().flatten() {
-                need(tile, RECEIVE, at);
-            }
-            need(d.tile, SEND, at);
-        }
+        let needs = held(t, p, true);
         let mut cycle = 0u32;
         'search: loop {
             for &(tile, port, at) in &needs {
