@@ -316,7 +316,10 @@ impl Replay<'_> {
                 from => Partial::homing_from(from),
             },
         };
-        let partial = extend(base, &oriented, self.target, &[], end).ok()?;
+        let mut partial = extend(base, &oriented, self.target, &[], end).ok()?;
+        // Its peak live bytes, as the beam scored it: the extensions of the resumed step then
+        // update them (`Partial::peaks`) instead of each sweeping every buffer of the prefix.
+        partial.peaks(self.target.chip.tiles);
         Some((oriented, partial))
     }
 
