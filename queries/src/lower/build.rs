@@ -964,14 +964,24 @@ impl<'a> Builder<'a> {
         let Producer::Tensor { role, .. } = &base.producer else {
             return Err(LowerError::Unsupported { operation: self.operation_name.clone(), message: format!("value '{name}' is read before it is computed") });
         };
+        // The block's segments are merged as `finish` merges a tensor's (`merge_segments`)
+        // before they join the tensor: every merge joins segments of one buffer, and this
+        // buffer is the block's alone, so merging them now and the whole tensor again at
+        // `finish` gives what merging once at `finish` gives (the merge is idempotent), and a
+        // partial program holds a strided segment per block instead of one per row of every
+        // replicated weight block.
+        let mut segments: Vec<LSegment> = Vec::new();
         walk_block(&chain, &held, block, |index, base_index, run, _| {
             let dst_offset = held.loc(index).offset * dtype.bytes();
             let element = flatten(base_index, &chain.base_shape);
-            let entry = self.host_tensor(chain.base, base, *role, dtype);
-            push_segment(&mut entry.segments, LSegment { buffer, offset: dst_offset, element: element as u32, count: run, rows: 1, element_stride: 0, offset_stride: 0, element_step: 1 }, dtype.bytes());
-            self.mark_host(buffer);
+            push_segment(&mut segments, LSegment { buffer, offset: dst_offset, element: element as u32, count: run, rows: 1, element_stride: 0, offset_stride: 0, element_step: 1 }, dtype.bytes());
             run
         });
+        if !segments.is_empty() {
+            let entry = self.host_tensor(chain.base, base, *role, dtype);
+            entry.segments.extend(merge_segments(segments, dtype));
+            self.mark_host(buffer);
+        }
         Ok(held)
     }
 
@@ -1585,6 +1595,8 @@ impl<'a> Builder<'a> {
             grid.buffers.push(buffer);
         }
         self.home_rotation += 1;
+        // Merged now, each block in its own buffer (as the walked blocks of `gather`).
+        let segments = merge_segments(segments, value.dtype);
         let marked: Vec<u32> = segments.iter().map(|s| s.buffer).collect();
         let replaced = self.host.insert(weight, Arc::new(HostEntry::new(LHostTensor { name: value.name.clone(), shape: value.shape.clone(), dtype: value.dtype, role: HostRole::Weight, segments })));
         if replaced.is_some() {
@@ -2516,7 +2528,9 @@ fn unshare<T: Clone>(shared: Arc<T>) -> T {
 
 #[cfg(test)]
 mod tests {
-    use super::{panel_width, Moves, Place, Transfer};
+    use super::{merge_segments, panel_width, push_segment, Moves, Place, Transfer};
+    use crate::ir::DType;
+    use crate::lower::LSegment;
     use crate::exchange::synthetic::SplitMix64;
 
     /// `moves` pushed into `table` in order, then drained: the transfers and the buffers touched.
@@ -2659,5 +2673,59 @@ mod tests {
         assert_eq!(panel_width(&[0, 18, 36, 50], 16), 0);
         // A last cell wider than the others is not a panel either.
         assert_eq!(panel_width(&[0, 32, 64, 100], 16), 0);
+    }
+
+    /// `gather` and `home_weight` merge each block's segments as they are made (each block
+    /// has its buffer to itself) and `finish` merges the tensor again: this must give what one
+    /// merge of every row segment gives. Merges join segments of one buffer only, and the
+    /// merge is idempotent; random blocks of row runs (full-width rows contiguous in memory,
+    /// padded rows, single-element columns, several blocks per tensor) check both.
+    #[test]
+    fn merging_each_blocks_segments_first_changes_no_tensor() {
+        let mut rng = crate::exchange::synthetic::SplitMix64(0x5e55_1045);
+        for case in 0..300 {
+            let dtype = if case % 3 == 0 { DType::F32 } else { DType::F16 };
+            let bytes = dtype.bytes();
+            let cols_total = 4 + rng.below(60);
+            let mut all: Vec<LSegment> = Vec::new();
+            let mut blocks: Vec<Vec<LSegment>> = Vec::new();
+            let mut next_buffer = 0u32;
+            for _ in 0..1 + rng.below(6) {
+                let buffer = next_buffer + rng.below(3);
+                next_buffer = buffer + 1;
+                let (r0, rows) = (rng.below(20), 1 + rng.below(12));
+                let c0 = rng.below(cols_total);
+                let width = 1 + rng.below(cols_total - c0);
+                // Stored rows: packed, or padded to an even or 8-byte multiple.
+                let stride = match rng.below(3) {
+                    0 => width,
+                    1 => width.div_ceil(2) * 2,
+                    _ => width + 1 + rng.below(4),
+                };
+                // Some blocks arrive element by element (a column run of single elements).
+                let single = rng.below(5) == 0;
+                let mut block = Vec::new();
+                for r in 0..rows {
+                    let element = (r0 + r) * cols_total + c0;
+                    let offset = r * stride * bytes;
+                    if single {
+                        for c in 0..width {
+                            let s = LSegment { buffer, offset: offset + c * bytes, element: element + c, count: 1, rows: 1, element_stride: 0, offset_stride: 0, element_step: 1 };
+                            push_segment(&mut all, s, bytes);
+                            push_segment(&mut block, s, bytes);
+                        }
+                    } else {
+                        let s = LSegment { buffer, offset, element, count: width, rows: 1, element_stride: 0, offset_stride: 0, element_step: 1 };
+                        push_segment(&mut all, s, bytes);
+                        push_segment(&mut block, s, bytes);
+                    }
+                }
+                blocks.push(block);
+            }
+            let once = merge_segments(all, dtype);
+            let blockwise: Vec<LSegment> = blocks.into_iter().flat_map(|b| merge_segments(b, dtype)).collect();
+            assert_eq!(merge_segments(blockwise, dtype), once, "case {case}");
+            assert_eq!(merge_segments(once.clone(), dtype), once, "case {case}: idempotent");
+        }
     }
 }
