@@ -2696,7 +2696,7 @@ mod tests {
                 let (r0, rows) = (rng.below(20), 1 + rng.below(12));
                 let c0 = rng.below(cols_total);
                 let width = 1 + rng.below(cols_total - c0);
-                // Stored rows: packed, or padded to an even or 8-byte multiple.
+                // Stored rows: packed, padded to an even width, or padded by one to four elements.
                 let stride = match rng.below(3) {
                     0 => width,
                     1 => width.div_ceil(2) * 2,
