@@ -409,6 +409,29 @@ struct State {
 /// build's states (the same by the same argument, step by step).
 pub struct KeptBeam {
     steps: Vec<Option<Arc<Vec<State>>>>,
+    /// The capped program's prefixes the build lowered beside its beam (`CappedAhead`), for
+    /// the next build's capped lowering to extend.
+    capped: Option<Arc<CappedPrefixes>>,
+}
+
+/// A capped program's prefixes at its product boundaries, as `CappedAhead` lowered them (over
+/// `oriented`, under `cap`): the next build's capped lowering under the same cap extends the
+/// longest one that lowers alike over its graph (`prefix_identical_across_graphs`), which
+/// gives the program lowered from the start, as the beam's resumed states do.
+pub(crate) struct CappedPrefixes {
+    oriented: Arc<Oriented>,
+    cap: u32,
+    prefixes: Vec<Partial>,
+}
+
+impl CappedPrefixes {
+    /// The longest prefix that `oriented` extends alike.
+    fn longest(&self, oriented: &Oriented, cap: u32) -> Option<&Partial> {
+        if cap != self.cap {
+            return None;
+        }
+        self.prefixes.iter().rev().find(|p| prefix_identical_across_graphs(&self.oriented, oriented, p.lowered_operations()))
+    }
 }
 
 impl KeptBeam {
@@ -923,7 +946,7 @@ fn beam_keeping(graph: &Graph, target: &Target, width: usize, previous: Option<(
             let homing = |s: &State| s.partial.home_from() < usize::MAX;
             if let Some(best) = states.first().filter(|b| homing(b) || (wide_pool() && states.iter().any(homing))) {
                 let partials: Vec<&Partial> = states.iter().map(|s| &s.partial).collect();
-                capped_ahead = CappedAhead::start(graph, target, &best.swapped, &partials, &products);
+                capped_ahead = CappedAhead::start(graph, target, &best.swapped, &partials, &products, kept_before.and_then(|k| k.capped.clone()));
             }
         }
         steps.push(TraceStep { states: states.iter().map(TracedState::of).collect(), noted: first_error.is_some() });
@@ -959,7 +982,7 @@ fn beam_keeping(graph: &Graph, target: &Target, width: usize, previous: Option<(
             Err(e) => note(e, &mut first_error),
         }
     }
-    Beam { programs, far: far_over, histories, first_error, steps, resumed, searched, capped_ahead, kept: keep.then_some(KeptBeam { steps: kept }), reused }
+    Beam { programs, far: far_over, histories, first_error, steps, resumed, searched, capped_ahead, kept: keep.then_some(KeptBeam { steps: kept, capped: None }), reused }
 }
 
 /// What [`beam`] ends with.
@@ -1035,7 +1058,13 @@ pub fn finalists_keeping(graph: &Graph, target: &Target, keep: usize, previous: 
         debug!(searched_steps = run.searched, "searched the plan beam from the start");
     }
     let trace = BeamTrace { workload: workload_structure(graph), width: width as u64, steps: run.steps };
-    (feasible_finalists(graph, target, keep, run.programs, &run.far, true, &run.histories, run.first_error, run.capped_ahead.as_ref()).0, trace, run.kept)
+    let found = feasible_finalists(graph, target, keep, run.programs, &run.far, true, &run.histories, run.first_error, run.capped_ahead.as_ref()).0;
+    // The capped program's prefixes, for the next build in this process.
+    let mut kept = run.kept;
+    if let Some(k) = kept.as_mut() {
+        k.capped = run.capped_ahead.as_ref().and_then(|a| a.prefixes.lock().ok().and_then(|mut p| p.take()));
+    }
+    (found, trace, kept)
 }
 
 /// The beam's programs made feasible, the best `keep` of them (`finalists`). Programs far over
@@ -1622,11 +1651,14 @@ struct CappedAhead {
     cap: u32,
     cancel: Arc<AtomicBool>,
     #[allow(clippy::type_complexity)]
-    handle: std::sync::Mutex<Option<std::thread::JoinHandle<Option<Result<Attempt, LowerError>>>>>,
+    handle: std::sync::Mutex<Option<std::thread::JoinHandle<(Option<Result<Attempt, LowerError>>, Vec<Partial>)>>>,
     /// The phases the thread has lowered, as it hands them on.
     lowering: std::sync::Mutex<Option<std::sync::mpsc::Receiver<HandedOn>>>,
     /// Told of each phase handed on while a thread waits in `take` (`finalists_warming`).
     warm: Option<Arc<Warm>>,
+    /// The lowering's prefixes at its product boundaries, once taken (kept for a next build
+    /// in a process that keeps the beam's states).
+    prefixes: std::sync::Mutex<Option<Arc<CappedPrefixes>>>,
 }
 
 /// Told of exchange phases of a program being lowered (with provisional addresses, as
@@ -1648,7 +1680,9 @@ impl CappedAhead {
     /// the cap `first_cap` gives for the most transient bytes of `partials`; `products`: the
     /// graph's products in order (the thread looks for a stop at each). None when there is no
     /// cap to try or no thread.
-    fn start(graph: &Graph, target: &Target, swapped: &BTreeSet<usize>, partials: &[&Partial], products: &[usize]) -> Option<CappedAhead> {
+    /// `resume`: the previous build's capped prefixes (in a process that keeps them): the
+    /// lowering extends the longest that lowers alike over this graph under this cap.
+    fn start(graph: &Graph, target: &Target, swapped: &BTreeSet<usize>, partials: &[&Partial], products: &[usize], resume: Option<Arc<CappedPrefixes>>) -> Option<CappedAhead> {
         let weight_bytes = matrix_weight_bytes(graph);
         let live = partials.iter().map(|p| transient_peak(p.buffers().iter(), &p.host_flags(), target.chip.tiles)).max().unwrap_or(0);
         let cap = first_cap(weight_bytes, live, target, false);
@@ -1674,34 +1708,47 @@ impl CappedAhead {
                         handed = phases.len();
                     }
                 };
-                let mut partial = Partial::replication_capped(cap);
+                // The prefixes kept for a next build: those taken over, then those lowered.
+                let mut prefixes: Vec<Partial> = Vec::new();
+                let mut partial = match resume.as_ref().and_then(|r| r.longest(&o, cap).map(|p| (r, p))) {
+                    Some((r, p)) => {
+                        let n = p.lowered_operations();
+                        prefixes.extend(r.prefixes.iter().filter(|q| q.lowered_operations() <= n && prefix_identical_across_graphs(&r.oriented, &o, q.lowered_operations())).cloned());
+                        let p = p.clone();
+                        // What it holds of the program is handed on at once.
+                        hand_on(&p);
+                        p
+                    }
+                    None => Partial::replication_capped(cap),
+                };
                 for &p in &products {
                     let to = end_before(&o, Some(p));
                     if to <= partial.lowered_operations() {
                         continue;
                     }
                     if c.load(Ordering::Relaxed) {
-                        return None;
+                        return (None, prefixes);
                     }
                     partial = match extend(partial, &o, &t, &[], to) {
                         Ok(p) => p,
-                        Err(e) => return Some(Err(e)),
+                        Err(e) => return (Some(Err(e)), prefixes),
                     };
                     hand_on(&partial);
+                    prefixes.push(partial.clone());
                 }
                 if c.load(Ordering::Relaxed) {
-                    return None;
+                    return (None, prefixes);
                 }
                 let partial = match extend(partial, &o, &t, &[], o.graph.operations.len()) {
                     Ok(p) => p,
-                    Err(e) => return Some(Err(e)),
+                    Err(e) => return (Some(Err(e)), prefixes),
                 };
                 hand_on(&partial);
-                Some(complete(partial, &o, &t, &[]))
+                (Some(complete(partial, &o, &t, &[])), prefixes)
             })
             .ok()?;
         debug!(cap, swapped = ?swapped, "lowering the capped program beside the beam");
-        Some(CappedAhead { oriented, cap, cancel, handle: std::sync::Mutex::new(Some(handle)), lowering: std::sync::Mutex::new(Some(receiver)), warm: None })
+        Some(CappedAhead { oriented, cap, cancel, handle: std::sync::Mutex::new(Some(handle)), lowering: std::sync::Mutex::new(Some(receiver)), warm: None, prefixes: std::sync::Mutex::new(None) })
     }
 
     /// The lowering, when it was made over `oriented` (a program that lowers exactly alike:
@@ -1718,7 +1765,10 @@ impl CappedAhead {
         if let (Some(warm), Some(lowering)) = (&self.warm, lowering) {
             warm_while_lowering(&handle, &lowering, warm.as_ref());
         }
-        let taken = handle.join().ok().flatten();
+        let (taken, prefixes) = handle.join().ok().unwrap_or((None, Vec::new()));
+        if let Ok(mut p) = self.prefixes.lock() {
+            *p = Some(Arc::new(CappedPrefixes { oriented: self.oriented.clone(), cap, prefixes }));
+        }
         debug!(cap, taken = taken.is_some(), "took the capped program lowered beside the beam");
         taken
     }
@@ -2563,6 +2613,42 @@ mod tests {
         assert_eq!(replication_cap_of(&uncapped), None);
     }
 
+    /// A capped lowering that extends the previous build's capped prefixes (`CappedPrefixes`,
+    /// kept by a process that builds again) is the program lowered in place over the edited
+    /// graph: an edit of the last block reuses the prefixes before it, and prefixes of another
+    /// cap, or past the edit, are not taken.
+    #[test]
+    fn a_capped_lowering_resumed_from_the_previous_builds_prefixes_is_the_one_lowered_in_place() {
+        let target = small16();
+        let text = row_partitioned_text(4);
+        let (graph, edited_graph) = (row_partitioned_mlp(4), edited(&text, 3));
+        let products = swappable(&graph);
+        let oriented = orient(&graph, &BTreeSet::new()).unwrap();
+        let partial = extend(Partial::new(false), &oriented, &target, &[], end_before(&oriented, products.get(2).copied())).unwrap();
+        let first = CappedAhead::start(&graph, &target, &BTreeSet::new(), &[&partial], &products, None).expect("a cap to try");
+        first.take(&oriented, first.cap).expect("lowered").expect("lowers");
+        let kept = first.prefixes.lock().unwrap().take().expect("prefixes kept once taken");
+        // One prefix per product boundary past the first operation.
+        let boundaries = products.iter().filter(|&&p| end_before(&oriented, Some(p)) > 0).count();
+        assert_eq!(kept.prefixes.len(), boundaries, "one prefix per product boundary");
+        let edited_oriented = orient(&edited_graph, &BTreeSet::new()).unwrap();
+        // The edited GELU is in the last block: the prefixes up to its up product lower alike.
+        let reused = kept.longest(&edited_oriented, kept.cap).expect("a prefix to extend").lowered_operations();
+        assert!(reused > 0 && reused <= end_before(&edited_oriented, products.last().copied()), "{reused}");
+        assert!(kept.longest(&edited_oriented, kept.cap + 1).is_none(), "another cap");
+        let resumed = CappedAhead::start(&edited_graph, &target, &BTreeSet::new(), &[&partial], &products, Some(kept.clone())).expect("a cap to try");
+        assert_eq!(resumed.cap, kept.cap);
+        let taken = resumed.take(&edited_oriented, resumed.cap).expect("lowered").expect("lowers");
+        let in_place = lower_replication_capped(&edited_oriented, &target, resumed.cap, &vec![Reserve::default(); edited_oriented.graph.operations.len()]).unwrap();
+        assert_eq!(taken.lowered, in_place.lowered);
+        assert_eq!(taken.owners, in_place.owners);
+        assert_eq!(taken.spans, in_place.spans);
+        assert_eq!(taken.interleaved_weights, in_place.interleaved_weights);
+        // Its own prefixes: those taken over, then the ones it lowered.
+        let again = resumed.prefixes.lock().unwrap().take().expect("kept");
+        assert_eq!(again.prefixes.len(), boundaries);
+    }
+
     /// The capped program lowered beside the beam (`CappedAhead`) is the program lowered in
     /// place with its orientation and cap; it is handed over only for that orientation and
     /// cap, once, and a lowering not taken is stopped and joined when dropped.
@@ -2572,7 +2658,7 @@ mod tests {
         let products = swappable(&graph);
         let oriented = orient(&graph, &BTreeSet::new()).unwrap();
         let partial = extend(Partial::new(false), &oriented, &target, &[], end_before(&oriented, products.get(2).copied())).unwrap();
-        let ahead = CappedAhead::start(&graph, &target, &BTreeSet::new(), &[&partial], &products).expect("a cap to try");
+        let ahead = CappedAhead::start(&graph, &target, &BTreeSet::new(), &[&partial], &products, None).expect("a cap to try");
         assert!(ahead.cap >= 1);
         // Another cap, or another program: not this lowering.
         assert!(ahead.take(&oriented, ahead.cap + 1).is_none());
@@ -2587,11 +2673,11 @@ mod tests {
         assert_eq!(taken.interleaved_weights, in_place.interleaved_weights);
         assert!(ahead.take(&oriented, ahead.cap).is_none(), "handed over once");
         // Dropped untaken: stopped at its next product and joined.
-        drop(CappedAhead::start(&graph, &target, &BTreeSet::new(), &[&partial], &products).expect("a cap to try"));
+        drop(CappedAhead::start(&graph, &target, &BTreeSet::new(), &[&partial], &products, None).expect("a cap to try"));
         // The phases it hands on as it goes are the program's, in order, requested as
         // select_finalist and the table screen request them (the same patterns, so the same
         // memo entries; the same addresses too).
-        let ahead = CappedAhead::start(&graph, &target, &BTreeSet::new(), &[&partial], &products).expect("a cap to try");
+        let ahead = CappedAhead::start(&graph, &target, &BTreeSet::new(), &[&partial], &products, None).expect("a cap to try");
         let handed = ahead.lowering.lock().unwrap().take().expect("its phases");
         let taken = ahead.take(&oriented, ahead.cap).expect("lowered").expect("lowers");
         let mut bases = crate::pipeline::ProvisionalBases::default();
