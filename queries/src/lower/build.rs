@@ -177,7 +177,7 @@ struct Builder<'a> {
     phases: Vec<Arc<Vec<Transfer>>>,
     phase_plans: Vec<u32>,
     stored: BTreeMap<ValueId, Arc<Stored>>,
-    host: BTreeMap<ValueId, Arc<HostEntry>>,
+    host: BTreeMap<ValueId, Arc<LHostTensor>>,
     /// Word moves of the exchange phase being gathered.
     pending: Moves,
     copies: Vec<LocalCopy>,
@@ -310,47 +310,6 @@ type Gathered = BTreeMap<ValueId, Arc<BTreeMap<GatherKey, (u32, DType, u32)>>>;
 
 /// A lowering's buffers, buffer owners, labels and operation plans: shared chunk by chunk
 /// between a prefix and its extensions (`Chunked`).
-/// A host tensor of a lowering in progress, with its segments merged (`merge_segments`) once
-/// they are asked for: the partial programs of the search share the host tensors of their
-/// common prefix (`Arc`), and each program finished from them (`Builder::finish`) would merge
-/// every weight's row segments again. A write to the segments (`Builder::host_tensor`) drops
-/// the merged ones; a copy starts without them.
-struct HostEntry {
-    tensor: LHostTensor,
-    merged: std::sync::OnceLock<Vec<LSegment>>,
-}
-
-impl HostEntry {
-    fn new(tensor: LHostTensor) -> HostEntry {
-        HostEntry { tensor, merged: std::sync::OnceLock::new() }
-    }
-
-    /// The tensor with its segments merged: the entry's own when no other program shares it,
-    /// else a copy of the names and the merged segments (merged once per entry).
-    fn merged_tensor(self: Arc<HostEntry>) -> LHostTensor {
-        match Arc::try_unwrap(self) {
-            Ok(HostEntry { mut tensor, merged }) => {
-                tensor.segments = match merged.into_inner() {
-                    Some(segments) => segments,
-                    None => merge_segments(std::mem::take(&mut tensor.segments), tensor.dtype),
-                };
-                tensor
-            }
-            Err(shared) => {
-                let t = &shared.tensor;
-                let segments = shared.merged.get_or_init(|| merge_segments(t.segments.clone(), t.dtype)).clone();
-                LHostTensor { name: t.name.clone(), shape: t.shape.clone(), dtype: t.dtype, role: t.role, segments }
-            }
-        }
-    }
-}
-
-impl Clone for HostEntry {
-    fn clone(&self) -> Self {
-        HostEntry::new(self.tensor.clone())
-    }
-}
-
 pub type Buffers = Chunked<BufferDecl, 9>;
 type Owners = Chunked<u32, 10>;
 type Labels = Chunked<String, 5>;
@@ -435,7 +394,7 @@ pub struct Partial {
     phases: Vec<Arc<Vec<Transfer>>>,
     phase_plans: Vec<u32>,
     stored: BTreeMap<ValueId, Arc<Stored>>,
-    host: BTreeMap<ValueId, Arc<HostEntry>>,
+    host: BTreeMap<ValueId, Arc<LHostTensor>>,
     pending: Moves,
     copies: Vec<LocalCopy>,
     plans: Plans,
@@ -549,7 +508,7 @@ impl Partial {
     /// program is complete).
     pub fn host_flags(&self) -> Vec<bool> {
         let mut host = vec![false; self.buffers.len()];
-        for b in self.host.values().flat_map(|t| t.tensor.segments.iter().map(|s| s.buffer)) {
+        for b in self.host.values().flat_map(|t| t.segments.iter().map(|s| s.buffer)) {
             if let Some(h) = host.get_mut(b as usize) {
                 *h = true;
             }
@@ -1546,18 +1505,15 @@ impl<'a> Builder<'a> {
     /// The host tensor of host value `id` (`base` its value), made empty on first use; shared
     /// with earlier partial programs until written (copy-on-write).
     fn host_tensor(&mut self, id: ValueId, base: &Value, role: Role, dtype: DType) -> &mut LHostTensor {
-        let entry = Arc::make_mut(self.host.entry(id).or_insert_with(|| {
-            Arc::new(HostEntry::new(LHostTensor {
+        Arc::make_mut(self.host.entry(id).or_insert_with(|| {
+            Arc::new(LHostTensor {
                 name: base.name.clone(),
                 shape: base.shape.clone(),
                 dtype,
                 role: if role == Role::Weight { HostRole::Weight } else { HostRole::Input },
                 segments: Vec::new(),
-            }))
-        }));
-        // The caller writes the segments: what was merged of them is stale.
-        entry.merged.take();
-        &mut entry.tensor
+            })
+        }))
     }
 
     /// Store each B block of a rank-2 weight once, on one tile of its (column, inner) group, the
@@ -1598,10 +1554,10 @@ impl<'a> Builder<'a> {
         // Merged now, each block in its own buffer (as the walked blocks of `gather`).
         let segments = merge_segments(segments, value.dtype);
         let marked: Vec<u32> = segments.iter().map(|s| s.buffer).collect();
-        let replaced = self.host.insert(weight, Arc::new(HostEntry::new(LHostTensor { name: value.name.clone(), shape: value.shape.clone(), dtype: value.dtype, role: HostRole::Weight, segments })));
+        let replaced = self.host.insert(weight, Arc::new(LHostTensor { name: value.name.clone(), shape: value.shape.clone(), dtype: value.dtype, role: HostRole::Weight, segments }));
         if replaced.is_some() {
             // The buffers of the segments replaced are no longer written by the host.
-            self.host_marks = self.host.values().flat_map(|t| t.tensor.segments.iter().map(|s| s.buffer)).collect();
+            self.host_marks = self.host.values().flat_map(|t| t.segments.iter().map(|s| s.buffer)).collect();
             self.watch.changed += 1;
         } else {
             for b in marked {
@@ -2063,14 +2019,15 @@ impl<'a> Builder<'a> {
             }
             outputs.push(tensor);
         }
-        let mut inputs: Vec<LHostTensor> = std::mem::take(&mut self.host).into_values().map(|e| e.merged_tensor()).collect();
-        for t in &inputs {
+        let mut inputs: Vec<LHostTensor> = std::mem::take(&mut self.host).into_values().map(unshare).collect();
+        for t in &mut inputs {
             for s in &t.segments {
                 // Written only where it moves (a write copies a chunk a prefix shares).
                 if self.buffers[s.buffer as usize].first_step != 0 {
                     self.buffers[s.buffer as usize].first_step = 0;
                 }
             }
+            t.segments = merge_segments(std::mem::take(&mut t.segments), t.dtype);
         }
         inputs.sort_by_key(|t| self.graph.find(&t.name));
         let logical_shards = self.stored.values().map(|s| s.grid.tiles.len() as u32).sum();

@@ -946,7 +946,7 @@ fn beam_keeping(graph: &Graph, target: &Target, width: usize, previous: Option<(
             let homing = |s: &State| s.partial.home_from() < usize::MAX;
             if let Some(best) = states.first().filter(|b| homing(b) || (wide_pool() && states.iter().any(homing))) {
                 let partials: Vec<&Partial> = states.iter().map(|s| &s.partial).collect();
-                capped_ahead = CappedAhead::start(graph, target, &best.swapped, &partials, &products, kept_before.and_then(|k| k.capped.clone()));
+                capped_ahead = CappedAhead::start(graph, target, &best.swapped, &partials, &products, kept_before.and_then(|k| k.capped.clone()), keep);
             }
         }
         steps.push(TraceStep { states: states.iter().map(TracedState::of).collect(), noted: first_error.is_some() });
@@ -1681,8 +1681,9 @@ impl CappedAhead {
     /// graph's products in order (the thread looks for a stop at each). None when there is no
     /// cap to try or no thread.
     /// `resume`: the previous build's capped prefixes (in a process that keeps them): the
-    /// lowering extends the longest that lowers alike over this graph under this cap.
-    fn start(graph: &Graph, target: &Target, swapped: &BTreeSet<usize>, partials: &[&Partial], products: &[usize], resume: Option<Arc<CappedPrefixes>>) -> Option<CappedAhead> {
+    /// lowering extends the longest that lowers alike over this graph under this cap. `keep`:
+    /// whether to keep this lowering's prefixes for a next build (`prefixes`).
+    fn start(graph: &Graph, target: &Target, swapped: &BTreeSet<usize>, partials: &[&Partial], products: &[usize], resume: Option<Arc<CappedPrefixes>>, keep: bool) -> Option<CappedAhead> {
         let weight_bytes = matrix_weight_bytes(graph);
         let live = partials.iter().map(|p| transient_peak(p.buffers().iter(), &p.host_flags(), target.chip.tiles)).max().unwrap_or(0);
         let cap = first_cap(weight_bytes, live, target, false);
@@ -1713,7 +1714,9 @@ impl CappedAhead {
                 let mut partial = match resume.as_ref().and_then(|r| r.longest(&o, cap).map(|p| (r, p))) {
                     Some((r, p)) => {
                         let n = p.lowered_operations();
-                        prefixes.extend(r.prefixes.iter().filter(|q| q.lowered_operations() <= n && prefix_identical_across_graphs(&r.oriented, &o, q.lowered_operations())).cloned());
+                        if keep {
+                            prefixes.extend(r.prefixes.iter().filter(|q| q.lowered_operations() <= n && prefix_identical_across_graphs(&r.oriented, &o, q.lowered_operations())).cloned());
+                        }
                         let p = p.clone();
                         // What it holds of the program is handed on at once.
                         hand_on(&p);
@@ -1734,7 +1737,9 @@ impl CappedAhead {
                         Err(e) => return (Some(Err(e)), prefixes),
                     };
                     hand_on(&partial);
-                    prefixes.push(partial.clone());
+                    if keep {
+                        prefixes.push(partial.clone());
+                    }
                 }
                 if c.load(Ordering::Relaxed) {
                     return (None, prefixes);
@@ -1766,8 +1771,10 @@ impl CappedAhead {
             warm_while_lowering(&handle, &lowering, warm.as_ref());
         }
         let (taken, prefixes) = handle.join().ok().unwrap_or((None, Vec::new()));
-        if let Ok(mut p) = self.prefixes.lock() {
-            *p = Some(Arc::new(CappedPrefixes { oriented: self.oriented.clone(), cap, prefixes }));
+        if !prefixes.is_empty() {
+            if let Ok(mut p) = self.prefixes.lock() {
+                *p = Some(Arc::new(CappedPrefixes { oriented: self.oriented.clone(), cap, prefixes }));
+            }
         }
         debug!(cap, taken = taken.is_some(), "took the capped program lowered beside the beam");
         taken
@@ -2613,6 +2620,15 @@ mod tests {
         assert_eq!(replication_cap_of(&uncapped), None);
     }
 
+    /// `taken` is the program `oriented` lowers to in place under replication cap `cap`.
+    fn assert_lowered_in_place(taken: &Attempt, oriented: &Oriented, target: &Target, cap: u32) {
+        let in_place = lower_replication_capped(oriented, target, cap, &vec![Reserve::default(); oriented.graph.operations.len()]).unwrap();
+        assert_eq!(taken.lowered, in_place.lowered);
+        assert_eq!(taken.owners, in_place.owners);
+        assert_eq!(taken.spans, in_place.spans);
+        assert_eq!(taken.interleaved_weights, in_place.interleaved_weights);
+    }
+
     /// A capped lowering that extends the previous build's capped prefixes (`CappedPrefixes`,
     /// kept by a process that builds again) is the program lowered in place over the edited
     /// graph: an edit of the last block reuses the prefixes before it, and prefixes of another
@@ -2625,7 +2641,7 @@ mod tests {
         let products = swappable(&graph);
         let oriented = orient(&graph, &BTreeSet::new()).unwrap();
         let partial = extend(Partial::new(false), &oriented, &target, &[], end_before(&oriented, products.get(2).copied())).unwrap();
-        let first = CappedAhead::start(&graph, &target, &BTreeSet::new(), &[&partial], &products, None).expect("a cap to try");
+        let first = CappedAhead::start(&graph, &target, &BTreeSet::new(), &[&partial], &products, None, true).expect("a cap to try");
         first.take(&oriented, first.cap).expect("lowered").expect("lowers");
         let kept = first.prefixes.lock().unwrap().take().expect("prefixes kept once taken");
         // One prefix per product boundary past the first operation.
@@ -2636,14 +2652,10 @@ mod tests {
         let reused = kept.longest(&edited_oriented, kept.cap).expect("a prefix to extend").lowered_operations();
         assert!(reused > 0 && reused <= end_before(&edited_oriented, products.last().copied()), "{reused}");
         assert!(kept.longest(&edited_oriented, kept.cap + 1).is_none(), "another cap");
-        let resumed = CappedAhead::start(&edited_graph, &target, &BTreeSet::new(), &[&partial], &products, Some(kept.clone())).expect("a cap to try");
+        let resumed = CappedAhead::start(&edited_graph, &target, &BTreeSet::new(), &[&partial], &products, Some(kept.clone()), true).expect("a cap to try");
         assert_eq!(resumed.cap, kept.cap);
         let taken = resumed.take(&edited_oriented, resumed.cap).expect("lowered").expect("lowers");
-        let in_place = lower_replication_capped(&edited_oriented, &target, resumed.cap, &vec![Reserve::default(); edited_oriented.graph.operations.len()]).unwrap();
-        assert_eq!(taken.lowered, in_place.lowered);
-        assert_eq!(taken.owners, in_place.owners);
-        assert_eq!(taken.spans, in_place.spans);
-        assert_eq!(taken.interleaved_weights, in_place.interleaved_weights);
+        assert_lowered_in_place(&taken, &edited_oriented, &target, resumed.cap);
         // Its own prefixes: those taken over, then the ones it lowered.
         let again = resumed.prefixes.lock().unwrap().take().expect("kept");
         assert_eq!(again.prefixes.len(), boundaries);
@@ -2658,7 +2670,7 @@ mod tests {
         let products = swappable(&graph);
         let oriented = orient(&graph, &BTreeSet::new()).unwrap();
         let partial = extend(Partial::new(false), &oriented, &target, &[], end_before(&oriented, products.get(2).copied())).unwrap();
-        let ahead = CappedAhead::start(&graph, &target, &BTreeSet::new(), &[&partial], &products, None).expect("a cap to try");
+        let ahead = CappedAhead::start(&graph, &target, &BTreeSet::new(), &[&partial], &products, None, false).expect("a cap to try");
         assert!(ahead.cap >= 1);
         // Another cap, or another program: not this lowering.
         assert!(ahead.take(&oriented, ahead.cap + 1).is_none());
@@ -2666,18 +2678,15 @@ mod tests {
         let unconstrained = Graph::parse(&mlp_text(4, 64, 256, 768), "mlp.toml").unwrap();
         assert!(ahead.take(&orient(&unconstrained, &BTreeSet::new()).unwrap(), ahead.cap).is_none());
         let taken = ahead.take(&oriented, ahead.cap).expect("lowered").expect("lowers");
-        let in_place = lower_replication_capped(&oriented, &target, ahead.cap, &vec![Reserve::default(); oriented.graph.operations.len()]).unwrap();
-        assert_eq!(taken.lowered, in_place.lowered);
-        assert_eq!(taken.owners, in_place.owners);
-        assert_eq!(taken.spans, in_place.spans);
-        assert_eq!(taken.interleaved_weights, in_place.interleaved_weights);
+        assert_lowered_in_place(&taken, &oriented, &target, ahead.cap);
         assert!(ahead.take(&oriented, ahead.cap).is_none(), "handed over once");
+        assert!(ahead.prefixes.lock().unwrap().is_none(), "no prefixes kept unless asked");
         // Dropped untaken: stopped at its next product and joined.
-        drop(CappedAhead::start(&graph, &target, &BTreeSet::new(), &[&partial], &products, None).expect("a cap to try"));
+        drop(CappedAhead::start(&graph, &target, &BTreeSet::new(), &[&partial], &products, None, false).expect("a cap to try"));
         // The phases it hands on as it goes are the program's, in order, requested as
         // select_finalist and the table screen request them (the same patterns, so the same
         // memo entries; the same addresses too).
-        let ahead = CappedAhead::start(&graph, &target, &BTreeSet::new(), &[&partial], &products, None).expect("a cap to try");
+        let ahead = CappedAhead::start(&graph, &target, &BTreeSet::new(), &[&partial], &products, None, false).expect("a cap to try");
         let handed = ahead.lowering.lock().unwrap().take().expect("its phases");
         let taken = ahead.take(&oriented, ahead.cap).expect("lowered").expect("lowers");
         let mut bases = crate::pipeline::ProvisionalBases::default();
