@@ -262,6 +262,12 @@ impl Session {
         Ok(session)
     }
 
+    /// Drops what the last build replaced and put off dropping (the previous build's beam
+    /// states): `ipuq watch` calls it once a rebuild is done, while it waits for the next save.
+    pub fn release_deferred(&self) {
+        self.db.release_deferred();
+    }
+
     /// The local cache and remote tier this session reads and writes, if any.
     pub fn store(&self) -> Option<&Arc<DiskStore>> {
         self.disk.as_ref()

@@ -40,6 +40,7 @@ pub fn watch(workload: &Path, options: BuildOptions, out_dir: impl Fn(&Path, &st
                     // The bytes the polls read are built (the file may change again meanwhile).
                     rebuild(&mut session, workload, bytes, &mut options, &out_dir, watch, &mut caches);
                     tracing::info!(elapsed_ms = start.elapsed().as_millis() as u64, "watch rebuild finished");
+                    session.release_deferred();
                     rebuilds += 1;
                 }
                 Err(message) => eprintln!("error: {message}"),

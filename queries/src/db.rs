@@ -226,6 +226,9 @@ pub struct Database {
     /// a process that builds again (`ipuq watch`), where the next build's resumed beam takes
     /// them instead of lowering them again.
     keep_beam_states: bool,
+    /// What a rebuilding process's build replaced (the previous build's kept beam states),
+    /// dropped once the build is done (`release_deferred`) rather than on its critical path.
+    deferred: Arc<Mutex<Vec<Box<dyn std::any::Any + Send>>>>,
 }
 
 #[salsa::db]
@@ -258,6 +261,7 @@ impl Database {
             tile_counts: Arc::default(),
             beam_trace_memo: Arc::default(),
             keep_beam_states: false,
+            deferred: Arc::default(),
             plan_finalists: crate::lower::search::DEFAULT_FINALISTS,
             table_budget: crate::sizing::EXCHANGE_TABLE_BUDGET_BYTES,
         }
@@ -378,7 +382,19 @@ impl Database {
                 Err(error) => tracing::warn!(stage = BEAM_TRACE_STAGE, %error, "could not encode the plan beam's trace; not storing it"),
             }
         }
-        *self.beam_trace_memo.lock().expect("beam trace memo lock") = Some((key, Arc::new(trace), kept.map(Arc::new)));
+        let replaced = self.beam_trace_memo.lock().expect("beam trace memo lock").replace((key, Arc::new(trace), kept.map(Arc::new)));
+        // The previous build's states (a watch edit's largest garbage: its four-block MLP's
+        // partial programs take about 35 ms to free) wait for the build's end.
+        if let Some(replaced) = replaced.filter(|_| self.keep_beam_states) {
+            self.deferred.lock().expect("deferred drops lock").push(Box::new(replaced));
+        }
+    }
+
+    /// Drops what the last build replaced and deferred (see `deferred`): a rebuilding process
+    /// calls it once a build is done.
+    pub fn release_deferred(&self) {
+        let deferred = std::mem::take(&mut *self.deferred.lock().expect("deferred drops lock"));
+        drop(deferred);
     }
 }
 

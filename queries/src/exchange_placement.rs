@@ -145,6 +145,9 @@ pub struct Relocation {
     /// Per phase: its pattern's relative tables (shared by the phases of one pattern and
     /// schedule), or `None` where the phase is written whole.
     phases: Vec<Arc<Option<RelativeTables>>>,
+    /// Per phase: what its relative tables are made of (its schedule's digest and the source
+    /// tile, words and destination tiles of every transfer), for `RelativeMemo`'s statistics.
+    keys: Vec<Digest>,
 }
 
 /// The `Relocation` of a program's phases under their schedules (`digests`: each schedule's
@@ -182,10 +185,19 @@ pub fn shared_relocation(target: &Target, lowered: &Lowered, schedules: &[Schedu
 /// their sizing addresses. A watch edit that leaves a phase's buffers where they were finds
 /// its packing made (session 43: 21 of the four-block MLP's 22 phases after its last GELU is
 /// made a scale).
+///
+/// There too (kept under the same switch) each placed phase's statistics, the horizon and
+/// endpoint bound the phase log reads and the memory-element conflicts and bound a placement
+/// is scored by (`Relocation::measured`), by everything its tables are written from: the
+/// target, the relative tables' key, and the address of every transfer's source and
+/// destinations. `select_finalist` scores the baseline and the exchange-placement candidates
+/// of a watch edit's program on them: the phases whose buffers stay where they were (the
+/// four-block MLP's edited last GELU moves none) are neither written nor measured again.
 #[derive(Default)]
 pub struct RelativeMemo {
     relative: std::sync::Mutex<RelativeEntries>,
     packed: std::sync::Mutex<PackedEntries>,
+    stats: std::sync::Mutex<StatEntries>,
     /// Whether sizings take and keep packings (`keep_packings`).
     packing: std::sync::atomic::AtomicBool,
 }
@@ -196,6 +208,14 @@ type RelativeEntries = (HashMap<Digest, Arc<Option<RelativeTables>>>, std::colle
 /// Packed sizings by key, and the keys taken or made since the memo last kept the used ones.
 type PackedEntries = (HashMap<Digest, crate::tables::PackedPhase>, std::collections::HashSet<Digest>);
 
+/// A placed phase's statistics by key (`Relocation::measured`), and the keys taken or made
+/// since the memo last kept the used ones.
+type StatEntries = (HashMap<Digest, PlacedStat>, std::collections::HashSet<Digest>);
+
+/// What scoring a placement reads of one phase's tables: its horizon, its endpoint lower
+/// bound, its memory-element conflicts and bound.
+type PlacedStat = (u32, u32, PhaseStat);
+
 impl RelativeMemo {
     /// Drops every entry.
     pub fn clear(&self) {
@@ -205,6 +225,9 @@ impl RelativeMemo {
         let mut p = self.packed.lock().expect("packed sizing memo lock");
         p.0.clear();
         p.1.clear();
+        let mut s = self.stats.lock().expect("placed phase statistics memo lock");
+        s.0.clear();
+        s.1.clear();
     }
 
     /// Drops the entries not taken or made since the last call (or `clear`).
@@ -217,6 +240,39 @@ impl RelativeMemo {
         let (packed, used) = &mut *p;
         packed.retain(|k, _| used.contains(k));
         used.clear();
+        let mut s = self.stats.lock().expect("placed phase statistics memo lock");
+        let (stats, used) = &mut *s;
+        stats.retain(|k, _| used.contains(k));
+        used.clear();
+    }
+
+    /// A placed phase's statistics made under `key`, if any.
+    fn stat(&self, key: &Digest) -> Option<PlacedStat> {
+        let mut s = self.stats.lock().expect("placed phase statistics memo lock");
+        let found = s.0.get(key).cloned();
+        if found.is_some() {
+            s.1.insert(*key);
+        }
+        found
+    }
+
+    /// Keeps a placed phase's statistics made under `key`.
+    fn keep_stat(&self, key: Digest, stat: PlacedStat) {
+        let mut s = self.stats.lock().expect("placed phase statistics memo lock");
+        s.0.insert(key, stat);
+        s.1.insert(key);
+    }
+
+    /// Placed phase statistics held (tests).
+    pub fn stats_len(&self) -> usize {
+        self.stats.lock().expect("placed phase statistics memo lock").0.len()
+    }
+
+    /// The memo with the scope its placed phase statistics are kept under (the target, all
+    /// of which conflicts and tables read: its exchange rates and memory elements), where
+    /// this process keeps them for a next build (`keep_packings`); None elsewhere.
+    pub fn for_statistics(&self, target: &Target) -> Option<(&RelativeMemo, Digest)> {
+        self.keeps_packings().then(|| (self, target.view_digest("placed phase statistics")))
     }
 
     /// Whether sizings take and keep packings here (set per build: only a process that builds
@@ -339,7 +395,7 @@ fn grouped_relocation(target: &Target, lowered: &Lowered, schedules: &[Schedule]
         })
         .collect();
     debug!(phases = n, distinct = representatives.len(), "relative exchange tables per distinct pattern and schedule");
-    Ok(Relocation { phases: groups.iter().map(|&g| relative[g].clone()).collect() })
+    Ok(Relocation { phases: groups.iter().map(|&g| relative[g].clone()).collect(), keys })
 }
 
 
@@ -383,6 +439,36 @@ impl Relocation {
         }
     }
 
+    /// Phase `i` under `address` as `written` measures it: its tables (written only with
+    /// `keep`), summary and statistics. With a memo (and its scope, `RelativeMemo::for_statistics`),
+    /// statistics made under the same key are taken instead of measured (the tables are still
+    /// written where kept), and those measured are kept there.
+    pub fn measured(&self, target: &Target, lowered: &Lowered, schedules: &[Schedule], i: usize, address: &(impl Fn(u32, u32) -> u32 + Sync), keep: bool, memo: Option<(&RelativeMemo, &Digest)>) -> Result<Measured, CompileError> {
+        let key = memo.map(|(_, scope)| {
+            let mut h = KeyHasher::new("ipuq placed phase statistics v1");
+            h.add(scope).add(&self.keys[i]).add(&schedules[i].endpoint_lower_bound);
+            for t in lowered.phases[i].iter() {
+                h.add(&address(t.source.0, t.source.1));
+                for d in &t.destinations {
+                    h.add(&address(d.0, d.1));
+                }
+            }
+            h.finish()
+        });
+        if let (Some((memo, _)), Some(key)) = (memo, &key) {
+            if let Some((horizon, endpoint_lower_bound, stat)) = memo.stat(key) {
+                let tables = if keep { Some(self.phase_at(target, lowered, schedules, i, address)?) } else { None };
+                return Ok((tables, (i as u32, horizon, endpoint_lower_bound), stat));
+            }
+        }
+        let phase = self.phase_at(target, lowered, schedules, i, address)?;
+        let (summary, stat) = ((phase.index, phase.horizon, phase.endpoint_lower_bound), conflicts_and_bound(target, &phase));
+        if let (Some((memo, _)), Some(key)) = (memo, key) {
+            memo.keep_stat(key, (summary.1, summary.2, stat.clone()));
+        }
+        Ok((keep.then_some(phase), summary, stat))
+    }
+
     /// The number of phases.
     pub fn len(&self) -> usize {
         self.phases.len()
@@ -423,12 +509,19 @@ pub type Check<'a> = dyn Fn(&Placement, Vec<ExchangePhase>) -> Result<Vec<Exchan
 /// same relative tables), and checks
 /// them (`checked_tables`) when it keeps the baseline, so that the placement it returns has
 /// validated tables whichever it is.
-pub struct Baseline {
-    pub tables: Vec<ExchangePhase>,
+pub struct Baseline<'a> {
+    /// The tables, where the caller kept them (else they are written again should the
+    /// baseline be kept without conflicts).
+    pub tables: Option<Vec<ExchangePhase>>,
+    /// Each phase's (index, horizon, endpoint lower bound).
+    pub summary: Vec<PhaseSummary>,
     /// Each phase's conflicts and memory-element bound (`conflicts_and_bound`).
     pub stats: Vec<(Conflicts, u64)>,
     /// The relative tables the baseline's were written from: the candidates' are too.
     pub relocation: Relocation,
+    /// Where placed phases' statistics are taken and kept, with their scope
+    /// (`RelativeMemo::for_statistics`): the candidates' are measured through it.
+    pub memo: Option<(&'a RelativeMemo, Digest)>,
 }
 
 /// A scored placement: conflicting tile-cycles, forced cycles and the score.
@@ -447,15 +540,16 @@ struct Scored {
 }
 
 /// What `written` gives: the tables (when kept), their summary and statistics per phase.
-type Written = (Option<Vec<ExchangePhase>>, Vec<PhaseSummary>, PhaseStats);
+pub type Written = (Option<Vec<ExchangePhase>>, Vec<PhaseSummary>, PhaseStats);
 
 /// One phase as `written` measures it: its tables (when kept), summary and statistics.
-type Measured = (Option<ExchangePhase>, PhaseSummary, PhaseStat);
+pub type Measured = (Option<ExchangePhase>, PhaseSummary, PhaseStat);
 
 /// A placement's relocated tables (kept only with `keep`), their summary and statistics, phase
 /// by phase: without `keep` each phase's tables are written, measured and dropped in turn, so a
 /// candidate the search does not keep never holds a whole program's tables.
-fn written(target: &Target, lowered: &Lowered, schedules: &[Schedule], placement: &Placement, relocation: Option<&Relocation>, keep: bool) -> Result<Written, CompileError> {
+/// Through `memo` (`Relocation::measured`) where the relative tables are given.
+pub fn written(target: &Target, lowered: &Lowered, schedules: &[Schedule], placement: &Placement, relocation: Option<&Relocation>, keep: bool, memo: Option<(&RelativeMemo, &Digest)>) -> Result<Written, CompileError> {
     let phases = lowered.phases.len();
     if schedules.len() != phases || relocation.is_some_and(|r| r.len() != phases) {
         return Err(CompileError(format!("exchange placement search: {} schedules for {phases} exchange phases", schedules.len())));
@@ -466,10 +560,10 @@ fn written(target: &Target, lowered: &Lowered, schedules: &[Schedule], placement
         .into_par_iter()
         .map(|i| {
             // As `write_all` writes phase i.
-            let phase = match relocation {
-                Some(r) => r.phase_at(target, lowered, schedules, i, &address)?,
-                None => exchange::relocate(target, &phase_request(lowered, i, &address), &schedules[i], false, None).map_err(CompileError::from)?,
-            };
+            if let Some(r) = relocation {
+                return r.measured(target, lowered, schedules, i, &address, keep, memo);
+            }
+            let phase = exchange::relocate(target, &phase_request(lowered, i, &address), &schedules[i], false, None).map_err(CompileError::from)?;
             let (summary, stat) = ((phase.index, phase.horizon, phase.endpoint_lower_bound), conflicts_and_bound(target, &phase));
             Ok((keep.then_some(phase), summary, stat))
         })
@@ -488,7 +582,7 @@ fn written(target: &Target, lowered: &Lowered, schedules: &[Schedule], placement
 }
 
 /// Every phase's tables under `placement`: from the relative tables where the caller has them.
-fn write_all(target: &Target, lowered: &Lowered, schedules: &[Schedule], placement: &Placement, relocation: Option<&Relocation>) -> Result<Vec<ExchangePhase>, CompileError> {
+pub fn write_all(target: &Target, lowered: &Lowered, schedules: &[Schedule], placement: &Placement, relocation: Option<&Relocation>) -> Result<Vec<ExchangePhase>, CompileError> {
     match relocation {
         Some(r) => r.tables(target, lowered, schedules, placement),
         None => placed_tables(target, lowered, schedules, placement, false),
@@ -497,10 +591,10 @@ fn write_all(target: &Target, lowered: &Lowered, schedules: &[Schedule], placeme
 
 /// Per phase: its memory-element conflicts and bound (computed once per placement, for the
 /// score and for the phase log lines).
-type PhaseStats = Vec<PhaseStat>;
+pub type PhaseStats = Vec<PhaseStat>;
 
 /// One phase's memory-element conflicts and bound.
-type PhaseStat = (Conflicts, u64);
+pub type PhaseStat = (Conflicts, u64);
 
 fn phase_stats(target: &Target, tables: &[ExchangePhase]) -> PhaseStats {
     tables.par_iter().map(|phase| conflicts_and_bound(target, phase)).collect()
@@ -551,27 +645,28 @@ pub fn search_exchange_placement(target: &Target, lowered: &Lowered, schedules: 
 /// tables `placed_tables` would write for `baseline`, see `Baseline`); when the baseline is
 /// kept, they are checked here and are the validated tables of the placement returned.
 /// Tables are checked by `check` (`checked_tables` or the same memoized).
-pub fn search_exchange_placement_from(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_bytes: &[u32], baseline: &Placement, base: Baseline, check: &Check) -> Result<Searched, CompileError> {
+pub fn search_exchange_placement_from(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_bytes: &[u32], baseline: &Placement, base: Baseline<'_>, check: &Check) -> Result<Searched, CompileError> {
     search_from(target, lowered, schedules, code_bytes, baseline, Some(base), check)
 }
 
-fn search_from(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_bytes: &[u32], baseline: &Placement, base: Option<Baseline>, check: &Check) -> Result<Searched, CompileError> {
+fn search_from(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_bytes: &[u32], baseline: &Placement, base: Option<Baseline<'_>>, check: &Check) -> Result<Searched, CompileError> {
     // Whether the caller handed its tables over (else they are written here, unchecked).
     let handed = base.is_some();
-    let (base_tables, base_stats, relocation) = match base {
-        Some(Baseline { tables, stats, relocation }) => {
-            if tables.len() != schedules.len() || stats.len() != tables.len() {
-                return Err(CompileError(format!("exchange placement search: {} baseline tables and {} conflict counts for {} phases", tables.len(), stats.len(), schedules.len())));
+    let (base_tables, base_summary, base_stats, relocation, memo) = match base {
+        Some(Baseline { tables, summary, stats, relocation, memo }) => {
+            if summary.len() != schedules.len() || stats.len() != summary.len() || tables.as_ref().is_some_and(|t| t.len() != summary.len()) {
+                return Err(CompileError(format!("exchange placement search: {} baseline phases and {} conflict counts for {} phases", summary.len(), stats.len(), schedules.len())));
             }
-            (tables, stats, Some(relocation))
+            (tables, summary, stats, Some(relocation), memo)
         }
         None => {
             let tables = placed_tables(target, lowered, schedules, baseline, false)?;
             let stats = phase_stats(target, &tables);
-            (tables, stats, None)
+            let summary = summary(&tables);
+            (Some(tables), summary, stats, None, None)
         }
     };
-    let base_summary = summary(&base_tables);
+    let memo = memo.as_ref().map(|(m, scope)| (*m, scope));
     let (base_conflicts, base_score) = score(&base_summary, &base_stats);
     log_phases("baseline", &base_summary, &base_stats);
     info!(score = base_score, conflicts = base_conflicts, "scored baseline exchange placement");
@@ -579,7 +674,11 @@ fn search_from(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_
     // The baseline's tables are needed again only where the baseline may be kept and checked
     // (handed over, without conflicts); elsewhere they go now, before the candidates' tables
     // are written (the largest programs' tables hold millions of runs).
-    let mut base_tables = (handed && base_conflicts == 0).then_some(base_tables);
+    let mut base_tables = match (handed && base_conflicts == 0, base_tables) {
+        (true, Some(tables)) => Some(tables),
+        (true, None) => Some(write_all(target, lowered, schedules, baseline, relocation.as_ref())?),
+        (false, _) => None,
+    };
     // Candidates are independent: place and score them two at a time in parallel, in offset
     // order, and stop once `FINALISTS` distinct placements score zero (no conflicts and no
     // forced cycles: later offsets could differ only in cost, which the finalists compare).
@@ -595,7 +694,7 @@ fn search_from(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_
                 let result = match place_storage_with(target, lowered, code_bytes, &rules) {
                     // The first offset keeps its tables: the search takes the first placements
                     // that score zero, lowest offset first, so that one is the usual winner.
-                    Ok(placement) => written(target, lowered, schedules, &placement, relocation.as_ref(), k == 0).map(|(tables, summary, stats)| {
+                    Ok(placement) => written(target, lowered, schedules, &placement, relocation.as_ref(), k == 0, memo).map(|(tables, summary, stats)| {
                         let (conflicts, score) = score(&summary, &stats);
                         Some(Scored { offset: Some(offset), placement, tables, summary, stats, conflicts, score })
                     }),
@@ -715,7 +814,7 @@ fn log_phases(placement: &str, phases: &[PhaseSummary], stats: &PhaseStats) {
 }
 
 /// What the phase log reads of a phase's tables: (index, horizon, endpoint lower bound).
-type PhaseSummary = (u32, u32, u32);
+pub type PhaseSummary = (u32, u32, u32);
 
 fn summary(tables: &[ExchangePhase]) -> Vec<PhaseSummary> {
     tables.iter().map(|p| (p.index, p.horizon, p.endpoint_lower_bound)).collect()
@@ -802,6 +901,54 @@ mod tests {
         assert!(memo.is_empty());
     }
 
+    /// Placed phase statistics kept for a rebuild (`RelativeMemo::for_statistics`) score a
+    /// placement exactly as measuring its tables does: taken where every address a phase's
+    /// tables are written from is unchanged (its tables still written where kept), measured
+    /// again where a buffer moved; a memo not asked to keep them serves none.
+    #[test]
+    fn placed_phase_statistics_kept_for_a_rebuild_score_as_measured() {
+        let (target, l, s, p) = built(include_str!("../../fixtures/workloads/siglip-encoder-f16-b1-t29-d64-h4-m96-l3.toml"));
+        let phases = &s.value.phases;
+        let relocated = relocation(&target, &l.value, phases, &s.value.digests).unwrap();
+        let (tables, summary, stats) = written(&target, &l.value, phases, &p.value, Some(&relocated), true, None).unwrap();
+        let memo = RelativeMemo::default();
+        assert!(memo.for_statistics(&target).is_none(), "a cold build keeps none");
+        memo.keep_packings(true);
+        let (m, scope) = memo.for_statistics(&target).expect("kept for a rebuild");
+        let first = written(&target, &l.value, phases, &p.value, Some(&relocated), false, Some((m, &scope))).unwrap();
+        assert_eq!((&first.1, &first.2), (&summary, &stats));
+        let made = memo.stats_len();
+        assert!(made > 0 && made <= phases.len());
+        memo.keep_used();
+        // Every phase taken: the same score, the kept tables written as before, none made.
+        let again = written(&target, &l.value, phases, &p.value, Some(&relocated), true, Some((m, &scope))).unwrap();
+        assert_eq!(again.0, tables);
+        assert_eq!((&again.1, &again.2), (&summary, &stats));
+        assert_eq!(memo.stats_len(), made);
+        // The buffers a phase's tiles send from move onto ones those tiles receive into in
+        // that phase (one element for both): the phases they touch are measured again, as
+        // measuring afresh measures them.
+        let tile = |b: u32| l.value.buffers[b as usize].tile;
+        let mut moved: Placement = (*p.value).clone();
+        for phase in l.value.phases.iter() {
+            for t in phase.iter() {
+                if let Some(d) = phase.iter().flat_map(|u| u.destinations.iter()).find(|d| tile(d.0) == tile(t.source.0) && d.0 != t.source.0) {
+                    moved.addresses[t.source.0 as usize] = p.value.addresses[d.0 as usize];
+                }
+            }
+        }
+        let fresh = written(&target, &l.value, phases, &moved, Some(&relocated), false, None).unwrap();
+        assert_ne!(fresh.2, stats, "the move changes some phase's statistics");
+        let taken = written(&target, &l.value, phases, &moved, Some(&relocated), false, Some((m, &scope))).unwrap();
+        assert_eq!((&taken.1, &taken.2), (&fresh.1, &fresh.2));
+        assert!(memo.stats_len() > made);
+        // Another target (other memory elements) keys apart.
+        let mut other = target.clone();
+        other.memory.element_bytes /= 2;
+        let (_, other_scope) = memo.for_statistics(&other).unwrap();
+        assert_ne!(other_scope, scope);
+    }
+
     /// A candidate that does not keep its tables (each phase written, measured and dropped in
     /// turn) scores exactly as one that keeps them, with and without relative tables, and its
     /// tables written again (should it win) are the ones it would have kept.
@@ -810,8 +957,8 @@ mod tests {
         let (target, l, s, p) = built(include_str!("../../fixtures/workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml"));
         let relocated = relocation(&target, &l.value, &s.value.phases, &s.value.digests).unwrap();
         for relocation in [None, Some(&relocated)] {
-            let (kept, kept_summary, kept_stats) = written(&target, &l.value, &s.value.phases, &p.value, relocation, true).unwrap();
-            let (none, summary, stats) = written(&target, &l.value, &s.value.phases, &p.value, relocation, false).unwrap();
+            let (kept, kept_summary, kept_stats) = written(&target, &l.value, &s.value.phases, &p.value, relocation, true, None).unwrap();
+            let (none, summary, stats) = written(&target, &l.value, &s.value.phases, &p.value, relocation, false, None).unwrap();
             let kept = kept.expect("kept tables");
             assert!(none.is_none());
             assert!(!kept.is_empty());

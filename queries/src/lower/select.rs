@@ -16,8 +16,9 @@ use crate::cost;
 use crate::emit::vertex;
 use crate::exchange::{self, Schedule};
 use crate::pipeline::{provisional_bases, requests};
-use crate::elements::{conflict_tiles, conflicts_and_bound, phase_conflicts};
-use crate::exchange_placement::{checked_tables, placed_tables, relocation_memoized, Baseline, RelativeMemo};
+use crate::db::CompileError;
+use crate::elements::{conflict_tiles, phase_conflicts};
+use crate::exchange_placement::{checked_tables, placed_tables, relocation_memoized, Baseline, Measured, RelativeMemo};
 use crate::hash::Digest;
 use crate::storage::{place_storage, Placement};
 use crate::target::Target;
@@ -284,21 +285,42 @@ fn cost_placed(
     // accepts instead).
     // (`relative`: those lower_mid's table screen made for this program, where it sized it.)
     let relocation = relocation_memoized(target, l, schedules, digests, relative).map_err(|e| e.0)?;
-    let tables = relocation.tables(target, l, schedules, &placement).map_err(|e| e.0)?;
+    // Each phase measured (its statistics taken from the memo where a rebuilding process
+    // kept them for the same tables, `Relocation::measured`); the tables are kept only where
+    // no memo serves (a cold build keeps them for the check below), else written again should
+    // the baseline have no conflicts.
+    let memo = relative.and_then(|m| m.for_statistics(target));
+    let memo = memo.as_ref().map(|(m, scope)| (*m, scope));
+    let keep = memo.is_none();
+    let addresses = &placement.addresses;
+    let address = |buffer: u32, offset: u32| addresses[buffer as usize] + offset;
     let span = tracing::Span::current();
-    let stats: Vec<_> = tables
-        .par_iter()
-        .map(|phase| {
+    let measured: Vec<Result<Measured, CompileError>> = (0..l.phases.len())
+        .into_par_iter()
+        .map(|i| {
             let _span = span.enter();
-            conflicts_and_bound(target, phase)
+            relocation.measured(target, l, schedules, i, &address, keep, memo)
         })
         .collect();
+    let (mut tables, mut summary, mut stats) = (keep.then(|| Vec::with_capacity(measured.len())), Vec::with_capacity(measured.len()), Vec::with_capacity(measured.len()));
+    for m in measured {
+        let (phase, s, stat) = m.map_err(|e| e.0)?;
+        if let (Some(tables), Some(phase)) = (tables.as_mut(), phase) {
+            tables.push(phase);
+        }
+        summary.push(s);
+        stats.push(stat);
+    }
     let conflicts: u64 = stats.iter().map(|s| s.0.tile_cycles).sum();
-    let horizons: Vec<u32> = tables.iter().map(|p| p.horizon).collect();
-    let base = Baseline { tables, stats, relocation };
+    let horizons: Vec<u32> = summary.iter().map(|p| p.1).collect();
     if conflicts == 0 {
-        checked_tables(target, l, schedules, &placement, base.tables).map_err(|e| e.0)?;
+        let tables = match tables.take() {
+            Some(tables) => tables,
+            None => relocation.tables(target, l, schedules, &placement).map_err(|e| e.0)?,
+        };
+        checked_tables(target, l, schedules, &placement, tables).map_err(|e| e.0)?;
     } else {
+        let base = Baseline { tables, summary, stats, relocation, memo: memo.map(|(m, scope)| (m, *scope)) };
         // The search starts from these tables; the conflicts it reports are those of the
         // placement it returns (summed over its phases), so only when some remain are that
         // placement's tables written again, to name the first phase at fault.
