@@ -51,54 +51,33 @@ pub fn exchange_rules(lowered: &Lowered, receive_offset: u32) -> ExchangeRules {
         .phases
         .par_iter()
         .map(|phase| {
-            // (role, buffer) per tile, role 0 sends and 1 receives, packed in one word whose
-            // order is the pair's: dealt into their tiles (a counting sort), each tile's sorted
-            // and deduplicated alone (what sorting all (tile, role, buffer) gives, tile by tile).
+            // Each buffer's roles in the phase (bit 0 sends, bit 1 receives), marked once per
+            // buffer however many transfers name it, and the buffers marked, in the order met.
             let tiles = lowered.tiles as usize;
             let tile_of = |buffer: u32| (lowered.buffers[buffer as usize].tile as usize).min(tiles);
-            let mut first = vec![0usize; tiles + 2];
-            let mut received: Vec<u32> = Vec::new();
-            for t in phase.iter() {
-                first[tile_of(t.source.0) + 1] += 1;
-                for d in &t.destinations {
-                    first[tile_of(d.0) + 1] += 1;
+            let mut roles = vec![0u8; n];
+            let mut touched: Vec<u32> = Vec::new();
+            let mut mark = |buffer: u32, role: u8| {
+                let r = &mut roles[buffer as usize];
+                if *r == 0 {
+                    touched.push(buffer);
                 }
-            }
-            for tile in 0..=tiles {
-                first[tile + 1] += first[tile];
-            }
-            let mut fill = first.clone();
-            let mut roles = vec![0u64; first[tiles + 1]];
-            let mut deal = |buffer: u32, role: u64| {
-                let tile = tile_of(buffer);
-                roles[fill[tile]] = (role << 32) | buffer as u64;
-                fill[tile] += 1;
+                *r |= role;
             };
             for t in phase.iter() {
-                deal(t.source.0, 0);
+                mark(t.source.0, 1);
                 for d in &t.destinations {
-                    deal(d.0, 1);
-                    received.push(d.0);
+                    mark(d.0, 2);
                 }
             }
-            // (buffer, its opposite), both ways.
+            // By tile, then buffer: on each tile every buffer it sends from against every
+            // buffer it receives into (both in ascending order).
+            touched.sort_unstable_by_key(|&b| (tile_of(b), b));
+            let received: Vec<u32> = touched.iter().copied().filter(|&b| roles[b as usize] & 2 != 0).collect();
             let mut pairs: Vec<(u32, u32)> = Vec::new();
-            for tile in 0..=tiles {
-                let group = &mut roles[first[tile]..first[tile + 1]];
-                group.sort_unstable();
-                let mut kept = 0;
-                for i in 0..group.len() {
-                    if kept == 0 || group[kept - 1] != group[i] {
-                        group[kept] = group[i];
-                        kept += 1;
-                    }
-                }
-                let group = &group[..kept];
-                let split = group.partition_point(|r| r >> 32 == 0);
-                let (senders, receivers) = group.split_at(split);
-                for &s in senders {
-                    for &r in receivers {
-                        let (s, r) = (s as u32, r as u32);
+            for group in touched.chunk_by(|&a, &b| tile_of(a) == tile_of(b)) {
+                for &s in group.iter().filter(|&&b| roles[b as usize] & 1 != 0) {
+                    for &r in group.iter().filter(|&&b| roles[b as usize] & 2 != 0) {
                         if s != r {
                             pairs.push((s, r));
                             pairs.push((r, s));
@@ -837,6 +816,40 @@ mod tests {
         let sources = Sources::new(&db, text.to_string(), "workload.toml".into(), fixtures::SMALL16.to_string(), "small16".into());
         let target = Target::from_toml(fixtures::SMALL16, "small16.toml").unwrap();
         (target, lowered(&db, sources).unwrap(), schedules(&db, sources).unwrap(), placement(&db, sources).unwrap())
+    }
+
+    /// The opposites and received buffers `exchange_rules` finds are those of their
+    /// definition: per phase, every buffer a tile sends from against every buffer the same
+    /// tile receives into (both ways, itself excepted), over the phases' union.
+    #[test]
+    fn exchange_rules_pair_each_tiles_senders_with_its_receivers() {
+        for text in [include_str!("../../fixtures/workloads/siglip-encoder-f16-b1-t29-d64-h4-m96-l3.toml"), include_str!("../../fixtures/workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml")] {
+            let (_, l, _, _) = built(text);
+            let l = &l.value;
+            let n = l.buffers.len();
+            let tile = |b: u32| l.buffers[b as usize].tile.min(l.tiles);
+            let mut opposites = vec![std::collections::BTreeSet::new(); n];
+            let mut receives = vec![false; n];
+            for phase in &l.phases {
+                let sends: std::collections::BTreeSet<u32> = phase.iter().map(|t| t.source.0).collect();
+                let received: std::collections::BTreeSet<u32> = phase.iter().flat_map(|t| t.destinations.iter().map(|d| d.0)).collect();
+                for &r in &received {
+                    receives[r as usize] = true;
+                }
+                for &s in &sends {
+                    for &r in received.iter().filter(|&&r| r != s && tile(r) == tile(s)) {
+                        opposites[s as usize].insert(r);
+                        opposites[r as usize].insert(s);
+                    }
+                }
+            }
+            let rules = exchange_rules(l, 4096);
+            let expected: Vec<Vec<u32>> = opposites.into_iter().map(|o| o.into_iter().collect()).collect();
+            assert!(expected.iter().any(|o| !o.is_empty()));
+            assert_eq!(*rules.opposites, expected);
+            assert_eq!(*rules.receives, receives);
+            assert_eq!(rules.receive_offset, 4096);
+        }
     }
 
     /// Packed sizings kept for a rebuild (`keep_packings`) equal those made afresh, are taken
