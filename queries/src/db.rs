@@ -202,6 +202,13 @@ pub struct Database {
     /// the key of what they are made of (`pipeline::validated_key`): `lower_exchanges` packs
     /// them instead of validating the same tables again. Taken by the next `lower_exchanges`.
     pub(crate) validated_memo: Arc<std::sync::Mutex<Option<(Digest, Arc<Vec<crate::package::ExchangePhase>>)>>>,
+    /// In a process that builds again (`ipuq watch`): the entries `placement_memo`,
+    /// `sizing_memo` and `baseline_memo` held for the selection before the latest one ran
+    /// (`PreviousSelection`), where the later stages also look. An edit undone selects from
+    /// `selection_memo` without running `select_finalist`, and its stages find the sizing,
+    /// placement and exchange-placement search of that selection here instead of computing
+    /// them again.
+    pub(crate) previous_selection: Arc<Mutex<PreviousSelection>>,
     /// Finalist selections of this process: (key without the host link rate, the rates they
     /// hold for, the selection), the latest few (`Database::ranged`).
     pub(crate) selection_memo: RangedMemo<crate::lower::select::Selection>,
@@ -255,6 +262,7 @@ impl Database {
             relative_memo: Arc::default(),
             validated_memo: Arc::default(),
             selection_memo: Arc::default(),
+            previous_selection: Arc::default(),
             chosen_memo: Arc::default(),
             screen_memo: Arc::default(),
             tile_memo: Arc::default(),
@@ -396,6 +404,14 @@ impl Database {
         let deferred = std::mem::take(&mut *self.deferred.lock().expect("deferred drops lock"));
         drop(deferred);
     }
+}
+
+/// The entries of the selection memos a selection left (`Database::previous_selection`).
+#[derive(Default)]
+pub(crate) struct PreviousSelection {
+    pub placements: std::collections::HashMap<Digest, Arc<crate::exchange_placement::Searched>>,
+    pub sizings: std::collections::HashMap<Digest, Arc<Vec<crate::emit::SupportMemory>>>,
+    pub baselines: std::collections::HashMap<Digest, Arc<crate::storage::Placement>>,
 }
 
 /// The disk entry of the plan beam's trace (`Database::beam_trace`), and its version.

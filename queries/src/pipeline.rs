@@ -320,6 +320,16 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
         };
         for round in 0..=REPLANS {
             let candidates: &[Lowered] = replanned.as_deref().unwrap_or(&f.value);
+            if round == 0 && db.keeps_beam_states() {
+                // The last selection's entries, set aside for an edit undone (see
+                // `previous_selection`); a selection that left none keeps the earlier ones.
+                let placements = std::mem::take(&mut *memo.lock().expect("placement memo lock"));
+                if !placements.is_empty() {
+                    let sizings = std::mem::take(&mut *sized.lock().expect("sizing memo lock"));
+                    let baselines = std::mem::take(&mut *baselines.lock().expect("baseline memo lock"));
+                    *db.previous_selection.lock().expect("previous selection lock") = crate::db::PreviousSelection { placements, sizings, baselines };
+                }
+            }
             memo.lock().expect("placement memo lock").clear();
             sized.lock().expect("sizing memo lock").clear();
             baselines.lock().expect("baseline memo lock").clear();
@@ -686,7 +696,13 @@ pub fn code_sizes(db: &dyn Db, sources: Sources) -> StageResult<Vec<u32>> {
     db.cached("size_tile_code", CODE_VERSION, key, || {
         // select_finalist sized the chosen finalist (same exchange view, program, schedules
         // and budget: same key) unless the selection came from the cache.
-        let found = if db.verifying() { None } else { db.sizing_memo.lock().expect("sizing memo lock").get(&sizing_key(x.digest, l.digest, &s.value.digests, budget)).cloned() };
+        let key = sizing_key(x.digest, l.digest, &s.value.digests, budget);
+        let found = if db.verifying() {
+            None
+        } else {
+            let current = db.sizing_memo.lock().expect("sizing memo lock").get(&key).cloned();
+            current.or_else(|| db.previous_selection.lock().expect("previous selection lock").sizings.get(&key).cloned())
+        };
         let support = match found {
             Some(support) => support,
             None => Arc::new(crate::sizing::support_with_tables(&x.value, &l.value, &s.value.phases, Some(&s.value.digests), budget).map_err(CompileError)?),
@@ -706,7 +722,13 @@ pub fn placement(db: &dyn Db, sources: Sources) -> StageResult<Placement> {
     db.cached("place_storage", PLACE_VERSION, key, || {
         // select_finalist placed the chosen finalist (same memory view, program and code
         // bytes: same key) unless the selection came from the cache.
-        let found = if db.verifying() { None } else { db.baseline_memo.lock().expect("baseline memo lock").get(&baseline_key(t.digest, l.digest, c.digest)).cloned() };
+        let key = baseline_key(t.digest, l.digest, c.digest);
+        let found = if db.verifying() {
+            None
+        } else {
+            let current = db.baseline_memo.lock().expect("baseline memo lock").get(&key).cloned();
+            current.or_else(|| db.previous_selection.lock().expect("previous selection lock").baselines.get(&key).cloned())
+        };
         match found {
             Some(placement) => Ok((*placement).clone()),
             None => place_storage(&t.value, &l.value, &c.value).map_err(CompileError::from),
@@ -737,7 +759,12 @@ pub fn placed(db: &dyn Db, sources: Sources) -> StageResult<Placement> {
         // select_finalist ran this search on the chosen finalist (same view, program,
         // schedules, code and baseline: same key) unless the selection came from the cache.
         let search = placement_search_key(t.digest, l.digest, &s.value.digests, c.digest, p.digest);
-        let found = if db.verifying() { None } else { db.placement_memo.lock().expect("placement memo lock").get(&search).cloned() };
+        let found = if db.verifying() {
+            None
+        } else {
+            let current = db.placement_memo.lock().expect("placement memo lock").get(&search).cloned();
+            current.or_else(|| db.previous_selection.lock().expect("previous selection lock").placements.get(&search).cloned())
+        };
         let searched = match found {
             Some(s) => s,
             None => Arc::new(search_exchange_placement(&t.value, &l.value, &s.value.phases, &c.value, &p.value)?),
@@ -1064,6 +1091,42 @@ mod tests {
         let stored = rkyv::to_bytes::<rkyv::rancor::Error>(&big).unwrap();
         assert!(stored.len() > 4 * 64 * 1024);
         assert_eq!(digest_of(&big).unwrap(), Digest::of_bytes(&stored));
+    }
+
+    /// In a process that builds again, the selection of an edit sets the entries the
+    /// selection before it left aside (`previous_selection`), and an edit undone (selected
+    /// from the selection memo, `select_finalist` not run) takes them: an entry altered there
+    /// under the undone build's key is what its stage returns.
+    #[test]
+    fn an_edit_undone_takes_the_placement_the_selection_before_the_edit_left() {
+        use salsa::Setter;
+        let mut db = Database::default().keeping_beam_states(true);
+        let s = sources(&db, WORKLOAD.into(), "mlp.toml".into(), fixtures::SMALL16.into(), "small16".into());
+        let (_, l, sch, sizing) = sizing_inputs(&db, s);
+        let (m, c, lt, p) = (memory_target(&db, s).unwrap(), code_sizes(&db, s).unwrap(), lowering_target(&db, s).unwrap(), placement(&db, s).unwrap());
+        let baseline = baseline_key(m.digest, l.digest, c.digest);
+        let search = placement_search_key(lt.digest, l.digest, &sch.value.digests, c.digest, p.digest);
+        let fresh = placed(&db, s).unwrap();
+        assert!(db.previous_selection.lock().unwrap().placements.is_empty(), "nothing set aside before an edit");
+        s.set_workload_text(&mut db).to(WORKLOAD.replacen("op = \"gelu\"", "op = \"scale\"\nfactor = 0.5", 1));
+        assert_ne!(lowered(&db, s).unwrap().digest, l.digest);
+        placed(&db, s).unwrap();
+        let mut altered = (*p.value).clone();
+        altered.addresses[0] += 16;
+        {
+            let mut previous = db.previous_selection.lock().unwrap();
+            assert!(previous.sizings.contains_key(&sizing) && previous.placements.contains_key(&search));
+            assert!(previous.baselines.insert(baseline, Arc::new(altered.clone())).is_some());
+        }
+        s.set_workload_text(&mut db).to(WORKLOAD.into());
+        assert_eq!(*placement(&db, s).unwrap().value, altered);
+        // A database that does not build again sets nothing aside.
+        let mut db = Database::default();
+        let s = sources(&db, WORKLOAD.into(), "mlp.toml".into(), fixtures::SMALL16.into(), "small16".into());
+        assert_eq!(placed(&db, s).unwrap().value, fresh.value);
+        s.set_workload_text(&mut db).to(WORKLOAD.replacen("op = \"gelu\"", "op = \"scale\"\nfactor = 0.5", 1));
+        placed(&db, s).unwrap();
+        assert!(db.previous_selection.lock().unwrap().placements.is_empty());
     }
 
     #[test]
