@@ -28,7 +28,7 @@ use crate::hash::{Digest, KeyHasher};
 use crate::lower::Lowered;
 use crate::package::ExchangePhase;
 use crate::pipeline::{phase_request, requests};
-use crate::storage::{place_storage_with, ExchangeRules, Placement};
+use crate::storage::{place_storage_memoized, ExchangeRules, Placement};
 use crate::target::Target;
 
 /// Receive-buffer offsets tried, in bytes from the region start (the seed's 4 KiB steps).
@@ -177,6 +177,7 @@ pub struct RelativeMemo {
     relative: std::sync::Mutex<RelativeEntries>,
     packed: std::sync::Mutex<PackedEntries>,
     stats: std::sync::Mutex<StatEntries>,
+    tiles: std::sync::Mutex<TileEntries>,
     /// Whether sizings take and keep packings (`keep_packings`).
     packing: std::sync::atomic::AtomicBool,
 }
@@ -190,6 +191,10 @@ type PackedEntries = (HashMap<Digest, crate::tables::PackedPhase>, std::collecti
 /// A placed phase's statistics by key (`Relocation::measured`), and the keys taken or made
 /// since the memo last kept the used ones.
 type StatEntries = (HashMap<Digest, PlacedStat>, std::collections::HashSet<Digest>);
+
+/// Tiles' placements by key (`storage::place_storage_memoized`), and the keys taken or made
+/// since the memo last kept the used ones.
+type TileEntries = (HashMap<Digest, crate::storage::KeptTile>, std::collections::HashSet<Digest>);
 
 /// What scoring a placement reads of one phase's tables: its horizon, its endpoint lower
 /// bound, its memory-element conflicts and bound.
@@ -207,6 +212,9 @@ impl RelativeMemo {
         let mut s = self.stats.lock().expect("placed phase statistics memo lock");
         s.0.clear();
         s.1.clear();
+        let mut t = self.tiles.lock().expect("tile placement memo lock");
+        t.0.clear();
+        t.1.clear();
     }
 
     /// Drops the entries not taken or made since the last call (or `clear`).
@@ -223,6 +231,32 @@ impl RelativeMemo {
         let (stats, used) = &mut *s;
         stats.retain(|k, _| used.contains(k));
         used.clear();
+        let mut t = self.tiles.lock().expect("tile placement memo lock");
+        let (tiles, used) = &mut *t;
+        tiles.retain(|k, _| used.contains(k));
+        used.clear();
+    }
+
+    /// A tile's placement made under `key`, if any.
+    pub(crate) fn tile_placement(&self, key: &Digest) -> Option<crate::storage::KeptTile> {
+        let mut t = self.tiles.lock().expect("tile placement memo lock");
+        let found = t.0.get(key).cloned();
+        if found.is_some() {
+            t.1.insert(*key);
+        }
+        found
+    }
+
+    /// Keeps a tile's placement made under `key`.
+    pub(crate) fn keep_tile_placement(&self, key: Digest, kept: crate::storage::KeptTile) {
+        let mut t = self.tiles.lock().expect("tile placement memo lock");
+        t.0.insert(key, kept);
+        t.1.insert(key);
+    }
+
+    /// Tile placements held (tests).
+    pub fn tiles_len(&self) -> usize {
+        self.tiles.lock().expect("tile placement memo lock").0.len()
     }
 
     /// A placed phase's statistics made under `key`, if any.
@@ -670,7 +704,7 @@ fn search_from(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_
             .map(|&k| {
                 let offset = k * OFFSET_STEP;
                 let rules = ExchangeRules { receive_offset: offset, ..rules.clone() };
-                let result = match place_storage_with(target, lowered, code_bytes, &rules) {
+                let result = match place_storage_memoized(target, lowered, code_bytes, &rules, memo) {
                     // The first offset keeps its tables: the search takes the first placements
                     // that score zero, lowest offset first, so that one is the usual winner.
                     Ok(placement) => written(target, lowered, schedules, &placement, relocation.as_ref(), k == 0, memo).map(|(tables, summary, stats)| {
@@ -960,6 +994,44 @@ mod tests {
         other.memory.element_bytes /= 2;
         let (_, other_scope) = memo.for_statistics(&other).unwrap();
         assert_ne!(other_scope, scope);
+    }
+
+    /// Tiles placed through a rebuilding process's memo (`storage::place_storage_memoized`)
+    /// are placed as afresh, with and without exchange rules: taken where a tile's buffers,
+    /// rules and data start are unchanged, placed again where one of its buffers grew.
+    #[test]
+    fn tiles_placed_through_the_memo_are_placed_as_afresh() {
+        let (target, l, _, _) = built(include_str!("../../fixtures/workloads/siglip-encoder-f16-b1-t29-d64-h4-m96-l3.toml"));
+        let code = vec![2048u32; l.value.tiles as usize];
+        let memo = RelativeMemo::default();
+        memo.keep_packings(true);
+        let (m, scope) = memo.for_statistics(&target).unwrap();
+        for rules in [ExchangeRules::default(), exchange_rules(&l.value, 0), exchange_rules(&l.value, 4096)] {
+            let fresh = crate::storage::place_storage_with(&target, &l.value, &code, &rules).unwrap();
+            let before = memo.tiles_len();
+            assert_eq!(crate::storage::place_storage_memoized(&target, &l.value, &code, &rules, Some((m, &scope))).unwrap(), fresh);
+            let made = memo.tiles_len();
+            assert!(made > before);
+            assert_eq!(crate::storage::place_storage_memoized(&target, &l.value, &code, &rules, Some((m, &scope))).unwrap(), fresh);
+            assert_eq!(memo.tiles_len(), made, "every tile taken");
+            // One buffer grows: its tile is placed again, as afresh.
+            let mut grown: Lowered = (*l.value).clone();
+            let b = grown.buffers.iter().position(|b| b.bytes > 0).unwrap();
+            grown.buffers[b].bytes += 64;
+            let fresh = crate::storage::place_storage_with(&target, &grown, &code, &rules).unwrap();
+            assert_eq!(crate::storage::place_storage_memoized(&target, &grown, &code, &rules, Some((m, &scope))).unwrap(), fresh);
+            assert_eq!(memo.tiles_len(), made + 1);
+        }
+        // Code that moves a tile's data start places it again; code within the same granule does not.
+        let mut more = code.clone();
+        more[0] += 16;
+        let n = memo.tiles_len();
+        let rules = ExchangeRules::default();
+        assert_eq!(crate::storage::place_storage_memoized(&target, &l.value, &more, &rules, Some((m, &scope))).unwrap(), crate::storage::place_storage_with(&target, &l.value, &more, &rules).unwrap());
+        assert_eq!(memo.tiles_len(), n);
+        more[0] += crate::storage::DATA_START_GRANULE;
+        assert_eq!(crate::storage::place_storage_memoized(&target, &l.value, &more, &rules, Some((m, &scope))).unwrap(), crate::storage::place_storage_with(&target, &l.value, &more, &rules).unwrap());
+        assert_eq!(memo.tiles_len(), n + 1);
     }
 
     /// A candidate that does not keep its tables (each phase written, measured and dropped in

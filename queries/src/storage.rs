@@ -17,6 +17,8 @@
 use rayon::prelude::*;
 
 use crate::elements::element_range;
+use crate::exchange_placement::RelativeMemo;
+use crate::hash::{Digest, KeyHasher};
 use crate::lower::Lowered;
 use crate::package::AllocationKind;
 use crate::target::Target;
@@ -77,6 +79,13 @@ pub struct ExchangeRules {
 
 /// `place_storage` under exchange rules (see `ExchangeRules`).
 pub fn place_storage_with(target: &Target, lowered: &Lowered, code_bytes: &[u32], rules: &ExchangeRules) -> Result<Placement, PlacementError> {
+    place_storage_memoized(target, lowered, code_bytes, rules, None)
+}
+
+/// `place_storage_with`, each tile's placement taken from `memo` (with its scope: the target,
+/// `RelativeMemo::for_statistics`) where a rebuilding process placed a tile alike before
+/// (`tile_key`: everything placing a tile reads), and kept there when made.
+pub fn place_storage_memoized(target: &Target, lowered: &Lowered, code_bytes: &[u32], rules: &ExchangeRules, memo: Option<(&RelativeMemo, &Digest)>) -> Result<Placement, PlacementError> {
     let m = &target.memory;
     let amp = amp_counterparts(lowered);
     let mut per_tile: Vec<Vec<u32>> = vec![Vec::new(); lowered.tiles as usize];
@@ -97,7 +106,22 @@ pub fn place_storage_with(target: &Target, lowered: &Lowered, code_bytes: &[u32]
             if tile > lowest_failed.load(std::sync::atomic::Ordering::Relaxed) {
                 return None;
             }
-            let placed = place_one_tile(m, lowered, rules, &amp, tile, code_bytes, ids);
+            let placed = match memo {
+                None => place_one_tile(m, lowered, rules, &amp, tile, code_bytes, ids),
+                Some((memo, scope)) => {
+                    let key = tile_key(scope, m, lowered, rules, &amp, tile, code_bytes, ids);
+                    match memo.tile_placement(&key) {
+                        Some(kept) => Ok(kept.placement(m, tile, code_bytes, ids)),
+                        None => {
+                            let placed = place_one_tile(m, lowered, rules, &amp, tile, code_bytes, ids);
+                            if let Ok(p) = &placed {
+                                memo.keep_tile_placement(key, KeptTile::of(p, ids));
+                            }
+                            placed
+                        }
+                    }
+                }
+            };
             if placed.is_err() {
                 lowest_failed.fetch_min(tile, std::sync::atomic::Ordering::Relaxed);
             }
@@ -117,6 +141,61 @@ pub fn place_storage_with(target: &Target, lowered: &Lowered, code_bytes: &[u32]
         placement.peak_interleaved.push(pi);
     }
     Ok(placement)
+}
+
+/// A tile's placement as a rebuilding process keeps it (`RelativeMemo`): each buffer's address
+/// by its position in the tile's buffer list (ascending index), in the order placed, and the
+/// regions' peaks. The code range is not kept: it is the tile's code, made again.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KeptTile {
+    addresses: Vec<(u32, u32)>,
+    peak_standard: u32,
+    peak_interleaved: u32,
+}
+
+impl KeptTile {
+    fn of(placed: &TilePlacement, ids: &[u32]) -> KeptTile {
+        let position = |i: u32| ids.binary_search(&i).expect("a tile's placement places its own buffers") as u32;
+        KeptTile { addresses: placed.0.iter().map(|&(i, a)| (position(i), a)).collect(), peak_standard: placed.2, peak_interleaved: placed.3 }
+    }
+
+    fn placement(&self, m: &crate::target::Memory, tile: usize, code_bytes: &[u32], ids: &[u32]) -> TilePlacement {
+        let code = code_bytes.get(tile).copied().unwrap_or(0);
+        (self.addresses.iter().map(|&(k, a)| (ids[k as usize], a)).collect(), (m.base, align(m.base.saturating_add(code), 16)), self.peak_standard, self.peak_interleaved)
+    }
+}
+
+/// Everything placing one tile reads (`place_one_tile`), its buffers by position in the tile's
+/// list: the target (`scope`), where its data starts (the code's bytes only through
+/// `data_start`), the receive offset and strictness of the rules and whether there are any,
+/// and per buffer its bytes,
+/// kind, region preference, steps, whether it receives, and the positions of its opposites and
+/// matrix-product counterparts (buffers elsewhere are never near it, and are left out).
+#[allow(clippy::too_many_arguments)]
+fn tile_key(scope: &Digest, m: &crate::target::Memory, lowered: &Lowered, rules: &ExchangeRules, amp: &[Vec<u32>], tile: usize, code_bytes: &[u32], ids: &[u32]) -> Digest {
+    let code = code_bytes.get(tile).copied().unwrap_or(0);
+    let mut h = KeyHasher::new("ipuq tile placement v1");
+    // Whether any rules exist at all (with none, a tile that does not fit is not placed again).
+    h.add(scope).add(&data_start(m.base, code)).add(&rules.receive_offset).add(&rules.strict).add(&rules.opposites.is_empty()).add(&(ids.len() as u64));
+    let positions = |others: &[u32], h: &mut KeyHasher| {
+        let local: Vec<u32> = others.iter().filter_map(|o| ids.binary_search(o).ok().map(|k| k as u32)).collect();
+        h.add(&(local.len() as u64));
+        for k in local {
+            h.add(&k);
+        }
+    };
+    for &i in ids {
+        let b = &lowered.buffers[i as usize];
+        let kind: u8 = match b.kind {
+            AllocationKind::Code => 0,
+            AllocationKind::Data => 1,
+            AllocationKind::Partials => 2,
+        };
+        h.add(&b.bytes).add(&kind).add(&b.prefer_interleaved).add(&b.first_step).add(&b.last_step).add(&rules.receives.get(i as usize).copied().unwrap_or(false));
+        positions(rules.opposites.get(i as usize).map_or(&[], |v| v.as_slice()), &mut h);
+        positions(amp.get(i as usize).map_or(&[], |v| v.as_slice()), &mut h);
+    }
+    h.finish()
 }
 
 /// One tile's placement: its buffers by first step (largest first among equals), and when

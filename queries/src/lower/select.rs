@@ -20,7 +20,7 @@ use crate::db::CompileError;
 use crate::elements::{conflict_tiles, phase_conflicts};
 use crate::exchange_placement::{checked_tables, placed_tables, relocation_memoized, Baseline, Measured, RelativeMemo};
 use crate::hash::Digest;
-use crate::storage::{place_storage, Placement};
+use crate::storage::{place_storage_memoized, ExchangeRules, Placement};
 use crate::target::Target;
 
 /// A finalist costed on its placed program.
@@ -275,7 +275,9 @@ fn cost_placed(
     let code: Vec<u32> = support.iter().map(|s| s.total()).collect();
     // A buffer that does not fit blames the product it belongs to, so that the pipeline can
     // steer that plan and plan again (eight full-size encoder layers fit so, by 2,304 bytes).
-    let placement = place_storage(target, l, &code).map_err(|e| Failure { message: e.to_string(), blamed: owner_plan(l, &e.label), conflicts: Vec::new() })?;
+    // Tiles placed alike by a rebuilding process's previous build are taken from its memo.
+    let stats_memo = relative.and_then(|m| m.for_statistics(target));
+    let placement = place_storage_memoized(target, l, &code, &ExchangeRules::default(), stats_memo.as_ref().map(|(m, scope)| (*m, scope))).map_err(|e| Failure { message: e.to_string(), blamed: owner_plan(l, &e.label), conflicts: Vec::new() })?;
     keep_placement(program, &code, &placement);
     // Phases relocate independently, from relative tables made once per distinct pattern and
     // schedule (the same phase of repeated layers shares them) and reused by the candidates of
@@ -289,8 +291,7 @@ fn cost_placed(
     // kept them for the same tables, `Relocation::measured`); the tables are kept only where
     // no memo serves (a cold build keeps them for the check below), else written again should
     // the baseline have no conflicts.
-    let memo = relative.and_then(|m| m.for_statistics(target));
-    let memo = memo.as_ref().map(|(m, scope)| (*m, scope));
+    let memo = stats_memo.as_ref().map(|(m, scope)| (*m, scope));
     let keep = memo.is_none();
     let addresses = &placement.addresses;
     let address = |buffer: u32, offset: u32| addresses[buffer as usize] + offset;
