@@ -186,7 +186,7 @@ pub struct RelativeMemo {
 type RelativeEntries = (HashMap<Digest, Arc<Option<RelativeTables>>>, std::collections::HashSet<Digest>);
 
 /// Packed sizings by key, and the keys taken or made since the memo last kept the used ones.
-type PackedEntries = (HashMap<Digest, crate::tables::PackedPhase>, std::collections::HashSet<Digest>);
+type PackedEntries = (HashMap<Digest, Arc<crate::tables::PackedPhase>>, std::collections::HashSet<Digest>);
 
 /// A placed phase's statistics by key (`Relocation::measured`), and the keys taken or made
 /// since the memo last kept the used ones.
@@ -300,7 +300,7 @@ impl RelativeMemo {
     }
 
     /// The packed sizing made under `key`, if any.
-    pub(crate) fn packed(&self, key: &Digest) -> Option<crate::tables::PackedPhase> {
+    pub(crate) fn packed(&self, key: &Digest) -> Option<Arc<crate::tables::PackedPhase>> {
         let mut p = self.packed.lock().expect("packed sizing memo lock");
         let found = p.0.get(key).cloned();
         if found.is_some() {
@@ -310,9 +310,9 @@ impl RelativeMemo {
     }
 
     /// Keeps the packed sizing made under `key`.
-    pub(crate) fn keep_packed(&self, key: Digest, packed: &crate::tables::PackedPhase) {
+    pub(crate) fn keep_packed(&self, key: Digest, packed: Arc<crate::tables::PackedPhase>) {
         let mut p = self.packed.lock().expect("packed sizing memo lock");
-        p.0.insert(key, packed.clone());
+        p.0.insert(key, packed);
         p.1.insert(key);
     }
 

@@ -13,6 +13,8 @@
 //! (`select_finalist` drops such a finalist; when none is left, the operation whose phase
 //! holds most of the oversized tables is planned again, steered away from its plan).
 
+use std::sync::Arc;
+
 use rayon::prelude::*;
 
 use crate::emit::{support_memory, tile_tables, SupportMemory};
@@ -79,7 +81,9 @@ pub fn phase_buffers(lowered: &Lowered, phase: usize, starts: &[u32]) -> PhaseBu
 /// with a memo, a phase alone in its group is written from relative tables too, made here
 /// once for `select_finalist`, which relocates the same program at every placement it tries
 /// (without one, such a phase is written whole: its relative tables would serve once).
-pub fn sizing_tables(target: &Target, lowered: &Lowered, schedules: &[Schedule], digests: Option<&[Digest]>, memo: Option<&RelativeMemo>) -> Result<Vec<PackedPhase>, String> {
+///
+/// Packings are shared (`Arc`): those taken from the memo are not copied.
+pub fn sizing_tables(target: &Target, lowered: &Lowered, schedules: &[Schedule], digests: Option<&[Digest]>, memo: Option<&RelativeMemo>) -> Result<Vec<Arc<PackedPhase>>, String> {
     let bases = sizing_bases(lowered);
     if let Some(digests) = digests {
         // Each phase written and packed in one go (its tables are dropped once packed).
@@ -99,7 +103,7 @@ pub fn sizing_tables(target: &Target, lowered: &Lowered, schedules: &[Schedule],
             let target_digest = target.digest();
             (0..digests.len()).into_par_iter().map(|i| packed_key(&target_digest, &digests[i], lowered, i, &bases)).collect()
         });
-        let made: Vec<Option<PackedPhase>> = match (memo, &keys) {
+        let made: Vec<Option<Arc<PackedPhase>>> = match (memo, &keys) {
             (Some(m), Some(keys)) => keys.iter().map(|k| m.packed(k)).collect(),
             _ => vec![None; digests.len()],
         };
@@ -125,9 +129,9 @@ pub fn sizing_tables(target: &Target, lowered: &Lowered, schedules: &[Schedule],
                 })
             })
             .collect();
-        let packed: Result<Vec<PackedPhase>, String> = (0..first.len())
+        let packed: Result<Vec<Arc<PackedPhase>>, String> = (0..first.len())
             .into_par_iter()
-            .map(|i| {
+            .map(|i| -> Result<Arc<PackedPhase>, String> {
                 if let Some(made) = &made[i] {
                     return Ok(made.clone());
                 }
@@ -135,22 +139,22 @@ pub fn sizing_tables(target: &Target, lowered: &Lowered, schedules: &[Schedule],
                 if let Some(kept) = &firsts[f] {
                     let (rep_tables, rep_buffers, rep_packed) = kept.as_ref().map_err(|e| e.clone())?;
                     if f == i {
-                        return Ok(rep_packed.clone());
+                        return Ok(Arc::new(rep_packed.clone()));
                     }
                     let (tables, buffers) = write(i)?;
                     return match crate::tables::rebased_phase((rep_tables, rep_buffers, rep_packed), &tables, &buffers) {
-                        Some(packed) => Ok(packed),
-                        None => pack_phase(&tables, &buffers),
+                        Some(packed) => Ok(Arc::new(packed)),
+                        None => pack_phase(&tables, &buffers).map(Arc::new),
                     };
                 }
                 let (tables, buffers) = write(i)?;
-                pack_phase(&tables, &buffers)
+                pack_phase(&tables, &buffers).map(Arc::new)
             })
             .collect();
         if let (Some(m), Some(keys), Ok(packed)) = (memo, &keys, &packed) {
             for ((key, p), made) in keys.iter().zip(packed).zip(&made) {
                 if made.is_none() {
-                    m.keep_packed(*key, p);
+                    m.keep_packed(*key, p.clone());
                 }
             }
         }
@@ -163,7 +167,7 @@ pub fn sizing_tables(target: &Target, lowered: &Lowered, schedules: &[Schedule],
         .enumerate()
         .map(|(i, (r, schedule))| {
             let p = exchange::relocate(target, r, schedule, false, None).map_err(|e| e.to_string())?;
-            pack_phase(&p, &phase_buffers(lowered, i, &bases))
+            pack_phase(&p, &phase_buffers(lowered, i, &bases)).map(Arc::new)
         })
         .collect()
 }
