@@ -2,6 +2,7 @@
 //! verification against the host reference, profiles and reports. Only this crate prints,
 //! reads files and touches devices; the compiler lives in `ipuq_queries`.
 
+pub mod alloc;
 pub mod build;
 pub mod cli;
 pub mod device;
