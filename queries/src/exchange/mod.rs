@@ -50,7 +50,7 @@ use crate::target::Target;
 
 pub use lower::{check_relocated, log_validated, lower_to_tables, relative_tables, relocate, reuse, row_words, table_row_words, RelativeTables};
 pub use problem::pattern_digest;
-pub use types::{Destination, ExchangeError, PhaseRequest, Piece, Schedule, ScheduleKind, Transfer, ValidationError};
+pub use types::{Destination, Destinations, ExchangeError, PhaseRequest, Piece, Schedule, ScheduleKind, Transfer, ValidationError};
 pub use moved::{moved_alike, TileBuffers};
 pub use validate::validate;
 

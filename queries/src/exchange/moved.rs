@@ -119,8 +119,8 @@ mod tests {
         let mut transfers = Vec::new();
         for t in 0..n {
             let (next, after) = ((t + 1) % n, (t + 2) % n);
-            transfers.push(Transfer { source: t, source_address: starts[t as usize][0], words: 8, destinations: vec![Destination { tile: next, address: starts[next as usize][1] }] });
-            transfers.push(Transfer { source: t, source_address: starts[t as usize][1] + 32, words: 4, destinations: vec![Destination { tile: after, address: starts[after as usize][0] + 64 }] });
+            transfers.push(Transfer { source: t, source_address: starts[t as usize][0], words: 8, destinations: vec![Destination { tile: next, address: starts[next as usize][1] }].into() });
+            transfers.push(Transfer { source: t, source_address: starts[t as usize][1] + 32, words: 4, destinations: vec![Destination { tile: after, address: starts[after as usize][0] + 64 }].into() });
         }
         let buffers = (0..n).map(|t| (t, vec![(starts[t as usize][0], 256), (starts[t as usize][1], 256)])).collect();
         (PhaseRequest { index: 0, transfers, half_duplex: Vec::new() }, buffers)

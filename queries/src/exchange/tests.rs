@@ -90,7 +90,7 @@ fn multicast_triangle_reports_the_clique_bound() {
         source,
         source_address: 0x4C004,
         words,
-        destinations: vec![Destination { tile: a, address: 0x80004 + source * 0x1000 }, Destination { tile: b, address: 0x80004 + source * 0x1000 }],
+        destinations: vec![Destination { tile: a, address: 0x80004 + source * 0x1000 }, Destination { tile: b, address: 0x80004 + source * 0x1000 }].into(),
     };
     let phase = PhaseRequest { index: 4, transfers: vec![t(0, 4, 6), t(2, 6, 8), t(10, 4, 8)], half_duplex: Vec::new() };
     let schedule = check(&target, &phase);
@@ -103,15 +103,15 @@ fn multicast_triangle_reports_the_clique_bound() {
 #[test]
 fn malformed_requests_name_the_transfer() {
     let target = small16();
-    let good = Transfer { source: 0, source_address: 0x4C000, words: 4, destinations: vec![Destination { tile: 1, address: 0x80000 }] };
+    let good = Transfer { source: 0, source_address: 0x4C000, words: 4, destinations: vec![Destination { tile: 1, address: 0x80000 }].into() };
     let cases: Vec<(Transfer, &str)> = vec![
         (Transfer { source: 16, ..good.clone() }, "outside the chip"),
         (Transfer { words: 0, ..good.clone() }, "zero words"),
-        (Transfer { destinations: vec![Destination { tile: 1, address: 0x80000 }, Destination { tile: 1, address: 0x90000 }], ..good.clone() }, "appears twice"),
-        (Transfer { destinations: vec![Destination { tile: 0, address: 0x80000 }], ..good.clone() }, "its own source"),
-        (Transfer { destinations: vec![Destination { tile: 99, address: 0x80000 }], ..good.clone() }, "outside the chip"),
+        (Transfer { destinations: vec![Destination { tile: 1, address: 0x80000 }, Destination { tile: 1, address: 0x90000 }].into(), ..good.clone() }, "appears twice"),
+        (Transfer { destinations: vec![Destination { tile: 0, address: 0x80000 }].into(), ..good.clone() }, "its own source"),
+        (Transfer { destinations: vec![Destination { tile: 99, address: 0x80000 }].into(), ..good.clone() }, "outside the chip"),
         (Transfer { source_address: 0x4C002, ..good.clone() }, "not word aligned"),
-        (Transfer { destinations: vec![], ..good.clone() }, "no destination"),
+        (Transfer { destinations: vec![].into(), ..good.clone() }, "no destination"),
     ];
     for (bad, expected) in cases {
         let phase = PhaseRequest { index: 9, transfers: vec![good.clone(), bad], half_duplex: Vec::new() };
@@ -395,4 +395,32 @@ fn half_duplex_tiles_never_send_and_receive_in_one_cycle() {
         }
         assert!(moved >= 10, "only {moved} phases had a tile sending while receiving");
     }
+}
+
+#[test]
+fn destinations_read_as_the_list_they_were_made_from() {
+    let d = |tile: u32| Destination { tile, address: 0x8_0000 + tile * 16 };
+    for n in 0..5u32 {
+        let list: Vec<Destination> = (0..n).map(d).collect();
+        let collected: Destinations = list.iter().copied().collect();
+        let converted = Destinations::from(list.clone());
+        let mut pushed = Destinations::default();
+        for &x in &list {
+            pushed.push(x);
+        }
+        for made in [&collected, &converted, &pushed] {
+            assert_eq!(&made[..], &list[..], "{n} destinations");
+            assert_eq!(format!("{made:?}"), format!("{list:?}"));
+            assert_eq!(matches!(made, Destinations::One(_)), n == 1, "one destination is kept inline");
+        }
+        assert_eq!(collected, pushed);
+    }
+    // Equality is by the list, whatever the representation.
+    assert_eq!(Destinations::Many(vec![d(3)]), Destinations::One(d(3)));
+    assert_ne!(Destinations::One(d(3)), Destinations::One(d(4)));
+    let mut moved = Destinations::from(vec![d(1), d(2)]);
+    for x in &mut moved {
+        x.address += 4;
+    }
+    assert_eq!(&moved[..], &[Destination { tile: 1, address: d(1).address + 4 }, Destination { tile: 2, address: d(2).address + 4 }]);
 }

@@ -13,10 +13,10 @@ fn phase() -> PhaseRequest {
     PhaseRequest {
         index: 5,
         transfers: vec![
-            Transfer { source: 0, source_address: 0x4C000, words: 8, destinations: vec![d(4, 0x80000), d(5, 0x80000)] },
-            Transfer { source: 2, source_address: 0x4C000, words: 6, destinations: vec![d(6, 0x80000)] },
-            Transfer { source: 8, source_address: 0x4C004, words: 4, destinations: vec![d(6, 0x80104)] },
-            Transfer { source: 9, source_address: 0x4C000, words: 2, destinations: vec![d(7, 0x80000)] },
+            Transfer { source: 0, source_address: 0x4C000, words: 8, destinations: vec![d(4, 0x80000), d(5, 0x80000)].into() },
+            Transfer { source: 2, source_address: 0x4C000, words: 6, destinations: vec![d(6, 0x80000)].into() },
+            Transfer { source: 8, source_address: 0x4C004, words: 4, destinations: vec![d(6, 0x80104)].into() },
+            Transfer { source: 9, source_address: 0x4C000, words: 2, destinations: vec![d(7, 0x80000)].into() },
         ],
         half_duplex: Vec::new(),
     }
@@ -149,7 +149,7 @@ fn receives_from_one_source_are_matched_after_short_steps_and_long_jumps() {
             if k == 0 || k == 29 {
                 destinations.push(d(7, 0x80000 + 8 * k));
             }
-            Transfer { source: 2, source_address: 0x4C000 + 8 * k, words: 1, destinations }
+            Transfer { source: 2, source_address: 0x4C000 + 8 * k, words: 1, destinations: destinations.into() }
         })
         .collect();
     let phase = PhaseRequest { index: 3, transfers, half_duplex: Vec::new() };
