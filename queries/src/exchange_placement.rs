@@ -182,19 +182,20 @@ pub struct RelativeMemo {
     packing: std::sync::atomic::AtomicBool,
 }
 
-/// The memo's entries, and the keys taken or made since it last kept the used ones.
-type RelativeEntries = (HashMap<Digest, Arc<Option<RelativeTables>>>, std::collections::HashSet<Digest>);
+/// A memo's entries by key, and the keys taken or made since it last kept the used ones.
+type Entries<V> = (HashMap<Digest, V>, std::collections::HashSet<Digest>);
 
-/// Packed sizings by key, and the keys taken or made since the memo last kept the used ones.
-type PackedEntries = (HashMap<Digest, Arc<crate::tables::PackedPhase>>, std::collections::HashSet<Digest>);
+/// The relative tables' entries.
+type RelativeEntries = Entries<Arc<Option<RelativeTables>>>;
 
-/// A placed phase's statistics by key (`Relocation::measured`), and the keys taken or made
-/// since the memo last kept the used ones.
-type StatEntries = (HashMap<Digest, PlacedStat>, std::collections::HashSet<Digest>);
+/// Packed sizings by key.
+type PackedEntries = Entries<Arc<crate::tables::PackedPhase>>;
 
-/// Tiles' placements by key (`storage::place_storage_memoized`), and the keys taken or made
-/// since the memo last kept the used ones.
-type TileEntries = (HashMap<Digest, crate::storage::KeptTile>, std::collections::HashSet<Digest>);
+/// A placed phase's statistics by key (`Relocation::measured`).
+type StatEntries = Entries<PlacedStat>;
+
+/// Tiles' placements by key (`storage::place_storage_memoized`).
+type TileEntries = Entries<crate::storage::KeptTile>;
 
 /// What scoring a placement reads of one phase's tables: its horizon, its endpoint lower
 /// bound, its memory-element conflicts and bound.
@@ -203,38 +204,29 @@ type PlacedStat = (u32, u32, PhaseStat);
 impl RelativeMemo {
     /// Drops every entry.
     pub fn clear(&self) {
-        let mut m = self.relative.lock().expect("relative tables memo lock");
-        m.0.clear();
-        m.1.clear();
-        let mut p = self.packed.lock().expect("packed sizing memo lock");
-        p.0.clear();
-        p.1.clear();
-        let mut s = self.stats.lock().expect("placed phase statistics memo lock");
-        s.0.clear();
-        s.1.clear();
-        let mut t = self.tiles.lock().expect("tile placement memo lock");
-        t.0.clear();
-        t.1.clear();
+        fn clear<V>(entries: &std::sync::Mutex<Entries<V>>) {
+            let mut m = entries.lock().unwrap_or_else(|e| e.into_inner());
+            m.0.clear();
+            m.1.clear();
+        }
+        clear(&self.relative);
+        clear(&self.packed);
+        clear(&self.stats);
+        clear(&self.tiles);
     }
 
     /// Drops the entries not taken or made since the last call (or `clear`).
     pub fn keep_used(&self) {
-        let mut m = self.relative.lock().expect("relative tables memo lock");
-        let (tables, used) = &mut *m;
-        tables.retain(|k, _| used.contains(k));
-        used.clear();
-        let mut p = self.packed.lock().expect("packed sizing memo lock");
-        let (packed, used) = &mut *p;
-        packed.retain(|k, _| used.contains(k));
-        used.clear();
-        let mut s = self.stats.lock().expect("placed phase statistics memo lock");
-        let (stats, used) = &mut *s;
-        stats.retain(|k, _| used.contains(k));
-        used.clear();
-        let mut t = self.tiles.lock().expect("tile placement memo lock");
-        let (tiles, used) = &mut *t;
-        tiles.retain(|k, _| used.contains(k));
-        used.clear();
+        fn keep_used<V>(entries: &std::sync::Mutex<Entries<V>>) {
+            let mut m = entries.lock().unwrap_or_else(|e| e.into_inner());
+            let (values, used) = &mut *m;
+            values.retain(|k, _| used.contains(k));
+            used.clear();
+        }
+        keep_used(&self.relative);
+        keep_used(&self.packed);
+        keep_used(&self.stats);
+        keep_used(&self.tiles);
     }
 
     /// A tile's placement made under `key`, if any.
