@@ -8,7 +8,7 @@
 //! scale) were the kernel clearing pages. Raising both thresholds keeps freed memory in the
 //! process for the next vector. Memory that a build frees stays mapped (the process's
 //! resident size does not shrink). Measured in session 47 (release, 2 cores, medians): that
-//! watch edit 1.10 s against 1.26 s, later edits of the same process 0.80 s against 0.90 s,
+//! watch edit 1.12 s against 1.20 s, later edits of the same process 0.82 s against 0.90 s,
 //! cold builds and simulator runs within noise, peak resident size a few per cent higher.
 
 /// Raise glibc malloc's mmap and trim thresholds (see the module note). Elsewhere, nothing.
