@@ -185,6 +185,28 @@ pub struct RelativeMemo {
 /// A memo's entries by key, and the keys taken or made since it last kept the used ones.
 type Entries<V> = (HashMap<Digest, V>, std::collections::HashSet<Digest>);
 
+/// The entry under `key`, if any (marked used).
+fn entry<V: Clone>(entries: &std::sync::Mutex<Entries<V>>, key: &Digest) -> Option<V> {
+    let mut m = entries.lock().unwrap_or_else(|e| e.into_inner());
+    let found = m.0.get(key).cloned();
+    if found.is_some() {
+        m.1.insert(*key);
+    }
+    found
+}
+
+/// Keeps `value` under `key` (marked used).
+fn keep_entry<V>(entries: &std::sync::Mutex<Entries<V>>, key: Digest, value: V) {
+    let mut m = entries.lock().unwrap_or_else(|e| e.into_inner());
+    m.0.insert(key, value);
+    m.1.insert(key);
+}
+
+/// The number of entries held.
+fn entries_len<V>(entries: &std::sync::Mutex<Entries<V>>) -> usize {
+    entries.lock().unwrap_or_else(|e| e.into_inner()).0.len()
+}
+
 /// The relative tables' entries.
 type RelativeEntries = Entries<Arc<Option<RelativeTables>>>;
 
@@ -231,46 +253,32 @@ impl RelativeMemo {
 
     /// A tile's placement made under `key`, if any.
     pub(crate) fn tile_placement(&self, key: &Digest) -> Option<crate::storage::KeptTile> {
-        let mut t = self.tiles.lock().expect("tile placement memo lock");
-        let found = t.0.get(key).cloned();
-        if found.is_some() {
-            t.1.insert(*key);
-        }
-        found
+        entry(&self.tiles, key)
     }
 
     /// Keeps a tile's placement made under `key`.
     pub(crate) fn keep_tile_placement(&self, key: Digest, kept: crate::storage::KeptTile) {
-        let mut t = self.tiles.lock().expect("tile placement memo lock");
-        t.0.insert(key, kept);
-        t.1.insert(key);
+        keep_entry(&self.tiles, key, kept);
     }
 
     /// Tile placements held (tests).
     pub fn tiles_len(&self) -> usize {
-        self.tiles.lock().expect("tile placement memo lock").0.len()
+        entries_len(&self.tiles)
     }
 
     /// A placed phase's statistics made under `key`, if any.
     fn stat(&self, key: &Digest) -> Option<PlacedStat> {
-        let mut s = self.stats.lock().expect("placed phase statistics memo lock");
-        let found = s.0.get(key).cloned();
-        if found.is_some() {
-            s.1.insert(*key);
-        }
-        found
+        entry(&self.stats, key)
     }
 
     /// Keeps a placed phase's statistics made under `key`.
     fn keep_stat(&self, key: Digest, stat: PlacedStat) {
-        let mut s = self.stats.lock().expect("placed phase statistics memo lock");
-        s.0.insert(key, stat);
-        s.1.insert(key);
+        keep_entry(&self.stats, key, stat);
     }
 
     /// Placed phase statistics held (tests).
     pub fn stats_len(&self) -> usize {
-        self.stats.lock().expect("placed phase statistics memo lock").0.len()
+        entries_len(&self.stats)
     }
 
     /// The memo with the scope its placed phase statistics are kept under (the target, all
@@ -293,44 +301,30 @@ impl RelativeMemo {
 
     /// The packed sizing made under `key`, if any.
     pub(crate) fn packed(&self, key: &Digest) -> Option<Arc<crate::tables::PackedPhase>> {
-        let mut p = self.packed.lock().expect("packed sizing memo lock");
-        let found = p.0.get(key).cloned();
-        if found.is_some() {
-            p.1.insert(*key);
-        }
-        found
+        entry(&self.packed, key)
     }
 
     /// Keeps the packed sizing made under `key`.
     pub(crate) fn keep_packed(&self, key: Digest, packed: Arc<crate::tables::PackedPhase>) {
-        let mut p = self.packed.lock().expect("packed sizing memo lock");
-        p.0.insert(key, packed);
-        p.1.insert(key);
+        keep_entry(&self.packed, key, packed);
     }
 
     /// Packed sizings held (tests).
     pub fn packed_len(&self) -> usize {
-        self.packed.lock().expect("packed sizing memo lock").0.len()
+        entries_len(&self.packed)
     }
 
     fn get(&self, key: &Digest) -> Option<Arc<Option<RelativeTables>>> {
-        let mut m = self.relative.lock().expect("relative tables memo lock");
-        let found = m.0.get(key).cloned();
-        if found.is_some() {
-            m.1.insert(*key);
-        }
-        found
+        entry(&self.relative, key)
     }
 
     fn insert(&self, key: Digest, tables: Arc<Option<RelativeTables>>) {
-        let mut m = self.relative.lock().expect("relative tables memo lock");
-        m.0.insert(key, tables);
-        m.1.insert(key);
+        keep_entry(&self.relative, key, tables);
     }
 
     /// Entries held (tests).
     pub fn len(&self) -> usize {
-        self.relative.lock().expect("relative tables memo lock").0.len()
+        entries_len(&self.relative)
     }
 
     /// Whether it holds none (tests).

@@ -696,13 +696,7 @@ pub fn code_sizes(db: &dyn Db, sources: Sources) -> StageResult<Vec<u32>> {
     db.cached("size_tile_code", CODE_VERSION, key, || {
         // select_finalist sized the chosen finalist (same exchange view, program, schedules
         // and budget: same key) unless the selection came from the cache.
-        let key = sizing_key(x.digest, l.digest, &s.value.digests, budget);
-        let found = if db.verifying() {
-            None
-        } else {
-            let current = db.sizing_memo.lock().expect("sizing memo lock").get(&key).cloned();
-            current.or_else(|| db.previous_selection.lock().expect("previous selection lock").sizings.get(&key).cloned())
-        };
+        let found = selected(db, &db.sizing_memo, &sizing_key(x.digest, l.digest, &s.value.digests, budget), |p| &p.sizings);
         let support = match found {
             Some(support) => support,
             None => Arc::new(crate::sizing::support_with_tables(&x.value, &l.value, &s.value.phases, Some(&s.value.digests), budget).map_err(CompileError)?),
@@ -722,18 +716,23 @@ pub fn placement(db: &dyn Db, sources: Sources) -> StageResult<Placement> {
     db.cached("place_storage", PLACE_VERSION, key, || {
         // select_finalist placed the chosen finalist (same memory view, program and code
         // bytes: same key) unless the selection came from the cache.
-        let key = baseline_key(t.digest, l.digest, c.digest);
-        let found = if db.verifying() {
-            None
-        } else {
-            let current = db.baseline_memo.lock().expect("baseline memo lock").get(&key).cloned();
-            current.or_else(|| db.previous_selection.lock().expect("previous selection lock").baselines.get(&key).cloned())
-        };
+        let found = selected(db, &db.baseline_memo, &baseline_key(t.digest, l.digest, c.digest), |p| &p.baselines);
         match found {
             Some(placement) => Ok((*placement).clone()),
             None => place_storage(&t.value, &l.value, &c.value).map_err(CompileError::from),
         }
     })
+}
+
+/// What `select_finalist` left under `key` in `memo` for a later stage, else what the
+/// selection before it left there (`Database::previous_selection`, read through `previous`);
+/// nothing when the cache is being verified (the stage then computes).
+fn selected<V: Clone>(db: &Database, memo: &std::sync::Mutex<std::collections::HashMap<Digest, V>>, key: &Digest, previous: impl FnOnce(&crate::db::PreviousSelection) -> &std::collections::HashMap<Digest, V>) -> Option<V> {
+    if db.verifying() {
+        return None;
+    }
+    let current = memo.lock().expect("selection memo lock").get(key).cloned();
+    current.or_else(|| previous(&db.previous_selection.lock().expect("previous selection lock")).get(key).cloned())
 }
 
 /// Key of a program's baseline placement (`place_storage`): the memory view, the program and
@@ -759,12 +758,7 @@ pub fn placed(db: &dyn Db, sources: Sources) -> StageResult<Placement> {
         // select_finalist ran this search on the chosen finalist (same view, program,
         // schedules, code and baseline: same key) unless the selection came from the cache.
         let search = placement_search_key(t.digest, l.digest, &s.value.digests, c.digest, p.digest);
-        let found = if db.verifying() {
-            None
-        } else {
-            let current = db.placement_memo.lock().expect("placement memo lock").get(&search).cloned();
-            current.or_else(|| db.previous_selection.lock().expect("previous selection lock").placements.get(&search).cloned())
-        };
+        let found = selected(db, &db.placement_memo, &search, |p| &p.placements);
         let searched = match found {
             Some(s) => s,
             None => Arc::new(search_exchange_placement(&t.value, &l.value, &s.value.phases, &c.value, &p.value)?),

@@ -118,13 +118,13 @@ pub fn sizing_tables(target: &Target, lowered: &Lowered, schedules: &[Schedule],
             Ok((relocation.phase_at(target, lowered, schedules, i, &address).map_err(|e| e.0)?, phase_buffers(lowered, i, &bases)))
         };
         // Firsts kept for the others: (tables, buffers, packing), by phase.
-        type Kept = (ExchangePhase, PhaseBuffers, PackedPhase);
+        type Kept = (ExchangePhase, PhaseBuffers, Arc<PackedPhase>);
         let firsts: Vec<Option<Result<Kept, String>>> = (0..first.len())
             .into_par_iter()
             .map(|i| {
                 (first[i] == i && shared[i]).then(|| {
                     let (tables, buffers) = write(i)?;
-                    let packed = pack_phase(&tables, &buffers)?;
+                    let packed = Arc::new(pack_phase(&tables, &buffers)?);
                     Ok((tables, buffers, packed))
                 })
             })
@@ -139,7 +139,7 @@ pub fn sizing_tables(target: &Target, lowered: &Lowered, schedules: &[Schedule],
                 if let Some(kept) = &firsts[f] {
                     let (rep_tables, rep_buffers, rep_packed) = kept.as_ref().map_err(|e| e.clone())?;
                     if f == i {
-                        return Ok(Arc::new(rep_packed.clone()));
+                        return Ok(rep_packed.clone());
                     }
                     let (tables, buffers) = write(i)?;
                     return match crate::tables::rebased_phase((rep_tables, rep_buffers, rep_packed), &tables, &buffers) {

@@ -161,7 +161,7 @@ impl KeptTile {
 
     fn placement(&self, m: &crate::target::Memory, tile: usize, code_bytes: &[u32], ids: &[u32]) -> TilePlacement {
         let code = code_bytes.get(tile).copied().unwrap_or(0);
-        (self.addresses.iter().map(|&(k, a)| (ids[k as usize], a)).collect(), (m.base, align(m.base.saturating_add(code), 16)), self.peak_standard, self.peak_interleaved)
+        (self.addresses.iter().map(|&(k, a)| (ids[k as usize], a)).collect(), code_range(m.base, code), self.peak_standard, self.peak_interleaved)
     }
 }
 
@@ -330,7 +330,7 @@ fn place_tile(m: &crate::target::Memory, lowered: &Lowered, rules: &ExchangeRule
         }
     }
     // The code range is the code itself; what lies between it and the data start is free.
-    Ok((out, (m.base, align(m.base.saturating_add(code), 16)), peak_s, peak_i))
+    Ok((out, code_range(m.base, code), peak_s, peak_i))
 }
 
 /// Data starts at the code's end rounded up to this many bytes, as long as that stays within
@@ -340,6 +340,11 @@ fn place_tile(m: &crate::target::Memory, lowered: &Lowered, rules: &ExchangeRule
 /// and the tile images. Past the reserve, data starts at the code's end rounded to 16 bytes.
 /// A compiler policy (memory the planner already set aside), not a machine constant.
 pub const DATA_START_GRANULE: u32 = 8192;
+
+/// A tile's code allocation: `code` bytes from `base`, rounded to 16.
+fn code_range(base: u32, code: u32) -> (u32, u32) {
+    (base, align(base.saturating_add(code), 16))
+}
 
 /// Where a tile's data may start after `code` bytes of code (see `DATA_START_GRANULE`).
 fn data_start(base: u32, code: u32) -> u32 {
