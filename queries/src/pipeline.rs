@@ -100,9 +100,9 @@ pub fn finalists(db: &dyn Db, sources: Sources) -> StageResult<Vec<Lowered>> {
         let mut memo = std::mem::take(&mut *db.schedule_memo.lock().expect("phase memo lock"));
         memo.extend(std::mem::take(&mut *warmed.lock().expect("warmed schedules lock")));
         let screened: std::cell::RefCell<HashMap<Digest, Staged<Schedule>>> = std::cell::RefCell::new(memo);
-        let mut schedule = |requests: &[PhaseRequest]| {
+        let mut schedule = |programs: &[LazyRequests]| {
             *db.schedule_memo.lock().expect("phase memo lock") = screened.borrow().clone();
-            let out = schedule_through_memo(db, &x, requests);
+            let out = schedule_through_memo(db, &x, programs);
             screened.borrow_mut().extend(db.schedule_memo.lock().expect("phase memo lock").drain());
             out
         };
@@ -166,9 +166,14 @@ fn warm_schedules(db: &Database, x: &Staged<crate::target::Target>, warmed: &Arc
 
 /// Schedule exchange phases through the per-phase memo (and disk cache), keyed by the
 /// exchange view and each phase's pattern; each schedule with its digest.
-fn schedule_through_memo(db: &Database, x: &Staged<crate::target::Target>, requests: &[PhaseRequest]) -> Result<Vec<(Schedule, Digest)>, String> {
-    let keys: Vec<Digest> = requests.par_iter().map(exchange::pattern_digest).collect::<Vec<_>>().iter().map(|p| db.key("exchange_schedule", SCHEDULE_VERSION, &[x.digest, *p])).collect();
-    let entries = per_phase(db, "exchange_schedule", SCHEDULE_VERSION, &keys, &db.schedule_memo, |i| exchange::schedule_phase(&x.value, &requests[i]).map_err(CompileError::from)).map_err(|e| e.0)?;
+fn schedule_through_memo(db: &Database, x: &Staged<crate::target::Target>, programs: &[LazyRequests]) -> Result<Vec<(Schedule, Digest)>, String> {
+    let phases = flat_phases(programs);
+    let keys: Vec<Digest> = phases.par_iter().map(|&(k, i)| programs[k].pattern_digest(i)).collect::<Vec<_>>().iter().map(|p| db.key("exchange_schedule", SCHEDULE_VERSION, &[x.digest, *p])).collect();
+    let entries = per_phase(db, "exchange_schedule", SCHEDULE_VERSION, &keys, &db.schedule_memo, |j| {
+        let (k, i) = phases[j];
+        exchange::schedule_phase(&x.value, programs[k].get(i)).map_err(CompileError::from)
+    })
+    .map_err(|e| e.0)?;
     Ok(entries.iter().map(|e| ((*e.value).clone(), e.digest)).collect())
 }
 
@@ -225,7 +230,7 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
         l
     };
     db.ranged("select_finalist", SELECT_VERSION, key, t.value.host.link_bytes_per_second, &db.selection_memo, || {
-        let schedule = |requests: &[PhaseRequest]| schedule_through_memo(db, &x, requests);
+        let schedule = |programs: &[LazyRequests]| schedule_through_memo(db, &x, programs);
         // The exchange-placement search of a finalist, over the lowering view (what the stage
         // optimize_exchange_placement runs on), remembered for that stage (the searches of the
         // last round's finalists only).
@@ -533,6 +538,84 @@ pub fn transfers_request<F: Fn(u32, u32) -> u32 + ?Sized>(index: usize, transfer
     }
 }
 
+/// A program's exchange requests with addresses `bases[buffer] + offset`, each made the first
+/// time it is asked for. A stage whose per-phase entries are found in a memo or the cache needs
+/// only their keys, and `request_digest` and `pattern_digest` stream those from the program:
+/// the same digests as those of the made request, without allocating every transfer (a
+/// four-block MLP's 325,000) and freeing it again.
+pub struct LazyRequests<'a> {
+    lowered: &'a Lowered,
+    bases: &'a [u32],
+    made: Vec<std::sync::OnceLock<PhaseRequest>>,
+}
+
+impl<'a> LazyRequests<'a> {
+    pub fn new(lowered: &'a Lowered, bases: &'a [u32]) -> Self {
+        LazyRequests { lowered, bases, made: (0..lowered.phases.len()).map(|_| std::sync::OnceLock::new()).collect() }
+    }
+
+    /// Number of phases.
+    pub fn len(&self) -> usize {
+        self.made.len()
+    }
+
+    /// Whether the program has no exchange phase.
+    pub fn is_empty(&self) -> bool {
+        self.made.is_empty()
+    }
+
+    /// Phase `i`'s request (`phase_request`), made on first use.
+    pub fn get(&self, i: usize) -> &PhaseRequest {
+        self.made[i].get_or_init(|| phase_request(self.lowered, i, &|buffer, offset| self.bases[buffer as usize] + offset))
+    }
+
+    fn tile(&self, buffer: u32) -> u32 {
+        self.lowered.buffers[buffer as usize].tile
+    }
+
+    fn address(&self, (buffer, offset): (u32, u32)) -> u32 {
+        self.bases[buffer as usize] + offset
+    }
+
+    /// `request_digest(self.get(i))`, streamed from the program.
+    pub fn request_digest(&self, i: usize) -> Digest {
+        let phase = &self.lowered.phases[i];
+        let mut h = KeyHasher::new(REQUEST_DOMAIN);
+        h.add(&(i as u32)).add(&phase.len());
+        for t in phase.iter() {
+            h.add(&self.tile(t.source.0)).add(&self.address(t.source)).add(&t.words).add(&t.destinations.len());
+            for &d in &t.destinations {
+                h.add(&self.tile(d.0)).add(&self.address(d));
+            }
+        }
+        h.finish()
+    }
+
+    /// `exchange::pattern_digest(self.get(i))`, streamed from the program.
+    pub fn pattern_digest(&self, i: usize) -> Digest {
+        let phase = &self.lowered.phases[i];
+        let mut h = KeyHasher::new(exchange::PATTERN_DOMAIN);
+        h.add(&(phase.len() as u64));
+        for t in phase.iter() {
+            let first = self.address(t.source) % 8;
+            let class = if t.destinations.iter().any(|&d| self.address(d) % 8 != first) { 2 } else { (first / 4) as u8 };
+            h.add(&self.tile(t.source.0)).add(&t.words).add(&class).add(&(t.destinations.len() as u64));
+            for &d in &t.destinations {
+                h.add(&self.tile(d.0));
+            }
+        }
+        if let Ok(at) = self.lowered.half_duplex.binary_search_by_key(&(i as u32), |h| h.0) {
+            exchange::hash_half_duplex(&mut h, &self.lowered.half_duplex[at].1);
+        }
+        h.finish()
+    }
+}
+
+/// Every phase of `programs` as (program, phase), programs in order, each one's phases in order.
+pub fn flat_phases(programs: &[LazyRequests]) -> Vec<(usize, usize)> {
+    programs.iter().enumerate().flat_map(|(k, p)| (0..p.len()).map(move |i| (k, i))).collect()
+}
+
 /// A non-overlapping provisional base address for every buffer (per tile, 16-byte aligned).
 pub fn provisional_bases(lowered: &Lowered) -> Vec<u32> {
     let mut bases = ProvisionalBases::default();
@@ -583,8 +666,6 @@ pub fn schedules(db: &dyn Db, sources: Sources) -> StageResult<Schedules> {
     // address space, so rows of different buffers never alias and alignment classes match
     // the final placement (which also aligns every buffer to at least 8 bytes).
     let provisional = provisional_bases(&l.value);
-    let mut requests = requests(&l.value, |buffer, offset| provisional[buffer as usize] + offset);
-    let chosen_phases = requests.len();
     // The other finalists select_finalist scheduled ride along (found in the memo), so the
     // memo keeps them for the next build's selection.
     let s = selection(db, sources)?;
@@ -592,19 +673,27 @@ pub fn schedules(db: &dyn Db, sources: Sources) -> StageResult<Schedules> {
     let full = selection_target(db, sources)?;
     // (After a re-plan, or with half-duplex tiles, the chosen program is not the host pass of
     // one of these finalists: `lowered` holds it, and the others were not scheduled.)
+    let mut others: Vec<(Lowered, Vec<u32>)> = Vec::new();
     for (i, other) in f.value.iter().enumerate().filter(|_| s.value.steered.is_empty() && s.value.lowered.is_none()) {
         let skipped = s.value.failures.iter().any(|x| x.0 == i as u32 && x.1.starts_with("not costed"));
         if i as u32 != s.value.chosen && !skipped {
             let other = crate::lower::host::replicate(other.clone(), &full.value);
             let bases = provisional_bases(&other);
-            requests.extend(crate::pipeline::requests(&other, |buffer, offset| bases[buffer as usize] + offset));
+            others.push((other, bases));
         }
     }
+    // Requests are made only for the phases whose schedule is neither in the memo nor cached.
+    let programs: Vec<LazyRequests> = std::iter::once(LazyRequests::new(&l.value, &provisional)).chain(others.iter().map(|(o, b)| LazyRequests::new(o, b))).collect();
+    let phases = flat_phases(&programs);
+    let chosen_phases = programs[0].len();
     let db = db.ipuq();
-    let patterns: Vec<Digest> = requests.par_iter().map(exchange::pattern_digest).collect();
+    let patterns: Vec<Digest> = phases.par_iter().map(|&(k, i)| programs[k].pattern_digest(i)).collect();
     let keys: Vec<Digest> = patterns.iter().map(|p| db.key("exchange_schedule", SCHEDULE_VERSION, &[t.digest, *p])).collect();
     let target = &t.value;
-    let mut entries = per_phase(db, "exchange_schedule", SCHEDULE_VERSION, &keys, &db.schedule_memo, |i| exchange::schedule_phase(target, &requests[i]).map_err(CompileError::from))?;
+    let mut entries = per_phase(db, "exchange_schedule", SCHEDULE_VERSION, &keys, &db.schedule_memo, |j| {
+        let (k, i) = phases[j];
+        exchange::schedule_phase(target, programs[k].get(i)).map_err(CompileError::from)
+    })?;
     entries.truncate(chosen_phases);
     let value = Schedules { phases: entries.iter().map(|e| (*e.value).clone()).collect(), digests: entries.iter().map(|e| e.digest).collect() };
     Ok(Staged { digest: combined("ipuq schedules v2", &entries), value: Arc::new(value) })
@@ -623,9 +712,14 @@ fn buffers_digest(buffers: &crate::tables::PhaseBuffers) -> Digest {
     h.finish()
 }
 
-/// Digest of a phase request with its addresses (what lower_exchanges reads of it).
+/// Key domain of `request_digest` (and of `LazyRequests::request_digest`, which streams the same bytes).
+const REQUEST_DOMAIN: &str = "ipuq exchange request v1";
+
+/// Digest of a phase request with its addresses (what lower_exchanges reads of it): the
+/// definition `LazyRequests::request_digest` streams (the pipeline keys phases by that one).
+#[cfg(test)]
 fn request_digest(request: &PhaseRequest) -> Digest {
-    let mut h = KeyHasher::new("ipuq exchange request v1");
+    let mut h = KeyHasher::new(REQUEST_DOMAIN);
     h.add(&request.index).add(&request.transfers.len());
     for t in &request.transfers {
         h.add(&t.source).add(&t.source_address).add(&t.words).add(&t.destinations.len());
@@ -652,18 +746,19 @@ fn checked_tables_memoized(
     written: Vec<ExchangePhase>,
 ) -> Result<Vec<ExchangePhase>, CompileError> {
     let addresses = &placement.addresses;
-    let requests = requests(lowered, |buffer, offset| addresses[buffer as usize] + offset);
+    // Requests are made only for the phases validated (a phase found in the memo is not).
+    let requests = LazyRequests::new(lowered, addresses);
     if written.len() != requests.len() || schedules.len() != requests.len() || digests.len() != requests.len() {
         return Err(CompileError(format!("{} tables and {} schedules for {} exchange phases", written.len(), schedules.len(), requests.len())));
     }
-    let keys: Vec<Digest> = requests.par_iter().zip(digests.par_iter()).map(|(r, d)| db.key("exchange_validation", TABLES_VERSION, &[exchange, *d, request_digest(r)])).collect();
+    let keys: Vec<Digest> = digests.par_iter().enumerate().map(|(i, d)| db.key("exchange_validation", TABLES_VERSION, &[exchange, *d, requests.request_digest(i)])).collect();
     // Phases of one schedule (the same phase of repeated layers): the first is validated, and
     // another that is the first moved buffer by buffer (`exchange::moved_alike`) validates
     // exactly when the first does, so it is not validated again once the first has.
     let first = first_of_schedule(digests);
     let buffers: Vec<std::sync::OnceLock<crate::tables::PhaseBuffers>> = (0..requests.len()).map(|_| std::sync::OnceLock::new()).collect();
     let buffers_of = |i: usize| buffers[i].get_or_init(|| crate::sizing::phase_buffers(lowered, i, addresses)).as_slice();
-    let validate = |i: usize| exchange::check_relocated(target, &requests[i], &schedules[i], &written[i]).map(|()| written[i].horizon).map_err(CompileError::from);
+    let validate = |i: usize| exchange::check_relocated(target, requests.get(i), &schedules[i], &written[i]).map(|()| written[i].horizon).map_err(CompileError::from);
     let outcomes: Vec<std::sync::OnceLock<Result<u32, CompileError>>> = (0..requests.len()).map(|_| std::sync::OnceLock::new()).collect();
     let carried = std::sync::atomic::AtomicUsize::new(0);
     per_phase(db, "exchange_validation", TABLES_VERSION, &keys, memo, |i| {
@@ -672,7 +767,7 @@ fn checked_tables_memoized(
             return outcomes[i].get_or_init(|| validate(i)).clone();
         }
         let first_valid = outcomes[f].get_or_init(|| validate(f)).is_ok();
-        if first_valid && exchange::moved_alike((&requests[f], &written[f], buffers_of(f)), (&requests[i], &written[i], buffers_of(i))) {
+        if first_valid && exchange::moved_alike((requests.get(f), &written[f], buffers_of(f)), (requests.get(i), &written[i], buffers_of(i))) {
             carried.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             return Ok(written[i].horizon);
         }
@@ -816,9 +911,10 @@ pub fn tables(db: &dyn Db, sources: Sources) -> StageResult<Vec<Arc<PackedPhase>
     let s = schedules(db, sources)?;
     let p = placed(db, sources)?;
     let addresses = &p.value.addresses;
-    let requests = requests(&l.value, |buffer, offset| addresses[buffer as usize] + offset);
+    // Requests are made only for the phases written again (a phase found in the memo is not).
+    let requests = LazyRequests::new(&l.value, addresses);
     let db = db.ipuq();
-    let digests: Vec<Digest> = requests.par_iter().map(request_digest).collect();
+    let digests: Vec<Digest> = (0..requests.len()).into_par_iter().map(|i| requests.request_digest(i)).collect();
     // Each phase's buffers per tile (its tables' base slots and the bounds its runs are cut at).
     let buffers: Vec<crate::tables::PhaseBuffers> = (0..requests.len()).into_par_iter().map(|i| crate::sizing::phase_buffers(&l.value, i, addresses)).collect();
     let keys: Vec<Digest> = digests
@@ -847,7 +943,7 @@ pub fn tables(db: &dyn Db, sources: Sources) -> StageResult<Vec<Arc<PackedPhase>
     let moved = std::sync::atomic::AtomicUsize::new(0);
     let entries = per_phase(db, "lower_exchanges", TABLES_VERSION, &keys, &db.tables_memo, |i| match validated.as_ref() {
         Some(tables) => {
-            exchange::log_validated(&requests[i], &schedules[i], &tables[i]);
+            exchange::log_validated(i as u32, &schedules[i], &tables[i]);
             let f = first[i];
             // A schedule of one phase is packed alone, not kept for others.
             if sharing[f] == 1 {
@@ -865,7 +961,7 @@ pub fn tables(db: &dyn Db, sources: Sources) -> StageResult<Vec<Arc<PackedPhase>
                 None => crate::tables::pack_phase(&tables[i], &buffers[i]).map_err(CompileError),
             }
         }
-        None => exchange::reuse(target, &requests[i], &schedules[i]).map_err(CompileError::from).and_then(|p| crate::tables::pack_phase(&p, &buffers[i]).map_err(CompileError)),
+        None => exchange::reuse(target, requests.get(i), &schedules[i]).map_err(CompileError::from).and_then(|p| crate::tables::pack_phase(&p, &buffers[i]).map_err(CompileError)),
     })?;
     tracing::debug!(phases = entries.len(), moved = moved.into_inner(), "packed exchange tables (moved: a phase of the same schedule's packing, moved to this phase's buffers)");
     Ok(Staged { digest: combined("ipuq exchange tables v3", &entries), value: Arc::new(entries.iter().map(|e| e.value.clone()).collect()) })
@@ -1024,6 +1120,45 @@ mod tests {
         assert_eq!(crate::sizing::sizing_digest(&rerouted), gathered(&rerouted));
         assert_ne!(crate::sizing::sizing_digest(&rerouted), crate::sizing::sizing_digest(&program));
         assert!(!crate::sizing::same_sizing_input(&program, &rerouted));
+    }
+
+    /// The digests `LazyRequests` streams from a program are those of the requests it makes,
+    /// for every phase, at provisional and placed addresses, with half-duplex tiles or without;
+    /// and a request is made only when asked for.
+    #[test]
+    fn streamed_request_digests_are_those_of_the_made_requests() {
+        let db = Database::default();
+        let s = sources(&db, WORKLOAD.into(), "mlp.toml".into(), fixtures::SMALL16.into(), "small16".into());
+        let (l, p) = (lowered(&db, s).unwrap(), placed(&db, s).unwrap());
+        let mut half = (*l.value).clone();
+        let phase = half.phases.iter().position(|p| !p.is_empty()).expect("an exchange phase") as u32;
+        half.half_duplex = vec![(phase, vec![0, 3])];
+        let provisional = provisional_bases(&l.value);
+        for (program, bases) in [(&*l.value, &provisional), (&*l.value, &p.value.addresses), (&half, &p.value.addresses)] {
+            let made = requests(program, |b, o| bases[b as usize] + o);
+            let lazy = LazyRequests::new(program, bases);
+            assert_eq!(lazy.len(), made.len());
+            assert!(made.iter().any(|r| !r.transfers.is_empty()));
+            for (i, r) in made.iter().enumerate() {
+                assert_eq!(lazy.request_digest(i), request_digest(r), "phase {i}");
+                assert_eq!(lazy.pattern_digest(i), exchange::pattern_digest(r), "phase {i}");
+            }
+            assert!(lazy.made.iter().all(|m| m.get().is_none()), "digests made no request");
+            for (i, r) in made.iter().enumerate() {
+                assert_eq!(lazy.get(i), r);
+            }
+        }
+        // The half-duplex tiles enter the pattern, not the request digest.
+        let (plain, halved) = (LazyRequests::new(&l.value, &p.value.addresses), LazyRequests::new(&half, &p.value.addresses));
+        assert_ne!(plain.pattern_digest(phase as usize), halved.pattern_digest(phase as usize));
+        assert_eq!(plain.request_digest(phase as usize), halved.request_digest(phase as usize));
+        // An address that moves changes the request digest, and the pattern only with its class.
+        let first = l.value.phases[phase as usize][0].source.0 as usize;
+        let mut moved = p.value.addresses.clone();
+        moved[first] += 16;
+        let shifted = LazyRequests::new(&l.value, &moved);
+        assert_ne!(shifted.request_digest(phase as usize), plain.request_digest(phase as usize));
+        assert_eq!(shifted.pattern_digest(phase as usize), plain.pattern_digest(phase as usize));
     }
 
     #[test]

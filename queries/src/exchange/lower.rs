@@ -211,9 +211,9 @@ fn relocate_checked(target: &Target, problem: &Problem, phase: &PhaseRequest, ca
 
 /// The log lines of `reuse`, for tables validated elsewhere (the exchange-placement search
 /// validates the tables of the placement it accepts).
-pub fn log_validated(phase: &PhaseRequest, cached: &Schedule, tables: &ExchangePhase) {
-    info!(phase = phase.index, "reused exchange optimization after validating relocated rows");
-    super::log_optimized(phase.index, cached.horizon, tables.horizon, cached.endpoint_lower_bound, ScheduleKind::Reused, 0);
+pub fn log_validated(phase: u32, cached: &Schedule, tables: &ExchangePhase) {
+    info!(phase, "reused exchange optimization after validating relocated rows");
+    super::log_optimized(phase, cached.horizon, tables.horizon, cached.endpoint_lower_bound, ScheduleKind::Reused, 0);
     log_finished(tables);
 }
 

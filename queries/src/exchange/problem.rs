@@ -310,7 +310,7 @@ pub(crate) fn alignment_class(phase: &PhaseRequest, transfer: usize) -> u8 {
 /// Address-free key of a phase: tiles, words and pairing alignment class of every transfer.
 /// Two phases with equal digests accept the same schedules.
 pub fn pattern_digest(phase: &PhaseRequest) -> Digest {
-    let mut h = KeyHasher::new("ipuq exchange pattern v1");
+    let mut h = KeyHasher::new(PATTERN_DOMAIN);
     h.add(&(phase.transfers.len() as u64));
     for (index, t) in phase.transfers.iter().enumerate() {
         h.add(&t.source).add(&t.words).add(&alignment_class(phase, index)).add(&(t.destinations.len() as u64));
@@ -318,12 +318,20 @@ pub fn pattern_digest(phase: &PhaseRequest) -> Digest {
             h.add(&d.tile);
         }
     }
-    // Half-duplex tiles change the schedule; a phase without them keeps its digest.
-    if !phase.half_duplex.is_empty() {
-        h.add("half duplex").add(&(phase.half_duplex.len() as u64));
-        for t in &phase.half_duplex {
+    hash_half_duplex(&mut h, &phase.half_duplex);
+    h.finish()
+}
+
+/// Key domain of `pattern_digest` (also streamed from a program by `pipeline::LazyRequests`).
+pub const PATTERN_DOMAIN: &str = "ipuq exchange pattern v1";
+
+/// A phase's half-duplex tiles as `pattern_digest` hashes them: they change the schedule, and
+/// a phase without them keeps its digest.
+pub fn hash_half_duplex(h: &mut KeyHasher, tiles: &[u32]) {
+    if !tiles.is_empty() {
+        h.add("half duplex").add(&(tiles.len() as u64));
+        for t in tiles {
             h.add(t);
         }
     }
-    h.finish()
 }

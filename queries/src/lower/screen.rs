@@ -32,11 +32,11 @@ use super::orient::orient;
 use super::search::{estimated_cycles, lower_capped_alone, lower_feasible_alone, replication_cap_of};
 use super::select::{steer_away, EXACT_COST_MARGIN_PERCENT};
 use super::Lowered;
-use crate::exchange::{PhaseRequest, Schedule};
+use crate::exchange::Schedule;
 use crate::hash::Digest;
 use crate::ir::Graph;
 use crate::package::HostRole;
-use crate::pipeline::{provisional_bases, requests};
+use crate::pipeline::{provisional_bases, LazyRequests};
 use crate::exchange_placement::RelativeMemo;
 use crate::sizing::{table_bytes_memoized, TableOverflow};
 use crate::target::Target;
@@ -47,7 +47,9 @@ pub const STEERS: usize = 8;
 
 /// Schedules for a list of exchange phases, in order, each with its digest (the pipeline's
 /// per-phase memo).
-pub type ScheduleFn<'a> = dyn FnMut(&[PhaseRequest]) -> Result<Vec<(Schedule, Digest)>, String> + 'a;
+/// The phases of every program are taken in order (`pipeline::flat_phases`), their requests
+/// made only for phases the memo does not hold.
+pub type ScheduleFn<'a> = dyn FnMut(&[LazyRequests]) -> Result<Vec<(Schedule, Digest)>, String> + 'a;
 
 /// Told of each finalist kept: the program as select_finalist prepares it (handed over), its
 /// schedules' digests and every tile's exchange-table bytes.
@@ -72,9 +74,10 @@ pub fn size_tables(target: &Target, lowered: &Lowered, budget: u32, schedule: &m
     let start = std::time::Instant::now();
     let prepared = super::host::replicate_every_input(sizing_view(lowered), target);
     let bases = provisional_bases(&prepared);
-    let phases = requests(&prepared, |buffer, offset| bases[buffer as usize] + offset);
+    let phases = LazyRequests::new(&prepared, &bases);
     let prepared_ms = start.elapsed().as_millis() as u64;
-    let (schedules, digests): (Vec<Schedule>, Vec<Digest>) = schedule(&phases)?.into_iter().unzip();
+    let (schedules, digests): (Vec<Schedule>, Vec<Digest>) = schedule(std::slice::from_ref(&phases))?.into_iter().unzip();
+    drop(phases);
     let scheduled_ms = start.elapsed().as_millis() as u64;
     let tables = table_bytes_memoized(target, &prepared, &schedules, Some(&digests), budget, relative)?;
     debug!(prepared_ms, scheduled_ms, sized_ms = start.elapsed().as_millis() as u64, "exchange tables sized");
@@ -275,8 +278,16 @@ mod tests {
     }
 
     /// The exchange scheduler itself, unmemoized.
-    fn schedule(target: &Target) -> impl FnMut(&[PhaseRequest]) -> Result<Vec<(Schedule, Digest)>, String> + '_ {
-        move |phases| phases.iter().map(|p| crate::exchange::schedule_phase(target, p).map(|s| (s, pattern_digest(p))).map_err(|e| e.to_string())).collect()
+    fn schedule(target: &Target) -> impl FnMut(&[LazyRequests]) -> Result<Vec<(Schedule, Digest)>, String> + '_ {
+        move |programs| {
+            crate::pipeline::flat_phases(programs)
+                .into_iter()
+                .map(|(k, i)| {
+                    let p = programs[k].get(i);
+                    crate::exchange::schedule_phase(target, p).map(|s| (s, pattern_digest(p))).map_err(|e| e.to_string())
+                })
+                .collect()
+        }
     }
 
     /// Each tile's table bytes of a finalist as select_finalist prepares it at this link rate.
@@ -285,8 +296,8 @@ mod tests {
         at_rate.host.link_bytes_per_second = link_bytes_per_second;
         let prepared = crate::lower::host::replicate(l.clone(), &at_rate);
         let bases = provisional_bases(&prepared);
-        let phases = requests(&prepared, |buffer, offset| bases[buffer as usize] + offset);
-        let schedules: Vec<Schedule> = schedule(target)(&phases).unwrap().into_iter().map(|s| s.0).collect();
+        let phases = LazyRequests::new(&prepared, &bases);
+        let schedules: Vec<Schedule> = schedule(target)(std::slice::from_ref(&phases)).unwrap().into_iter().map(|s| s.0).collect();
         crate::sizing::table_bytes_checked(target, &prepared, &schedules, None, u32::MAX).unwrap().unwrap()
     }
 

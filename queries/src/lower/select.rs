@@ -14,8 +14,8 @@ use super::search::estimated_cycles;
 use super::{LStep, Lowered};
 use crate::cost;
 use crate::emit::vertex;
-use crate::exchange::{self, Schedule};
-use crate::pipeline::{provisional_bases, requests};
+use crate::exchange::Schedule;
+use crate::pipeline::{provisional_bases, LazyRequests};
 use crate::db::CompileError;
 use crate::elements::{conflict_tiles, phase_conflicts};
 use crate::exchange_placement::{checked_tables, placed_tables, relocation_memoized, Baseline, Measured, RelativeMemo};
@@ -150,7 +150,7 @@ pub fn select_finalist(
     target: &Target,
     finalists: &[Lowered],
     prepare: impl Fn(Lowered) -> Lowered + Sync,
-    schedule: impl FnOnce(&[exchange::PhaseRequest]) -> Result<Vec<(Schedule, Digest)>, String>,
+    schedule: impl FnOnce(&[LazyRequests]) -> Result<Vec<(Schedule, Digest)>, String>,
     digest: impl Fn(usize, &Lowered) -> Result<Digest, String> + Sync,
     size: impl Fn(&Lowered, &[Schedule], &[Digest]) -> Result<Sizing, String> + Sync,
     keep_sizing: impl Fn(Digest, &[Digest], &Sizing) + Sync,
@@ -169,17 +169,12 @@ pub fn select_finalist(
     }
     // Every (finalist, phase) pair is an independent scheduling job: each request, and the
     // finalist it is of.
-    let (owners, requests): (Vec<usize>, Vec<exchange::PhaseRequest>) = finalists
-        .iter()
-        .enumerate()
-        .filter(|(f, _)| in_margin(*f))
-        .flat_map(|(f, l)| {
-            let provisional = provisional_bases(l);
-            requests(l, |buffer, offset| provisional[buffer as usize] + offset).into_iter().map(move |r| (f, r))
-        })
-        .unzip();
-    let scheduled = schedule(&requests).map_err(|message| NoFinalist { message, blamed: Vec::new(), conflicted: None })?;
-    drop(requests);
+    // (Requests are made only for the phases the schedule memo does not hold.)
+    let provisional: Vec<(usize, Vec<u32>)> = (0..finalists.len()).filter(|&f| in_margin(f)).map(|f| (f, provisional_bases(&finalists[f]))).collect();
+    let programs: Vec<LazyRequests> = provisional.iter().map(|(f, bases)| LazyRequests::new(&finalists[*f], bases)).collect();
+    let owners: Vec<usize> = provisional.iter().zip(&programs).flat_map(|((f, _), p)| std::iter::repeat_n(*f, p.len())).collect();
+    let scheduled = schedule(&programs).map_err(|message| NoFinalist { message, blamed: Vec::new(), conflicted: None })?;
+    drop(programs);
     let mut per_finalist: Vec<Vec<Schedule>> = vec![Vec::new(); finalists.len()];
     let mut digests: Vec<Vec<Digest>> = vec![Vec::new(); finalists.len()];
     for (&f, (s, d)) in owners.iter().zip(scheduled) {
