@@ -187,7 +187,7 @@ pub struct PhaseTiming {
 pub struct Built {
     /// The package, when this build made it; `None` when the output file already held
     /// exactly this build's package (a no-op rebuild reads it back only when it runs it).
-    pub package: Option<Package>,
+    pub package: Option<Arc<Package>>,
     pub path: PathBuf,
     pub tiles: u32,
     pub estimated_cycles: u64,
@@ -244,6 +244,8 @@ pub struct Session {
     db: Database,
     sources: Option<Sources>,
     disk: Option<Arc<DiskStore>>,
+    /// The buffer each package is serialised into, kept for the next build (`write_package`).
+    payload: rkyv::util::AlignedVec,
 }
 
 impl Session {
@@ -251,7 +253,7 @@ impl Session {
         let disk = open_store(options)?;
         let verify = std::env::var_os("IPUQ_VERIFY_CACHE").is_some_and(|v| v == "1");
         let db = Database::new(disk.clone().map(|d| d as Arc<dyn StageStore>)).verifying_hits(verify).with_plan_finalists(options.plan_finalists).with_table_budget(options.table_budget);
-        Ok(Session { db, sources: None, disk })
+        Ok(Session { db, sources: None, disk, payload: rkyv::util::AlignedVec::new() })
     }
 
     /// A session that builds again after edits (`ipuq watch`): it also keeps the plan beam's
@@ -352,14 +354,14 @@ impl Session {
         drop(progress);
         drop(_build);
         let pkg = package(db, sources).map_err(|e| BuildError::Compile(e.to_string()))?;
-        let package = (*pkg.value).clone();
+        let package = pkg.value.clone();
         info!(final_cycles = package.summary.estimated_cycles, final_exchange = package.summary.estimated_exchange_cycles, "costed final placed program");
-        let bytes = write_package(&package, &path)?;
+        let (file_head, file_len) = write_package(&package, &path, &mut self.payload)?;
         // Every entry of this build on disk before its record, and before the size budget.
         if let Some(disk) = &self.disk {
             disk.flush();
         }
-        let record = BuildRecord { file_head: bytes[..bytes.len().min(FILE_HEAD)].to_vec(), file_len: bytes.len() as u64, tiles: package.tile_count(), estimated_cycles: package.summary.estimated_cycles };
+        let record = BuildRecord { file_head, file_len, tiles: package.tile_count(), estimated_cycles: package.summary.estimated_cycles };
         store_build_record(db, &text, &target_text, &record);
         if let Some(disk) = &self.disk {
             if timings.iter().any(|t| t.computed > 0) {
@@ -416,22 +418,29 @@ fn remove_stale_temporaries(dir: &Path) {
 }
 
 /// Write atomically (temporary file, flushed to disk, then renamed) so a reader never sees
-/// half a package; a file that already holds these bytes is left alone. Returns the bytes.
-pub fn write_package(package: &Package, path: &Path) -> Result<Vec<u8>, BuildError> {
+/// half a package; a file that already holds these bytes is left alone. The package is
+/// serialised into `payload` (a buffer the session keeps for its next build) and written
+/// after its header, the bytes `Package::to_bytes` gives, never copied into one buffer.
+/// Returns the file's first `FILE_HEAD` bytes and its length.
+pub fn write_package(package: &Package, path: &Path, payload: &mut rkyv::util::AlignedVec) -> Result<(Vec<u8>, u64), BuildError> {
     use std::io::Write;
     let io = |e: std::io::Error| BuildError::Io { path: path.display().to_string(), message: e.to_string() };
     info!(tiles = package.tile_count(), "writing application package");
     let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).map_err(io)?;
     remove_stale_temporaries(dir);
-    let bytes = package.to_bytes();
-    if file_matches(path, &bytes[..bytes.len().min(FILE_HEAD)], bytes.len() as u64) {
+    let header = package.serialize_into(payload);
+    let len = (header.len() + payload.len()) as u64;
+    let mut head = header.to_vec();
+    head.extend_from_slice(&payload[..payload.len().min(FILE_HEAD.saturating_sub(header.len()))]);
+    if file_matches(path, &head, len) {
         info!("application package unchanged");
-        return Ok(bytes);
+        return Ok((head, len));
     }
     let tmp = dir.join(format!(".model.ipuexe.{}.tmp", std::process::id()));
     let written = std::fs::File::create(&tmp).and_then(|mut f| {
-        f.write_all(&bytes)?;
+        f.write_all(&header)?;
+        f.write_all(payload)?;
         f.sync_all()
     });
     if let Err(e) = written.and_then(|()| std::fs::rename(&tmp, path)) {
@@ -439,7 +448,7 @@ pub fn write_package(package: &Package, path: &Path) -> Result<Vec<u8>, BuildErr
         return Err(io(e));
     }
     info!("application package written");
-    Ok(bytes)
+    Ok((head, len))
 }
 
 pub fn read_package(path: &Path) -> Result<Package, BuildError> {

@@ -8,6 +8,7 @@
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
+use std::sync::Arc;
 
 use crate::build::{read_package, BuildOptions, Session};
 use crate::report::{run_and_verify_cached, RunCaches, RunRequest};
@@ -109,7 +110,7 @@ fn rebuild(
     let package = match built.package {
         Some(p) => p,
         None => match read_package(&built.path) {
-            Ok(p) => p,
+            Ok(p) => Arc::new(p),
             Err(e) => {
                 eprintln!("error: {e}");
                 return;

@@ -540,15 +540,34 @@ impl Package {
     /// harnesses frame mutated payloads with it so they reach the decoder.
     pub fn frame(payload: &[u8], target_digest: &[u8; 32]) -> Vec<u8> {
         let mut out = Vec::with_capacity(HEADER_BYTES + payload.len());
-        out.extend_from_slice(&PACKAGE_MAGIC);
-        out.extend_from_slice(&PACKAGE_FORMAT_VERSION.to_le_bytes());
-        out.extend_from_slice(&RKYV_FLAGS.to_le_bytes());
-        out.extend_from_slice(&(payload.len() as u64).to_le_bytes());
-        out.extend_from_slice(blake3::hash(payload).as_bytes());
-        out.extend_from_slice(target_digest);
-        out.resize(HEADER_BYTES, 0);
+        out.extend_from_slice(&Package::header(payload, target_digest));
         out.extend_from_slice(payload);
         out
+    }
+
+    /// The header `frame` puts before `payload`.
+    pub fn header(payload: &[u8], target_digest: &[u8; 32]) -> [u8; HEADER_BYTES] {
+        let mut out = [0u8; HEADER_BYTES];
+        let checksum = blake3::hash(payload);
+        let fields: [&[u8]; 6] = [&PACKAGE_MAGIC, &PACKAGE_FORMAT_VERSION.to_le_bytes(), &RKYV_FLAGS.to_le_bytes(), &(payload.len() as u64).to_le_bytes(), checksum.as_bytes(), target_digest];
+        let mut at = 0;
+        for field in fields {
+            out[at..at + field.len()].copy_from_slice(field);
+            at += field.len();
+        }
+        out
+    }
+
+    /// This package's archived payload, serialised into `payload` (emptied first, its
+    /// capacity kept: a process that writes package after package, `ipuq watch`, writes each
+    /// into memory it already has, instead of faulting in fresh pages for a buffer and for the
+    /// framed copy), and the header that goes before it. Header then payload are the bytes
+    /// `to_bytes` gives.
+    pub fn serialize_into(&self, payload: &mut rkyv::util::AlignedVec) -> [u8; HEADER_BYTES] {
+        let mut buffer = std::mem::replace(payload, rkyv::util::AlignedVec::new());
+        buffer.clear();
+        *payload = rkyv::api::high::to_bytes_in::<_, rkyv::rancor::Error>(self, buffer).expect("rkyv serialisation of a package cannot fail");
+        Package::header(payload, &self.target_digest.0)
     }
 
     /// Check header, length and checksum, validate the archive, and decode.

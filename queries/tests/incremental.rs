@@ -387,3 +387,25 @@ fn a_build_resumed_from_the_previous_plan_beam_equals_a_cold_build() {
         assert_eq!(package_of(&Database::new(Some(store.clone())), &b).0, cold);
     }
 }
+
+/// A package serialised into a buffer that held another package before (as `ipuq watch`
+/// writes build after build) is, after its header, the bytes `to_bytes` gives.
+#[test]
+fn a_package_serialised_into_a_reused_buffer_is_the_bytes_of_to_bytes() {
+    const ATTENTION: &str = include_str!("../../fixtures/workloads/attention-grouped-materialized-gaussian-f16-b1-t29-h4-kv2-d8.toml");
+    let built = |text: &str| {
+        let db = Database::default();
+        let sources = Sources::new(&db, text.to_string(), "w.toml".into(), fixtures::SMALL16.to_string(), "small16".into());
+        build_all(&db, sources);
+        package(&db, sources).unwrap().value
+    };
+    let (mlp, attention) = (built(WORKLOAD), built(ATTENTION));
+    let mut payload = rkyv::util::AlignedVec::new();
+    for p in [&attention, &mlp, &mlp, &attention] {
+        let header = p.serialize_into(&mut payload);
+        let mut bytes = header.to_vec();
+        bytes.extend_from_slice(&payload);
+        assert_eq!(bytes, p.to_bytes());
+    }
+    assert_ne!(mlp.to_bytes(), attention.to_bytes());
+}
