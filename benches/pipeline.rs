@@ -1,16 +1,19 @@
 //! Criterion benches of the whole path: a cold build (fresh salsa database, no disk cache), a
-//! no-op rebuild in the same database, a simulator run of the built package (load, initialize,
-//! execute, read back), and the host reference of the seed MLP. Small shapes on the 16-tile
+//! no-op rebuild in the same database, a one-operation edit rebuilt by `ipuq watch`'s session
+//! and by `--incremental` in a new session, a simulator run of the built package (load,
+//! initialize, execute, read back), and the host reference of the seed MLP. Small shapes on the 16-tile
 //! target and the seeds on ipu21; `ipuq exchange-report` and `queries/benches/exchange.rs`
 //! cover the scheduler alone.
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use criterion::{criterion_group, criterion_main, Criterion};
+use criterion::{criterion_group, criterion_main, BatchSize, Criterion, SamplingMode};
+use ipuq::build::{BuildOptions, Session};
 use ipuq::reference::evaluate_values;
 use ipuq::runtime::{execute, RunOptions};
 use ipuq::workload::data::tensor_data;
+use ipuq::workload::generate::{siglip_mlp, to_toml, SiglipMlp};
 use ipuq_queries::db::{Database, Sources};
 use ipuq_queries::ir::Graph;
 use ipuq_queries::pipeline::{package, run_phase, PHASES};
@@ -45,6 +48,75 @@ fn builds(c: &mut Criterion) {
     group.finish();
 }
 
+/// Issue 8's edit: the last block's GELU made a scale, rebuilt (package written, fsync
+/// included) after a cold build of the unedited workload, for the seed MLP and four of its
+/// blocks on ipu21. `watch`: in the session that built the unedited workload, as `ipuq watch`
+/// rebuilds. `incremental`: in a new session over a disk cache that holds the unedited build's
+/// entries, as `ipuq build --incremental` after the edit; the cache is opened read-only there,
+/// so every sample finds the same entries (the entries a writing build would add are written
+/// behind by a thread and not timed). The untimed setup of each sample builds cold (watch) or
+/// opens a new session and output folder (incremental).
+fn edits(c: &mut Criterion) {
+    // The allocator as `ipuq` sets it up.
+    ipuq::alloc::tune();
+    let mut group = c.benchmark_group("edit");
+    // One edit per sample: each needs its own cold build (watch) or session (incremental).
+    group.sample_size(10).sampling_mode(SamplingMode::Flat).warm_up_time(std::time::Duration::from_millis(1));
+    let options = |dir: &Path, incremental: bool| BuildOptions {
+        target: None,
+        out_dir: dir.join("out"),
+        incremental,
+        cache_dir: Some(dir.join("cache")),
+        cache_read_only: incremental,
+        cache_max_bytes: None,
+        plan_finalists: 4,
+        table_budget: ipuq_queries::sizing::EXCHANGE_TABLE_BUDGET_BYTES,
+        remote: None,
+    };
+    for blocks in [1, 4] {
+        let base = to_toml(&siglip_mlp(&SiglipMlp { blocks, ..SiglipMlp::default() }).expect("the family generates"));
+        let at = base.rfind("op = \"gelu\"").expect("a GELU to edit");
+        let edited = format!("{}op = \"scale\"\nfactor = 0.5{}", &base[..at], &base[at + "op = \"gelu\"".len()..]);
+        let name = format!("gelu-to-scale/mlp-{blocks}-blocks/ipu21");
+        let dir = tempfile::tempdir().expect("a temporary folder");
+        let workload = dir.path().join("workload.toml");
+        group.bench_function(format!("watch/{name}"), |b| {
+            let options = options(dir.path(), false);
+            b.iter_batched(
+                || {
+                    let mut session = Session::rebuilding(&options).expect("a session");
+                    session.build_text(base.clone(), &workload, &options).expect("the workload builds");
+                    session
+                },
+                |mut session| {
+                    session.build_text(edited.clone(), &workload, &options).expect("the edit builds");
+                    session
+                },
+                BatchSize::PerIteration,
+            )
+        });
+        // The unedited build's entries, written once (a writing build) for every sample to read.
+        let writing = BuildOptions { cache_read_only: false, ..options(dir.path(), true) };
+        Session::new(&writing).expect("a session").build_text(base.clone(), &workload, &writing).expect("the workload builds");
+        group.bench_function(format!("incremental/{name}"), |b| {
+            let mut sample = 0;
+            b.iter_batched(
+                || {
+                    sample += 1;
+                    let options = BuildOptions { out_dir: dir.path().join(format!("out-{sample}")), ..options(dir.path(), true) };
+                    (Session::new(&options).expect("a session"), options)
+                },
+                |(mut session, options)| {
+                    session.build_text(edited.clone(), &workload, &options).expect("the edit builds");
+                    session
+                },
+                BatchSize::PerIteration,
+            )
+        });
+    }
+    group.finish();
+}
+
 fn runs(c: &mut Criterion) {
     let mut group = c.benchmark_group("simulator");
     group.sample_size(10);
@@ -72,5 +144,5 @@ fn reference(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, builds, runs, reference);
+criterion_group!(benches, builds, edits, runs, reference);
 criterion_main!(benches);

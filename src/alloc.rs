@@ -32,3 +32,44 @@ pub fn tune() {
         }
     }
 }
+
+/// The glibc tunable that has malloc back the memory it takes from the kernel with transparent
+/// huge pages (`madvise(MADV_HUGEPAGE)`; glibc 2.35 and later, ignored by older ones).
+const HUGE_PAGES: &str = "glibc.malloc.hugetlb=1";
+
+/// For `ipuq watch`, one process that builds again on every save: execute this program again
+/// (the same process, arguments and environment) with glibc's malloc backing its heap with
+/// transparent huge pages. glibc reads its tunables only at start, so the process executes
+/// itself once with `GLIBC_TUNABLES` extended. A rebuild makes its program, tables and
+/// placements while the previous build's are still kept, so it touches memory the process never
+/// had (the four-block MLP's first edit grows the process by about 240 MB); where transparent
+/// huge pages are granted on request (`madvise`, the usual setting, and this machine's), that
+/// memory is faulted in 2 MiB at a time instead of 4 KiB. Measured in session 48 (release,
+/// 2 cores, `ipuq watch` on the four-block MLP, a cold build, the last GELU made a scale, then
+/// two factor changes, six processes each, alternating; medians): first edit 0.76 s against
+/// 0.96 s, later edits 0.69 s against 0.76 s, peak resident size 1.42 GB against 1.43 GB; four
+/// encoder layers' first edit 1.76–1.78 s against 1.96–1.98 s (two processes each). One-shot
+/// commands are left as they are: their cold builds measured within noise with it (session 47).
+///
+/// Nothing happens where the environment already names `glibc.malloc.hugetlb` (the user's
+/// choice, or this process after its exec), where `GLIBC_TUNABLES` is not UTF-8, off glibc on
+/// Linux, or where the program cannot be executed again (it then goes on as it is).
+pub fn huge_pages_for_rebuilds() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        use std::os::unix::process::CommandExt;
+        let tunables = match std::env::var_os("GLIBC_TUNABLES") {
+            None => String::new(),
+            Some(t) => match t.into_string() {
+                Ok(t) if !t.contains("glibc.malloc.hugetlb") => t,
+                _ => return,
+            },
+        };
+        let mut args = std::env::args_os();
+        let Some(program) = args.next() else { return };
+        let value = if tunables.is_empty() { HUGE_PAGES.to_string() } else { format!("{tunables}:{HUGE_PAGES}") };
+        // `exec` returns only when it fails.
+        let error = std::process::Command::new("/proc/self/exe").arg0(program).args(args).env("GLIBC_TUNABLES", value).exec();
+        tracing::debug!(%error, "could not execute this program again with transparent huge pages for malloc; going on without them");
+    }
+}

@@ -61,3 +61,47 @@ fn watch_rebuilds_and_runs_after_each_save_and_survives_errors() {
     std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
     assert!(stderr.lines().any(|l| l.starts_with("error: ")), "the broken save printed no error: {stderr}");
 }
+
+/// `ipuq watch` executes itself once with glibc's malloc on transparent huge pages: the
+/// watching process's environment holds the tunable beside the user's own tunables, a
+/// `glibc.malloc.hugetlb` the user set is left as it is, and the process builds as before.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+#[test]
+fn watch_runs_with_mallocs_heap_on_huge_pages_unless_the_user_chose() {
+    for (given, expected) in [
+        (None, "glibc.malloc.hugetlb=1"),
+        (Some("glibc.malloc.arena_max=4"), "glibc.malloc.arena_max=4:glibc.malloc.hugetlb=1"),
+        (Some("glibc.malloc.hugetlb=0"), "glibc.malloc.hugetlb=0"),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::copy(fixture("workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml"), dir.path().join("mlp.toml")).unwrap();
+        let mut command = Command::new(env!("CARGO_BIN_EXE_ipuq"));
+        command.args(["watch", "mlp.toml", "--target", "small16", "-o", "out", "--poll-ms", "50"]).current_dir(dir.path()).env("IPUQ_LOG", "warn").env_remove("GLIBC_TUNABLES");
+        if let Some(t) = given {
+            command.env("GLIBC_TUNABLES", t);
+        }
+        let mut child = command.stdout(Stdio::piped()).stderr(Stdio::null()).spawn().unwrap();
+        let (send, lines) = mpsc::channel();
+        let stdout = child.stdout.take().unwrap();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let _ = send.send(line);
+            }
+        });
+        let built = next_line(&lines, "package=", Duration::from_secs(120));
+        let environ = std::fs::read(format!("/proc/{}/environ", child.id())).unwrap();
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(built.is_some(), "{given:?}: no package line");
+        // glibc (2.36) ends each tunable's value in place as it reads them, so the process's
+        // environment block shows `GLIBC_TUNABLES=a=1` and `b=2` apart: joined again here.
+        let entries: Vec<String> = environ.split(|&b| b == 0).map(|v| String::from_utf8_lossy(v).into_owned()).collect();
+        let at: Vec<usize> = (0..entries.len()).filter(|&i| entries[i].starts_with("GLIBC_TUNABLES=")).collect();
+        assert_eq!(at.len(), 1, "{given:?}: {entries:?}");
+        let mut tunables = entries[at[0]].clone();
+        for next in entries[at[0] + 1..].iter().take_while(|e| e.starts_with("glibc.")) {
+            tunables = format!("{tunables}:{next}");
+        }
+        assert_eq!(tunables, format!("GLIBC_TUNABLES={expected}"), "{given:?}");
+    }
+}
