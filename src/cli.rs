@@ -252,11 +252,6 @@ pub fn main() -> ExitCode {
             return if e.use_stderr() { ExitCode::from(2) } else { ExitCode::SUCCESS };
         }
     };
-    // A process that rebuilds on every save runs with malloc's heap on huge pages (before any
-    // thread starts; see `alloc`).
-    if matches!(cli.command, Command::Watch { .. }) {
-        crate::alloc::huge_pages_for_rebuilds();
-    }
     if let Some(threads) = cli.threads {
         if let Err(e) = rayon::ThreadPoolBuilder::new().num_threads(threads as usize).build_global() {
             eprintln!("error: --threads {threads}: {e}");

@@ -62,12 +62,13 @@ fn watch_rebuilds_and_runs_after_each_save_and_survives_errors() {
     assert!(stderr.lines().any(|l| l.starts_with("error: ")), "the broken save printed no error: {stderr}");
 }
 
-/// `ipuq watch` executes itself once with glibc's malloc on transparent huge pages: the
-/// watching process's environment holds the tunable beside the user's own tunables, a
+/// `ipuq` executes itself once with glibc's malloc on transparent huge pages (`alloc::huge_pages`,
+/// first thing in `main`, whatever the command; `ipuq watch` stays alive to be looked at): the
+/// process's environment holds the tunable beside the user's own tunables, a
 /// `glibc.malloc.hugetlb` the user set is left as it is, and the process builds as before.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[test]
-fn watch_runs_with_mallocs_heap_on_huge_pages_unless_the_user_chose() {
+fn ipuq_runs_with_mallocs_heap_on_huge_pages_unless_the_user_chose() {
     for (given, expected) in [
         (None, "glibc.malloc.hugetlb=1"),
         (Some("glibc.malloc.arena_max=4"), "glibc.malloc.arena_max=4:glibc.malloc.hugetlb=1"),
