@@ -38,6 +38,7 @@ pub fn tune() {
 
 /// The glibc tunable that has malloc back the memory it takes from the kernel with transparent
 /// huge pages (`madvise(MADV_HUGEPAGE)`; glibc 2.35 and later, ignored by older ones).
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
 const HUGE_PAGES: &str = "glibc.malloc.hugetlb=1";
 
 /// Execute this program again (the same process, arguments and environment) with glibc's
@@ -58,12 +59,18 @@ const HUGE_PAGES: &str = "glibc.malloc.hugetlb=1";
 /// same within 3 %.
 ///
 /// Nothing happens where the environment already names `glibc.malloc.hugetlb` (the user's
-/// choice, or this process after its exec), where `GLIBC_TUNABLES` is not UTF-8, off glibc on
-/// Linux, or where the program cannot be executed again (it then goes on as it is).
+/// choice: `GLIBC_TUNABLES=glibc.malloc.hugetlb=0` turns this off), where this process is the
+/// one executed again (`REEXECUTED` in its environment, so that a glibc that drops the tunable,
+/// as it may for a set-user-ID program, cannot make it execute itself without end), where
+/// `GLIBC_TUNABLES` is not UTF-8, off glibc on Linux, or where the program cannot be executed
+/// again (it then goes on as it is, silently: nothing is wrong with the build).
 pub fn huge_pages() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
         use std::os::unix::process::CommandExt;
+        if std::env::var_os(REEXECUTED).is_some() {
+            return;
+        }
         let tunables = match std::env::var_os("GLIBC_TUNABLES") {
             None => String::new(),
             Some(t) => match t.into_string() {
@@ -74,8 +81,11 @@ pub fn huge_pages() {
         let mut args = std::env::args_os();
         let Some(program) = args.next() else { return };
         let value = if tunables.is_empty() { HUGE_PAGES.to_string() } else { format!("{tunables}:{HUGE_PAGES}") };
-        // `exec` returns only when it fails.
-        let error = std::process::Command::new("/proc/self/exe").arg0(program).args(args).env("GLIBC_TUNABLES", value).exec();
-        tracing::debug!(%error, "could not execute this program again with transparent huge pages for malloc; going on without them");
+        // `exec` returns only when it fails; the process then goes on as it is.
+        let _ = std::process::Command::new("/proc/self/exe").arg0(program).args(args).env("GLIBC_TUNABLES", value).env(REEXECUTED, "1").exec();
     }
 }
+
+/// Set in the environment of the process `huge_pages` executes (and so of its children).
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+const REEXECUTED: &str = "IPUQ_HUGE_PAGES_EXECUTED";
