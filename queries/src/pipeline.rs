@@ -566,7 +566,7 @@ impl<'a> LazyRequests<'a> {
 
     /// Phase `i`'s request (`phase_request`), made on first use.
     pub fn get(&self, i: usize) -> &PhaseRequest {
-        self.made[i].get_or_init(|| phase_request(self.lowered, i, &|buffer, offset| self.bases[buffer as usize] + offset))
+        self.made[i].get_or_init(|| phase_request(self.lowered, i, &|buffer, offset| self.address((buffer, offset))))
     }
 
     fn tile(&self, buffer: u32) -> u32 {
@@ -597,8 +597,7 @@ impl<'a> LazyRequests<'a> {
         let mut h = KeyHasher::new(exchange::PATTERN_DOMAIN);
         h.add(&(phase.len() as u64));
         for t in phase.iter() {
-            let first = self.address(t.source) % 8;
-            let class = if t.destinations.iter().any(|&d| self.address(d) % 8 != first) { 2 } else { (first / 4) as u8 };
+            let class = exchange::alignment_class_of(self.address(t.source), t.destinations.iter().map(|&d| self.address(d)));
             h.add(&self.tile(t.source.0)).add(&t.words).add(&class).add(&(t.destinations.len() as u64));
             for &d in &t.destinations {
                 h.add(&self.tile(d.0));

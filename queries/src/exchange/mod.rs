@@ -49,7 +49,7 @@ use crate::package::ExchangePhase;
 use crate::target::Target;
 
 pub use lower::{check_relocated, log_validated, lower_to_tables, relative_tables, relocate, reuse, row_words, table_row_words, RelativeTables};
-pub use problem::{hash_half_duplex, pattern_digest, PATTERN_DOMAIN};
+pub use problem::{alignment_class_of, hash_half_duplex, pattern_digest, PATTERN_DOMAIN};
 pub use types::{Destination, Destinations, ExchangeError, PhaseRequest, Piece, Schedule, ScheduleKind, Transfer, ValidationError};
 pub use moved::{moved_alike, TileBuffers};
 pub use validate::validate;

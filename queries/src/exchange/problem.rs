@@ -299,8 +299,13 @@ fn receiver_classes(tiles: u32, jobs: &[Job], ports: &[Port]) -> (Vec<u32>, Vec<
 /// every address is 4 mod 8, 2 when they differ.
 pub(crate) fn alignment_class(phase: &PhaseRequest, transfer: usize) -> u8 {
     let t = &phase.transfers[transfer];
-    let first = t.source_address % 8;
-    if t.destinations.iter().any(|d| d.address % 8 != first) {
+    alignment_class_of(t.source_address, t.destinations.iter().map(|d| d.address))
+}
+
+/// `alignment_class` of a transfer from `source` to `destinations` (addresses).
+pub fn alignment_class_of(source: u32, mut destinations: impl Iterator<Item = u32>) -> u8 {
+    let first = source % 8;
+    if destinations.any(|d| d % 8 != first) {
         2
     } else {
         (first / 4) as u8

@@ -77,6 +77,7 @@ pub fn size_tables(target: &Target, lowered: &Lowered, budget: u32, schedule: &m
     let phases = LazyRequests::new(&prepared, &bases);
     let prepared_ms = start.elapsed().as_millis() as u64;
     let (schedules, digests): (Vec<Schedule>, Vec<Digest>) = schedule(std::slice::from_ref(&phases))?.into_iter().unzip();
+    // The requests made go before the tables are sized (and end the borrow of `prepared`).
     drop(phases);
     let scheduled_ms = start.elapsed().as_millis() as u64;
     let tables = table_bytes_memoized(target, &prepared, &schedules, Some(&digests), budget, relative)?;
