@@ -203,12 +203,13 @@ pub struct Database {
     /// them instead of validating the same tables again. Taken by the next `lower_exchanges`.
     pub(crate) validated_memo: Arc<std::sync::Mutex<Option<(Digest, Arc<Vec<crate::package::ExchangePhase>>)>>>,
     /// In a process that builds again (`ipuq watch`): the entries `placement_memo`,
-    /// `sizing_memo` and `baseline_memo` held for the selection before the latest one ran
-    /// (`PreviousSelection`), where the later stages also look. An edit undone selects from
-    /// `selection_memo` without running `select_finalist`, and its stages find the sizing,
-    /// placement and exchange-placement search of that selection here instead of computing
-    /// them again.
-    pub(crate) previous_selection: Arc<Mutex<PreviousSelection>>,
+    /// `sizing_memo` and `baseline_memo` held for each selection before the latest one ran
+    /// (`PreviousSelection`), newest first, as many as `selection_memo` holds selections
+    /// besides the latest, where the later stages also look. An edit undone (to any state
+    /// `selection_memo` still holds) selects from `selection_memo` without running
+    /// `select_finalist`, and its stages find the sizing, placement and exchange-placement
+    /// search of that selection here instead of computing them again.
+    pub(crate) previous_selection: Arc<Mutex<std::collections::VecDeque<PreviousSelection>>>,
     /// Finalist selections of this process: (key without the host link rate, the rates they
     /// hold for, the selection), the latest few (`Database::ranged`).
     pub(crate) selection_memo: RangedMemo<crate::lower::select::Selection>,
@@ -405,6 +406,10 @@ impl Database {
         drop(deferred);
     }
 }
+
+/// The selections whose memo entries a rebuilding process sets aside
+/// (`Database::previous_selection`): those `selection_memo` holds besides the latest.
+pub(crate) const PREVIOUS_SELECTIONS: usize = RANGED_MEMO_ENTRIES - 1;
 
 /// The entries of the selection memos a selection left (`Database::previous_selection`).
 #[derive(Default)]

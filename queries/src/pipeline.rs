@@ -327,12 +327,25 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
             let candidates: &[Lowered] = replanned.as_deref().unwrap_or(&f.value);
             if round == 0 && db.keeps_beam_states() {
                 // The last selection's entries, set aside for an edit undone (see
-                // `previous_selection`); a selection that left none keeps the earlier ones.
+                // `previous_selection`), before the earlier ones (the oldest dropped); a
+                // selection that left none sets nothing aside.
                 let placements = std::mem::take(&mut *memo.lock().expect("placement memo lock"));
                 if !placements.is_empty() {
                     let sizings = std::mem::take(&mut *sized.lock().expect("sizing memo lock"));
                     let baselines = std::mem::take(&mut *baselines.lock().expect("baseline memo lock"));
-                    *db.previous_selection.lock().expect("previous selection lock") = crate::db::PreviousSelection { placements, sizings, baselines };
+                    let mut previous = db.previous_selection.lock().expect("previous selection lock");
+                    // Only the newest keeps its searches' validated tables (tens of megabytes
+                    // each on a full chip): an older edit undone has lower_exchanges validate
+                    // its tables, phase by phase through the validation memo.
+                    if let Some(newest) = previous.front_mut() {
+                        for searched in newest.placements.values_mut() {
+                            if searched.validated.is_some() {
+                                *searched = Arc::new(crate::exchange_placement::Searched { placement: searched.placement.clone(), conflicts: searched.conflicts, validated: None });
+                            }
+                        }
+                    }
+                    previous.push_front(crate::db::PreviousSelection { placements, sizings, baselines });
+                    previous.truncate(crate::db::PREVIOUS_SELECTIONS);
                 }
             }
             memo.lock().expect("placement memo lock").clear();
@@ -818,15 +831,15 @@ pub fn placement(db: &dyn Db, sources: Sources) -> StageResult<Placement> {
     })
 }
 
-/// What `select_finalist` left under `key` in `memo` for a later stage, else what the
-/// selection before it left there (`Database::previous_selection`, read through `previous`);
-/// nothing when the cache is being verified (the stage then computes).
-fn selected<V: Clone>(db: &Database, memo: &std::sync::Mutex<std::collections::HashMap<Digest, V>>, key: &Digest, previous: impl FnOnce(&crate::db::PreviousSelection) -> &std::collections::HashMap<Digest, V>) -> Option<V> {
+/// What `select_finalist` left under `key` in `memo` for a later stage, else what a
+/// selection before it left there (`Database::previous_selection`, read through `previous`,
+/// the newest first); nothing when the cache is being verified (the stage then computes).
+fn selected<V: Clone>(db: &Database, memo: &std::sync::Mutex<std::collections::HashMap<Digest, V>>, key: &Digest, previous: impl Fn(&crate::db::PreviousSelection) -> &std::collections::HashMap<Digest, V>) -> Option<V> {
     if db.verifying() {
         return None;
     }
     let current = memo.lock().expect("selection memo lock").get(key).cloned();
-    current.or_else(|| previous(&db.previous_selection.lock().expect("previous selection lock")).get(key).cloned())
+    current.or_else(|| db.previous_selection.lock().expect("previous selection lock").iter().find_map(|p| previous(p).get(key).cloned()))
 }
 
 /// Key of a program's baseline placement (`place_storage`): the memory view, the program and
@@ -1222,9 +1235,9 @@ mod tests {
     }
 
     /// In a process that builds again, the selection of an edit sets the entries the
-    /// selection before it left aside (`previous_selection`), and an edit undone (selected
-    /// from the selection memo, `select_finalist` not run) takes them: an entry altered there
-    /// under the undone build's key is what its stage returns.
+    /// selection before it left aside (`previous_selection`, newest first), and an edit undone
+    /// (selected from the selection memo, `select_finalist` not run), two edits back, takes
+    /// them: an entry altered there under the undone build's key is what its stage returns.
     #[test]
     fn an_edit_undone_takes_the_placement_the_selection_before_the_edit_left() {
         use salsa::Setter;
@@ -1235,26 +1248,38 @@ mod tests {
         let baseline = baseline_key(m.digest, l.digest, c.digest);
         let search = placement_search_key(lt.digest, l.digest, &sch.value.digests, c.digest, p.digest);
         let fresh = placed(&db, s).unwrap();
-        assert!(db.previous_selection.lock().unwrap().placements.is_empty(), "nothing set aside before an edit");
-        s.set_workload_text(&mut db).to(WORKLOAD.replacen("op = \"gelu\"", "op = \"scale\"\nfactor = 0.5", 1));
+        assert!(db.previous_selection.lock().unwrap().is_empty(), "nothing set aside before an edit");
+        let scaled = |factor: &str| WORKLOAD.replacen("op = \"gelu\"", &format!("op = \"scale\"\nfactor = {factor}"), 1);
+        s.set_workload_text(&mut db).to(scaled("0.5"));
         assert_ne!(lowered(&db, s).unwrap().digest, l.digest);
+        placed(&db, s).unwrap();
+        s.set_workload_text(&mut db).to(scaled("0.25"));
         placed(&db, s).unwrap();
         let mut altered = (*p.value).clone();
         altered.addresses[0] += 16;
         {
             let mut previous = db.previous_selection.lock().unwrap();
-            assert!(previous.sizings.contains_key(&sizing) && previous.placements.contains_key(&search));
-            assert!(previous.baselines.insert(baseline, Arc::new(altered.clone())).is_some());
+            assert_eq!(previous.len(), 2, "each selection before the latest set aside");
+            assert!(!previous[0].baselines.contains_key(&baseline), "the newest first");
+            let first = &mut previous[1];
+            assert!(first.sizings.contains_key(&sizing) && first.placements.contains_key(&search));
+            assert!(first.baselines.insert(baseline, Arc::new(altered.clone())).is_some());
         }
         s.set_workload_text(&mut db).to(WORKLOAD.into());
         assert_eq!(*placement(&db, s).unwrap().value, altered);
+        // As many as the selection memo holds besides the latest.
+        for i in 0..crate::db::PREVIOUS_SELECTIONS + 1 {
+            s.set_workload_text(&mut db).to(scaled(&format!("{}", 2 + i)));
+            placed(&db, s).unwrap();
+        }
+        assert_eq!(db.previous_selection.lock().unwrap().len(), crate::db::PREVIOUS_SELECTIONS);
         // A database that does not build again sets nothing aside.
         let mut db = Database::default();
         let s = sources(&db, WORKLOAD.into(), "mlp.toml".into(), fixtures::SMALL16.into(), "small16".into());
         assert_eq!(placed(&db, s).unwrap().value, fresh.value);
         s.set_workload_text(&mut db).to(WORKLOAD.replacen("op = \"gelu\"", "op = \"scale\"\nfactor = 0.5", 1));
         placed(&db, s).unwrap();
-        assert!(db.previous_selection.lock().unwrap().placements.is_empty());
+        assert!(db.previous_selection.lock().unwrap().is_empty());
     }
 
     #[test]
