@@ -409,6 +409,14 @@ struct State {
 /// build's states (the same by the same argument, step by step).
 pub struct KeptBeam {
     steps: Vec<Option<Arc<Vec<State>>>>,
+    /// Per step, the extensions its jobs lowered through the step's product (`Through`), over
+    /// that step's kept states: a build that resumes at the step from those states takes them
+    /// where the graph lowers alike through the product, and lowers only what follows it (an
+    /// edit between two products of a block).
+    through: Vec<Option<Arc<Through>>>,
+    /// The mixed programs' prefixes `lower_feasible` lowered (`MixedPrefixes`), for the next
+    /// build's mixed lowerings to extend.
+    mixed: Option<Arc<MixedPrefixes>>,
     /// The capped program's prefixes the build lowered beside its beam (`CappedAhead`), for
     /// the next build's capped lowering to extend.
     capped: Option<Arc<CappedPrefixes>>,
@@ -432,6 +440,109 @@ impl CappedPrefixes {
         }
         self.prefixes.iter().rev().find(|p| prefix_identical_across_graphs(&self.oriented, oriented, p.lowered_operations()))
     }
+}
+
+/// What a beam step's job extended its parent state to, through the step's product (the
+/// operations up to and including it), by how the extension started (`ThroughKey`), with the
+/// orientation it was lowered over: the same extension of the same parent over a graph whose
+/// prefix through the product lowers alike (`prefix_identical_across_graphs`) is this prefix.
+#[derive(Default)]
+pub(crate) struct Through {
+    entries: std::sync::Mutex<Vec<(ThroughKey, Arc<Oriented>, Partial)>>,
+    /// How many extensions were taken from here (for tests).
+    taken: AtomicUsize,
+}
+
+/// How a job's extension through its product started: from its parent's prefix (the parent's
+/// index in the step's states, and the extension: replicated, the parent's prefix or a new
+/// program; mixed, homing weights from an operation on), or the job's program lowered with
+/// home-tile weights (the same from any compatible prefix, so by orientation alone).
+#[derive(Clone, PartialEq, Eq)]
+enum ThroughKey {
+    Replicated { parent: usize, swapped: BTreeSet<usize>, from_parent: bool },
+    Mixed { parent: usize, swapped: BTreeSet<usize>, from: usize },
+    Home { swapped: BTreeSet<usize> },
+}
+
+impl Through {
+    /// The prefix kept under `key` that `oriented` lowers alike through operation `end`.
+    fn find(&self, key: &ThroughKey, oriented: &Oriented, end: usize) -> Option<Partial> {
+        let entries = self.entries.lock().expect("through lock");
+        let found = entries.iter().find(|(k, o, p)| k == key && p.lowered_operations() == end && prefix_identical_across_graphs(o, oriented, end)).map(|e| e.2.clone());
+        if found.is_some() {
+            self.taken.fetch_add(1, Ordering::Relaxed);
+        }
+        found
+    }
+
+    fn record(&self, key: ThroughKey, oriented: &Arc<Oriented>, partial: &Partial) {
+        let mut entries = self.entries.lock().expect("through lock");
+        if !entries.iter().any(|(k, _, _)| *k == key) {
+            entries.push((key, oriented.clone(), partial.clone()));
+        }
+    }
+}
+
+/// Prefixes of mixed programs (`lower_feasible`'s first lowering of a mixed arrangement, no
+/// reserves: a replicated prefix of the beam's lineage, then the weights of the products from
+/// `home_from` on on home tiles) at the end of each product after the replicated prefix, with
+/// the orientation they were lowered over and where the replicated prefix ended: a mixed
+/// lowering of the same arrangement from the same point over a graph whose prefix lowers
+/// alike (`prefix_identical_across_graphs`) extends the longest of them instead (the same
+/// program: extensions compose).
+#[derive(Default)]
+pub(crate) struct MixedPrefixes {
+    entries: std::sync::Mutex<Vec<MixedPrefix>>,
+    /// How many lowerings extended one of these (for tests).
+    taken: AtomicUsize,
+}
+
+struct MixedPrefix {
+    oriented: Arc<Oriented>,
+    home_from: usize,
+    start: usize,
+    partial: Partial,
+}
+
+/// This build's mixed prefixes (kept for the next build) and the previous build's.
+pub(crate) struct MixedMemo<'a> {
+    now: &'a MixedPrefixes,
+    before: Option<&'a MixedPrefixes>,
+}
+
+/// `snapshot`'s prefix with the weights of the products from `home_from` on on home tiles,
+/// extended over `oriented` to its end: from the longest of the previous build's mixed prefixes
+/// that lowers alike (`MixedPrefixes`), product end by product end, each kept for the next build.
+fn extend_mixed(snapshot: &Snapshot, oriented: &Arc<Oriented>, target: &Target, home_from: usize, memo: Option<&MixedMemo>) -> Result<Partial, LowerError> {
+    let operations = oriented.graph.operations.len();
+    let Some(memo) = memo else {
+        return extend(snapshot.partial.clone().home_later(home_from), oriented, target, &[], operations);
+    };
+    let start = snapshot.partial.lowered_operations();
+    let found = memo.before.and_then(|b| {
+        let entries = b.entries.lock().expect("mixed prefixes lock");
+        entries
+            .iter()
+            .filter(|e| e.home_from == home_from && e.start == start && prefix_identical_across_graphs(&e.oriented, oriented, e.partial.lowered_operations()))
+            .max_by_key(|e| e.partial.lowered_operations())
+            .map(|e| {
+                b.taken.fetch_add(1, Ordering::Relaxed);
+                e.partial.clone()
+            })
+    });
+    let mut partial = found.unwrap_or_else(|| snapshot.partial.clone().home_later(home_from));
+    let ends: Vec<usize> = (0..operations).filter(|&i| matches!(oriented.graph.operations[i].kind, crate::ir::OpKind::MatMul { .. })).map(|i| i + 1).collect();
+    for end in ends {
+        if end <= partial.lowered_operations() || end >= operations {
+            continue;
+        }
+        partial = extend(partial, oriented, target, &[], end)?;
+        let mut entries = memo.now.entries.lock().expect("mixed prefixes lock");
+        if !entries.iter().any(|e| e.home_from == home_from && e.start == start && e.partial.lowered_operations() == end && Arc::ptr_eq(&e.oriented, oriented)) {
+            entries.push(MixedPrefix { oriented: oriented.clone(), home_from, start, partial: partial.clone() });
+        }
+    }
+    extend(partial, oriented, target, &[], operations)
 }
 
 impl KeptBeam {
@@ -489,6 +600,31 @@ impl Snapshot {
 struct HomePrefix {
     oriented: Arc<Oriented>,
     partial: Partial,
+}
+
+/// `base()` extended over `oriented` to operation `end` through `mid` (the end of the step's
+/// product): with `memos` (this build's, the previous build's), the previous build's extension
+/// of the same start (`key`) through `mid` where it lowers alike, else `base()` extended to
+/// `mid`, kept in this build's memo either way, then extended to `end`. The same program as
+/// `base()` extended to `end` at once (extensions compose: see
+/// `extended_prefixes_equal_whole_lowerings`), which it is without memos or when nothing
+/// follows the product.
+fn extend_through(base: Box<dyn FnOnce() -> Result<Partial, LowerError> + '_>, oriented: &Arc<Oriented>, target: &Target, mid: usize, end: usize, key: ThroughKey, memos: Option<(&Through, Option<&Through>)>) -> Result<Partial, LowerError> {
+    let Some((now, before)) = memos.filter(|_| mid < end) else {
+        return extend(base()?, oriented, target, &[], end);
+    };
+    let prefix = match before.and_then(|b| b.find(&key, oriented, mid)) {
+        Some(p) => p,
+        None => {
+            let start = base()?;
+            if start.lowered_operations() >= mid {
+                return extend(start, oriented, target, &[], end);
+            }
+            extend(start, oriented, target, &[], mid)?
+        }
+    };
+    now.record(key, oriented, &prefix);
+    extend(prefix, oriented, target, &[], end)
 }
 
 /// The program `oriented` lowered with home-tile weights up to operation `end`: extended from
@@ -676,7 +812,11 @@ fn beam_keeping(graph: &Graph, target: &Target, width: usize, previous: Option<(
     // lowering extended, and where that passes this product's start, the prefix up to it,
     // which the other orientations of this product share.
     #[allow(clippy::type_complexity)]
-    let grow = |state: &State, swapped: BTreeSet<usize>, next: Option<usize>, carry: bool, pool: &[Arc<HomePrefix>]| -> Result<(Option<(State, [u64; 5], bool)>, Vec<Arc<HomePrefix>>), LowerError> {
+    // `through`: this job's place in the step (its product and its parent's index) and the
+    // step's `Through` memos (this build's, and the previous build's over the same states): the
+    // extensions through the product are kept, and taken from the previous build where they
+    // lower alike (see `extend_through`).
+    let grow = |state: &State, swapped: BTreeSet<usize>, next: Option<usize>, carry: bool, pool: &[Arc<HomePrefix>], through: Option<(usize, usize, &Through, Option<&Through>)>| -> Result<(Option<(State, [u64; 5], bool)>, Vec<Arc<HomePrefix>>), LowerError> {
         // Oriented afresh (cheap beside lowering) so that the readers up to `next` are checked.
         let oriented = match beam_orient(graph, &swapped, next.unwrap_or(usize::MAX), chains) {
             Ok(o) => Arc::new(o),
@@ -689,6 +829,13 @@ fn beam_keeping(graph: &Graph, target: &Target, width: usize, previous: Option<(
         let lowered = state.partial.lowered_operations();
         let reuse = prefix_compatible(&state.oriented, &oriented, lowered);
         let mut kept: Vec<Arc<HomePrefix>> = Vec::new();
+        // The end of the product's operations, and the memos of extensions through it.
+        let (mid, parent, memos) = match through {
+            Some((product, parent, now, before)) => (end_before(&oriented, Some(product + 1)).min(end), parent, Some((now, before))),
+            None => (end, 0, None),
+        };
+        let this: &Arc<Oriented> = &oriented;
+        let via = |key: ThroughKey, base: Box<dyn FnOnce() -> Result<Partial, LowerError> + '_>| extend_through(base, this, target, mid, end, key, memos);
         // This program lowered with home-tile weights up to `end`, from the longest compatible
         // prefix of the pool (the same program from any: `extended_prefixes_equal_whole_lowerings`),
         // with the prefixes it keeps in the pool.
@@ -697,19 +844,29 @@ fn beam_keeping(graph: &Graph, target: &Target, width: usize, previous: Option<(
             let from = memo.map_or(0, |m| m.partial.lowered_operations());
             let mut kept: Vec<Arc<HomePrefix>> = memo.cloned().into_iter().collect();
             debug!(from, end, "lowering with home-tile weights");
+            let key = ThroughKey::Home { swapped: swapped.clone() };
+            // The previous build's home-tile program through the product (the same from any
+            // compatible prefix), kept in the pool too.
+            if let Some(prefix) = memos.and_then(|(_, before)| before).filter(|_| mid < end).and_then(|b| b.find(&key, &oriented, mid)) {
+                kept.push(Arc::new(HomePrefix { oriented: oriented.clone(), partial: prefix.clone() }));
+                return (via(key, Box::new(move || Ok(prefix))), kept);
+            }
             if !reuse || from >= lowered || lowered >= end {
-                return (home_lowering(memo.map(|m| &**m), &oriented, target, end), kept);
+                if from >= mid {
+                    return (home_lowering(memo.map(|m| &**m), &oriented, target, end), kept);
+                }
+                return (via(key, Box::new(move || home_lowering(memo.map(|m| &**m), this, target, from))), kept);
             }
             let prefix = match home_lowering(memo.map(|m| &**m), &oriented, target, lowered) {
                 Ok(p) => p,
                 Err(e) => return (Err(e), kept),
             };
             kept.push(Arc::new(HomePrefix { oriented: oriented.clone(), partial: prefix.clone() }));
-            (extend(prefix, &oriented, target, &[], end), kept)
+            (via(key, Box::new(move || Ok(prefix))), kept)
         };
         let home = reuse && state.partial.home_weights();
         let start = if reuse { state.partial.clone() } else { Partial::new(false) };
-        let replicated = || match extend(start, &oriented, target, &[], end) {
+        let replicated = || match via(ThroughKey::Replicated { parent, swapped: swapped.clone(), from_parent: reuse }, Box::new(move || Ok(start))) {
             Ok(p) => Ok(Some(p)),
             // A replicated weight that no plan fits: this program keeps (some) weights on
             // home tiles.
@@ -743,7 +900,7 @@ fn beam_keeping(graph: &Graph, target: &Target, width: usize, previous: Option<(
             tried_home = true;
             let from = oriented.origin.get(lowered).map_or(usize::MAX, |&o| o as usize);
             let mixed = (reuse && lowered > 0 && from < state.partial.home_from())
-                .then(|| extend(state.partial.clone().home_later(from), &oriented, target, &[], end).ok())
+                .then(|| via(ThroughKey::Mixed { parent, swapped: swapped.clone(), from }, Box::new(|| Ok(state.partial.clone().home_later(from)))).ok())
                 .flatten()
                 .map(|mut p| {
                     let s = score(&mut p, target.chip.tiles);
@@ -804,11 +961,14 @@ fn beam_keeping(graph: &Graph, target: &Target, width: usize, previous: Option<(
     let mut steps: Vec<TraceStep> = Vec::new();
     // The states of each trace step, when kept (`KeptBeam`).
     let mut kept: Vec<Option<Arc<Vec<State>>>> = Vec::new();
+    // The extensions each step's jobs lowered through its product, when kept (`Through`).
+    let mut throughs: Vec<Option<Arc<Through>>> = Vec::new();
     let (mut states, mut carry, first_product) = match resumed {
         Some((done, states, carry)) => {
             steps.extend_from_slice(&previous.expect("resumed from a trace").1.steps[..done]);
             if keep {
                 kept = (0..done - 1).map(|s| kept_before.and_then(|k| k.steps.get(s).cloned().flatten())).collect();
+                throughs = (0..done - 1).map(|s| kept_before.and_then(|k| k.through.get(s).cloned().flatten())).collect();
                 kept.push((done - 1 < products.len()).then(|| Arc::new(states.clone())));
             }
             (states, carry, done - 1)
@@ -821,7 +981,7 @@ fn beam_keeping(graph: &Graph, target: &Target, width: usize, previous: Option<(
                     return Beam { programs: Vec::new(), far: Vec::new(), histories: Vec::new(), first_error, steps, resumed: 0, searched: products.len(), capped_ahead: None, kept: None, reused: false };
                 }
             };
-            let states: Vec<State> = match grow(&root, BTreeSet::new(), products.first().copied(), false, &[]) {
+            let states: Vec<State> = match grow(&root, BTreeSet::new(), products.first().copied(), false, &[], None) {
                 Ok((s, _)) => s.into_iter().map(|s| s.0).collect(),
                 Err(e) => {
                     note(e, &mut first_error);
@@ -881,6 +1041,10 @@ fn beam_keeping(graph: &Graph, target: &Target, width: usize, previous: Option<(
             let live: Vec<usize> = jobs.iter().filter(|job| beam_orient(graph, &swapped_of(job), next.unwrap_or(usize::MAX), chains).is_ok()).map(|&(i, _)| i).collect();
             live.first().copied().filter(|&i| live.len() < rayon::current_num_threads() && live.iter().all(|&l| l == i) && states[i].partial.home_from() == usize::MAX)
         };
+        // This step's extensions through its product, kept for the next build; the previous
+        // build's, where this step extends that build's kept states (the first step searched).
+        let through_now = keep.then(|| Arc::new(Through::default()));
+        let through_before = kept_before.filter(|_| reused && j == first_product).and_then(|k| k.through.get(j).cloned().flatten());
         let jobs_done = AtomicBool::new(false);
         let lower_ahead = |i: usize| -> Option<Arc<HomePrefix>> {
             let s = &states[i];
@@ -903,7 +1067,7 @@ fn beam_keeping(graph: &Graph, target: &Target, width: usize, previous: Option<(
         #[allow(clippy::type_complexity)]
         let (grown, ahead): (Vec<Result<(Option<(State, [u64; 5], bool)>, Vec<Arc<HomePrefix>>), LowerError>>, Option<Arc<HomePrefix>>) = rayon::join(
             || {
-                let grown = jobs.par_iter().map(|job| grow(&states[job.0], swapped_of(job), next, carry_now, &pool)).collect();
+                let grown = jobs.par_iter().map(|job| grow(&states[job.0], swapped_of(job), next, carry_now, &pool, through_now.as_deref().map(|now| (product, job.0, now, through_before.as_deref())))).collect();
                 jobs_done.store(true, Ordering::Relaxed);
                 grown
             },
@@ -954,6 +1118,7 @@ fn beam_keeping(graph: &Graph, target: &Target, width: usize, previous: Option<(
             // Not the last step's: completing its programs would then copy what they share
             // with the kept ones (an edit after the last product lowers them again).
             kept.push(next.is_some().then(|| Arc::new(states.clone())));
+            throughs.push(through_now);
         }
         debug!(product, states = states.len(), "extended the plan beam");
     }
@@ -982,7 +1147,7 @@ fn beam_keeping(graph: &Graph, target: &Target, width: usize, previous: Option<(
             Err(e) => note(e, &mut first_error),
         }
     }
-    Beam { programs, far: far_over, histories, first_error, steps, resumed, searched, capped_ahead, kept: keep.then_some(KeptBeam { steps: kept, capped: None }), reused }
+    Beam { programs, far: far_over, histories, first_error, steps, resumed, searched, capped_ahead, kept: keep.then_some(KeptBeam { steps: kept, through: throughs, mixed: None, capped: None }), reused }
 }
 
 /// What [`beam`] ends with.
@@ -1058,11 +1223,15 @@ pub fn finalists_keeping(graph: &Graph, target: &Target, keep: usize, previous: 
         debug!(searched_steps = run.searched, "searched the plan beam from the start");
     }
     let trace = BeamTrace { workload: workload_structure(graph), width: width as u64, steps: run.steps };
-    let found = feasible_finalists(graph, target, keep, run.programs, &run.far, true, &run.histories, run.first_error, run.capped_ahead.as_ref()).0;
+    // The mixed programs' prefixes, kept for the next build in this process.
+    let mixed_now = keep_states.then(|| Arc::new(MixedPrefixes::default()));
+    let memo = mixed_now.as_deref().map(|now| MixedMemo { now, before: kept_before.and_then(|k| k.mixed.as_deref()) });
+    let found = feasible_finalists(graph, target, keep, run.programs, &run.far, true, &run.histories, run.first_error, run.capped_ahead.as_ref(), memo.as_ref()).0;
     // The capped program's prefixes, for the next build in this process.
     let mut kept = run.kept;
     if let Some(k) = kept.as_mut() {
         k.capped = run.capped_ahead.as_ref().and_then(|a| a.prefixes.lock().ok().and_then(|mut p| p.take()));
+        k.mixed = mixed_now;
     }
     (found, trace, kept)
 }
@@ -1073,7 +1242,7 @@ pub fn finalists_keeping(graph: &Graph, target: &Target, keep: usize, previous: 
 /// on fewer tiles (`capped_program`); with the finalists, how many were not.
 #[allow(clippy::type_complexity)]
 #[allow(clippy::too_many_arguments)]
-fn feasible_finalists(graph: &Graph, target: &Target, keep: usize, programs: Vec<(Arc<Oriented>, Option<(Attempt, usize)>, Option<Arc<HomePrefix>>)>, far: &[bool], skip_far: bool, histories: &[Option<Arc<Snapshot>>], mut first_error: Option<LowerError>, ahead: Option<&CappedAhead>) -> (Result<Vec<Lowered>, LowerError>, usize) {
+fn feasible_finalists(graph: &Graph, target: &Target, keep: usize, programs: Vec<(Arc<Oriented>, Option<(Attempt, usize)>, Option<Arc<HomePrefix>>)>, far: &[bool], skip_far: bool, histories: &[Option<Arc<Snapshot>>], mut first_error: Option<LowerError>, ahead: Option<&CappedAhead>, mixed: Option<&MixedMemo>) -> (Result<Vec<Lowered>, LowerError>, usize) {
     let mut found: Vec<(bool, u64, usize, usize, Feasible)> = Vec::new();
     // The beam's programs are made feasible in parallel, the far ones after the others and only
     // when none of those fits; results are taken in beam order.
@@ -1081,7 +1250,7 @@ fn feasible_finalists(graph: &Graph, target: &Target, keep: usize, programs: Vec
     let (far_ones, near): (Vec<_>, Vec<_>) = programs.into_iter().enumerate().partition(|(i, _)| far.get(*i).copied().unwrap_or(false));
     #[allow(clippy::type_complexity)]
     let make_feasible = |items: Vec<(usize, (Arc<Oriented>, Option<(Attempt, usize)>, Option<Arc<HomePrefix>>))>, capped: bool| -> Vec<(usize, Result<Feasible, LowerError>)> {
-        items.into_par_iter().map(|(i, (oriented, first, memo))| (i, lower_feasible(&oriented, target, first, memo.as_deref(), histories.get(i).and_then(|h| h.as_deref()), capped, ahead))).collect()
+        items.into_par_iter().map(|(i, (oriented, first, memo))| (i, lower_feasible(&oriented, target, first, memo.as_deref(), histories.get(i).and_then(|h| h.as_deref()), capped, ahead, mixed.map(|m| (m, &oriented))))).collect()
     };
     let mut feasible = make_feasible(near, true);
     let mut skipped = 0;
@@ -1202,7 +1371,8 @@ type Feasible = (Lowered, Option<(u64, u64)>, usize);
 /// the beam chose, or, when replicated weights do not fit, the latest start that covers their
 /// overflow by [`mixed_from`]); every weight on home tiles aligned to the program's period;
 /// rotating with every weight.
-fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attempt, usize)>, memo: Option<&HomePrefix>, history: Option<&Snapshot>, try_capped: bool, ahead: Option<&CappedAhead>) -> Result<Feasible, LowerError> {
+#[allow(clippy::too_many_arguments)]
+fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attempt, usize)>, memo: Option<&HomePrefix>, history: Option<&Snapshot>, try_capped: bool, ahead: Option<&CappedAhead>, mixed_memo: Option<(&MixedMemo, &Arc<Oriented>)>) -> Result<Feasible, LowerError> {
     let operations = oriented.graph.operations.len();
     let mut last: Option<(Lowered, usize)> = None;
     let mut first_error: Option<LowerError> = None;
@@ -1265,7 +1435,11 @@ fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attem
                 // No reserves yet: a mixed program extends the longest replicated prefix of the
                 // beam's lineage that ends before its start.
                 _ if aligned && round == 0 && !home_weights && home_from < usize::MAX => match history.and_then(|h| h.longest(oriented, end_before(oriented, Some(home_from)))) {
-                    Some(prefix) => extend(prefix.partial.clone().home_later(home_from), oriented, target, &reserves, operations).and_then(|p| complete(p, oriented, target, &reserves)),
+                    Some(prefix) => match mixed_memo {
+                        Some((m, arc)) => extend_mixed(prefix, arc, target, home_from, Some(m)),
+                        None => extend(prefix.partial.clone().home_later(home_from), oriented, target, &reserves, operations),
+                    }
+                    .and_then(|p| complete(p, oriented, target, &reserves)),
                     None => lower_homing_from(oriented, target, home_from, &reserves),
                 },
                 _ if aligned => lower_homing_from(oriented, target, home_from, &reserves),
@@ -1881,7 +2055,7 @@ pub(crate) fn relower_capped(graph: &Graph, target: &Target, l: &Lowered) -> Opt
 /// program it switched to them), else from replicated weights.
 pub(crate) fn lower_feasible_alone(oriented: &Oriented, target: &Target, home_from: usize) -> Result<(Lowered, bool), LowerError> {
     let first = if home_from < usize::MAX { Some((lower_homing_from(oriented, target, home_from, &[])?, home_from)) } else { None };
-    lower_feasible(oriented, target, first, None, None, true, None).map(|(l, peaks, _)| (l, peaks.is_some()))
+    lower_feasible(oriented, target, first, None, None, true, None, None).map(|(l, peaks, _)| (l, peaks.is_some()))
 }
 
 /// The latest original operation before `before` from which keeping the products' weights on
@@ -2218,8 +2392,8 @@ mod tests {
         for (blocks, tokens, dim, hidden) in [(3, 128, 256, 1024), (4, 64, 384, 1152), (2, 64, 256, 768)] {
             let graph = Graph::parse(&mlp_text(blocks, tokens, dim, hidden), "mlp.toml").unwrap();
             let (a, b) = (beam(&graph, &target, DEFAULT_FINALISTS, None), beam(&graph, &target, DEFAULT_FINALISTS, None));
-            let (with, n) = feasible_finalists(&graph, &target, DEFAULT_FINALISTS, a.programs, &a.far, true, &a.histories, a.first_error, None);
-            let (without, none) = feasible_finalists(&graph, &target, DEFAULT_FINALISTS, b.programs, &b.far, false, &b.histories, b.first_error, None);
+            let (with, n) = feasible_finalists(&graph, &target, DEFAULT_FINALISTS, a.programs, &a.far, true, &a.histories, a.first_error, None, None);
+            let (without, none) = feasible_finalists(&graph, &target, DEFAULT_FINALISTS, b.programs, &b.far, false, &b.histories, b.first_error, None, None);
             assert_eq!(none, 0);
             assert_eq!(n, a.far.iter().filter(|&&f| f).count(), "{blocks} blocks of {tokens}x{dim}x{hidden}: a near program fits");
             assert_eq!(with.unwrap(), without.unwrap(), "{blocks} blocks of {tokens}x{dim}x{hidden}");
@@ -2231,7 +2405,7 @@ mod tests {
         let graph = Graph::parse(&mlp_text(4, 128, 512, 1536), "mlp.toml").unwrap();
         let run = beam(&graph, &target, DEFAULT_FINALISTS, None);
         assert!(!run.far.is_empty() && run.far.iter().all(|&f| f));
-        assert_eq!(feasible_finalists(&graph, &target, DEFAULT_FINALISTS, run.programs, &run.far, true, &run.histories, run.first_error, None).1, 0);
+        assert_eq!(feasible_finalists(&graph, &target, DEFAULT_FINALISTS, run.programs, &run.far, true, &run.histories, run.first_error, None, None).1, 0);
     }
 
     /// A prefix lowered over one orientation and extended over another (later products
@@ -2379,7 +2553,7 @@ mod tests {
             .filter_map(|start| {
                 let swapped: BTreeSet<usize> = products[start..].iter().copied().collect();
                 let o = orient(&graph, &swapped).ok()?;
-                lower_feasible(&o, &target, None, None, None, true, None).ok().filter(|r| r.1.is_some()).map(|r| estimated_cycles(&r.0))
+                lower_feasible(&o, &target, None, None, None, true, None, None).ok().filter(|r| r.1.is_some()).map(|r| estimated_cycles(&r.0))
             })
             .min()
             .unwrap();
@@ -2467,6 +2641,10 @@ mod tests {
                 assert_eq!(run.reused, block.is_some(), "{name} round {round}");
                 if let Some(block) = block {
                     assert_eq!(run.resumed, 2 * block, "{name} round {round}");
+                    // The edit follows the block's first product: its step took the extensions
+                    // through that product from the previous build (`Through`).
+                    let through = previous.as_ref().and_then(|(_, _, k)| k.through[2 * block].clone()).expect("the step's extensions were kept");
+                    assert!(through.taken.load(Ordering::Relaxed) > 0, "{name} round {round}");
                 }
                 assert_eq!(programs_of(&run), programs_of(&cold), "{name} round {round}");
                 assert_eq!(run.steps, cold.steps, "{name} round {round}: the traces");
@@ -2486,6 +2664,64 @@ mod tests {
                 }
                 previous = Some((graph, trace, kept));
             }
+        }
+    }
+
+    /// Finalists made with the previous build's kept beam, extensions through products
+    /// (`Through`) and mixed programs' prefixes (`MixedPrefixes`) are those of a build from the
+    /// start, edit after edit (the same factor edited twice, then another block).
+    #[test]
+    fn finalists_from_kept_prefixes_equal_finalists_from_the_start() {
+        let target = small16();
+        let width = DEFAULT_FINALISTS;
+        let edit = |text: &str, block: usize, factor: &str| {
+            let at = text.find(&format!("name = \"g_{block}\"\n")).expect("the block's activation");
+            let end = at + text[at..].find("inputs").expect("its inputs");
+            format!("{}name = \"g_{block}\"\nop = \"scale\"\nfactor = {factor}\n{}", &text[..at], &text[end..])
+        };
+        for (name, text) in [("small", mlp_text(4, 37, 64, 96)), ("row-partitioned", row_partitioned_text(4))] {
+            let mut previous: Option<(BeamTrace, KeptBeam)> = None;
+            let mut current = text.clone();
+            for (round, edited) in [None, Some((3, "0.5")), Some((3, "0.25")), Some((2, "0.5"))].into_iter().enumerate() {
+                if let Some((block, factor)) = edited {
+                    current = edit(&current, block, factor);
+                }
+                let graph = Graph::parse(&current, "mlp.toml").unwrap();
+                let (found, trace, kept) = finalists_keeping(&graph, &target, width, previous.as_ref().map(|(t, _)| t), previous.as_ref().map(|(_, k)| k), None, true);
+                assert_eq!(found.unwrap(), finalists(&graph, &target, width).unwrap(), "{name} round {round}");
+                previous = Some((trace, kept.expect("kept")));
+            }
+        }
+    }
+
+    /// A mixed program extended from the previous build's mixed prefixes (`extend_mixed`),
+    /// after an edit between the two products of the block it homes from, takes the prefix
+    /// through the block's first product and is the program lowered with those weights homed
+    /// from the start; over an edit before that product, it takes none, and is that program too.
+    #[test]
+    fn mixed_programs_from_the_previous_builds_prefixes_equal_whole_lowerings() {
+        let target = small16();
+        let text = mlp_text(3, 37, 64, 96);
+        let scaled = |text: &str, block: usize| text.replacen(&format!("name = \"g_{block}\"\nop = \"gelu\"\n"), &format!("name = \"g_{block}\"\nop = \"scale\"\nfactor = 0.5\n"), 1);
+        // The replicated prefix before product `from` (a beam snapshot), and the mixed program.
+        let mixed = |text: &str, from: usize, memo: &MixedMemo| {
+            let graph = Graph::parse(text, "mlp.toml").unwrap();
+            let oriented = Arc::new(orient(&graph, &BTreeSet::new()).unwrap());
+            let prefix = extend(Partial::new(false), &oriented, &target, &[], end_before(&oriented, Some(from))).unwrap();
+            let snapshot = Snapshot { oriented: oriented.clone(), partial: prefix, earlier: None };
+            let p = extend_mixed(&snapshot, &oriented, &target, from, Some(memo)).unwrap();
+            let expected = lower_homing_from(&oriented, &target, from, &[]).unwrap().lowered;
+            assert_eq!(complete(p, &oriented, &target, &[]).unwrap().lowered, expected, "homed from {from}");
+        };
+        let products = swappable(&Graph::parse(&text, "mlp.toml").unwrap());
+        let from = products[products.len() - 2];
+        for (edited, taken) in [(scaled(&text, 2), true), (scaled(&text, 1), false)] {
+            let first = MixedPrefixes::default();
+            mixed(&text, from, &MixedMemo { now: &first, before: None });
+            assert!(!first.entries.lock().unwrap().is_empty(), "prefixes kept");
+            let second = MixedPrefixes::default();
+            mixed(&edited, from, &MixedMemo { now: &second, before: Some(&first) });
+            assert_eq!(first.taken.load(Ordering::Relaxed) > 0, taken);
         }
     }
 
