@@ -852,7 +852,7 @@ fn beam_keeping(graph: &Graph, target: &Target, width: usize, previous: Option<(
                 return (via(key, Box::new(move || Ok(prefix))), kept);
             }
             if !reuse || from >= lowered || lowered >= end {
-                if from >= mid {
+                if memos.is_none() || from >= mid {
                     return (home_lowering(memo.map(|m| &**m), &oriented, target, end), kept);
                 }
                 return (via(key, Box::new(move || home_lowering(memo.map(|m| &**m), this, target, from))), kept);
