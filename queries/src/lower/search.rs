@@ -847,9 +847,12 @@ fn beam_keeping(graph: &Graph, target: &Target, width: usize, previous: Option<(
             let key = ThroughKey::Home { swapped: swapped.clone() };
             // The previous build's home-tile program through the product (the same from any
             // compatible prefix), kept in the pool too.
-            if let Some(prefix) = memos.and_then(|(_, before)| before).filter(|_| mid < end).and_then(|b| b.find(&key, &oriented, mid)) {
-                kept.push(Arc::new(HomePrefix { oriented: oriented.clone(), partial: prefix.clone() }));
-                return (via(key, Box::new(move || Ok(prefix))), kept);
+            if let Some((now, Some(before))) = memos.filter(|_| mid < end) {
+                if let Some(prefix) = before.find(&key, &oriented, mid) {
+                    kept.push(Arc::new(HomePrefix { oriented: oriented.clone(), partial: prefix.clone() }));
+                    now.record(key, this, &prefix);
+                    return (extend(prefix, this, target, &[], end), kept);
+                }
             }
             if !reuse || from >= lowered || lowered >= end {
                 if memos.is_none() || from >= mid {
