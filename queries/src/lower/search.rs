@@ -497,6 +497,7 @@ pub(crate) struct MixedPrefixes {
     taken: AtomicUsize,
 }
 
+#[derive(Clone)]
 struct MixedPrefix {
     oriented: Arc<Oriented>,
     home_from: usize,
@@ -519,18 +520,29 @@ fn extend_mixed(snapshot: &Snapshot, oriented: &Arc<Oriented>, target: &Target, 
         return extend(snapshot.partial.clone().home_later(home_from), oriented, target, &[], operations);
     };
     let start = snapshot.partial.lowered_operations();
-    let found = memo.before.and_then(|b| {
+    // The previous build's prefixes of this arrangement that lower alike here: carried into
+    // this build's memo (a later build extends them too, though this one lowers none of them
+    // again), the longest one extended.
+    let found: Vec<MixedPrefix> = memo.before.map_or_else(Vec::new, |b| {
         let entries = b.entries.lock().expect("mixed prefixes lock");
-        entries
-            .iter()
-            .filter(|e| e.home_from == home_from && e.start == start && prefix_identical_across_graphs(&e.oriented, oriented, e.partial.lowered_operations()))
-            .max_by_key(|e| e.partial.lowered_operations())
-            .map(|e| {
-                b.taken.fetch_add(1, Ordering::Relaxed);
-                e.partial.clone()
-            })
+        entries.iter().filter(|e| e.home_from == home_from && e.start == start && prefix_identical_across_graphs(&e.oriented, oriented, e.partial.lowered_operations())).cloned().collect()
     });
-    let mut partial = found.unwrap_or_else(|| snapshot.partial.clone().home_later(home_from));
+    let longest = found.iter().max_by_key(|e| e.partial.lowered_operations()).map(|e| e.partial.clone());
+    if longest.is_some() {
+        if let Some(b) = memo.before {
+            b.taken.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    {
+        let mut entries = memo.now.entries.lock().expect("mixed prefixes lock");
+        for e in found {
+            let n = e.partial.lowered_operations();
+            if !entries.iter().any(|k| k.home_from == home_from && k.start == start && k.partial.lowered_operations() == n && prefix_identical_across_graphs(&k.oriented, &e.oriented, n)) {
+                entries.push(e);
+            }
+        }
+    }
+    let mut partial = longest.unwrap_or_else(|| snapshot.partial.clone().home_later(home_from));
     let ends: Vec<usize> = (0..operations).filter(|&i| matches!(oriented.graph.operations[i].kind, crate::ir::OpKind::MatMul { .. })).map(|i| i + 1).collect();
     for end in ends {
         if end <= partial.lowered_operations() || end >= operations {
@@ -2725,6 +2737,11 @@ mod tests {
             let second = MixedPrefixes::default();
             mixed(&edited, from, &MixedMemo { now: &second, before: Some(&first) });
             assert_eq!(first.taken.load(Ordering::Relaxed) > 0, taken);
+            // The prefixes taken are carried into the edited build's memo, though it lowered
+            // none of them: a further edit of the same operation takes them from there.
+            let third = MixedPrefixes::default();
+            mixed(&edited.replacen("factor = 0.5", "factor = 0.25", 1), from, &MixedMemo { now: &third, before: Some(&second) });
+            assert_eq!(second.taken.load(Ordering::Relaxed) > 0, taken);
         }
     }
 
