@@ -528,10 +528,8 @@ fn extend_mixed(snapshot: &Snapshot, oriented: &Arc<Oriented>, target: &Target, 
         entries.iter().filter(|e| e.home_from == home_from && e.start == start && prefix_identical_across_graphs(&e.oriented, oriented, e.partial.lowered_operations())).cloned().collect()
     });
     let longest = found.iter().max_by_key(|e| e.partial.lowered_operations()).map(|e| e.partial.clone());
-    if longest.is_some() {
-        if let Some(b) = memo.before {
-            b.taken.fetch_add(1, Ordering::Relaxed);
-        }
+    if let (Some(_), Some(b)) = (&longest, memo.before) {
+        b.taken.fetch_add(1, Ordering::Relaxed);
     }
     {
         let mut entries = memo.now.entries.lock().expect("mixed prefixes lock");
