@@ -143,13 +143,25 @@ pub enum BuildError {
 
 /// Where the target description comes from: a built-in name or a file.
 pub fn load_target(spec: Option<&str>) -> Result<(String, String), BuildError> {
-    match spec.unwrap_or("ipu21") {
-        "ipu21" => Ok((fixtures::IPU21.to_string(), "ipu21 (built in)".into())),
-        "small16" => Ok((fixtures::SMALL16.to_string(), "small16 (built in)".into())),
-        path => std::fs::read_to_string(path)
-            .map(|t| (t, path.to_string()))
-            .map_err(|e| BuildError::Io { path: path.to_string(), message: format!("cannot read target description: {e}") }),
+    match target_file(spec) {
+        None => {
+            let name = spec.unwrap_or("ipu21");
+            let text = if name == "small16" { fixtures::SMALL16 } else { fixtures::IPU21 };
+            Ok((text.to_string(), format!("{name} (built in)")))
+        }
+        Some(path) => std::fs::read(path).map_err(|e| BuildError::Io { path: path.to_string(), message: format!("cannot read target description: {e}") }).and_then(|bytes| target_from_bytes(path, bytes)),
     }
+}
+
+/// The file a target spec names, or `None` for a built-in target (`ipu21`, the default, and
+/// `small16`).
+pub fn target_file(spec: Option<&str>) -> Option<&str> {
+    spec.filter(|s| !matches!(*s, "ipu21" | "small16"))
+}
+
+/// The target description read from the file at `path` as `bytes`, with its origin.
+pub fn target_from_bytes(path: &str, bytes: Vec<u8>) -> Result<(String, String), BuildError> {
+    String::from_utf8(bytes).map(|t| (t, path.to_string())).map_err(|e| BuildError::Io { path: path.to_string(), message: format!("cannot read target description: {e}") })
 }
 
 pub struct BuildOptions {
@@ -311,7 +323,14 @@ impl Session {
     /// [`Session::build`] of `text`, the workload as read from `workload` (`ipuq watch` builds
     /// the bytes its polls read, not the file as it reads a moment later).
     pub fn build_text(&mut self, text: String, workload: &Path, options: &BuildOptions) -> Result<Built, BuildError> {
-        let (target_text, target_origin) = load_target(options.target.as_deref())?;
+        let target = load_target(options.target.as_deref())?;
+        self.build_with_target(text, workload, target, options)
+    }
+
+    /// [`Session::build_text`] with the target description as read (`ipuq watch` builds the
+    /// target file's bytes its polls read too): its text and origin, as `load_target` gives them.
+    pub fn build_with_target(&mut self, text: String, workload: &Path, target: (String, String), options: &BuildOptions) -> Result<Built, BuildError> {
+        let (target_text, target_origin) = target;
         let path = options.out_dir.join("model.ipuexe");
         // A no-op rebuild: this compiler built exactly these inputs into exactly this file.
         if let Some(record) = load_build_record(&self.db, &text, &target_text) {

@@ -121,9 +121,9 @@ enum Command {
         #[arg(long, default_value_t = ipuq_queries::lower::search::DEFAULT_FINALISTS)]
         plan_finalists: usize,
     },
-    /// Rebuild the workload on every save, keeping one compiler in memory; with --run, run
-    /// each build on the simulator and print its result line. Errors are printed and the
-    /// watch goes on.
+    /// Rebuild the workload on every save of it (or of a --target file), keeping one compiler
+    /// in memory; with --run, run each build on the simulator and print its result line.
+    /// Errors are printed and the watch goes on.
     Watch {
         workload: PathBuf,
         #[command(flatten)]
@@ -133,7 +133,7 @@ enum Command {
         /// Seconds to wait for the device lock before giving up on a run.
         #[arg(long, default_value_t = 600)]
         lock_timeout: u64,
-        /// Milliseconds between two looks at the workload file.
+        /// Milliseconds between two looks at the workload file (and a --target file).
         #[arg(long, default_value_t = 200)]
         poll_ms: u64,
         /// Stop after this many rebuilds (default: watch until killed).

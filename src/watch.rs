@@ -1,16 +1,16 @@
 //! `ipuq watch`: one long-lived compiler session (one salsa database) rebuilding a workload
-//! on every save. The file is polled (content compared every `poll`, 200 ms by default; a
-//! change is built once two polls in a row read it, the second a quarter of a poll after the
-//! first, so a save read half written is not); each change re-evaluates only the queries the
-//! edit touched (salsa's early cutoff), writes the package and, with `--run`, runs it on the
-//! simulator and prints the usual result lines. An error prints `error: …` and the watch goes
-//! on.
+//! on every save of it, or of the target description when `--target` names a file. The files
+//! are polled (content compared every `poll`, 200 ms by default; a change is built once two
+//! polls in a row read it, the second a quarter of a poll after the first, so a save read half
+//! written is not); each change re-evaluates only the queries the edit touched (salsa's early
+//! cutoff), writes the package and, with `--run`, runs it on the simulator and prints the
+//! usual result lines. An error prints `error: …` and the watch goes on.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use std::sync::Arc;
 
-use crate::build::{read_package, BuildOptions, Session};
+use crate::build::{load_target, read_package, target_file, target_from_bytes, BuildOptions, Session};
 use crate::report::{run_and_verify_cached, RunCaches, RunRequest};
 
 pub struct WatchOptions {
@@ -31,15 +31,19 @@ pub fn watch(workload: &Path, options: BuildOptions, out_dir: impl Fn(&Path, &st
     // Tensors drawn and reference operations computed for earlier runs: what an edit leaves
     // alone is reused.
     let mut caches = RunCaches::default();
-    eprintln!("watching {} (Ctrl-C to stop)", workload.display());
+    let target = target_file(options.target.as_deref()).map(PathBuf::from);
+    match &target {
+        Some(t) => eprintln!("watching {} and the target description {} (Ctrl-C to stop)", workload.display(), t.display()),
+        None => eprintln!("watching {} (Ctrl-C to stop)", workload.display()),
+    }
     loop {
-        let now = std::fs::read(workload).map_err(|e| format!("workload {}: cannot read: {e}", workload.display()));
+        let now = poll(workload, target.as_deref());
         if changes.take(&now) {
             match &now {
-                Ok(bytes) => {
+                Ok(polled) => {
                     let start = Instant::now();
-                    // The bytes the polls read are built (the file may change again meanwhile).
-                    rebuild(&mut session, workload, bytes, &mut options, &out_dir, watch, &mut caches);
+                    // The bytes the polls read are built (the files may change again meanwhile).
+                    rebuild(&mut session, workload, polled, &mut options, &out_dir, watch, &mut caches);
                     tracing::info!(elapsed_ms = start.elapsed().as_millis() as u64, "watch rebuild finished");
                     session.release_deferred();
                     rebuilds += 1;
@@ -56,18 +60,40 @@ pub fn watch(workload: &Path, options: BuildOptions, out_dir: impl Fn(&Path, &st
     }
 }
 
-/// What the watch read of the workload: the read it last built (or reported), and a change
-/// read once and not yet taken. An editor's save may be read half written, so a change is
-/// taken when two polls in a row read it (the first read at once).
-#[derive(Default)]
-struct Changes {
-    last: Option<Result<Vec<u8>, String>>,
-    pending: Option<Result<Vec<u8>, String>>,
+/// What one poll read: the workload's bytes, and the target description's where it is a file.
+#[derive(Clone, Debug, PartialEq)]
+struct Polled {
+    workload: Vec<u8>,
+    target: Option<Vec<u8>>,
 }
 
-impl Changes {
+/// Reads the watched files, or says which one cannot be read.
+fn poll(workload: &Path, target: Option<&Path>) -> Result<Polled, String> {
+    let workload = std::fs::read(workload).map_err(|e| format!("workload {}: cannot read: {e}", workload.display()))?;
+    let target = match target {
+        Some(path) => Some(std::fs::read(path).map_err(|e| format!("{}: cannot read target description: {e}", path.display()))?),
+        None => None,
+    };
+    Ok(Polled { workload, target })
+}
+
+/// What the watch read of its files: the read it last built (or reported), and a change read
+/// once and not yet taken. An editor's save may be read half written, so a change is taken
+/// when two polls in a row read it (the first read at once).
+struct Changes<T> {
+    last: Option<Result<T, String>>,
+    pending: Option<Result<T, String>>,
+}
+
+impl<T> Default for Changes<T> {
+    fn default() -> Self {
+        Changes { last: None, pending: None }
+    }
+}
+
+impl<T: Clone + PartialEq> Changes<T> {
     /// Whether to build (or report) `now`, this poll's read; if so it becomes the last one.
-    fn take(&mut self, now: &Result<Vec<u8>, String>) -> bool {
+    fn take(&mut self, now: &Result<T, String>) -> bool {
         if self.last.as_ref() == Some(now) {
             self.pending = None;
             return false;
@@ -85,16 +111,21 @@ impl Changes {
 fn rebuild(
     session: &mut Session,
     workload: &Path,
-    bytes: &[u8],
+    polled: &Polled,
     options: &mut BuildOptions,
     out_dir: &impl Fn(&Path, &str) -> Result<PathBuf, String>,
     watch: &WatchOptions,
     caches: &mut RunCaches,
 ) {
-    let text = String::from_utf8(bytes.to_vec()).map_err(|e| format!("{}: cannot read workload: {e}", workload.display()));
+    let text = String::from_utf8(polled.workload.clone()).map_err(|e| format!("{}: cannot read workload: {e}", workload.display()));
+    let target = match (&polled.target, target_file(options.target.as_deref())) {
+        (Some(bytes), Some(path)) => target_from_bytes(path, bytes.clone()),
+        _ => load_target(options.target.as_deref()),
+    };
     let result = text.and_then(|text| {
+        let target = target.map_err(|e| e.to_string())?;
         options.out_dir = out_dir(workload, &text)?;
-        session.build_text(text, workload, options).map_err(|e| e.to_string())
+        session.build_with_target(text, workload, target, options).map_err(|e| e.to_string())
     });
     let built = match result {
         Ok(built) => built,
@@ -166,7 +197,8 @@ mod tests {
             assert_eq!(polled, text, "the out folder is named from the polled text");
             Ok(out.clone())
         };
-        rebuild(&mut session, &workload, text.as_bytes(), &mut options, &named, &watch, &mut RunCaches::default());
+        let polled = super::Polled { workload: text.as_bytes().to_vec(), target: None };
+        rebuild(&mut session, &workload, &polled, &mut options, &named, &watch, &mut RunCaches::default());
         assert!(out.join("model.ipuexe").is_file(), "the polled text was not built");
         // The same bytes built by a plain build once the save is whole.
         std::fs::write(&workload, text).unwrap();
@@ -174,6 +206,55 @@ mod tests {
         crate::build::build(&workload, &options).unwrap();
         let package = |p: &Path| std::fs::read(p.join("model.ipuexe")).unwrap();
         assert!(package(&out) == package(&options.out_dir), "the watch's package differs from a plain build's");
+    }
+
+    /// With `--target FILE` the watch builds the target description its polls read too: an
+    /// edit of the target (here a runtime-only constant, with the file on disk not yet
+    /// rewritten) gives the package a plain build of the edited target file gives.
+    #[test]
+    fn a_rebuild_builds_the_polled_target_description() {
+        let dir = tempfile::tempdir().unwrap();
+        let workload = dir.path().join("mlp.toml");
+        let text = include_str!("../fixtures/workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml");
+        std::fs::write(&workload, text).unwrap();
+        let original = include_str!("../fixtures/targets/small16.toml");
+        let edited = original.replacen("link_bytes_per_second = 24000000000", "link_bytes_per_second = 12000000000", 1);
+        assert_ne!(edited, original);
+        let target = dir.path().join("target.toml");
+        std::fs::write(&target, original).unwrap();
+        let mut options = BuildOptions {
+            target: Some(target.display().to_string()),
+            out_dir: dir.path().to_path_buf(),
+            incremental: false,
+            cache_dir: None,
+            cache_read_only: false,
+            cache_max_bytes: None,
+            plan_finalists: 4,
+            table_budget: ipuq_queries::sizing::EXCHANGE_TABLE_BUDGET_BYTES,
+            remote: None,
+        };
+        let mut session = Session::rebuilding(&options).unwrap();
+        let watch = WatchOptions { run: false, lock_timeout: Duration::from_secs(1), poll: Duration::from_millis(1), max_rebuilds: None };
+        let out = dir.path().join("out");
+        let named = |_: &Path, _: &str| -> Result<std::path::PathBuf, String> { Ok(out.clone()) };
+        let package = |p: &Path| std::fs::read(p.join("model.ipuexe")).unwrap();
+        let polled = |target: &str| super::Polled { workload: text.as_bytes().to_vec(), target: Some(target.as_bytes().to_vec()) };
+        rebuild(&mut session, &workload, &polled(original), &mut options, &named, &watch, &mut RunCaches::default());
+        let first = package(&out);
+        rebuild(&mut session, &workload, &polled(&edited), &mut options, &named, &watch, &mut RunCaches::default());
+        let second = package(&out);
+        assert!(first != second, "the target edit did not reach the package");
+        // Plain builds of the original and of the edited target file.
+        for (text_of_target, expected) in [(original, &first), (edited.as_str(), &second)] {
+            std::fs::write(&target, text_of_target).unwrap();
+            options.out_dir = dir.path().join("plain");
+            crate::build::build(&workload, &options).unwrap();
+            assert!(package(&options.out_dir) == *expected, "the watch's package differs from a plain build's");
+        }
+        // An unreadable target file is named by the poll.
+        std::fs::remove_file(&target).unwrap();
+        let message = super::poll(&workload, Some(&target)).unwrap_err();
+        assert!(message.contains("target.toml: cannot read target description"), "{message}");
     }
 
     /// A change is taken when two polls in a row read it: a save read half written (or any

@@ -62,6 +62,51 @@ fn watch_rebuilds_and_runs_after_each_save_and_survives_errors() {
     assert!(stderr.lines().any(|l| l.starts_with("error: ")), "the broken save printed no error: {stderr}");
 }
 
+/// `ipuq watch --target FILE` rebuilds on a save of the target description as well: a cost
+/// edit gives a package line with another estimate, a target file that cannot be read prints
+/// an error naming it, and the watch goes on when it is back.
+#[test]
+fn watch_rebuilds_after_a_save_of_the_target_file() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(fixture("workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml"), dir.path().join("mlp.toml")).unwrap();
+    let original = std::fs::read_to_string(fixture("targets/small16.toml")).unwrap();
+    let target = dir.path().join("target.toml");
+    std::fs::write(&target, &original).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ipuq"))
+        .args(["watch", "mlp.toml", "--target", "target.toml", "-o", "out", "--poll-ms", "50"])
+        .current_dir(dir.path())
+        .env("IPUQ_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (send, lines) = mpsc::channel();
+    let stdout = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = send.send(line);
+        }
+    });
+    let estimate = |what: &str| -> u64 {
+        let line = next_line(&lines, "package=", Duration::from_secs(120)).unwrap_or_else(|| panic!("no package line {what}"));
+        line.split_whitespace().find_map(|f| f.strip_prefix("estimatedCycles=")).unwrap_or_else(|| panic!("{line}")).parse().unwrap()
+    };
+    let first = estimate("after the first build");
+    // Gone for a moment (an error), then back with a dearer matrix-product call.
+    std::fs::remove_file(&target).unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    let dearer = original.replacen("gemm_base = 294 ", "gemm_base = 2940", 1);
+    assert_ne!(dearer, original);
+    std::fs::write(&target, dearer).unwrap();
+    let second = estimate("after the target edit");
+    assert!(second > first, "the estimate did not follow the target edit: {first} then {second}");
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert!(stderr.lines().any(|l| l.starts_with("error: ") && l.contains("target.toml: cannot read target description")), "the missing target printed no error naming it: {stderr}");
+}
+
 /// `ipuq` executes itself once with glibc's malloc on transparent huge pages (`alloc::huge_pages`,
 /// first thing in `main`, whatever the command; `ipuq watch` stays alive to be looked at): the
 /// process's environment holds the tunable beside the user's own tunables, a
