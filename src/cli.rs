@@ -130,6 +130,14 @@ enum Command {
         compile: CompileArgs,
         #[arg(long)]
         run: bool,
+        /// With --run: supply an input's values, NAME=FILE.npy (f32 or f16, the declared
+        /// shape; read again for every run); repeatable.
+        #[arg(long = "input", value_name = "NAME=FILE.npy", value_parser = crate::workload::given::parse_assignment, requires = "run")]
+        inputs: Vec<(String, PathBuf)>,
+        /// With --run: write inputs, weights and outputs of every run as .npy files (NAME.npy)
+        /// into this folder.
+        #[arg(long, requires = "run")]
+        dump: Option<PathBuf>,
         /// Seconds to wait for the device lock before giving up on a run.
         #[arg(long, default_value_t = 600)]
         lock_timeout: u64,
@@ -358,9 +366,9 @@ fn run(cli: Cli) -> Result<Outcome, String> {
             let options = report::RunRequest { device_target, checkpoints, sample_limit, dump, lock_timeout: Duration::from_secs(lock_timeout), workload_folder: folder, inputs };
             report::run_and_verify(&package, &package_path, &options)
         }
-        Command::Watch { workload, compile: args, run, lock_timeout, poll_ms, max_rebuilds } => {
+        Command::Watch { workload, compile: args, run, inputs, dump, lock_timeout, poll_ms, max_rebuilds } => {
             let options = build_options(&args, PathBuf::new())?;
-            let watch = crate::watch::WatchOptions { run, lock_timeout: Duration::from_secs(lock_timeout), poll: Duration::from_millis(poll_ms.max(1)), max_rebuilds };
+            let watch = crate::watch::WatchOptions { run, inputs, dump, lock_timeout: Duration::from_secs(lock_timeout), poll: Duration::from_millis(poll_ms.max(1)), max_rebuilds };
             crate::watch::watch(&workload, options, |w, text| workload_name_of(w, text).map(|name| out_dir(&args, &name)), &watch)?;
             Ok(Outcome::Pass)
         }

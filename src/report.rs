@@ -179,6 +179,11 @@ pub fn run_and_verify_cached(package: &Package, package_path: &Path, request: &R
         );
     }
     let all_pass = passed && checkpoint_pass;
+    // The tensors are written before the result lines, so that a reader of the lines (`ipuq
+    // watch --run` goes on running) finds the dump of the run they report complete.
+    if let Some(dir) = &request.dump {
+        dump(dir, &graph, &data, package, &result.outputs)?;
+    }
     println!(
         "workload={}{} activeTiles={} executionTiles={} inputBytes={} weightBytes={} cycles={} minimumTileCycles={} deviceMicroseconds={:.3} effectiveGemmTflops={:.3} peakTflops={:.3} efficiencyPercent={:.2} hostBytes={host_bytes} hostLinkMicroseconds={:.3} initializeCycles={} unmeasuredCyclePercent={unmeasured:.2} deviceTarget={} targetDigest={} maximumAbsoluteError={:.6} numericalTest={}",
         graph.name,
@@ -201,9 +206,6 @@ pub fn run_and_verify_cached(package: &Package, package_path: &Path, request: &R
         if passed { "PASS" } else { "FAIL" }
     );
     println!("package={} tiles={} device={} simulatorTest={}", package_path.display(), package.tile_count(), result.device, if all_pass { "PASS" } else { "FAIL" });
-    if let Some(dir) = &request.dump {
-        dump(dir, &graph, &data, package, &result.outputs)?;
-    }
     Ok(if all_pass { Outcome::Pass } else { Outcome::NumericalFailure })
 }
 

@@ -16,6 +16,10 @@ use crate::report::{run_and_verify_cached, RunCaches, RunRequest};
 pub struct WatchOptions {
     /// Run every successful build on the simulator.
     pub run: bool,
+    /// The runs' given inputs (`--input NAME=FILE.npy`, read again for every run).
+    pub inputs: Vec<(String, PathBuf)>,
+    /// Where every run writes its tensors as .npy files (`--dump`).
+    pub dump: Option<PathBuf>,
     pub lock_timeout: Duration,
     pub poll: Duration,
     /// Stop after this many rebuilds (tests); `None`: watch until killed.
@@ -153,10 +157,10 @@ fn rebuild(
         device_target: options.target.clone(),
         checkpoints: false,
         sample_limit: 256,
-        dump: None,
+        dump: watch.dump.clone(),
         lock_timeout: watch.lock_timeout,
         workload_folder: workload.parent().map(Path::to_path_buf).unwrap_or_default(),
-        inputs: Vec::new(),
+        inputs: watch.inputs.clone(),
     };
     if let Err(message) = run_and_verify_cached(&package, &built.path, &request, Some(caches)) {
         eprintln!("error: {message}");
@@ -191,7 +195,7 @@ mod tests {
             remote: None,
         };
         let mut session = Session::rebuilding(&options).unwrap();
-        let watch = WatchOptions { run: false, lock_timeout: Duration::from_secs(1), poll: Duration::from_millis(1), max_rebuilds: None };
+        let watch = WatchOptions { run: false, inputs: Vec::new(), dump: None, lock_timeout: Duration::from_secs(1), poll: Duration::from_millis(1), max_rebuilds: None };
         let out = dir.path().join("out");
         let named = |_: &Path, polled: &str| -> Result<std::path::PathBuf, String> {
             assert_eq!(polled, text, "the out folder is named from the polled text");
@@ -234,7 +238,7 @@ mod tests {
             remote: None,
         };
         let mut session = Session::rebuilding(&options).unwrap();
-        let watch = WatchOptions { run: false, lock_timeout: Duration::from_secs(1), poll: Duration::from_millis(1), max_rebuilds: None };
+        let watch = WatchOptions { run: false, inputs: Vec::new(), dump: None, lock_timeout: Duration::from_secs(1), poll: Duration::from_millis(1), max_rebuilds: None };
         let out = dir.path().join("out");
         let named = |_: &Path, _: &str| -> Result<std::path::PathBuf, String> { Ok(out.clone()) };
         let package = |p: &Path| std::fs::read(p.join("model.ipuexe")).unwrap();

@@ -9,6 +9,8 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use common::fixture;
+use ipuq::workload::npy::{read_npy, write_npy};
+use ipuq_queries::ir::DType;
 
 /// The next stdout line starting with `prefix`, within `limit`.
 fn next_line(lines: &mpsc::Receiver<String>, prefix: &str, limit: Duration) -> Option<String> {
@@ -105,6 +107,52 @@ fn watch_rebuilds_after_a_save_of_the_target_file() {
     let mut stderr = String::new();
     std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
     assert!(stderr.lines().any(|l| l.starts_with("error: ") && l.contains("target.toml: cannot read target description")), "the missing target printed no error naming it: {stderr}");
+}
+
+/// `ipuq watch --run --input NAME=FILE.npy --dump DIR`: every run reads the given input and
+/// dumps its tensors; an edit of a weight's initialiser gives another output for the same
+/// input. `--input` without `--run` is a usage error.
+#[test]
+fn watch_runs_on_a_given_input_and_dumps_every_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let original = std::fs::read_to_string(fixture("workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml")).unwrap();
+    std::fs::write(dir.path().join("mlp.toml"), &original).unwrap();
+    let x: Vec<f32> = (0..37 * 64).map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0).collect();
+    write_npy(&dir.path().join("x.npy"), DType::F32, &[37, 64], &x).unwrap();
+
+    let usage = Command::new(env!("CARGO_BIN_EXE_ipuq")).args(["watch", "mlp.toml", "--input", "x=x.npy"]).current_dir(dir.path()).output().unwrap();
+    assert_eq!(usage.status.code(), Some(2), "--input without --run: {}", String::from_utf8_lossy(&usage.stderr));
+
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ipuq"))
+        .args(["watch", "mlp.toml", "--target", "small16", "-o", "out", "--run", "--input", "x=x.npy", "--dump", "dump", "--poll-ms", "50"])
+        .current_dir(dir.path())
+        .env("IPUQ_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let (send, lines) = mpsc::channel();
+    let stdout = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = send.send(line);
+        }
+    });
+    let result = |what: &str| next_line(&lines, "workload=", Duration::from_secs(120)).unwrap_or_else(|| panic!("no result line {what}"));
+    let rounded: Vec<f32> = x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect();
+    let first = result("after the first build");
+    assert!(first.contains("numericalTest=PASS"), "{first}");
+    assert_eq!(read_npy(&dir.path().join("dump/x.npy")).unwrap().values, rounded, "the first run did not use the given input");
+    let y_first = read_npy(&dir.path().join("dump/y_0.npy")).unwrap().values;
+
+    std::fs::write(dir.path().join("mlp.toml"), original.replacen("seed = 101\n", "seed = 7\n", 1)).unwrap();
+    let second = result("after the weight's seed edit");
+    assert!(second.contains("numericalTest=PASS"), "{second}");
+    assert_eq!(read_npy(&dir.path().join("dump/x.npy")).unwrap().values, rounded, "the second run did not use the given input");
+    let y_second = read_npy(&dir.path().join("dump/y_0.npy")).unwrap().values;
+    assert_ne!(y_first, y_second, "the dump was not written again after the edit");
+    child.kill().unwrap();
+    child.wait().unwrap();
 }
 
 /// `ipuq` executes itself once with glibc's malloc on transparent huge pages (`alloc::huge_pages`,
