@@ -131,7 +131,7 @@ enum Command {
         #[arg(long)]
         run: bool,
         /// With --run: supply an input's values, NAME=FILE.npy (f32 or f16, the declared
-        /// shape; read again for every run); repeatable.
+        /// shape; read again for every run, and a save of it runs again); repeatable.
         #[arg(long = "input", value_name = "NAME=FILE.npy", value_parser = crate::workload::given::parse_assignment, requires = "run")]
         inputs: Vec<(String, PathBuf)>,
         /// With --run: write inputs, weights and outputs of every run as .npy files (NAME.npy)

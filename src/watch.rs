@@ -40,8 +40,10 @@ pub fn watch(workload: &Path, options: BuildOptions, out_dir: impl Fn(&Path, &st
         Some(t) => eprintln!("watching {} and the target description {} (Ctrl-C to stop)", workload.display(), t.display()),
         None => eprintln!("watching {} (Ctrl-C to stop)", workload.display()),
     }
+    // With --run, the files the runs read are watched too (by size and modification time).
+    let mut run_files = watch.run.then(|| RunFiles::new(workload, &watch.inputs));
     loop {
-        let now = poll(workload, target.as_deref());
+        let now = poll(workload, target.as_deref(), run_files.as_mut());
         if changes.take(&now) {
             match &now {
                 Ok(polled) => {
@@ -64,21 +66,65 @@ pub fn watch(workload: &Path, options: BuildOptions, out_dir: impl Fn(&Path, &st
     }
 }
 
-/// What one poll read: the workload's bytes, and the target description's where it is a file.
+/// What one poll read: the workload's bytes, the target description's where it is a file, and
+/// (with --run) the size and modification time of each file the runs read (`RunFiles`; `None`
+/// where it cannot be read: the run says why).
 #[derive(Clone, Debug, PartialEq)]
 struct Polled {
     workload: Vec<u8>,
     target: Option<Vec<u8>>,
+    files: Vec<(PathBuf, Option<(u64, std::time::SystemTime)>)>,
 }
 
 /// Reads the watched files, or says which one cannot be read.
-fn poll(workload: &Path, target: Option<&Path>) -> Result<Polled, String> {
-    let workload = std::fs::read(workload).map_err(|e| format!("workload {}: cannot read: {e}", workload.display()))?;
+fn poll(workload: &Path, target: Option<&Path>, run_files: Option<&mut RunFiles>) -> Result<Polled, String> {
+    let bytes = std::fs::read(workload).map_err(|e| format!("workload {}: cannot read: {e}", workload.display()))?;
     let target = match target {
         Some(path) => Some(std::fs::read(path).map_err(|e| format!("{}: cannot read target description: {e}", path.display()))?),
         None => None,
     };
-    Ok(Polled { workload, target })
+    let files = run_files.map(|f| f.stat(&bytes)).unwrap_or_default();
+    Ok(Polled { workload: bytes, target, files })
+}
+
+/// The files a run reads besides the workload: the `.npy` and safetensors files its tensors'
+/// initialisers name (relative to the workload's folder, as the run resolves them) and the
+/// `--input` files. A save of one of them runs again (the build is a no-op unless the workload
+/// changed too); they are looked at by size and modification time, not read, since a
+/// checkpoint may be gigabytes.
+struct RunFiles {
+    folder: PathBuf,
+    inputs: Vec<PathBuf>,
+    /// The workload bytes the list was made from, and the list.
+    made: Option<(Vec<u8>, Vec<PathBuf>)>,
+}
+
+impl RunFiles {
+    fn new(workload: &Path, inputs: &[(String, PathBuf)]) -> RunFiles {
+        RunFiles { folder: workload.parent().map(Path::to_path_buf).unwrap_or_default(), inputs: inputs.iter().map(|(_, p)| p.clone()).collect(), made: None }
+    }
+
+    /// The files for this workload text (listed again only when the text changed), each with
+    /// its size and modification time.
+    fn stat(&mut self, workload: &[u8]) -> Vec<(PathBuf, Option<(u64, std::time::SystemTime)>)> {
+        if self.made.as_ref().is_none_or(|(bytes, _)| bytes != workload) {
+            let mut files = self.inputs.clone();
+            // A workload that does not parse names no files; its build reports the error.
+            if let Some(graph) = std::str::from_utf8(workload).ok().and_then(|text| ipuq_queries::ir::Graph::parse(text, "watched workload").ok()) {
+                for t in &graph.file.tensors {
+                    match &t.init {
+                        ipuq_queries::ir::Init::Npy { path } | ipuq_queries::ir::Init::Safetensors { path, .. } => files.push(self.folder.join(path)),
+                        _ => {}
+                    }
+                }
+            }
+            files.sort();
+            files.dedup();
+            self.made = Some((workload.to_vec(), files));
+        }
+        let files = self.made.as_ref().map(|(_, f)| f.as_slice()).unwrap_or_default();
+        files.iter().map(|f| (f.clone(), std::fs::metadata(f).ok().and_then(|m| Some((m.len(), m.modified().ok()?))))).collect()
+    }
 }
 
 /// What the watch read of its files: the read it last built (or reported), and a change read
@@ -201,7 +247,7 @@ mod tests {
             assert_eq!(polled, text, "the out folder is named from the polled text");
             Ok(out.clone())
         };
-        let polled = super::Polled { workload: text.as_bytes().to_vec(), target: None };
+        let polled = super::Polled { workload: text.as_bytes().to_vec(), target: None, files: Vec::new() };
         rebuild(&mut session, &workload, &polled, &mut options, &named, &watch, &mut RunCaches::default());
         assert!(out.join("model.ipuexe").is_file(), "the polled text was not built");
         // The same bytes built by a plain build once the save is whole.
@@ -242,7 +288,7 @@ mod tests {
         let out = dir.path().join("out");
         let named = |_: &Path, _: &str| -> Result<std::path::PathBuf, String> { Ok(out.clone()) };
         let package = |p: &Path| std::fs::read(p.join("model.ipuexe")).unwrap();
-        let polled = |target: &str| super::Polled { workload: text.as_bytes().to_vec(), target: Some(target.as_bytes().to_vec()) };
+        let polled = |target: &str| super::Polled { workload: text.as_bytes().to_vec(), target: Some(target.as_bytes().to_vec()), files: Vec::new() };
         rebuild(&mut session, &workload, &polled(original), &mut options, &named, &watch, &mut RunCaches::default());
         let first = package(&out);
         rebuild(&mut session, &workload, &polled(&edited), &mut options, &named, &watch, &mut RunCaches::default());
@@ -257,7 +303,7 @@ mod tests {
         }
         // An unreadable target file is named by the poll.
         std::fs::remove_file(&target).unwrap();
-        let message = super::poll(&workload, Some(&target)).unwrap_err();
+        let message = super::poll(&workload, Some(&target), None).unwrap_err();
         assert!(message.contains("target.toml: cannot read target description"), "{message}");
     }
 

@@ -111,14 +111,20 @@ fn watch_rebuilds_after_a_save_of_the_target_file() {
 
 /// `ipuq watch --run --input NAME=FILE.npy --dump DIR`: every run reads the given input and
 /// dumps its tensors; an edit of a weight's initialiser gives another output for the same
-/// input. `--input` without `--run` is a usage error.
+/// input; so does a save of a `.npy` file a weight is initialised from, and a save of the
+/// given input runs again on it. `--input` without `--run` is a usage error.
 #[test]
 fn watch_runs_on_a_given_input_and_dumps_every_run() {
     let dir = tempfile::tempdir().unwrap();
     let original = std::fs::read_to_string(fixture("workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml")).unwrap();
+    // The first weight from a .npy file beside the workload.
+    let original = original.replacen("[tensor.init.gaussian]\nseed = 101\nstd = 0.125\n", "[tensor.init.npy]\npath = \"w1.npy\"\n", 1);
+    assert!(original.contains("w1.npy"));
     std::fs::write(dir.path().join("mlp.toml"), &original).unwrap();
-    let x: Vec<f32> = (0..37 * 64).map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0).collect();
+    let values = |n: usize, step: usize, scale: f32| -> Vec<f32> { (0..n).map(|i| ((i * step % 101) as f32 - 50.0) / scale).collect() };
+    let x = values(37 * 64, 37, 25.0);
     write_npy(&dir.path().join("x.npy"), DType::F32, &[37, 64], &x).unwrap();
+    write_npy(&dir.path().join("w1.npy"), DType::F16, &[64, 96], &values(64 * 96, 13, 400.0)).unwrap();
 
     let usage = Command::new(env!("CARGO_BIN_EXE_ipuq")).args(["watch", "mlp.toml", "--input", "x=x.npy"]).current_dir(dir.path()).output().unwrap();
     assert_eq!(usage.status.code(), Some(2), "--input without --run: {}", String::from_utf8_lossy(&usage.stderr));
@@ -138,21 +144,36 @@ fn watch_runs_on_a_given_input_and_dumps_every_run() {
             let _ = send.send(line);
         }
     });
-    let result = |what: &str| next_line(&lines, "workload=", Duration::from_secs(120)).unwrap_or_else(|| panic!("no result line {what}"));
-    let rounded: Vec<f32> = x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect();
-    let first = result("after the first build");
-    assert!(first.contains("numericalTest=PASS"), "{first}");
-    assert_eq!(read_npy(&dir.path().join("dump/x.npy")).unwrap().values, rounded, "the first run did not use the given input");
-    let y_first = read_npy(&dir.path().join("dump/y_0.npy")).unwrap().values;
+    let result = |what: &str| {
+        let line = next_line(&lines, "workload=", Duration::from_secs(120)).unwrap_or_else(|| panic!("no result line {what}"));
+        assert!(line.contains("numericalTest=PASS"), "{what}: {line}");
+    };
+    let dumped = |name: &str| read_npy(&dir.path().join(format!("dump/{name}.npy"))).unwrap().values;
+    let rounded = |v: &[f32]| -> Vec<f32> { v.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect() };
+    result("after the first build");
+    assert_eq!(dumped("x"), rounded(&x), "the first run did not use the given input");
+    let mut outputs = vec![dumped("y_0")];
 
-    std::fs::write(dir.path().join("mlp.toml"), original.replacen("seed = 101\n", "seed = 7\n", 1)).unwrap();
-    let second = result("after the weight's seed edit");
-    assert!(second.contains("numericalTest=PASS"), "{second}");
-    assert_eq!(read_npy(&dir.path().join("dump/x.npy")).unwrap().values, rounded, "the second run did not use the given input");
-    let y_second = read_npy(&dir.path().join("dump/y_0.npy")).unwrap().values;
-    assert_ne!(y_first, y_second, "the dump was not written again after the edit");
+    std::fs::write(dir.path().join("mlp.toml"), original.replacen("seed = 102\n", "seed = 7\n", 1)).unwrap();
+    result("after the second weight's seed edit");
+    assert_eq!(dumped("x"), rounded(&x), "the second run did not use the given input");
+    outputs.push(dumped("y_0"));
+
+    write_npy(&dir.path().join("w1.npy"), DType::F16, &[64, 96], &values(64 * 96, 17, 300.0)).unwrap();
+    result("after the first weight's .npy file was saved");
+    assert_eq!(dumped("w1_0"), rounded(&values(64 * 96, 17, 300.0)), "the run did not read the saved weight");
+    outputs.push(dumped("y_0"));
+
+    let other = values(37 * 64, 41, 20.0);
+    write_npy(&dir.path().join("x.npy"), DType::F32, &[37, 64], &other).unwrap();
+    result("after the given input was saved");
+    assert_eq!(dumped("x"), rounded(&other), "the run did not read the saved input");
+    outputs.push(dumped("y_0"));
     child.kill().unwrap();
     child.wait().unwrap();
+    for i in 1..outputs.len() {
+        assert_ne!(outputs[i - 1], outputs[i], "run {i} gave the output of the run before it");
+    }
 }
 
 /// `ipuq` executes itself once with glibc's malloc on transparent huge pages (`alloc::huge_pages`,
