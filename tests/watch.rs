@@ -12,6 +12,17 @@ use common::fixture;
 use ipuq::workload::npy::{read_npy, write_npy};
 use ipuq_queries::ir::DType;
 
+/// A watch process, killed when dropped: also when a test fails before its end, so that no
+/// watch is left polling.
+struct Watch(std::process::Child);
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// The next stdout line starting with `prefix`, within `limit`.
 fn next_line(lines: &mpsc::Receiver<String>, prefix: &str, limit: Duration) -> Option<String> {
     let deadline = Instant::now() + limit;
@@ -31,16 +42,16 @@ fn watch_rebuilds_and_runs_after_each_save_and_survives_errors() {
     let original = std::fs::read_to_string(fixture("workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml")).unwrap();
     let workload = dir.path().join("mlp.toml");
     std::fs::write(&workload, &original).unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_ipuq"))
+    let mut child = Watch(Command::new(env!("CARGO_BIN_EXE_ipuq"))
         .args(["watch", "mlp.toml", "--target", "small16", "-o", "out", "--run", "--poll-ms", "50"])
         .current_dir(dir.path())
         .env("IPUQ_LOG", "warn")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .unwrap();
+        .unwrap());
     let (send, lines) = mpsc::channel();
-    let stdout = child.stdout.take().unwrap();
+    let stdout = child.0.stdout.take().unwrap();
     std::thread::spawn(move || {
         for line in BufReader::new(stdout).lines().map_while(Result::ok) {
             let _ = send.send(line);
@@ -57,10 +68,10 @@ fn watch_rebuilds_and_runs_after_each_save_and_survives_errors() {
     std::fs::write(&workload, original.replacen("seed = 1\n", "seed = 7\n", 1)).unwrap();
     let second = result("after the seed edit");
     assert!(second.contains("numericalTest=PASS"), "{second}");
-    child.kill().unwrap();
-    child.wait().unwrap();
+    child.0.kill().unwrap();
+    child.0.wait().unwrap();
     let mut stderr = String::new();
-    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    std::io::Read::read_to_string(&mut child.0.stderr.take().unwrap(), &mut stderr).unwrap();
     assert!(stderr.lines().any(|l| l.starts_with("error: ")), "the broken save printed no error: {stderr}");
 }
 
@@ -74,16 +85,16 @@ fn watch_rebuilds_after_a_save_of_the_target_file() {
     let original = std::fs::read_to_string(fixture("targets/small16.toml")).unwrap();
     let target = dir.path().join("target.toml");
     std::fs::write(&target, &original).unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_ipuq"))
+    let mut child = Watch(Command::new(env!("CARGO_BIN_EXE_ipuq"))
         .args(["watch", "mlp.toml", "--target", "target.toml", "-o", "out", "--poll-ms", "50"])
         .current_dir(dir.path())
         .env("IPUQ_LOG", "warn")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .unwrap();
+        .unwrap());
     let (send, lines) = mpsc::channel();
-    let stdout = child.stdout.take().unwrap();
+    let stdout = child.0.stdout.take().unwrap();
     std::thread::spawn(move || {
         for line in BufReader::new(stdout).lines().map_while(Result::ok) {
             let _ = send.send(line);
@@ -102,10 +113,10 @@ fn watch_rebuilds_after_a_save_of_the_target_file() {
     std::fs::write(&target, dearer).unwrap();
     let second = estimate("after the target edit");
     assert!(second > first, "the estimate did not follow the target edit: {first} then {second}");
-    child.kill().unwrap();
-    child.wait().unwrap();
+    child.0.kill().unwrap();
+    child.0.wait().unwrap();
     let mut stderr = String::new();
-    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    std::io::Read::read_to_string(&mut child.0.stderr.take().unwrap(), &mut stderr).unwrap();
     assert!(stderr.lines().any(|l| l.starts_with("error: ") && l.contains("target.toml: cannot read target description")), "the missing target printed no error naming it: {stderr}");
 }
 
@@ -129,16 +140,16 @@ fn watch_runs_on_a_given_input_and_dumps_every_run() {
     let usage = Command::new(env!("CARGO_BIN_EXE_ipuq")).args(["watch", "mlp.toml", "--input", "x=x.npy"]).current_dir(dir.path()).output().unwrap();
     assert_eq!(usage.status.code(), Some(2), "--input without --run: {}", String::from_utf8_lossy(&usage.stderr));
 
-    let mut child = Command::new(env!("CARGO_BIN_EXE_ipuq"))
+    let mut child = Watch(Command::new(env!("CARGO_BIN_EXE_ipuq"))
         .args(["watch", "mlp.toml", "--target", "small16", "-o", "out", "--run", "--input", "x=x.npy", "--dump", "dump", "--poll-ms", "50"])
         .current_dir(dir.path())
         .env("IPUQ_LOG", "warn")
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
-        .unwrap();
+        .unwrap());
     let (send, lines) = mpsc::channel();
-    let stdout = child.stdout.take().unwrap();
+    let stdout = child.0.stdout.take().unwrap();
     std::thread::spawn(move || {
         for line in BufReader::new(stdout).lines().map_while(Result::ok) {
             let _ = send.send(line);
@@ -169,8 +180,8 @@ fn watch_runs_on_a_given_input_and_dumps_every_run() {
     result("after the given input was saved");
     assert_eq!(dumped("x"), rounded(&other), "the run did not read the saved input");
     outputs.push(dumped("y_0"));
-    child.kill().unwrap();
-    child.wait().unwrap();
+    child.0.kill().unwrap();
+    child.0.wait().unwrap();
     for i in 1..outputs.len() {
         assert_ne!(outputs[i - 1], outputs[i], "run {i} gave the output of the run before it");
     }
@@ -204,18 +215,18 @@ fn ipuq_runs_with_mallocs_heap_on_huge_pages_unless_the_user_chose() {
         } else {
             command.env_remove("IPUQ_HUGE_PAGES_EXECUTED");
         }
-        let mut child = command.stdout(Stdio::piped()).stderr(Stdio::null()).spawn().unwrap();
+        let mut child = Watch(command.stdout(Stdio::piped()).stderr(Stdio::null()).spawn().unwrap());
         let (send, lines) = mpsc::channel();
-        let stdout = child.stdout.take().unwrap();
+        let stdout = child.0.stdout.take().unwrap();
         std::thread::spawn(move || {
             for line in BufReader::new(stdout).lines().map_while(Result::ok) {
                 let _ = send.send(line);
             }
         });
         let built = next_line(&lines, "package=", Duration::from_secs(120));
-        let environ = std::fs::read(format!("/proc/{}/environ", child.id())).unwrap();
-        child.kill().unwrap();
-        child.wait().unwrap();
+        let environ = std::fs::read(format!("/proc/{}/environ", child.0.id())).unwrap();
+        child.0.kill().unwrap();
+        child.0.wait().unwrap();
         assert!(built.is_some(), "{given:?}: no package line");
         // glibc (2.36) ends each tunable's value in place as it reads them, so the process's
         // environment block shows `GLIBC_TUNABLES=a=1` and `b=2` apart: joined again here.
