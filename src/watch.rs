@@ -221,6 +221,21 @@ mod tests {
     use std::path::Path;
     use std::time::Duration;
 
+    /// Build options of these tests: `target`, no cache, output into `out`.
+    fn options(target: &str, out: &Path) -> BuildOptions {
+        BuildOptions {
+            target: Some(target.to_string()),
+            out_dir: out.to_path_buf(),
+            incremental: false,
+            cache_dir: None,
+            cache_read_only: false,
+            cache_max_bytes: None,
+            plan_finalists: 4,
+            table_budget: ipuq_queries::sizing::EXCHANGE_TABLE_BUDGET_BYTES,
+            remote: None,
+        }
+    }
+
     /// A rebuild builds the bytes the polls took, not the file as it reads by then: a save
     /// landing between the poll and the build (here half written) changes nothing.
     #[test]
@@ -229,17 +244,7 @@ mod tests {
         let workload = dir.path().join("mlp.toml");
         let text = include_str!("../fixtures/workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml");
         std::fs::write(&workload, &text[..text.len() / 2]).unwrap();
-        let mut options = BuildOptions {
-            target: Some("small16".to_string()),
-            out_dir: dir.path().to_path_buf(),
-            incremental: false,
-            cache_dir: None,
-            cache_read_only: false,
-            cache_max_bytes: None,
-            plan_finalists: 4,
-            table_budget: ipuq_queries::sizing::EXCHANGE_TABLE_BUDGET_BYTES,
-            remote: None,
-        };
+        let mut options = options("small16", dir.path());
         let mut session = Session::rebuilding(&options).unwrap();
         let watch = WatchOptions { run: false, inputs: Vec::new(), dump: None, lock_timeout: Duration::from_secs(1), poll: Duration::from_millis(1), max_rebuilds: None };
         let out = dir.path().join("out");
@@ -272,17 +277,7 @@ mod tests {
         assert_ne!(edited, original);
         let target = dir.path().join("target.toml");
         std::fs::write(&target, original).unwrap();
-        let mut options = BuildOptions {
-            target: Some(target.display().to_string()),
-            out_dir: dir.path().to_path_buf(),
-            incremental: false,
-            cache_dir: None,
-            cache_read_only: false,
-            cache_max_bytes: None,
-            plan_finalists: 4,
-            table_budget: ipuq_queries::sizing::EXCHANGE_TABLE_BUDGET_BYTES,
-            remote: None,
-        };
+        let mut options = options(&target.display().to_string(), dir.path());
         let mut session = Session::rebuilding(&options).unwrap();
         let watch = WatchOptions { run: false, inputs: Vec::new(), dump: None, lock_timeout: Duration::from_secs(1), poll: Duration::from_millis(1), max_rebuilds: None };
         let out = dir.path().join("out");

@@ -23,6 +23,19 @@ impl Drop for Watch {
     }
 }
 
+/// `ipuq ARGS` started in `dir` (logging warnings only), and its stdout lines as they come.
+fn watch(dir: &std::path::Path, args: &[&str]) -> (Watch, mpsc::Receiver<String>) {
+    let mut child = Watch(Command::new(env!("CARGO_BIN_EXE_ipuq")).args(args).current_dir(dir).env("IPUQ_LOG", "warn").stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap());
+    let (send, lines) = mpsc::channel();
+    let stdout = child.0.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = send.send(line);
+        }
+    });
+    (child, lines)
+}
+
 /// The next stdout line starting with `prefix`, within `limit`.
 fn next_line(lines: &mpsc::Receiver<String>, prefix: &str, limit: Duration) -> Option<String> {
     let deadline = Instant::now() + limit;
@@ -42,21 +55,7 @@ fn watch_rebuilds_and_runs_after_each_save_and_survives_errors() {
     let original = std::fs::read_to_string(fixture("workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml")).unwrap();
     let workload = dir.path().join("mlp.toml");
     std::fs::write(&workload, &original).unwrap();
-    let mut child = Watch(Command::new(env!("CARGO_BIN_EXE_ipuq"))
-        .args(["watch", "mlp.toml", "--target", "small16", "-o", "out", "--run", "--poll-ms", "50"])
-        .current_dir(dir.path())
-        .env("IPUQ_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap());
-    let (send, lines) = mpsc::channel();
-    let stdout = child.0.stdout.take().unwrap();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            let _ = send.send(line);
-        }
-    });
+    let (mut child, lines) = watch(dir.path(), &["watch", "mlp.toml", "--target", "small16", "-o", "out", "--run", "--poll-ms", "50"]);
     let result = |what: &str| next_line(&lines, "workload=", Duration::from_secs(120)).unwrap_or_else(|| panic!("no result line {what}"));
     let first = result("after the first build");
     assert!(first.contains("numericalTest=PASS"), "{first}");
@@ -85,21 +84,7 @@ fn watch_rebuilds_after_a_save_of_the_target_file() {
     let original = std::fs::read_to_string(fixture("targets/small16.toml")).unwrap();
     let target = dir.path().join("target.toml");
     std::fs::write(&target, &original).unwrap();
-    let mut child = Watch(Command::new(env!("CARGO_BIN_EXE_ipuq"))
-        .args(["watch", "mlp.toml", "--target", "target.toml", "-o", "out", "--poll-ms", "50"])
-        .current_dir(dir.path())
-        .env("IPUQ_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap());
-    let (send, lines) = mpsc::channel();
-    let stdout = child.0.stdout.take().unwrap();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            let _ = send.send(line);
-        }
-    });
+    let (mut child, lines) = watch(dir.path(), &["watch", "mlp.toml", "--target", "target.toml", "-o", "out", "--poll-ms", "50"]);
     let estimate = |what: &str| -> u64 {
         let line = next_line(&lines, "package=", Duration::from_secs(120)).unwrap_or_else(|| panic!("no package line {what}"));
         line.split_whitespace().find_map(|f| f.strip_prefix("estimatedCycles=")).unwrap_or_else(|| panic!("{line}")).parse().unwrap()
@@ -140,21 +125,7 @@ fn watch_runs_on_a_given_input_and_dumps_every_run() {
     let usage = Command::new(env!("CARGO_BIN_EXE_ipuq")).args(["watch", "mlp.toml", "--input", "x=x.npy"]).current_dir(dir.path()).output().unwrap();
     assert_eq!(usage.status.code(), Some(2), "--input without --run: {}", String::from_utf8_lossy(&usage.stderr));
 
-    let mut child = Watch(Command::new(env!("CARGO_BIN_EXE_ipuq"))
-        .args(["watch", "mlp.toml", "--target", "small16", "-o", "out", "--run", "--input", "x=x.npy", "--dump", "dump", "--poll-ms", "50"])
-        .current_dir(dir.path())
-        .env("IPUQ_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap());
-    let (send, lines) = mpsc::channel();
-    let stdout = child.0.stdout.take().unwrap();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            let _ = send.send(line);
-        }
-    });
+    let (mut child, lines) = watch(dir.path(), &["watch", "mlp.toml", "--target", "small16", "-o", "out", "--run", "--input", "x=x.npy", "--dump", "dump", "--poll-ms", "50"]);
     let result = |what: &str| {
         let line = next_line(&lines, "workload=", Duration::from_secs(120)).unwrap_or_else(|| panic!("no result line {what}"));
         assert!(line.contains("numericalTest=PASS"), "{what}: {line}");
