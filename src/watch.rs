@@ -172,9 +172,14 @@ fn rebuild(
         (Some(bytes), Some(path)) => target_from_bytes(path, bytes.clone()),
         _ => load_target(options.target.as_deref()),
     };
+    // A target file as built, kept for the run: the device models the bytes the build read,
+    // not the file as it reads by the time of the run (a save between the two would make the
+    // package's target digest another's).
+    let mut built_target = None;
     let result = text.and_then(|text| {
         let target = target.map_err(|e| e.to_string())?;
         options.out_dir = out_dir(workload, &text)?;
+        built_target = polled.target.as_ref().map(|_| target.clone());
         session.build_with_target(text, workload, target, options).map_err(|e| e.to_string())
     });
     let built = match result {
@@ -201,6 +206,7 @@ fn rebuild(
     let request = RunRequest {
         // The device models the machine the build targeted (the built-in one it names by default).
         device_target: options.target.clone(),
+        device_target_text: built_target,
         checkpoints: false,
         sample_limit: 256,
         dump: watch.dump.clone(),
