@@ -363,7 +363,8 @@ fn run(cli: Cli) -> Result<Outcome, String> {
                 (built.path, input.parent().map(Path::to_path_buf).unwrap_or_default())
             };
             let package = tracing::info_span!("ipuq.run.read_package").in_scope(|| read_package(&package_path)).map_err(|e| e.to_string())?;
-            let options = report::RunRequest { device_target, device_target_text: None, checkpoints, sample_limit, dump, lock_timeout: Duration::from_secs(lock_timeout), workload_folder: folder, inputs };
+            let device_target = device_target.map(|spec| crate::build::load_target(Some(&spec))).transpose().map_err(|e| e.to_string())?;
+            let options = report::RunRequest { device_target, checkpoints, sample_limit, dump, lock_timeout: Duration::from_secs(lock_timeout), workload_folder: folder, inputs };
             report::run_and_verify(&package, &package_path, &options)
         }
         Command::Watch { workload, compile: args, run, inputs, dump, lock_timeout, poll_ms, max_rebuilds } => {

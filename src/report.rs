@@ -21,11 +21,10 @@ pub enum Outcome {
 }
 
 pub struct RunRequest {
-    /// `--device-target FILE|ipu21|small16`; `None`: the built-in machine the package names.
-    pub device_target: Option<String>,
-    /// The description `device_target` names as already read (text, origin), used instead of
-    /// reading it again (`ipuq watch` runs on the target bytes its build read).
-    pub device_target_text: Option<(String, String)>,
+    /// The machine the simulator models: the description `--device-target FILE|ipu21|small16`
+    /// names, as read (text, origin; `ipuq watch` hands over the bytes its build read);
+    /// `None`: the built-in machine the package names.
+    pub device_target: Option<(String, String)>,
     pub checkpoints: bool,
     pub sample_limit: usize,
     pub dump: Option<PathBuf>,
@@ -78,13 +77,9 @@ pub fn run_and_verify_cached(package: &Package, package_path: &Path, request: &R
         Some(c) => (Some(&mut c.tensors), Some(&mut c.reference)),
         None => (None, None),
     };
-    let device_target = match (&request.device_target_text, &request.device_target) {
-        (Some((text, origin)), _) => DeviceTarget::from_text(text, origin).map_err(|e| e.to_string())?,
-        (None, Some(spec)) => {
-            let (text, origin) = crate::build::load_target(Some(spec)).map_err(|e| e.to_string())?;
-            DeviceTarget::from_text(&text, &origin).map_err(|e| e.to_string())?
-        }
-        (None, None) => DeviceTarget::built_in_for(package).map_err(|e| e.to_string())?,
+    let device_target = match &request.device_target {
+        Some((text, origin)) => DeviceTarget::from_text(text, origin).map_err(|e| e.to_string())?,
+        None => DeviceTarget::built_in_for(package).map_err(|e| e.to_string())?,
     };
     let target = device_target.target.clone();
     let graph = Graph::parse(&package.workload_toml, &format!("{} (embedded workload)", package_path.display())).map_err(|e| e.to_string())?;

@@ -171,15 +171,11 @@ fn rebuild(
     let target = match (&polled.target, target_file(options.target.as_deref())) {
         (Some(bytes), Some(path)) => target_from_bytes(path, bytes.clone()),
         _ => load_target(options.target.as_deref()),
-    };
-    // A target file as built, kept for the run: the device models the bytes the build read,
-    // not the file as it reads by the time of the run (a save between the two would make the
-    // package's target digest another's).
-    let mut built_target = None;
+    }
+    .map_err(|e| e.to_string());
     let result = text.and_then(|text| {
-        let target = target.map_err(|e| e.to_string())?;
+        let target = target.clone()?;
         options.out_dir = out_dir(workload, &text)?;
-        built_target = polled.target.as_ref().map(|_| target.clone());
         session.build_with_target(text, workload, target, options).map_err(|e| e.to_string())
     });
     let built = match result {
@@ -204,9 +200,10 @@ fn rebuild(
         },
     };
     let request = RunRequest {
-        // The device models the machine the build targeted (the built-in one it names by default).
-        device_target: options.target.clone(),
-        device_target_text: built_target,
+        // The device models the machine the build targeted, as the build read it (a target
+        // file saved again since would give the package another's digest); the built-in one
+        // the package names by default.
+        device_target: options.target.as_ref().and(target.ok()),
         checkpoints: false,
         sample_limit: 256,
         dump: watch.dump.clone(),
