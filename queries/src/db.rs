@@ -77,8 +77,8 @@ impl<T> Staged<T> {
 
 /// Digest of a value as stages digest their outputs: blake3 of its canonical (rkyv) bytes.
 ///
-/// The bytes stream through blake3 as they are serialised (64 KiB at a time), never held
-/// whole: the same digest as `Digest::of_bytes` of `rkyv::to_bytes`'s buffer (the serialiser
+/// The bytes stream through blake3 as they are serialised (1 MiB blocks hashed on rayon
+/// workers while the serialiser goes on, `TreeHasher`), never held whole: the same digest as `Digest::of_bytes` of `rkyv::to_bytes`'s buffer (the serialiser
 /// writes the same bytes in the same order to any writer, and blake3 hashes a stream as the
 /// whole), without allocating and clearing a buffer the size of the value (a four-block
 /// program is about 100 MB).
@@ -86,17 +86,14 @@ pub(crate) fn digest_of<T>(value: &T) -> Result<Digest, CompileError>
 where
     T: Canonical,
 {
-    let writer = rkyv::ser::writer::IoWriter::new(std::io::BufWriter::with_capacity(DIGEST_CHUNK, blake3::Hasher::new()));
+    let writer = rkyv::ser::writer::IoWriter::new(crate::hash::TreeHasher::default());
     let writer = rkyv::api::high::to_bytes_in::<_, rkyv::rancor::Error>(value, writer).map_err(CompileError::from)?;
-    let hasher = writer.into_inner().into_inner().map_err(|e| CompileError(format!("digest stream: {}", e.error())))?;
-    Ok(Digest(*hasher.finalize().as_bytes()))
+    Ok(writer.into_inner().finalize())
 }
 
-/// Bytes handed to blake3 at a time by `digest_of` (whole chunks, so it hashes them in parallel lanes).
-const DIGEST_CHUNK: usize = 64 * 1024;
-
-/// The writer `digest_of` serialises into: blake3 behind a buffer.
-pub(crate) type DigestWriter = rkyv::ser::writer::IoWriter<std::io::BufWriter<blake3::Hasher>>;
+/// The writer `digest_of` serialises into: blake3, its 1 MiB blocks hashed on rayon workers
+/// while the serialiser goes on (`TreeHasher`).
+pub(crate) type DigestWriter = rkyv::ser::writer::IoWriter<crate::hash::TreeHasher>;
 
 /// A value with canonical (rkyv) bytes, which it serialises into a buffer (to store them) or
 /// straight into the digest (`digest_of`).
