@@ -81,7 +81,7 @@ impl<T> Staged<T> {
 /// workers while the serialiser goes on, `TreeHasher`), never held whole: the same digest as `Digest::of_bytes` of `rkyv::to_bytes`'s buffer (the serialiser
 /// writes the same bytes in the same order to any writer, and blake3 hashes a stream as the
 /// whole), without allocating and clearing a buffer the size of the value (a four-block
-/// program is about 100 MB).
+/// program is 67 MB).
 pub(crate) fn digest_of<T>(value: &T) -> Result<Digest, CompileError>
 where
     T: Canonical,
