@@ -77,9 +77,9 @@ impl<T> Staged<T> {
 
 /// Digest of a value as stages digest their outputs: blake3 of its canonical (rkyv) bytes.
 ///
-/// The bytes stream through blake3 as they are serialised (1 MiB blocks hashed on rayon
-/// workers while the serialiser goes on, `TreeHasher`), never held whole: the same digest as `Digest::of_bytes` of `rkyv::to_bytes`'s buffer (the serialiser
-/// writes the same bytes in the same order to any writer, and blake3 hashes a stream as the
+/// The bytes stream through blake3 as they are serialised (256 KiB blocks hashed on rayon
+/// workers while the serialiser goes on, `TreeHasher`), never held whole: the same digest as
+/// `Digest::of_bytes` of `rkyv::to_bytes`'s buffer (the serialiser writes the same bytes in the same order to any writer, and blake3 hashes a stream as the
 /// whole), without allocating and clearing a buffer the size of the value (a four-block
 /// program is 67 MB).
 pub(crate) fn digest_of<T>(value: &T) -> Result<Digest, CompileError>
