@@ -79,9 +79,9 @@ impl<T> Staged<T> {
 ///
 /// The bytes stream through blake3 as they are serialised (256 KiB blocks hashed on rayon
 /// workers while the serialiser goes on, `TreeHasher`), never held whole: the same digest as
-/// `Digest::of_bytes` of `rkyv::to_bytes`'s buffer (the serialiser writes the same bytes in the same order to any writer, and blake3 hashes a stream as the
-/// whole), without allocating and clearing a buffer the size of the value (a four-block
-/// program is 67 MB).
+/// `Digest::of_bytes` of `rkyv::to_bytes`'s buffer (the serialiser writes the same bytes in the
+/// same order to any writer, and blake3 hashes a stream as the whole), without allocating and
+/// clearing a buffer the size of the value (a four-block program is 67 MB).
 pub(crate) fn digest_of<T>(value: &T) -> Result<Digest, CompileError>
 where
     T: Canonical,
@@ -91,7 +91,7 @@ where
     Ok(writer.into_inner().finalize())
 }
 
-/// The writer `digest_of` serialises into: blake3, its 1 MiB blocks hashed on rayon workers
+/// The writer `digest_of` serialises into: blake3, its 256 KiB blocks hashed on rayon workers
 /// while the serialiser goes on (`TreeHasher`).
 pub(crate) type DigestWriter = rkyv::ser::writer::IoWriter<crate::hash::TreeHasher>;
 

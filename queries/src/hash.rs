@@ -259,6 +259,24 @@ impl TreeHasher {
         });
     }
 
+    /// `write_all` past the block's room: the block grows (the first, as it fills: most values
+    /// digested are small) or, full, goes to a worker.
+    #[cold]
+    #[inline(never)]
+    fn write_on(&mut self, mut bytes: &[u8]) {
+        while !bytes.is_empty() {
+            if self.block.len() == BLOCK {
+                self.spawn_block();
+            } else if self.block.capacity() < BLOCK {
+                self.block.reserve_exact((BLOCK / 16).max(self.block.len()).min(BLOCK - self.block.len()));
+            }
+            self.room = self.block.capacity().min(BLOCK);
+            let take = (self.room - self.block.len()).min(bytes.len());
+            self.block.extend_from_slice(&bytes[..take]);
+            bytes = &bytes[take..];
+        }
+    }
+
     /// The digest of every byte written.
     pub fn finalize(self) -> Digest {
         let Some((queue, _, receiver)) = &self.shared else {
@@ -285,8 +303,7 @@ impl TreeHasher {
 
 /// The root of blocks' chaining values covering `len` bytes (more than one block).
 fn merge_root(cvs: &[blake3::hazmat::ChainingValue], len: u64) -> blake3::Hash {
-    let left = blake3::hazmat::left_subtree_len(len);
-    let blocks = (left / BLOCK as u64) as usize;
+    let (blocks, left) = left_subtree(len);
     blake3::hazmat::merge_subtrees_root(&merge(&cvs[..blocks], left), &merge(&cvs[blocks..], len - left), blake3::hazmat::Mode::Hash)
 }
 
@@ -295,10 +312,15 @@ fn merge(cvs: &[blake3::hazmat::ChainingValue], len: u64) -> blake3::hazmat::Cha
     if cvs.len() == 1 {
         return cvs[0];
     }
-    // A subtree longer than a block splits at a multiple of blocks (`BLOCK` is a power of two).
-    let left = blake3::hazmat::left_subtree_len(len);
-    let blocks = (left / BLOCK as u64) as usize;
+    let (blocks, left) = left_subtree(len);
     blake3::hazmat::merge_subtrees_non_root(&merge(&cvs[..blocks], left), &merge(&cvs[blocks..], len - left), blake3::hazmat::Mode::Hash)
+}
+
+/// The left subtree of a tree over `len` bytes (more than one block): its blocks and bytes. It
+/// ends at a multiple of blocks (`BLOCK` is a power of two).
+fn left_subtree(len: u64) -> (usize, u64) {
+    let left = blake3::hazmat::left_subtree_len(len);
+    ((left / BLOCK as u64) as usize, left)
 }
 
 impl std::io::Write for TreeHasher {
@@ -322,26 +344,6 @@ impl std::io::Write for TreeHasher {
 
     fn flush(&mut self) -> std::io::Result<()> {
         Ok(())
-    }
-}
-
-impl TreeHasher {
-    /// `write_all` past the block's room: the block grows (the first, as it fills: most values
-    /// digested are small) or, full, goes to a worker.
-    #[cold]
-    #[inline(never)]
-    fn write_on(&mut self, mut bytes: &[u8]) {
-        while !bytes.is_empty() {
-            if self.block.len() == BLOCK {
-                self.spawn_block();
-            } else if self.block.capacity() < BLOCK {
-                self.block.reserve_exact((BLOCK / 16).max(self.block.len()).min(BLOCK - self.block.len()));
-            }
-            self.room = self.block.capacity().min(BLOCK);
-            let take = (self.room - self.block.len()).min(bytes.len());
-            self.block.extend_from_slice(&bytes[..take]);
-            bytes = &bytes[take..];
-        }
     }
 }
 
