@@ -1,5 +1,5 @@
-//! Shared pieces of the fuzz targets: a valid small package (small16, the small MLP fixture)
-//! built once per process, its run inputs, and structured mutation of its payload so that the
+//! Shared pieces of the fuzz targets: valid small packages (small16: the small MLP, attention
+//! and encoder-layer fixtures) built once per process, their run inputs, and structured mutation of its payload so that the
 //! fuzzer starts from bytes that pass the checksum and rkyv's validation.
 
 use std::collections::BTreeMap;
@@ -15,30 +15,49 @@ pub struct Base {
     pub inputs: BTreeMap<String, Vec<u8>>,
 }
 
-/// Build the small MLP fixture for small16 once (a few hundred milliseconds).
-pub fn base() -> &'static Base {
-    static BASE: OnceLock<Base> = OnceLock::new();
-    BASE.get_or_init(|| {
-        let dir = tempfile::tempdir().expect("temporary directory");
-        let workload = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml");
-        let options = ipuq::build::BuildOptions {
-            target: Some("small16".into()),
-            out_dir: dir.path().to_path_buf(),
-            incremental: false,
-            cache_dir: None,
-            cache_read_only: false,
-            cache_max_bytes: None,
-            plan_finalists: ipuq_queries::lower::search::DEFAULT_FINALISTS,
-            table_budget: ipuq_queries::sizing::EXCHANGE_TABLE_BUDGET_BYTES,
-            remote: None,
-        };
-        let built = ipuq::build::build(&workload, &options).expect("the fixture builds");
-        let package = ipuq::build::read_package(&built.path).expect("the fixture's package reads");
-        let graph = ipuq_queries::ir::Graph::parse(&package.workload_toml, "embedded").expect("embedded workload");
-        let data = ipuq::workload::tensor_data(&graph, dir.path()).expect("input data");
-        let bytes = package.to_bytes();
-        Base { payload: bytes[HEADER_BYTES..].to_vec(), digest: package.target_digest.0, inputs: data.into_iter().map(|(n, d)| (n, d.bytes)).collect() }
-    })
+/// The fixtures the package targets start from, all built for small16: the small MLP (matrix
+/// products, GELU), the small grouped attention (softmax with deferred normalisation, its
+/// reciprocal epilogue) and one small encoder layer (LayerNorm split into row segments, bias
+/// epilogues, residual adds, grouped Q/K/V products, word copies).
+const BASE_FIXTURES: [&str; 3] = [
+    "siglip-mlp-f16-b1-t37-d64-h96-n1.toml",
+    "attention-grouped-materialized-gaussian-f16-b1-t29-h4-kv2-d8.toml",
+    "siglip-encoder-f16-b1-t5-d256-h4-m96-l1.toml",
+];
+
+/// The base that `selector` picks (modulo the number of fixtures).
+pub fn base_for(selector: u8) -> &'static Base {
+    let all = bases();
+    &all[selector as usize % all.len()]
+}
+
+/// Every fixture of `BASE_FIXTURES` built for small16, once per process (a few hundred
+/// milliseconds).
+pub fn bases() -> &'static [Base] {
+    static BASES: OnceLock<Vec<Base>> = OnceLock::new();
+    BASES.get_or_init(|| BASE_FIXTURES.iter().map(|name| build_base(name)).collect())
+}
+
+fn build_base(name: &str) -> Base {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let workload = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/workloads").join(name);
+    let options = ipuq::build::BuildOptions {
+        target: Some("small16".into()),
+        out_dir: dir.path().to_path_buf(),
+        incremental: false,
+        cache_dir: None,
+        cache_read_only: false,
+        cache_max_bytes: None,
+        plan_finalists: ipuq_queries::lower::search::DEFAULT_FINALISTS,
+        table_budget: ipuq_queries::sizing::EXCHANGE_TABLE_BUDGET_BYTES,
+        remote: None,
+    };
+    let built = ipuq::build::build(&workload, &options).expect("the fixture builds");
+    let package = ipuq::build::read_package(&built.path).expect("the fixture's package reads");
+    let graph = ipuq_queries::ir::Graph::parse(&package.workload_toml, "embedded").expect("embedded workload");
+    let data = ipuq::workload::tensor_data(&graph, dir.path()).expect("input data");
+    let bytes = package.to_bytes();
+    Base { payload: bytes[HEADER_BYTES..].to_vec(), digest: package.target_digest.0, inputs: data.into_iter().map(|(n, d)| (n, d.bytes)).collect() }
 }
 
 /// The header `Package::to_bytes` writes, over `payload`.
