@@ -191,3 +191,21 @@ fn an_exchange_table_budget_over_every_finalist_replans_the_operation_at_fault()
         assert!(out.stderr.contains(&format!("over the per-tile exchange-table budget of {under} bytes")), "{}", tail(&out.stderr));
     }
 }
+
+/// A one-block MLP of 882 rows (294 tokens, batch 3, 306 wide, hidden 702) takes about a
+/// quarter of small16's memory, but at the planner's own partitions a gathered operand block
+/// (a quarter of the GELU output, 311 KB) or a weight block read transposed (215 KB) fills a
+/// region of a tile, and the re-planning rounds, whose reserves only grow, found no plan: the
+/// build exited 2. The last resort plans every product with operand blocks no larger than a
+/// tile's standard region (`fit_block_capped` in `lower/search.rs`), and it builds and passes.
+#[test]
+fn a_program_whose_blocks_fill_a_region_is_planned_again_with_smaller_blocks() {
+    let dir = workdir();
+    let workload = dir.path().join("mlp.toml");
+    let w = workload.display().to_string();
+    let made = ipuq(&["workload", "siglip-mlp", "--tokens=294", "--dim=306", "--hidden=702", "--batch=3", "-o", &w], dir.path());
+    assert_eq!(made.code, 0, "{}", made.stderr);
+    let out = dir.path().join("out").display().to_string();
+    let run = ipuq(&["run", &w, "--target", "small16", "-o", &out], dir.path());
+    assert_pass(&run);
+}

@@ -203,6 +203,10 @@ struct Builder<'a> {
     /// own partitions do not fit: fewer replicas, every weight still resident where it is read
     /// (`Partial::replication_capped`).
     replication_cap: u32,
+    /// The most bytes a matrix product's A block or B block may take on a tile (u64::MAX: no
+    /// cap). Set only by the last resort of [`super::search::lower_feasible`]
+    /// (`Partial::block_capped`), when no arrangement fits at the planner's own partitions.
+    block_cap: u64,
     /// Per operation index: bytes per tile that other operations keep live while it runs
     /// (total, and in interleaved memory), from an earlier lowering of the whole program.
     reserves: &'a [Reserve],
@@ -347,6 +351,14 @@ pub fn lower_homing_from(oriented: &Oriented, target: &Target, from: usize, rese
 /// How a plan's `constraint` names the replication cap it was planned under (`replicas_at_most=4`).
 pub const REPLICAS_AT_MOST: &str = "replicas_at_most=";
 
+/// `lower_with` every product's operand blocks at most `bytes` on a tile
+/// (`Partial::block_capped`), weights replicated or (`home`) on home tiles, aligned to the
+/// program's period or (not `aligned`) rotating with every weight.
+pub fn lower_block_capped(oriented: &Oriented, target: &Target, home: bool, aligned: bool, bytes: u64, reserves: &[Reserve]) -> Result<Attempt, LowerError> {
+    let partial = if home && !aligned { Partial::rotated_homes() } else { Partial::new(home) };
+    lower_from(partial.block_capped(bytes), oriented, target, reserves)
+}
+
 /// `lower_with` every weight replicated on at most `cap` tiles (`Partial::replication_capped`).
 pub fn lower_replication_capped(oriented: &Oriented, target: &Target, cap: u32, reserves: &[Reserve]) -> Result<Attempt, LowerError> {
     lower_from(Partial::replication_capped(cap), oriented, target, reserves)
@@ -404,6 +416,7 @@ pub struct Partial {
     home_rotation: usize,
     home_aligned: bool,
     replication_cap: u32,
+    block_cap: u64,
     owners: Owners,
     spans: BTreeMap<u32, (u32, u32)>,
     interleaved_weights: std::collections::BTreeSet<u32>,
@@ -436,6 +449,7 @@ impl Partial {
             home_rotation: 0,
             home_aligned: true,
             replication_cap: u32::MAX,
+            block_cap: u64::MAX,
             owners: Chunked::default(),
             spans: BTreeMap::new(),
             interleaved_weights: Default::default(),
@@ -494,6 +508,13 @@ impl Partial {
     /// planner's own partitions do not fit may still all be resident where they are read.
     pub fn replication_capped(cap: u32) -> Partial {
         Partial { replication_cap: cap.max(1), ..Partial::new(false) }
+    }
+
+    /// This program with every matrix product planned so that its A block and its B block
+    /// each take at most `bytes` on a tile (`Builder::block_cap`): smaller blocks, more
+    /// partitions, for programs whose placement fails under blocks that fill a region.
+    pub fn block_capped(self, bytes: u64) -> Partial {
+        Partial { block_cap: bytes, ..self }
     }
 
     pub fn plans(&self) -> impl Iterator<Item = &OperationPlan> + '_ {
@@ -715,6 +736,7 @@ impl<'a> Builder<'a> {
             home_rotation: p.home_rotation,
             home_aligned: p.home_aligned,
             replication_cap: p.replication_cap,
+            block_cap: p.block_cap,
             reserves,
             origin: &oriented.origin,
             checkpoint_value: &oriented.checkpoint_value,
@@ -751,6 +773,7 @@ impl<'a> Builder<'a> {
             home_rotation: self.home_rotation,
             home_aligned: self.home_aligned,
             replication_cap: self.replication_cap,
+            block_cap: self.block_cap,
             owners: self.owners,
             spans: self.spans,
             interleaved_weights: self.interleaved_weights,
@@ -1349,7 +1372,7 @@ impl<'a> Builder<'a> {
         let is_weight = |base: ValueId| matches!(graph.value(base).producer, Producer::Tensor { role: Role::Weight, .. });
         let max_row_partitions = if !b_stored && !home_b && !b_rank3 && is_weight(b_chain.base) { self.replication_cap } else { u32::MAX };
         let max_column_partitions = if !a_stored && !a_rank3 && is_weight(a_chain.base) { self.replication_cap } else { u32::MAX };
-        let problem = MatMulProblem { batches, m, k, n, b_transposed, whole_rows, m_align, epilogue, remote_a_words: &remote_a, remote_b_words: &remote_b, gather_bound: &gather_bound, a_gathered: a_stored || a_input, b_gathered: b_stored || home_b || b_input, memory_budget: self.budget(), interleaved_budget: self.interleaved_budget(), standard_budget: self.standard_budget(), constraint, max_row_partitions, max_column_partitions, first_tile: range.0, tiles: range.1 };
+        let problem = MatMulProblem { batches, m, k, n, b_transposed, whole_rows, m_align, epilogue, remote_a_words: &remote_a, remote_b_words: &remote_b, gather_bound: &gather_bound, a_gathered: a_stored || a_input, b_gathered: b_stored || home_b || b_input, memory_budget: self.budget(), interleaved_budget: self.interleaved_budget(), standard_budget: self.standard_budget(), constraint, max_row_partitions, max_column_partitions, max_block_bytes: self.block_cap, first_tile: range.0, tiles: range.1 };
         let layout = |chain: &ViewChain| match self.stored.get(&chain.base) {
             Some(s) => format!("{} stored {:?} {:?}", chain.signature(), s.grid.cuts, s.grid.tiles),
             None => format!("{} host", chain.signature()),

@@ -49,6 +49,11 @@ pub fn signature(target: &Target, problem: &MatMulProblem, parts: &str) -> Diges
         problem.first_tile,
         problem.tiles,
     );
+    // The block cap of a last-resort lowering, only where there is one (every other key as before).
+    let text = match problem.max_block_bytes {
+        u64::MAX => text,
+        cap => format!("{text}|block {cap}"),
+    };
     KeyHasher::new("ipuq matmul plan candidates v1").bytes(text.as_bytes()).finish()
 }
 

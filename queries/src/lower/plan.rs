@@ -118,6 +118,9 @@ pub struct MatMulProblem<'a> {
     /// replicated weight's replicas, capped (`Partial::replication_capped`; u32::MAX: none).
     pub max_row_partitions: u32,
     pub max_column_partitions: u32,
+    /// At most this many bytes a tile for the A block and for the B block (partials have their
+    /// own region, interleaved memory) (`Partial::block_capped`; u64::MAX: none).
+    pub max_block_bytes: u64,
     /// The tiles the plan may use: `tiles` from `first_tile` (the chip, or a product's share
     /// when sibling products run side by side).
     pub first_tile: u32,
@@ -308,7 +311,7 @@ fn cost_plan(t: &Target, p: &MatMulProblem, b_cuts: Vec<u32>, m_cuts: Vec<u32>, 
     let receive_words = (pk - 1) as u64 * chunk_rows as u64 * chunk_cols_f32 as u64;
     let stored_f32: u64 = if by_columns { pk as u64 * block as u64 } else { ns_f32 as u64 };
     let partials_bytes = if pk > 1 { bs as u64 * ms as u64 * stored_f32 * 4 + receive_words * 4 } else { 0 };
-    if partials_bytes > interleaved {
+    if partials_bytes > interleaved || a_bytes.max(b_bytes) > p.max_block_bytes {
         return None;
     }
     let a_in_interleaved = if a_bytes > standard { a_bytes } else { 0 };

@@ -55,7 +55,7 @@ use rayon::prelude::*;
 use tracing::{debug, info, warn};
 
 use super::peaks;
-use super::build::{complete, extend, lower_homing_from, lower_replication_capped, lower_with_rotated_homes, prefix_compatible, prefix_identical_across_graphs, Attempt, Partial, Reserve, CODE_RESERVE_BYTES, REPLICAS_AT_MOST};
+use super::build::{complete, extend, lower_block_capped, lower_homing_from, lower_replication_capped, lower_with_rotated_homes, prefix_compatible, prefix_identical_across_graphs, Attempt, Partial, Reserve, CODE_RESERVE_BYTES, REPLICAS_AT_MOST};
 use super::orient::{orient, orient_until, swappable, Oriented};
 use super::{BufferDecl, LHostTensor, LowerError, Lowered};
 use crate::ir::Graph;
@@ -1257,6 +1257,7 @@ pub fn finalists_keeping(graph: &Graph, target: &Target, keep: usize, previous: 
 #[allow(clippy::too_many_arguments)]
 fn feasible_finalists(graph: &Graph, target: &Target, keep: usize, programs: Vec<(Arc<Oriented>, Option<(Attempt, usize)>, Option<Arc<HomePrefix>>)>, far: &[bool], skip_far: bool, histories: &[Option<Arc<Snapshot>>], mut first_error: Option<LowerError>, ahead: Option<&CappedAhead>, mixed: Option<&MixedMemo>) -> (Result<Vec<Lowered>, LowerError>, usize) {
     let mut found: Vec<(bool, u64, usize, usize, Feasible)> = Vec::new();
+    let orientations: Vec<Arc<Oriented>> = programs.iter().map(|p| p.0.clone()).collect();
     // The beam's programs are made feasible in parallel, the far ones after the others and only
     // when none of those fits; results are taken in beam order.
     #[allow(clippy::type_complexity)]
@@ -1297,6 +1298,18 @@ fn feasible_finalists(graph: &Graph, target: &Target, keep: usize, programs: Vec
     }
     // Programs that fit first; one that does not is kept only when none fits.
     found.sort_by_key(|f| (f.0, f.1, f.2, f.3));
+    if found[0].0 {
+        // None fits: the last resort, each program's orientation planned with smaller
+        // operand blocks (`fit_block_capped`); a build with a program that fits never gets here.
+        let rescued: Vec<Option<(Lowered, (u64, u64), usize)>> = found.par_iter().map(|f| orientations.get(f.3).and_then(|o| fit_block_capped(o, target))).collect();
+        for (f, r) in found.iter_mut().zip(rescued) {
+            if let Some((l, peaks, from)) = r {
+                let swapped = l.plans.iter().filter(|p| p.orientation == "swapped").count();
+                *f = (false, estimated_cycles(&l), swapped, f.3, (l, Some(peaks), from));
+            }
+        }
+        found.sort_by_key(|f| (f.0, f.1, f.2, f.3));
+    }
     if !found[0].0 {
         found.retain(|f| !f.0);
     }
@@ -1519,6 +1532,35 @@ fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attem
     last.map(|(l, from)| (l, None, from)).ok_or_else(|| first_error.expect("an attempt either lowers or fails"))
 }
 
+/// The last resort of `feasible_finalists`, tried only when no program of the beam fits in
+/// any weight arrangement of [`lower_feasible`] (so no build that succeeds without it changes,
+/// nor its time): every matrix product planned with its A block
+/// and its B block each at most a tile's standard region beside the code reserve, then half
+/// of it (`Partial::block_capped`), weights replicated, on aligned home tiles, then on
+/// rotated ones, each made feasible like the arrangements (re-planned with the other
+/// operations' resident bytes, up to `ROUNDS`). The planner's own partitions are the fastest
+/// by its estimate, but where a gathered operand block or a weight block fills most of a
+/// region (a 16-tile chip with weights of hundreds of kilobytes a tile) placement fails and
+/// the re-planning rounds, whose reserves only grow, cannot shrink it again: a one-block MLP
+/// of 882 rows, 306 wide, hidden 702 on small16 (a quarter of its memory) exited 2 and now
+/// runs at 829,696 cycles. Returns the program, its placement's peak standard and
+/// interleaved bytes and its `home_from`.
+fn fit_block_capped(oriented: &Oriented, target: &Target) -> Option<(Lowered, (u64, u64), usize)> {
+    let m = &target.memory;
+    let standard = (m.interleaved_start.saturating_sub(m.base) as u64).saturating_sub(CODE_RESERVE_BYTES);
+    for divisor in [1, 2] {
+        let bytes = standard / divisor;
+        // Weights replicated, on home tiles aligned to the program's period, on rotated homes.
+        for (home, aligned) in [(false, true), (true, true), (true, false)] {
+            debug!(bytes, home_weights = home, aligned, "no weight arrangement fits at the planner's partitions; planning every product with smaller operand blocks");
+            if let Some((lowered, peaks)) = fit_rounds(oriented, target, "the block-capped program", bytes, |reserves| lower_block_capped(oriented, target, home, aligned, bytes, reserves), None) {
+                return Some((lowered, peaks, if home { 0 } else { usize::MAX }));
+            }
+        }
+    }
+    None
+}
+
 /// The names of the weights that swapped products of `oriented` read as their A operand
 /// (through views): replicated on the products' column partitions, never on home tiles.
 fn swapped_weights(oriented: &Oriented) -> BTreeSet<String> {
@@ -1567,15 +1609,24 @@ type Fitted = (Lowered, (u64, u64));
 /// feasible like a weight arrangement of [`lower_feasible`] (re-planned with the other
 /// operations' resident bytes, up to `ROUNDS`): the program and its placement's peak standard
 /// and interleaved bytes per tile, or None when it does not fit.
-fn fit_capped(oriented: &Oriented, target: &Target, cap: u32, mut first: Option<Result<Attempt, LowerError>>) -> Option<Fitted> {
+fn fit_capped(oriented: &Oriented, target: &Target, cap: u32, first: Option<Result<Attempt, LowerError>>) -> Option<Fitted> {
+    fit_rounds(oriented, target, "the capped program", cap as u64, |reserves| lower_replication_capped(oriented, target, cap, reserves), first)
+}
+
+/// A program `lower` makes, made feasible: placed beside the code reserve and, while it does
+/// not fit (or its interleaved weights were displaced), lowered again with the bytes its other
+/// operations keep resident (`merged_reserves`), up to `ROUNDS`; `first`, when given, is the
+/// first round's lowering. The program and its placement's peaks, or None. The log names the
+/// program `what` and its `cap` (replicas, or bytes a block).
+fn fit_rounds(oriented: &Oriented, target: &Target, what: &str, cap: u64, lower: impl Fn(&[Reserve]) -> Result<Attempt, LowerError>, mut first: Option<Result<Attempt, LowerError>>) -> Option<Fitted> {
     let operations = oriented.graph.operations.len();
     let mut reserves = vec![Reserve::default(); operations];
     let mut fitting: Option<Fitted> = None;
     for round in 0..ROUNDS {
-        let attempt = match first.take().unwrap_or_else(|| lower_replication_capped(oriented, target, cap, &reserves)) {
+        let attempt = match first.take().unwrap_or_else(|| lower(&reserves)) {
             Ok(a) => a,
             Err(e) => {
-                debug!(cap, round, error = %e, "the capped program does not lower with these resident bytes");
+                debug!(cap, round, error = %e, "{what} does not lower with these resident bytes");
                 break;
             }
         };
@@ -1583,7 +1634,7 @@ fn fit_capped(oriented: &Oriented, target: &Target, cap: u32, mut first: Option<
         if let Some(peaks) = peaks.filter(|_| !displaced || round + 1 == ROUNDS || fitting.is_some()) {
             return Some((attempt.lowered, peaks));
         }
-        debug!(cap, round, fits = peaks.is_some(), failure = ?failure, "the capped program does not fit as planned; planning again with other operations' resident bytes");
+        debug!(cap, round, fits = peaks.is_some(), failure = ?failure, "{what} does not fit as planned; planning again with other operations' resident bytes");
         let merged = merged_reserves(&reserves, &attempt, operations);
         if let Some(peaks) = peaks {
             fitting = Some((attempt.lowered, peaks));
