@@ -11,6 +11,8 @@
 //! stay covered here (a panelled-A row count that overflowed, host segments whose row count
 //! made the run list unbounded).
 
+mod common;
+
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -19,20 +21,7 @@ use ipuq_queries::ir::Graph;
 use ipuq_queries::package::*;
 use ipuq_queries::target::{fixtures, Target};
 
-/// xorshift64*: a tiny deterministic generator, so a failing case is named by (seed, case).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-}
+use common::Rng;
 
 /// One random byte-level mutation of `input`.
 fn mutate(rng: &mut Rng, input: &[u8], dictionary: &[&[u8]]) -> Vec<u8> {

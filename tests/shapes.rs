@@ -15,23 +15,7 @@
 
 mod common;
 
-use common::{field, ipuq, tail};
-
-/// xorshift64*: a tiny deterministic generator, so a failing case is named by its seed.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    /// A number in `lo..=hi`.
-    fn range(&mut self, lo: u64, hi: u64) -> u64 {
-        lo + self.next() % (hi - lo + 1)
-    }
-}
+use common::{field, ipuq, tail, Rng};
 
 /// The `ipuq workload` arguments of one case of `family`.
 fn case(family: &str, rng: &mut Rng) -> Vec<String> {

@@ -1,6 +1,7 @@
 //! Decoded packages on the device: edits to a valid package's payload (under a recomputed
-//! checksum; the first byte picks the MLP, attention or encoder-layer fixture) that still decode are loaded and run on the simulator (load-time checks,
-//! exchange rules, kernels, host tables). No package may panic or hang the device.
+//! checksum; the first byte picks the MLP, attention or encoder-layer fixture) that still
+//! decode are loaded and run on the simulator (load-time checks, exchange rules, kernels, host
+//! tables). No package may panic or hang the device.
 #![no_main]
 
 use ipuq_queries::package::Package;

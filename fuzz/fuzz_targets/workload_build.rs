@@ -16,18 +16,7 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     let dir = tempfile::tempdir().expect("temporary directory");
     let workload = dir.path().join("fuzz.toml");
     std::fs::write(&workload, text.as_bytes()).expect("workload written");
-    let options = ipuq::build::BuildOptions {
-        target: Some("small16".into()),
-        out_dir: dir.path().join("out"),
-        incremental: false,
-        cache_dir: None,
-        cache_read_only: false,
-        cache_max_bytes: None,
-        plan_finalists: ipuq_queries::lower::search::DEFAULT_FINALISTS,
-        table_budget: ipuq_queries::sizing::EXCHANGE_TABLE_BUDGET_BYTES,
-        remote: None,
-    };
-    let Ok(built) = ipuq::build::build(&workload, &options) else { return };
+    let Ok(built) = ipuq::build::build(&workload, &ipuq_fuzz::small16_options(&dir.path().join("out"))) else { return };
     let package = ipuq::build::read_package(&built.path).expect("a package the build wrote reads back");
     let Ok(data) = ipuq::workload::tensor_data(&graph, dir.path()) else { return };
     let inputs = data.into_iter().map(|(name, d)| (name, d.bytes)).collect();

@@ -1,6 +1,7 @@
-//! Shared pieces of the fuzz targets: valid small packages (small16: the small MLP, attention
-//! and encoder-layer fixtures) built once per process, their run inputs, and structured mutation of its payload so that the
-//! fuzzer starts from bytes that pass the checksum and rkyv's validation.
+//! Shared pieces of the fuzz targets: the build options for small16, valid small packages (the
+//! small MLP, attention and encoder-layer fixtures) built once per process, their run inputs,
+//! and structured mutation of a payload so that the fuzzer starts from bytes that pass the
+//! checksum and rkyv's validation.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -38,12 +39,11 @@ pub fn bases() -> &'static [Base] {
     BASES.get_or_init(|| BASE_FIXTURES.iter().map(|name| build_base(name)).collect())
 }
 
-fn build_base(name: &str) -> Base {
-    let dir = tempfile::tempdir().expect("temporary directory");
-    let workload = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/workloads").join(name);
-    let options = ipuq::build::BuildOptions {
+/// A plain build for small16 into `out_dir`: no cache, the default finalists and table budget.
+pub fn small16_options(out_dir: &Path) -> ipuq::build::BuildOptions {
+    ipuq::build::BuildOptions {
         target: Some("small16".into()),
-        out_dir: dir.path().to_path_buf(),
+        out_dir: out_dir.to_path_buf(),
         incremental: false,
         cache_dir: None,
         cache_read_only: false,
@@ -51,8 +51,13 @@ fn build_base(name: &str) -> Base {
         plan_finalists: ipuq_queries::lower::search::DEFAULT_FINALISTS,
         table_budget: ipuq_queries::sizing::EXCHANGE_TABLE_BUDGET_BYTES,
         remote: None,
-    };
-    let built = ipuq::build::build(&workload, &options).expect("the fixture builds");
+    }
+}
+
+fn build_base(name: &str) -> Base {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let workload = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/workloads").join(name);
+    let built = ipuq::build::build(&workload, &small16_options(dir.path())).expect("the fixture builds");
     let package = ipuq::build::read_package(&built.path).expect("the fixture's package reads");
     let graph = ipuq_queries::ir::Graph::parse(&package.workload_toml, "embedded").expect("embedded workload");
     let data = ipuq::workload::tensor_data(&graph, dir.path()).expect("input data");

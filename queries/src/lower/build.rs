@@ -204,8 +204,8 @@ struct Builder<'a> {
     /// (`Partial::replication_capped`).
     replication_cap: u32,
     /// The most bytes a matrix product's A block or B block may take on a tile (u64::MAX: no
-    /// cap). Set only by the last resort of [`super::search::lower_feasible`]
-    /// (`Partial::block_capped`), when no arrangement fits at the planner's own partitions.
+    /// cap). Set only by the planner's last resort (`fit_block_capped` in `search.rs`,
+    /// `Partial::block_capped`), when no program of the beam fits in any weight arrangement.
     block_cap: u64,
     /// Per operation index: bytes per tile that other operations keep live while it runs
     /// (total, and in interleaved memory), from an earlier lowering of the whole program.

@@ -1534,9 +1534,8 @@ fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attem
 
 /// The last resort of `feasible_finalists`, tried only when no program of the beam fits in
 /// any weight arrangement of [`lower_feasible`] (so no build that succeeds without it changes,
-/// nor its time): every matrix product planned with its A block
-/// and its B block each at most a tile's standard region beside the code reserve, then half
-/// of it (`Partial::block_capped`), weights replicated, on aligned home tiles, then on
+/// nor its time): every matrix product planned with its A block and its B block each at most
+/// a tile's standard region beside the code reserve, then half of it (`Partial::block_capped`), weights replicated, on aligned home tiles, then on
 /// rotated ones, each made feasible like the arrangements (re-planned with the other
 /// operations' resident bytes, up to `ROUNDS`). The planner's own partitions are the fastest
 /// by its estimate, but where a gathered operand block or a weight block fills most of a
