@@ -34,17 +34,35 @@ pub struct Placement {
     pub peak_interleaved: Vec<u32>,
 }
 
-#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
-#[error("tile {tile}: '{label}' needs {bytes} bytes of {region} memory alive at steps {first}..={last}, but only {capacity} bytes of {region} memory exist and the rest is taken")]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PlacementError {
     pub tile: u32,
     pub label: String,
     pub bytes: u32,
+    /// The region the buffer prefers, and its bytes.
     pub region: &'static str,
     pub capacity: u32,
+    /// The other region, and its bytes, where the buffer may go there too and found no room
+    /// either (a data buffer; partials go only to interleaved memory).
+    pub also: Option<(&'static str, u32)>,
     pub first: u32,
     pub last: u32,
 }
+
+impl std::fmt::Display for PlacementError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let PlacementError { tile, label, bytes, region, capacity, first, last, .. } = self;
+        match self.also {
+            None => write!(f, "tile {tile}: '{label}' needs {bytes} bytes of {region} memory alive at steps {first}..={last}, but only {capacity} bytes of {region} memory exist and the rest is taken"),
+            Some((other, other_capacity)) => write!(
+                f,
+                "tile {tile}: '{label}' needs {bytes} bytes of {region} or {other} memory alive at steps {first}..={last}, but neither has room: only {capacity} bytes of {region} and {other_capacity} bytes of {other} memory exist and the rest is taken"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for PlacementError {}
 
 /// One tile's result: (buffer, address) pairs, its code range, and its peaks per region.
 type TilePlacement = (Vec<(u32, u32)>, (u32, u32), u32, u32);
@@ -316,14 +334,18 @@ fn place_tile(m: &crate::target::Memory, lowered: &Lowered, rules: &ExchangeRule
             }
         }
         if !done {
-            let inter = regions[0];
-            let range = if inter { interleaved } else { standard };
+            let region = |inter: bool| {
+                let range = if inter { interleaved } else { standard };
+                (if inter { "interleaved" } else { "standard" }, range.1 - range.0)
+            };
+            let (name, capacity) = region(regions[0]);
             return Err(PlacementError {
                 tile: tile as u32,
                 label: lowered.labels[b.label as usize].clone(),
                 bytes: b.bytes,
-                region: if inter { "interleaved" } else { "standard" },
-                capacity: range.1 - range.0,
+                region: name,
+                capacity,
+                also: regions.get(1).map(|&inter| region(inter)),
                 first: b.first_step,
                 last: b.last_step,
             });
@@ -412,6 +434,30 @@ pub(crate) mod tests {
             logical_shards: 1,
             half_duplex: Vec::new(),
         }
+    }
+
+    /// A data buffer that finds room in neither region is reported with both, the one it
+    /// prefers first; partials, which only interleaved memory takes, name that region alone.
+    #[test]
+    fn a_buffer_with_no_room_in_either_region_names_both() {
+        let target = Target::from_toml(crate::target::fixtures::SMALL16, "small16.toml").unwrap();
+        let m = &target.memory;
+        let (standard, interleaved) = (m.interleaved_start - m.base, m.loader_limit - m.interleaved_start);
+        let too_big = standard.max(interleaved) + 8;
+        let mut l = partials(&[(too_big, 0, 1)]);
+        l.buffers[0].kind = AllocationKind::Data;
+        l.buffers[0].prefer_interleaved = false;
+        let error = place_storage(&target, &l, &[0]).expect_err("larger than either region");
+        assert_eq!((error.region, error.also), ("standard", Some(("interleaved", interleaved))));
+        let text = error.to_string();
+        assert!(text.contains(&format!("needs {too_big} bytes of standard or interleaved memory")) && text.contains("neither has room"), "{text}");
+        assert!(text.contains(&format!("{interleaved} bytes of interleaved")), "{text}");
+        l.buffers[0].prefer_interleaved = true;
+        let error = place_storage(&target, &l, &[0]).expect_err("larger than either region");
+        assert_eq!((error.region, error.also.map(|a| a.0)), ("interleaved", Some("standard")));
+        let partial = place_storage(&target, &partials(&[(too_big, 0, 1)]), &[0]).expect_err("larger than interleaved memory");
+        assert_eq!(partial.also, None);
+        assert_eq!(partial.to_string(), format!("tile 0: 'b0' needs {too_big} bytes of interleaved memory alive at steps 0..=1, but only {interleaved} bytes of interleaved memory exist and the rest is taken"));
     }
 
     /// Strict rules never put a buffer in an element its opposite holds: where only that
