@@ -5,7 +5,8 @@
 //! fetch works only there). AMP partials go to interleaved memory, 16-byte aligned;
 //! matrix-product weights prefer interleaved memory (128-bit weight loads); everything else
 //! prefers standard memory. First fit by start step; a buffer that fits nowhere is an error
-//! naming the tile, the region, the bytes and the capacity.
+//! naming the tile, the buffer, its bytes and steps, and each region it may use with its
+//! capacity and the bytes taken there at those steps (`PlacementError`).
 //!
 //! A matrix product's streamed input (A) and its output (C: partials or f16) never share a
 //! memory element: the AMP's inner loop loads the input and the partials and stores partials
@@ -39,24 +40,34 @@ pub struct PlacementError {
     pub tile: u32,
     pub label: String,
     pub bytes: u32,
-    /// The region the buffer prefers, and its bytes.
+    /// The region the buffer prefers, its bytes, and the most bytes of other buffers live there
+    /// at one of the buffer's steps.
     pub region: &'static str,
     pub capacity: u32,
-    /// The other region, and its bytes, where the buffer may go there too and found no room
-    /// either (a data buffer; partials go only to interleaved memory).
-    pub also: Option<(&'static str, u32)>,
+    pub live: u64,
+    /// The other region (name, bytes, most bytes live), where the buffer may go there too and
+    /// found no room either (a data buffer; partials go only to interleaved memory).
+    pub also: Option<(&'static str, u32, u64)>,
     pub first: u32,
     pub last: u32,
 }
 
 impl std::fmt::Display for PlacementError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let PlacementError { tile, label, bytes, region, capacity, first, last, .. } = self;
+        let PlacementError { tile, label, bytes, region, capacity, live, first, last, .. } = self;
+        // A region whose live bytes leave room for the buffer failed on its free pieces
+        // (fragmentation, alignment, or the memory-element rules).
+        let room = |region: &str, capacity: u32, live: u64| {
+            let pieces = if live + *bytes as u64 <= capacity as u64 { " and the rest in pieces too small" } else { "" };
+            format!("{capacity} bytes of {region} memory, {live} of them taken then{pieces}")
+        };
         match self.also {
-            None => write!(f, "tile {tile}: '{label}' needs {bytes} bytes of {region} memory alive at steps {first}..={last}, but only {capacity} bytes of {region} memory exist and the rest is taken"),
-            Some((other, other_capacity)) => write!(
+            None => write!(f, "tile {tile}: '{label}' needs {bytes} bytes of {region} memory alive at steps {first}..={last}, but there are only {}", room(region, *capacity, *live)),
+            Some((other, other_capacity, other_live)) => write!(
                 f,
-                "tile {tile}: '{label}' needs {bytes} bytes of {region} or {other} memory alive at steps {first}..={last}, but neither has room: only {capacity} bytes of {region} and {other_capacity} bytes of {other} memory exist and the rest is taken"
+                "tile {tile}: '{label}' needs {bytes} bytes of {region} or {other} memory alive at steps {first}..={last}, but neither has room: there are only {}, and {}",
+                room(region, *capacity, *live),
+                room(other, other_capacity, other_live)
             ),
         }
     }
@@ -334,17 +345,21 @@ fn place_tile(m: &crate::target::Memory, lowered: &Lowered, rules: &ExchangeRule
             }
         }
         if !done {
+            // The most bytes the region's placed buffers hold at one of this buffer's steps
+            // (those placed are the ones that can overlap it: see the pruning above).
+            let live = |placed: &[Placed]| (b.first_step..=b.last_step).map(|step| placed.iter().filter(|p| p.first <= step && step <= p.last).map(|p| (p.end - p.start) as u64).sum::<u64>()).max().unwrap_or(0);
             let region = |inter: bool| {
-                let range = if inter { interleaved } else { standard };
-                (if inter { "interleaved" } else { "standard" }, range.1 - range.0)
+                let (range, placed) = if inter { (interleaved, &placed_int) } else { (standard, &placed_std) };
+                (if inter { "interleaved" } else { "standard" }, range.1 - range.0, live(placed))
             };
-            let (name, capacity) = region(regions[0]);
+            let (name, capacity, taken) = region(regions[0]);
             return Err(PlacementError {
                 tile: tile as u32,
                 label: lowered.labels[b.label as usize].clone(),
                 bytes: b.bytes,
                 region: name,
                 capacity,
+                live: taken,
                 also: regions.get(1).map(|&inter| region(inter)),
                 first: b.first_step,
                 last: b.last_step,
@@ -448,16 +463,22 @@ pub(crate) mod tests {
         l.buffers[0].kind = AllocationKind::Data;
         l.buffers[0].prefer_interleaved = false;
         let error = place_storage(&target, &l, &[0]).expect_err("larger than either region");
-        assert_eq!((error.region, error.also), ("standard", Some(("interleaved", interleaved))));
+        assert_eq!((error.region, error.also), ("standard", Some(("interleaved", interleaved, 0))));
         let text = error.to_string();
         assert!(text.contains(&format!("needs {too_big} bytes of standard or interleaved memory")) && text.contains("neither has room"), "{text}");
-        assert!(text.contains(&format!("{interleaved} bytes of interleaved")), "{text}");
+        assert!(text.contains(&format!("{interleaved} bytes of interleaved memory, 0 of them taken then,")) || text.ends_with(&format!("{interleaved} bytes of interleaved memory, 0 of them taken then")), "{text}");
         l.buffers[0].prefer_interleaved = true;
         let error = place_storage(&target, &l, &[0]).expect_err("larger than either region");
         assert_eq!((error.region, error.also.map(|a| a.0)), ("interleaved", Some("standard")));
         let partial = place_storage(&target, &partials(&[(too_big, 0, 1)]), &[0]).expect_err("larger than interleaved memory");
         assert_eq!(partial.also, None);
-        assert_eq!(partial.to_string(), format!("tile 0: 'b0' needs {too_big} bytes of interleaved memory alive at steps 0..=1, but only {interleaved} bytes of interleaved memory exist and the rest is taken"));
+        assert_eq!(partial.to_string(), format!("tile 0: 'b0' needs {too_big} bytes of interleaved memory alive at steps 0..=1, but there are only {interleaved} bytes of interleaved memory, 0 of them taken then"));
+        // Partials beside a buffer live at step 1 only: at steps 0..=1 the most taken is that
+        // buffer's; where the taken bytes leave room, the free bytes are in pieces too small.
+        let half = interleaved / 2 / 8 * 8;
+        let error = place_storage(&target, &partials(&[(half + 8, 1, 1), (half + 8, 0, 1)]), &[0]).expect_err("two halves and more");
+        assert_eq!((error.label.as_str(), error.live), ("b0", half as u64 + 8), "{error}");
+        assert!(!error.to_string().contains("pieces"), "{error}");
     }
 
     /// Strict rules never put a buffer in an element its opposite holds: where only that
@@ -549,6 +570,8 @@ pub(crate) mod tests {
         let input = (region - 4096) / m.interleaved_element_bytes * m.interleaved_element_bytes + 1024;
         let error = place_storage(&target, &program(input, 1024), &[0]).expect_err("only the input's element has room");
         assert_eq!((error.label.as_str(), error.region), ("c", "interleaved"));
+        // Enough bytes are free, but only in the input's element: the error says so.
+        assert!(error.to_string().contains(&format!("{input} of them taken then and the rest in pieces too small")), "{error}");
     }
 
     /// When tiles do not fit, the error is the lowest failing tile's at any thread count
