@@ -28,8 +28,8 @@ pub const CODE_RESERVE_BYTES: u64 = 48 * 1024;
 
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
 pub enum LowerError {
-    #[error("operation '{operation}': no {kind} plan fits in tile memory ({budget} bytes per tile) on {tiles} tiles")]
-    NoPlan { operation: String, kind: String, budget: u64, tiles: u32 },
+    #[error("operation '{operation}': no {kind} plan fits in tile memory ({budget} bytes per tile) on {tiles} tiles{}", .least.map_or(String::new(), |n| format!("; the smallest needs {n} bytes per tile")))]
+    NoPlan { operation: String, kind: String, budget: u64, tiles: u32, least: Option<u64> },
     #[error("operation '{operation}': moving value '{value}' needs sub-word transfers (element offset {offset} of a {dtype} row); ipuq moves whole 32-bit words")]
     SubWord { operation: String, value: String, offset: u32, dtype: &'static str },
     #[error("output '{output}' is a view of input '{input}': no operation computes it")]
@@ -1379,9 +1379,9 @@ impl<'a> Builder<'a> {
         };
         let parts = format!("{b_batches} {a_rank3} {b_rank3} {home_b} {a_input} {b_input} {:?} {:?}|A {} {}|B {}", av.dtype, bv.dtype, layout(&a_chain), self.gathered_signature(a), layout(&b_chain));
         let key = candidates::signature(self.target, &problem, &parts);
-        let planned = candidates::planned(self.target, &problem, key).map_err(|reason| match constraint {
-            Some(_) => LowerError::Constraint { operation: original_name.clone(), reason },
-            None => LowerError::NoPlan { operation: self.operation_name.clone(), kind: "matmul".into(), budget: self.budget(), tiles: self.target.chip.tiles },
+        let planned = candidates::planned(self.target, &problem, key).map_err(|no| match constraint {
+            Some(_) => LowerError::Constraint { operation: original_name.clone(), reason: no.reason },
+            None => LowerError::NoPlan { operation: self.operation_name.clone(), kind: "matmul".into(), budget: self.budget(), tiles: self.target.chip.tiles, least: no.least },
         })?;
         let plan = planned.plan;
         if plan_only {

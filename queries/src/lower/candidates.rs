@@ -11,14 +11,14 @@
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 
-use super::plan::{plan_matmul, MatMulProblem, Planned};
+use super::plan::{plan_matmul, MatMulProblem, NoPlan, Planned};
 use crate::hash::{Digest, KeyHasher};
 use crate::target::Target;
 
 /// Entries kept before the memo starts over (a long `watch` session stays bounded).
 const CAPACITY: usize = 4096;
 
-type Memo = Mutex<HashMap<Digest, Result<Planned, String>>>;
+type Memo = Mutex<HashMap<Digest, Result<Planned, NoPlan>>>;
 
 fn memo() -> &'static Memo {
     static MEMO: OnceLock<Memo> = OnceLock::new();
@@ -58,7 +58,7 @@ pub fn signature(target: &Target, problem: &MatMulProblem, parts: &str) -> Diges
 }
 
 /// `plan_matmul`, memoized by `key` (from [`signature`]).
-pub fn planned(target: &Target, problem: &MatMulProblem, key: Digest) -> Result<Planned, String> {
+pub fn planned(target: &Target, problem: &MatMulProblem, key: Digest) -> Result<Planned, NoPlan> {
     if let Some(hit) = memo().lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
         return hit.clone();
     }

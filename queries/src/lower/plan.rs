@@ -127,6 +127,14 @@ pub struct MatMulProblem<'a> {
     pub tiles: u32,
 }
 
+/// Why no plan was chosen: the reason (for a user's constraint, what fits without it), and
+/// without a constraint the fewest bytes per tile of the plans refused only for their size.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NoPlan {
+    pub reason: String,
+    pub least: Option<u64>,
+}
+
 /// The plan chosen, and how many feasible candidates matched the user's constraint.
 #[derive(Clone, Debug)]
 pub struct Planned {
@@ -169,28 +177,30 @@ fn max_extent(c: &[u32]) -> u32 {
 }
 
 /// The cheapest feasible plan (ties: fewer tiles) that honours the constraint, or why none does.
-pub fn plan_matmul(t: &Target, p: &MatMulProblem) -> Result<Planned, String> {
+pub fn plan_matmul(t: &Target, p: &MatMulProblem) -> Result<Planned, NoPlan> {
     let mut matching = 0u32;
     let mut best: Option<MatMulPlan> = None;
+    let mut least: Option<u64> = None;
     search(t, p, p.constraint, &mut |c| {
         matching += 1;
         if best.as_ref().is_none_or(|b| (c.total(), c.tiles()) < (b.total(), b.tiles())) {
             best = Some(c);
         }
-    });
+    }, &mut least);
     if let Some(plan) = best {
         return Ok(Planned { plan, matching_plans: if p.constraint.is_some() { matching } else { 0 } });
     }
-    let Some(constraint) = p.constraint else { return Err("no plan fits in tile memory".into()) };
+    let Some(constraint) = p.constraint else { return Err(NoPlan { reason: "no plan fits in tile memory".into(), least }) };
+    let fail = |reason: String| NoPlan { reason, least: None };
     // Say what fits without the constraint, per field the user gave.
     let mut feasible: Vec<[u32; 3]> = Vec::new();
     let mut standard_only = true;
     search(t, p, None, &mut |c| {
         feasible.push([c.pm, c.pn, c.pk]);
         standard_only &= c.weights_standard;
-    });
+    }, &mut None);
     if feasible.is_empty() {
-        return Err(format!("the constraint ({}) cannot help: no plan fits in tile memory", constraint.describe()));
+        return Err(fail(format!("the constraint ({}) cannot help: no plan fits in tile memory", constraint.describe())));
     }
     let mut reasons = Vec::new();
     let block = t.costs.gemm_block as u32;
@@ -213,11 +223,12 @@ pub fn plan_matmul(t: &Target, p: &MatMulProblem) -> Result<Planned, String> {
     if reasons.is_empty() {
         reasons.push("the combination of fields".into());
     }
-    Err(format!("no plan fits with {}: {}", constraint.describe(), reasons.join("; ")))
+    Err(fail(format!("no plan fits with {}: {}", constraint.describe(), reasons.join("; "))))
 }
 
-/// Every feasible candidate, restricted to `constraint`'s partitions when given.
-fn search(t: &Target, p: &MatMulProblem, constraint: Option<&PlanConstraint>, found: &mut dyn FnMut(MatMulPlan)) {
+/// Every feasible candidate, restricted to `constraint`'s partitions when given; `least`: the
+/// fewest bytes per tile of the candidates refused only for needing more than the budget.
+fn search(t: &Target, p: &MatMulProblem, constraint: Option<&PlanConstraint>, found: &mut dyn FnMut(MatMulPlan), least: &mut Option<u64>) {
     let tiles = p.tiles.min(t.chip.tiles);
     let block = t.costs.gemm_block as u32;
     let sync = t.exchange.sync_cycles;
@@ -258,8 +269,10 @@ fn search(t: &Target, p: &MatMulProblem, constraint: Option<&PlanConstraint>, fo
                 for pm in pms {
                     let m_cuts = split(p.m, pm, p.m_align);
                     let weights = constraint.and_then(|c| c.weight_memory.as_deref());
-                    if let Some(candidate) = cost_plan(t, p, b_cuts.clone(), m_cuts, n_cuts.clone(), k_cuts.clone(), sync, max_delay, weights) {
-                        found(candidate);
+                    match cost_plan(t, p, b_cuts.clone(), m_cuts, n_cuts.clone(), k_cuts.clone(), sync, max_delay, weights) {
+                        Ok(candidate) => found(candidate),
+                        Err(Some(bytes)) => *least = Some(least.map_or(bytes, |l| l.min(bytes))),
+                        Err(None) => {}
                     }
                 }
             }
@@ -268,7 +281,10 @@ fn search(t: &Target, p: &MatMulProblem, constraint: Option<&PlanConstraint>, fo
 }
 
 #[allow(clippy::too_many_arguments)]
-fn cost_plan(t: &Target, p: &MatMulProblem, b_cuts: Vec<u32>, m_cuts: Vec<u32>, n_cuts: Vec<u32>, k_cuts: Vec<u32>, sync: u64, max_delay: u32, weights: Option<&str>) -> Option<MatMulPlan> {
+/// A candidate's plan, or why not: `Err(Some(bytes))` when it needs `bytes` a tile, more than the
+/// budget, `Err(None)` for any other reason (a block or partials over their caps, weights
+/// constrained to a region they do not fit).
+fn cost_plan(t: &Target, p: &MatMulProblem, b_cuts: Vec<u32>, m_cuts: Vec<u32>, n_cuts: Vec<u32>, k_cuts: Vec<u32>, sync: u64, max_delay: u32, weights: Option<&str>) -> Result<MatMulPlan, Option<u64>> {
     let (bs, ms, ns, ks) = (max_extent(&b_cuts), max_extent(&m_cuts), max_extent(&n_cuts), max_extent(&k_cuts));
     let pk = cuts_len(&k_cuts);
     let mut plan = MatMulPlan {
@@ -312,13 +328,13 @@ fn cost_plan(t: &Target, p: &MatMulProblem, b_cuts: Vec<u32>, m_cuts: Vec<u32>, 
     let stored_f32: u64 = if by_columns { pk as u64 * block as u64 } else { ns_f32 as u64 };
     let partials_bytes = if pk > 1 { bs as u64 * ms as u64 * stored_f32 * 4 + receive_words * 4 } else { 0 };
     if partials_bytes > interleaved || a_bytes.max(b_bytes) > p.max_block_bytes {
-        return None;
+        return Err(None);
     }
     let a_in_interleaved = if a_bytes > standard { a_bytes } else { 0 };
     let fits_interleaved = a_in_interleaved + b_bytes + partials_bytes <= interleaved;
     let class = match weights {
         Some("standard") => WeightClass::Standard,
-        Some(_) if !fits_interleaved => return None,
+        Some(_) if !fits_interleaved => return Err(None),
         _ if fits_interleaved => WeightClass::Interleaved,
         _ => WeightClass::Standard,
     };
@@ -351,7 +367,7 @@ fn cost_plan(t: &Target, p: &MatMulProblem, b_cuts: Vec<u32>, m_cuts: Vec<u32>, 
         }
     }
     if bytes > p.memory_budget {
-        return None;
+        return Err(Some(bytes));
     }
     let mut gather = 0u64;
     let bound = (p.gather_bound)(&plan);
@@ -373,5 +389,57 @@ fn cost_plan(t: &Target, p: &MatMulProblem, b_cuts: Vec<u32>, m_cuts: Vec<u32>, 
     plan.exchange_cycles = exchange;
     plan.peak_bytes = bytes;
     plan.weights_standard = class == WeightClass::Standard;
-    Some(plan)
+    Ok(plan)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::target::{fixtures, Target};
+
+    /// A 256 x 512 x 512 product on small16's 16 tiles whose operands the host writes (no
+    /// gathers), planned within `budget` bytes a tile; the regions' budgets are the target's.
+    fn plan(t: &Target, budget: u64) -> Result<Planned, NoPlan> {
+        let none = |_: &MatMulPlan, _: u32| 0u64;
+        let bound = |_: &MatMulPlan| 0u64;
+        let m = &t.memory;
+        let problem = MatMulProblem {
+            batches: 1,
+            m: 256,
+            k: 512,
+            n: 512,
+            b_transposed: false,
+            whole_rows: false,
+            m_align: 1,
+            epilogue: None,
+            remote_a_words: &none,
+            remote_b_words: &none,
+            gather_bound: &bound,
+            a_gathered: false,
+            b_gathered: false,
+            memory_budget: budget,
+            interleaved_budget: (m.loader_limit - m.interleaved_start) as u64,
+            standard_budget: (m.interleaved_start - m.base) as u64,
+            constraint: None,
+            max_row_partitions: u32::MAX,
+            max_column_partitions: u32::MAX,
+            max_block_bytes: u64::MAX,
+            first_tile: 0,
+            tiles: 16,
+        };
+        plan_matmul(t, &problem)
+    }
+
+    /// A product no plan of which fits says how many bytes its smallest plan needs, and that
+    /// is exactly the budget from which a plan fits.
+    #[test]
+    fn a_product_that_fits_nowhere_says_what_its_smallest_plan_needs() {
+        let t = Target::from_toml(fixtures::SMALL16, "small16.toml").unwrap();
+        let refused = plan(&t, 4096).expect_err("no plan of this product fits in 4 KiB a tile");
+        let least = refused.least.expect("plans refused for their size alone");
+        assert!(least > 4096, "{least}");
+        let fits = plan(&t, least).expect("the smallest plan fits its own bytes");
+        assert_eq!(fits.plan.peak_bytes, least);
+        assert_eq!(plan(&t, least - 1).expect_err("one byte less").least, Some(least));
+    }
 }
