@@ -280,10 +280,10 @@ fn search(t: &Target, p: &MatMulProblem, constraint: Option<&PlanConstraint>, fo
     }
 }
 
-#[allow(clippy::too_many_arguments)]
 /// A candidate's plan, or why not: `Err(Some(bytes))` when it needs `bytes` a tile, more than the
 /// budget, `Err(None)` for any other reason (a block or partials over their caps, weights
 /// constrained to a region they do not fit).
+#[allow(clippy::too_many_arguments)]
 fn cost_plan(t: &Target, p: &MatMulProblem, b_cuts: Vec<u32>, m_cuts: Vec<u32>, n_cuts: Vec<u32>, k_cuts: Vec<u32>, sync: u64, max_delay: u32, weights: Option<&str>) -> Result<MatMulPlan, Option<u64>> {
     let (bs, ms, ns, ks) = (max_extent(&b_cuts), max_extent(&m_cuts), max_extent(&n_cuts), max_extent(&k_cuts));
     let pk = cuts_len(&k_cuts);
