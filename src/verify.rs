@@ -2,7 +2,9 @@
 //!
 //! An element passes when `|device − reference| ≤ relative·|reference| + floor·largest`, where
 //! `largest` is the largest finite magnitude in the reference tensor. Any NaN or infinity in the
-//! device's values fails, whatever the reference says. The figure reported is the maximum
+//! device's values fails, whatever the reference says, and so does any element whose reference
+//! is not finite (a run's inputs are refused if they hold NaN or overflow their dtype; an
+//! infinity given as such reaches the outputs it touches, and those fail). The figure reported is the maximum
 //! absolute error, with the index and both values of the worst element.
 //!
 //! Why these numbers, for f16 values (relative = floor = 2⁻⁷ ≈ 0.0078):
@@ -141,16 +143,24 @@ fn tally(pairs: impl Iterator<Item = (u64, f32, f32)>, largest: f64, tolerance: 
     };
     for (index, reference, device) in pairs {
         comparison.elements += 1;
-        let error = if device.is_finite() {
-            (device as f64 - reference as f64).abs()
-        } else {
+        if !device.is_finite() {
             comparison.non_finite += 1;
+        }
+        // A non-finite device value fails, and a non-finite reference can only be matched by
+        // one: either way the element is outside the tolerance (its limit would be infinite
+        // or undefined there, so the ratio is not taken).
+        let finite = device.is_finite() && reference.is_finite();
+        let error = if finite { (device as f64 - reference as f64).abs() } else { f64::INFINITY };
+        let limit = tolerance.limit(reference as f64, largest);
+        let ratio = if !finite {
+            f64::INFINITY
+        } else if error == 0.0 {
+            0.0
+        } else if limit > 0.0 {
+            error / limit
+        } else {
             f64::INFINITY
         };
-        // A non-finite reference can only be matched by a non-finite device value, which fails.
-        let error = if error.is_nan() { f64::INFINITY } else { error };
-        let limit = tolerance.limit(reference as f64, largest);
-        let ratio = if error == 0.0 { 0.0 } else if limit > 0.0 { error / limit } else { f64::INFINITY };
         if ratio > 1.0 {
             comparison.violations += 1;
         }

@@ -521,6 +521,23 @@ fn checkpoint_weights_and_npy_inputs_enter_the_run_and_changed_files_are_refused
     assert_error(&out, &["bad.npy", "not an input"]);
     let out = run(&workload, &["--input", "x"]);
     assert_error(&out, &["NAME=FILE.npy"]);
+    // Values a run cannot take: a NaN, and a finite value beyond f16's range, each named by
+    // its element; an infinity given as such is taken (the output is then not finite, and
+    // the verdict fails, exit 1).
+    let mut odd = x.clone();
+    odd[HIDDEN + 2] = f32::NAN;
+    write_npy(&dir.path().join("nan.npy"), DType::F32, &[16, HIDDEN as u64], &odd).unwrap();
+    let out = run(&workload, &["--input", "x=nan.npy"]);
+    assert_error(&out, &["--input x=nan.npy: nan.npy: element [1, 2] is NaN"]);
+    odd[HIDDEN + 2] = -7.0e4;
+    write_npy(&dir.path().join("big.npy"), DType::F32, &[16, HIDDEN as u64], &odd).unwrap();
+    let out = run(&workload, &["--input", "x=big.npy"]);
+    assert_error(&out, &["big.npy: element [1, 2] is -70000, beyond f16's range (largest finite 65504)"]);
+    odd[HIDDEN + 2] = f32::NEG_INFINITY;
+    write_npy(&dir.path().join("inf.npy"), DType::F32, &[16, HIDDEN as u64], &odd).unwrap();
+    let out = run(&workload, &["--input", "x=inf.npy"]);
+    assert_eq!(out.code, 1, "an infinite input is run and fails the check: {}", out.stderr);
+    assert!(out.stdout.contains("numericalTest=FAIL"), "{}", out.stdout);
 
     // Other weights under the same name: the digest no longer matches.
     let mut changed = siglip_tensors(Dtype::F32);
@@ -533,6 +550,15 @@ fn checkpoint_weights_and_npy_inputs_enter_the_run_and_changed_files_are_refused
     std::fs::write(model.join("model.safetensors"), &bytes[..bytes.len() / 2]).unwrap();
     let out = run(&workload, &[]);
     assert_error(&out, &["m/model.safetensors", "truncated"]);
+    // A checkpoint value beyond f16's range: refused at load, naming the workload's tensor,
+    // the element and the checkpoint's tensor and file.
+    let mut wide = siglip_tensors(Dtype::F32);
+    wide.iter_mut().find(|t| t.name == name).unwrap().values[HIDDEN + 5] = 1.0e5;
+    std::fs::write(model.join("model.safetensors"), safetensors_bytes(&wide)).unwrap();
+    let digest = read_tensor(&model.join("model.safetensors"), name).unwrap().digest();
+    std::fs::write(&workload, product_workload(&model, &digest)).unwrap();
+    let out = run(&workload, &[]);
+    assert_error(&out, &["tensor 'w': element [1, 5] is 100000, beyond f16's range", name, "m/model.safetensors"]);
     // A digest that is not blake3 hex is refused when the workload is read.
     std::fs::write(&workload, product_workload(&model, "abc")).unwrap();
     let out = run(&workload, &[]);

@@ -222,6 +222,18 @@ fn verification_reports_the_worst_element_and_rejects_non_finite_values() {
         let result = compare(&reference, &device, Tolerance::for_dtype(DType::F16)).unwrap();
         assert!(!result.passed && result.non_finite == 1 && result.max_abs_error.is_infinite() && result.worst_index == 1, "{result:?}");
     }
+    // An infinite reference (an infinite input reaches the output) matches nothing: neither
+    // the same infinity on the device nor a finite value (the limit there is infinite, and a
+    // ratio of infinities must not pass for agreement).
+    let mut infinite = reference.clone();
+    infinite[3] = f32::NEG_INFINITY;
+    for device_value in [f32::NEG_INFINITY, 4.0, f32::NAN] {
+        let mut device = reference.clone();
+        device[3] = device_value;
+        let result = compare(&infinite, &device, Tolerance::for_dtype(DType::F16)).unwrap();
+        assert!(!result.passed && result.violations == 1 && result.max_abs_error.is_infinite() && result.worst_index == 3, "{device_value}: {result:?}");
+        assert_eq!(result.non_finite, usize::from(!device_value.is_finite()));
+    }
     assert!(compare(&reference, &reference[..3], Tolerance::for_dtype(DType::F16)).unwrap_err().to_string().contains("3 values"));
     assert!(compare_bytes(&reference, &[0u8; 7], DType::F16).is_err());
 

@@ -228,6 +228,7 @@ fn npy_initialisers_resolve_against_the_workload_folder() {
     std::fs::create_dir(folder.path().join("data")).unwrap();
     write_npy(&folder.path().join("data/w.npy"), DType::F16, &[2, 2], &[1.0, 2.0, 3.0, 4.0]).unwrap();
     write_npy(&folder.path().join("data/w32.npy"), DType::F32, &[2, 2], &[1.0, 2.0, 3.0, 4.0]).unwrap();
+    write_npy(&folder.path().join("data/nan.npy"), DType::F16, &[2, 2], &[1.0, 2.0, f32::NAN, 4.0]).unwrap();
     let workload = |path: &str, shape: &str| {
         format!(
             "name = \"npy\"\noutputs = [\"y\"]\n[[tensor]]\nname = \"w\"\nshape = {shape}\ndtype = \"f16\"\nrole = \"weight\"\ninit = {{ npy = {{ path = \"{path}\" }} }}\n\
@@ -245,6 +246,7 @@ fn npy_initialisers_resolve_against_the_workload_folder() {
         ("data/w.npy", "[4]", "has shape [2, 2], the tensor is declared with shape [4]"),
         ("data/w32.npy", "[2, 2]", "holds f32 values, the tensor is declared f16"),
         ("data/missing.npy", "[2, 2]", "cannot read"),
+        ("data/nan.npy", "[2, 2]", "element [1, 0] is NaN (in "),
     ] {
         let graph = Graph::parse(&workload(path, shape), "npy").unwrap();
         let error = tensor_data(&graph, folder.path()).unwrap_err().to_string();

@@ -40,10 +40,55 @@ impl TensorData {
         if elements != values.len() as u64 {
             return Err(DataError::Count { tensor: "<values>".into(), shape, count: values.len() });
         }
+        unrepresentable(dtype, &shape, &values)?;
         let values: Vec<f32> = values.into_par_iter().map(|v| round_to(dtype, v as f64)).collect();
         let bytes = encode(&values, dtype);
         Ok(TensorData { dtype, shape, values, bytes })
     }
+}
+
+/// The first element of `values` (given in f32, to be rounded to `dtype`) that a run cannot
+/// take: NaN (no verdict against the host reference could come of it: it reaches every output
+/// it touches), or a finite value that rounds to infinity in `dtype`. Infinities given as such
+/// are taken (an additive attention mask holds −∞).
+fn unrepresentable(dtype: DType, shape: &[u32], values: &[f32]) -> Result<(), DataError> {
+    let bad = |v: &f32| v.is_nan() || (v.is_finite() && round_to(dtype, *v as f64).is_infinite());
+    let Some(at) = values.par_iter().position_first(bad) else { return Ok(()) };
+    let value = values[at];
+    let problem = if value.is_nan() {
+        "is NaN".to_string()
+    } else {
+        format!("is {value}, beyond {}'s range (largest finite {})", dtype.name(), largest_finite(dtype))
+    };
+    Err(DataError::Element { tensor: None, element: element_index(shape, at), problem })
+}
+
+/// The first element of a drawn initialiser's `values` (already rounded to `dtype`) that
+/// rounded to infinity: its distribution reaches beyond the dtype's range.
+fn drawn_overflow(declaration: &TensorDecl, values: &[f32]) -> Result<(), DataError> {
+    let Some(at) = values.par_iter().position_first(|v| v.is_infinite()) else { return Ok(()) };
+    let dtype = declaration.dtype;
+    let problem = format!("drawn by its initialiser rounds to {} in {} (largest finite {}): the initialiser's range is too wide for the dtype", values[at], dtype.name(), largest_finite(dtype));
+    Err(DataError::Element { tensor: Some(declaration.name.clone()), element: element_index(&declaration.shape, at), problem })
+}
+
+/// The largest finite value of `dtype`.
+fn largest_finite(dtype: DType) -> f32 {
+    match dtype {
+        DType::F16 => f16::MAX.to_f32(),
+        DType::F32 => f32::MAX,
+    }
+}
+
+/// The row-major index of flat element `at` of a tensor of `shape`.
+fn element_index(shape: &[u32], mut at: usize) -> Vec<u64> {
+    let mut index = vec![0u64; shape.len()];
+    for (slot, &extent) in index.iter_mut().zip(shape).rev() {
+        let extent = extent.max(1) as usize;
+        *slot = (at % extent) as u64;
+        at /= extent;
+    }
+    index
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -60,6 +105,21 @@ pub enum DataError {
     Safetensors { tensor: String, source: ImportError },
     #[error("{length} bytes are not a whole number of {dtype} values")]
     ByteLength { length: usize, dtype: &'static str },
+    /// An element a run cannot take (`unrepresentable`, `drawn_overflow`), with the tensor
+    /// where it is known.
+    #[error("{}element {element:?} {problem}", tensor.as_ref().map(|t| format!("tensor '{t}': ")).unwrap_or_default())]
+    Element { tensor: Option<String>, element: Vec<u64>, problem: String },
+}
+
+impl DataError {
+    /// An [`DataError::Element`] named after `tensor` (and what it was read from), others as
+    /// they are.
+    fn in_tensor(self, tensor: &str, origin: impl FnOnce() -> String) -> DataError {
+        match self {
+            DataError::Element { tensor: None, element, problem } => DataError::Element { tensor: Some(tensor.to_string()), element, problem: format!("{problem} (in {})", origin()) },
+            other => other,
+        }
+    }
 }
 
 /// The values of every tensor (inputs and weights) of `graph`, by name. `workload_dir` is the
@@ -173,9 +233,10 @@ fn values_with(declaration: &TensorDecl, workload_dir: &Path, headers: &mut Head
                 .load_checked(&workload_dir.join(path), tensor, digest, &shape)
                 .map_err(|source| DataError::Safetensors { tensor: declaration.name.clone(), source })?;
             // Every stored dtype is exact in f32; `from_values` rounds once, to the declared dtype.
-            return TensorData::from_values(dtype, shape, stored.values());
+            return TensorData::from_values(dtype, shape, stored.values()).map_err(|e| e.in_tensor(&declaration.name, || format!("'{tensor}' of {path}")));
         }
     };
+    drawn_overflow(declaration, &values)?;
     let bytes = encode(&values, dtype);
     Ok(TensorData { dtype, shape, values, bytes })
 }
@@ -195,6 +256,8 @@ fn npy_values(declaration: &TensorDecl, file: &Path) -> Result<TensorData, DataE
             declared: declaration.dtype.name(),
         });
     }
+    // The file's dtype is the declared one: nothing is rounded, and only NaN is refused.
+    unrepresentable(array.dtype, &declaration.shape, &array.values).map_err(|e| e.in_tensor(&tensor, || file.display().to_string()))?;
     let bytes = encode(&array.values, array.dtype);
     Ok(TensorData { dtype: array.dtype, shape: declaration.shape.clone(), values: array.values, bytes })
 }
@@ -441,5 +504,45 @@ mod tests {
         let with_given = tensor_data_cached(&graph, dir, BTreeMap::from([("x".to_string(), given.clone())]), &mut cache).unwrap();
         assert_eq!(with_given["x"], given);
         assert_eq!(tensor_data_cached(&graph, dir, BTreeMap::new(), &mut cache).unwrap(), fresh);
+    }
+
+    /// A NaN, or a finite value that rounds beyond the dtype's range, is refused with its
+    /// row-major element index; values that round into range and infinities given as such are
+    /// taken.
+    #[test]
+    fn values_a_run_cannot_take_are_named_by_their_element() {
+        let refused = |dtype, values: Vec<f32>| match TensorData::from_values(dtype, vec![2, 3], values) {
+            Err(DataError::Element { tensor: None, element, problem }) => (element, problem),
+            other => panic!("expected an element error, got {other:?}"),
+        };
+        let mut values = vec![0.5f32; 6];
+        values[4] = f32::NAN;
+        assert_eq!(refused(DType::F16, values.clone()), (vec![1, 1], "is NaN".to_string()));
+        assert_eq!(refused(DType::F32, values.clone()), (vec![1, 1], "is NaN".to_string()));
+        // 65520 is the midpoint above f16's largest finite value: it rounds (to even) to infinity.
+        values[4] = 0.5;
+        values[2] = 65520.0;
+        values[5] = f32::NAN;
+        assert_eq!(refused(DType::F16, values.clone()), (vec![0, 2], "is 65520, beyond f16's range (largest finite 65504)".to_string()));
+        values[2] = -65519.0;
+        values[5] = f32::NEG_INFINITY;
+        let taken = TensorData::from_values(DType::F16, vec![2, 3], values.clone()).unwrap();
+        assert_eq!((taken.values[2], taken.values[5]), (-65504.0, f32::NEG_INFINITY));
+        values[2] = 1.0e30;
+        assert!(TensorData::from_values(DType::F32, vec![2, 3], values).is_ok());
+        assert_eq!(element_index(&[2, 3, 4], 23), vec![1, 2, 3]);
+        assert_eq!(element_index(&[], 0), Vec::<u64>::new());
+
+        // A drawn initialiser whose distribution reaches beyond f16's range.
+        let wide = TensorDecl { name: "w".into(), shape: vec![64, 64], dtype: DType::F16, role: ipuq_queries::ir::Role::Weight, init: Init::Gaussian { seed: 3, std: 3.0e4 } };
+        match tensor_values(&wide, Path::new(".")) {
+            Err(error @ DataError::Element { .. }) => {
+                let text = error.to_string();
+                assert!(text.starts_with("tensor 'w': element [") && text.contains("rounds to") && text.contains("in f16 (largest finite 65504)"), "{text}");
+            }
+            other => panic!("expected an element error, got {other:?}"),
+        }
+        assert!(tensor_values(&TensorDecl { dtype: DType::F32, ..wide.clone() }, Path::new(".")).is_ok());
+        assert!(tensor_values(&TensorDecl { init: Init::Gaussian { seed: 3, std: 1.0e3 }, ..wide }, Path::new(".")).is_ok());
     }
 }

@@ -2,8 +2,10 @@
 //! checked against the workload's declaration before they replace the tensor's initialiser.
 //!
 //! The file may hold f32 or f16 values; they are rounded once to the declared dtype. The shape
-//! must be the declared shape exactly. Only tensors with role `input` may be given: weights come
-//! from the workload (its initialisers, or the checkpoint it references by digest).
+//! must be the declared shape exactly. A NaN, or a finite value beyond the dtype's range, is
+//! refused with its element named (infinities given as such are taken). Only tensors with role
+//! `input` may be given: weights come from the workload (its initialisers, or the checkpoint it
+//! references by digest).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -40,7 +42,7 @@ pub fn given_inputs(graph: &Graph, given: &[(String, PathBuf)]) -> Result<BTreeM
         if array.shape != declared {
             return Err(format!("--input {name}={shown}: {shown} has shape {:?}, tensor '{name}' is declared with shape {:?}", array.shape, value.shape));
         }
-        let data = TensorData::from_values(value.dtype, value.shape.clone(), array.values).map_err(|e| format!("--input {name}={shown}: {e}"))?;
+        let data = TensorData::from_values(value.dtype, value.shape.clone(), array.values).map_err(|e| format!("--input {name}={shown}: {shown}: {e}"))?;
         if out.insert(name.clone(), data).is_some() {
             return Err(format!("--input {name}={shown}: '{name}' is given twice"));
         }
