@@ -157,6 +157,9 @@ enum Command {
         /// The package the profile is a run of: also print cycles per operation kind.
         #[arg(long)]
         package: Option<PathBuf>,
+        /// With --package: one row per operation, in program order, instead of per kind.
+        #[arg(long, requires = "package")]
+        operations: bool,
     },
     /// Describe a package (identity, program, memory, exchange and host tables) without running it.
     Inspect { package: PathBuf },
@@ -373,13 +376,14 @@ fn run(cli: Cli) -> Result<Outcome, String> {
             crate::watch::watch(&workload, options, |w, text| workload_name_of(w, text).map(|name| out_dir(&args, &name)), &watch)?;
             Ok(Outcome::Pass)
         }
-        Command::Profile { file, chrome_trace, package } => {
+        Command::Profile { file, chrome_trace, package, operations } => {
             let summary = crate::profile::summarize(&file).map_err(|e| e.to_string())?;
             println!("{summary}");
             if let Some(path) = package {
                 let package = read_package(&path).map_err(|e| e.to_string())?;
                 let timeline = crate::profile::read(&file).map_err(|e| e.to_string())?;
-                let split = crate::op_profile::by_kind(&package, &timeline).map_err(|e| format!("{}: {e}", path.display()))?;
+                let split = if operations { crate::op_profile::by_operation(&package, &timeline) } else { crate::op_profile::by_kind(&package, &timeline) };
+                let split = split.map_err(|e| format!("{}: {e}", path.display()))?;
                 println!("{split}");
             }
             if let Some(out) = chrome_trace {

@@ -1,5 +1,6 @@
 //! Cycles per operation kind: a run's profile (`execution.ipuprofile`) split over the
-//! operations of the package that produced it (`ipuq profile FILE --package PACKAGE`).
+//! operations of the package that produced it (`ipuq profile FILE --package PACKAGE`), or per
+//! operation in program order (`--operations`).
 //!
 //! Each operation owns the program steps after the previous operation's checkpoint up to and
 //! including its own (`Checkpoint::after_step`). Where the lowering put an operation's calls
@@ -17,7 +18,7 @@ use ipuq_queries::target::Target;
 
 use crate::device::Timeline;
 
-/// One operation kind's share of a run.
+/// One operation kind's share of a run (or one operation's, named with its kind).
 #[derive(Clone, Debug, PartialEq)]
 pub struct KindRow {
     pub kind: String,
@@ -30,13 +31,27 @@ pub struct KindRow {
 /// The split of a run by operation kind, and the run's total.
 #[derive(Clone, Debug, PartialEq)]
 pub struct KindProfile {
+    /// Rows by kind (most cycles first), or per operation (program order).
     pub rows: Vec<KindRow>,
+    /// Whether each row is one operation.
+    pub per_operation: bool,
     pub total_cycles: u64,
     pub peak_flops_per_cycle: u64,
 }
 
 /// Split `timeline` (a run of `package`) by operation kind.
 pub fn by_kind(package: &Package, timeline: &Timeline) -> Result<KindProfile, String> {
+    split(package, timeline, false)
+}
+
+/// Split `timeline` (a run of `package`) by operation, in program order: each row is named
+/// `operation (kind)`, and an operation whose steps another one owns (see the module note) has
+/// no row.
+pub fn by_operation(package: &Package, timeline: &Timeline) -> Result<KindProfile, String> {
+    split(package, timeline, true)
+}
+
+fn split(package: &Package, timeline: &Timeline, per_operation: bool) -> Result<KindProfile, String> {
     if timeline.steps.len() != package.steps.len() {
         return Err(format!("the profile has {} steps, the package {}: not a run of this package", timeline.steps.len(), package.steps.len()));
     }
@@ -45,6 +60,8 @@ pub fn by_kind(package: &Package, timeline: &Timeline) -> Result<KindProfile, St
     let mut checkpoints: Vec<(u32, u32)> = package.host.checkpoints.iter().map(|c| (c.after_step, c.operation)).collect();
     checkpoints.sort_unstable();
     let mut rows: BTreeMap<String, KindRow> = BTreeMap::new();
+    // Per operation: the rows' names in program order.
+    let mut order: Vec<String> = Vec::new();
     let mut first = 0usize;
     let checkpointed: std::collections::BTreeSet<u32> = checkpoints.iter().map(|c| c.1).collect();
     for (after, operation) in checkpoints {
@@ -68,6 +85,26 @@ pub fn by_kind(package: &Package, timeline: &Timeline) -> Result<KindProfile, St
             OpKind::MatMul { .. } if deferred_softmax => "softmax (normalisation deferred) + matmul".to_string(),
             k => k.name().to_string(),
         };
+        let last = (after as usize + 1).min(timeline.steps.len());
+        let kind = if !per_operation {
+            kind
+        } else if let (true, Some(previous)) = (first >= last, order.last().cloned()) {
+            // No steps of its own (run side by side with the operation before, or in its
+            // compute set): it joins that operation's row, named beside it.
+            let mut row = rows.remove(&previous).expect("ordered rows exist");
+            let name = graph.value(op.output).name.clone();
+            row.kind = match row.kind.rsplit_once(" (") {
+                Some((names, rest)) => format!("{names} + {name} ({rest}"),
+                None => format!("{} + {name}", row.kind),
+            };
+            *order.last_mut().expect("a previous row") = row.kind.clone();
+            rows.insert(row.kind.clone(), row);
+            order.last().cloned().expect("a previous row")
+        } else {
+            let kind = format!("{} ({kind})", graph.value(op.output).name);
+            order.push(kind.clone());
+            kind
+        };
         let row = rows.entry(kind.clone()).or_insert(KindRow { kind, operations: 0, compute_cycles: 0, exchange_cycles: 0, flops: 0 });
         row.operations += 1;
         if let OpKind::MatMul { transpose_b } = op.kind {
@@ -76,7 +113,6 @@ pub fn by_kind(package: &Package, timeline: &Timeline) -> Result<KindProfile, St
             let n = if transpose_b { b.1 } else { b.2 };
             row.flops += 2 * batches as u64 * m as u64 * k as u64 * n as u64;
         }
-        let last = (after as usize + 1).min(timeline.steps.len());
         for &(step, cycles) in &timeline.steps[first.min(last)..last] {
             match step {
                 Step::Compute { .. } => row.compute_cycles += cycles,
@@ -87,14 +123,20 @@ pub fn by_kind(package: &Package, timeline: &Timeline) -> Result<KindProfile, St
     }
     let total_cycles = timeline.steps.iter().map(|s| s.1).sum();
     let peak = target.compute.peak_flops_per_cycle as u64 * target.chip.tiles as u64;
-    let mut rows: Vec<KindRow> = rows.into_values().collect();
-    rows.sort_by_key(|r| std::cmp::Reverse(r.compute_cycles + r.exchange_cycles));
-    Ok(KindProfile { rows, total_cycles, peak_flops_per_cycle: peak })
+    let rows: Vec<KindRow> = if per_operation {
+        order.iter().filter_map(|name| rows.remove(name)).collect()
+    } else {
+        let mut rows: Vec<KindRow> = rows.into_values().collect();
+        rows.sort_by_key(|r| std::cmp::Reverse(r.compute_cycles + r.exchange_cycles));
+        rows
+    };
+    Ok(KindProfile { rows, per_operation, total_cycles, peak_flops_per_cycle: peak })
 }
 
 impl fmt::Display for KindProfile {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(f, "| operation kind | operations | cycles | share | compute | exchange (sync included) | efficiency of peak |")?;
+        let first = if self.per_operation { "operation (kind)" } else { "operation kind" };
+        writeln!(f, "| {first} | operations | cycles | share | compute | exchange (sync included) | efficiency of peak |")?;
         writeln!(f, "|---|---|---|---|---|---|---|")?;
         for r in &self.rows {
             let cycles = r.compute_cycles + r.exchange_cycles;

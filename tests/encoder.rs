@@ -171,6 +171,24 @@ fn the_generator_writes_a_named_pre_norm_encoder_that_runs() {
         assert!(split.stdout.contains(kind), "{kind}: {}", split.stdout);
     }
     assert!(split.stdout.contains(&format!("| all | | {cycles} | 100 % ({cycles} attributed)")), "{}", split.stdout);
+    // Per operation, in program order: the rows add up to the run's cycles too, and an
+    // operation without steps of its own (GELU in the up product's reduction) shares the row
+    // of the operation whose steps it runs in.
+    let per = ipuq(&["profile", "out/execution.ipuprofile", "--package", "out/model.ipuexe", "--operations"], dir.path());
+    assert_eq!(per.code, 0, "{}", per.stderr);
+    let rows: Vec<(&str, u64)> = per
+        .stdout
+        .lines()
+        .filter(|l| l.starts_with("| l") || l.starts_with("| last_hidden_state"))
+        .map(|l| {
+            let cells: Vec<&str> = l.split('|').map(str::trim).collect();
+            (cells[1], cells[3].parse().unwrap())
+        })
+        .collect();
+    assert!(rows.first().is_some_and(|r| r.0 == "l0.ln1 (layer_norm)") && rows.last().is_some_and(|r| r.0 == "last_hidden_state (add)"), "{}", per.stdout);
+    assert!(rows.iter().any(|r| r.0 == "l1.mlp_up.product + l1.mlp_act (matmul)"), "{}", per.stdout);
+    assert_eq!(rows.iter().map(|r| r.1).sum::<u64>().to_string(), cycles, "{}", per.stdout);
+    assert!(per.stdout.contains(&format!("| all | | {cycles} | 100 % ({cycles} attributed)")), "{}", per.stdout);
     // A shape the family cannot take is refused with the parameter named.
     let out = ipuq(&["workload", "siglip-encoder", "--dim", "30", "--heads", "4"], dir.path());
     assert_eq!(out.code, 2, "{}", out.stderr);
