@@ -141,7 +141,9 @@ enum Command {
         /// Seconds to wait for the device lock before giving up on a run.
         #[arg(long, default_value_t = 600)]
         lock_timeout: u64,
-        /// Milliseconds between two looks at the workload file (and a --target file).
+        /// Milliseconds between two looks at the workload file (and a --target file) when no
+        /// change is noticed (on Linux changes are noticed at once through inotify; the looks
+        /// catch file systems that send no notices).
         #[arg(long, default_value_t = 200)]
         poll_ms: u64,
         /// Stop after this many rebuilds (default: watch until killed).

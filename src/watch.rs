@@ -1,10 +1,15 @@
 //! `ipuq watch`: one long-lived compiler session (one salsa database) rebuilding a workload
 //! on every save of it, or of the target description when `--target` names a file. The files
-//! are polled (content compared every `poll`, 200 ms by default; a change is built once two
-//! polls in a row read it, the second a quarter of a poll after the first, so a save read half
-//! written is not); each change re-evaluates only the queries the edit touched (salsa's early
-//! cutoff), writes the package and, with `--run`, runs it on the simulator and prints the
-//! usual result lines. An error prints `error: …` and the watch goes on.
+//! are read when the kernel notices a change in their folders (inotify, on Linux: `Notices`)
+//! and in any case every `poll` (200 ms by default: file systems that send no notices, such as
+//! some network mounts, are still watched); a change is built once two reads in a row agree,
+//! the second `settle` (50 ms, or a quarter of a poll if shorter) after the first with no
+//! notice between, so a save read half written is not (a debounce), or at once when the
+//! notices say the save is whole (the file closed after writing, or renamed into place, with
+//! no write after). Each change re-evaluates
+//! only the queries the edit touched (salsa's early cutoff), writes the package and, with
+//! `--run`, runs it on the simulator and prints the usual result lines. An error prints
+//! `error: …` and the watch goes on.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -42,8 +47,13 @@ pub fn watch(workload: &Path, options: BuildOptions, out_dir: impl Fn(&Path, &st
     }
     // With --run, the files the runs read are watched too (by size and modification time).
     let mut run_files = watch.run.then(|| RunFiles::new(workload, &watch.inputs));
+    let mut notices = Notices::new();
+    let settle = (watch.poll / 4).min(SETTLE);
     loop {
         let now = poll(workload, target.as_deref(), run_files.as_mut());
+        // The files to be told about: these, and those a run of this text reads.
+        let watched: Vec<&Path> = [workload].into_iter().chain(target.as_deref()).chain(run_files.as_ref().map(RunFiles::listed).unwrap_or_default().iter().map(PathBuf::as_path)).collect();
+        notices.watch(&watched);
         if changes.take(&now) {
             match &now {
                 Ok(polled) => {
@@ -60,9 +70,143 @@ pub fn watch(workload: &Path, options: BuildOptions, out_dir: impl Fn(&Path, &st
                 return Ok(());
             }
         }
-        // A change read once is confirmed by a read a quarter of a poll later (50 ms by
-        // default) rather than a whole poll later: the save it waits for is already under way.
-        std::thread::sleep(if changes.pending.is_some() { watch.poll / 4 } else { watch.poll });
+        // A change read once is confirmed by a read `settle` later rather than a whole poll
+        // later (the save it waits for is already under way), or at the next notice; a notice
+        // that the saves of the files it names are whole confirms the read that follows it.
+        changes.confirmed = notices.wait(if changes.pending.is_some() { settle } else { watch.poll }) == Notice::Whole;
+    }
+}
+
+/// What ended a wait for notices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Notice {
+    /// The time ran out (or there are no notices).
+    None,
+    /// A watched file changed; a save may be under way.
+    Changed,
+    /// Every watched file the notices named was last closed after writing, or renamed into
+    /// place: those saves are whole.
+    Whole,
+}
+
+/// How long a change read once waits for the read that confirms it (at most; a quarter of the
+/// poll where that is shorter).
+const SETTLE: Duration = Duration::from_millis(50);
+
+/// The kernel's notices of changes to the watched files (inotify on their folders, so that a
+/// save that replaces a file by renaming another onto it is seen too), where they can be had;
+/// elsewhere, and where inotify cannot start, `wait` sleeps and the watch polls.
+struct Notices {
+    #[cfg(target_os = "linux")]
+    inotify: Option<nix::sys::inotify::Inotify>,
+    /// Each watched file as (folder, name), and the folders watched.
+    files: Vec<(PathBuf, std::ffi::OsString)>,
+    folders: Vec<PathBuf>,
+}
+
+impl Notices {
+    fn new() -> Notices {
+        #[cfg(target_os = "linux")]
+        {
+            use nix::sys::inotify::{InitFlags, Inotify};
+            let inotify = Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC);
+            if let Err(error) = &inotify {
+                tracing::debug!(%error, "no file-system notices (inotify): the watch polls");
+            }
+            Notices { inotify: inotify.ok(), files: Vec::new(), folders: Vec::new() }
+        }
+        #[cfg(not(target_os = "linux"))]
+        Notices { files: Vec::new(), folders: Vec::new() }
+    }
+
+    /// Be told about changes to `files` (those not yet watched are added).
+    fn watch(&mut self, files: &[&Path]) {
+        for file in files {
+            let Some(name) = file.file_name() else { continue };
+            let folder = match file.parent() {
+                Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+                _ => PathBuf::from("."),
+            };
+            let entry = (folder.clone(), name.to_os_string());
+            if self.files.contains(&entry) {
+                continue;
+            }
+            self.files.push(entry);
+            if self.folders.contains(&folder) {
+                continue;
+            }
+            #[cfg(target_os = "linux")]
+            if let Some(inotify) = &self.inotify {
+                use nix::sys::inotify::AddWatchFlags as F;
+                let events = F::IN_CLOSE_WRITE | F::IN_MODIFY | F::IN_MOVED_TO | F::IN_MOVED_FROM | F::IN_CREATE | F::IN_DELETE | F::IN_ATTRIB;
+                // A folder that cannot be watched (gone, not readable) is polled.
+                if let Err(error) = inotify.add_watch(folder.as_path(), events) {
+                    tracing::debug!(folder = %folder.display(), %error, "no file-system notices for this folder: its files are polled");
+                }
+            }
+            self.folders.push(folder);
+        }
+    }
+
+    /// Wait until a watched file may have changed (a notice naming it) or `timeout` passed.
+    fn wait(&self, timeout: Duration) -> Notice {
+        #[cfg(target_os = "linux")]
+        if let Some(inotify) = &self.inotify {
+            use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+            use std::os::fd::AsFd;
+            let deadline = Instant::now() + timeout;
+            loop {
+                let Some(left) = deadline.checked_duration_since(Instant::now()) else { return Notice::None };
+                let mut fds = [PollFd::new(inotify.as_fd(), PollFlags::POLLIN)];
+                let wait = PollTimeout::try_from(left).unwrap_or(PollTimeout::MAX);
+                match poll(&mut fds, wait) {
+                    Ok(0) => return Notice::None,
+                    Ok(_) => match self.drain(inotify) {
+                        Notice::None => {}
+                        notice => return notice,
+                    },
+                    Err(nix::errno::Errno::EINTR) => {}
+                    // Notices fail: sleep out the rest, as a poll would.
+                    Err(_) => {
+                        std::thread::sleep(left);
+                        return Notice::None;
+                    }
+                }
+            }
+        }
+        std::thread::sleep(timeout);
+        Notice::None
+    }
+
+    /// Read the queued notices: whether they name a watched file (or the queue overflowed, so
+    /// some may have been lost), and whether the saves they name are whole.
+    #[cfg(target_os = "linux")]
+    fn drain(&self, inotify: &nix::sys::inotify::Inotify) -> Notice {
+        use nix::sys::inotify::AddWatchFlags as F;
+        // Per watched file named, whether its last notice ends a save.
+        let mut last: Vec<(&std::ffi::OsStr, bool)> = Vec::new();
+        let mut overflow = false;
+        while let Ok(events) = inotify.read_events() {
+            if events.is_empty() {
+                break;
+            }
+            for event in &events {
+                overflow |= event.mask.contains(F::IN_Q_OVERFLOW);
+                let Some(name) = event.name.as_deref() else { continue };
+                let Some((_, file)) = self.files.iter().find(|(_, f)| f == name) else { continue };
+                let whole = event.mask.intersects(F::IN_CLOSE_WRITE | F::IN_MOVED_TO);
+                match last.iter_mut().find(|(f, _)| *f == file.as_os_str()) {
+                    Some(entry) => entry.1 = whole,
+                    None => last.push((file.as_os_str(), whole)),
+                }
+            }
+        }
+        match (overflow, last.is_empty()) {
+            (true, _) => Notice::Changed,
+            (false, true) => Notice::None,
+            (false, false) if last.iter().all(|(_, whole)| *whole) => Notice::Whole,
+            (false, false) => Notice::Changed,
+        }
     }
 }
 
@@ -104,6 +248,11 @@ impl RunFiles {
         RunFiles { folder: workload.parent().map(Path::to_path_buf).unwrap_or_default(), inputs: inputs.iter().map(|(_, p)| p.clone()).collect(), made: None }
     }
 
+    /// The files as last listed (`stat`).
+    fn listed(&self) -> &[PathBuf] {
+        self.made.as_ref().map(|(_, f)| f.as_slice()).unwrap_or_default()
+    }
+
     /// The files for this workload text (listed again only when the text changed), each with
     /// its size and modification time.
     fn stat(&mut self, workload: &[u8]) -> Vec<(PathBuf, Option<(u64, std::time::SystemTime)>)> {
@@ -129,26 +278,31 @@ impl RunFiles {
 
 /// What the watch read of its files: the read it last built (or reported), and a change read
 /// once and not yet taken. An editor's save may be read half written, so a change is taken
-/// when two polls in a row read it (the first read at once).
+/// when two polls in a row read it (the first read at once), or when the read follows a
+/// notice that the save is whole (`confirmed`).
 struct Changes<T> {
     last: Option<Result<T, String>>,
     pending: Option<Result<T, String>>,
+    /// The next read follows a notice that the saves are whole: a change it reads is taken at
+    /// once.
+    confirmed: bool,
 }
 
 impl<T> Default for Changes<T> {
     fn default() -> Self {
-        Changes { last: None, pending: None }
+        Changes { last: None, pending: None, confirmed: false }
     }
 }
 
 impl<T: Clone + PartialEq> Changes<T> {
     /// Whether to build (or report) `now`, this poll's read; if so it becomes the last one.
     fn take(&mut self, now: &Result<T, String>) -> bool {
+        let confirmed = std::mem::take(&mut self.confirmed);
         if self.last.as_ref() == Some(now) {
             self.pending = None;
             return false;
         }
-        if self.last.is_some() && self.pending.as_ref() != Some(now) {
+        if self.last.is_some() && !confirmed && self.pending.as_ref() != Some(now) {
             self.pending = Some(now.clone());
             return false;
         }
@@ -333,5 +487,14 @@ mod tests {
         for (i, (now, taken)) in polls.iter().enumerate() {
             assert_eq!(changes.take(now), *taken, "poll {i}: {now:?}");
         }
+        // After a notice that the save is whole, the next read is taken at once, and only
+        // that one: a later change waits for its second read again.
+        changes.confirmed = true;
+        assert!(changes.take(&read("d")));
+        assert!(!changes.take(&read("e")));
+        assert!(changes.take(&read("e")));
+        changes.confirmed = true;
+        assert!(!changes.take(&read("e")), "an unchanged read is no change, notice or not");
+        assert!(!changes.take(&read("f")));
     }
 }

@@ -74,6 +74,29 @@ fn watch_rebuilds_and_runs_after_each_save_and_survives_errors() {
     assert!(stderr.lines().any(|l| l.starts_with("error: ")), "the broken save printed no error: {stderr}");
 }
 
+/// On Linux a save is noticed at once (inotify on the workload's folder), not at the next
+/// poll: with a minute between polls, a save in place and a save that renames another file
+/// onto the workload (as many editors do) each give a new result line within seconds.
+#[cfg(target_os = "linux")]
+#[test]
+fn watch_notices_saves_without_waiting_for_a_poll() {
+    let dir = tempfile::tempdir().unwrap();
+    let original = std::fs::read_to_string(fixture("workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml")).unwrap();
+    let workload = dir.path().join("mlp.toml");
+    std::fs::write(&workload, &original).unwrap();
+    let (_child, lines) = watch(dir.path(), &["watch", "mlp.toml", "--target", "small16", "-o", "out", "--run", "--poll-ms", "60000"]);
+    let result = |what: &str, limit: u64| next_line(&lines, "workload=", Duration::from_secs(limit)).unwrap_or_else(|| panic!("no result line {what}"));
+    assert!(result("after the first build", 120).contains("numericalTest=PASS"));
+    std::fs::write(&workload, original.replacen("seed = 1\n", "seed = 7\n", 1)).unwrap();
+    let started = Instant::now();
+    assert!(result("after a save in place", 30).contains("numericalTest=PASS"));
+    let renamed = dir.path().join(".mlp.toml.swp");
+    std::fs::write(&renamed, original.replacen("seed = 1\n", "seed = 9\n", 1)).unwrap();
+    std::fs::rename(&renamed, &workload).unwrap();
+    assert!(result("after a save by rename", 30).contains("numericalTest=PASS"));
+    assert!(started.elapsed() < Duration::from_secs(60), "the saves waited for a poll");
+}
+
 /// `ipuq watch --target FILE` rebuilds on a save of the target description as well: a cost
 /// edit gives a package line with another estimate, a target file that cannot be read prints
 /// an error naming it, and the watch goes on when it is back.
