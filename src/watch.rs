@@ -119,9 +119,11 @@ impl Notices {
         Notices { files: Vec::new(), folders: Vec::new() }
     }
 
-    /// Be told about changes to `files` (those not yet watched are added).
+    /// Be told about changes to `files` (those not yet watched are added). A symbolic link is
+    /// watched where it is and where it leads, since a save changes the file it leads to.
     fn watch(&mut self, files: &[&Path]) {
-        for file in files {
+        let resolved: Vec<PathBuf> = files.iter().filter(|f| f.is_symlink()).filter_map(|f| std::fs::canonicalize(f).ok()).collect();
+        for file in files.iter().copied().chain(resolved.iter().map(PathBuf::as_path)) {
             let Some(name) = file.file_name() else { continue };
             let folder = match file.parent() {
                 Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
