@@ -45,8 +45,9 @@ pub fn by_kind(package: &Package, timeline: &Timeline) -> Result<KindProfile, St
 }
 
 /// Split `timeline` (a run of `package`) by operation, in program order: each row is named
-/// `operation (kind)`, and an operation whose steps another one owns (see the module note) has
-/// no row.
+/// `operation (kind)`; an operation without steps of its own (run side by side with the one
+/// before it, or in its compute set: see the module note) joins that one's row, named beside
+/// it (`l0.q.product + l0.k.product + l0.v.product (matmul)`).
 pub fn by_operation(package: &Package, timeline: &Timeline) -> Result<KindProfile, String> {
     split(package, timeline, true)
 }
@@ -93,7 +94,8 @@ fn split(package: &Package, timeline: &Timeline, per_operation: bool) -> Result<
             // compute set): it joins that operation's row, named beside it.
             let mut row = rows.remove(&previous).expect("ordered rows exist");
             let name = graph.value(op.output).name.clone();
-            row.kind = match row.kind.rsplit_once(" (") {
+            // The names end at the first " (" (a kind may hold parentheses of its own).
+            row.kind = match row.kind.split_once(" (") {
                 Some((names, rest)) => format!("{names} + {name} ({rest}"),
                 None => format!("{} + {name}", row.kind),
             };

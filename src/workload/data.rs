@@ -112,7 +112,7 @@ pub enum DataError {
 }
 
 impl DataError {
-    /// An [`DataError::Element`] named after `tensor` (and what it was read from), others as
+    /// A [`DataError::Element`] named after `tensor` (and what it was read from), others as
     /// they are.
     fn in_tensor(self, tensor: &str, origin: impl FnOnce() -> String) -> DataError {
         match self {
