@@ -9,7 +9,6 @@
 //! operation: this split is by superstep, not by call. Efficiency is the matrix-product FLOPs
 //! of the kind over the kind's cycles at the chip's peak (all tiles).
 
-use std::collections::BTreeMap;
 use std::fmt;
 
 use ipuq_queries::ir::{split3, Graph, OpKind, Producer};
@@ -60,9 +59,8 @@ fn split(package: &Package, timeline: &Timeline, per_operation: bool) -> Result<
     let target = Target::from_toml(&package.target_toml, "package").map_err(|e| e.to_string())?;
     let mut checkpoints: Vec<(u32, u32)> = package.host.checkpoints.iter().map(|c| (c.after_step, c.operation)).collect();
     checkpoints.sort_unstable();
-    let mut rows: BTreeMap<String, KindRow> = BTreeMap::new();
-    // Per operation: the rows' names in program order.
-    let mut order: Vec<String> = Vec::new();
+    // By kind in the order first met, or per operation in program order.
+    let mut rows: Vec<KindRow> = Vec::new();
     let mut first = 0usize;
     let checkpointed: std::collections::BTreeSet<u32> = checkpoints.iter().map(|c| c.1).collect();
     for (after, operation) in checkpoints {
@@ -87,27 +85,27 @@ fn split(package: &Package, timeline: &Timeline, per_operation: bool) -> Result<
             k => k.name().to_string(),
         };
         let last = (after as usize + 1).min(timeline.steps.len());
-        let kind = if !per_operation {
-            kind
-        } else if let (true, Some(previous)) = (first >= last, order.last().cloned()) {
+        let name = &graph.value(op.output).name;
+        let at = match rows.last_mut() {
+            _ if !per_operation => rows.iter().position(|r| r.kind == kind),
             // No steps of its own (run side by side with the operation before, or in its
-            // compute set): it joins that operation's row, named beside it.
-            let mut row = rows.remove(&previous).expect("ordered rows exist");
-            let name = graph.value(op.output).name.clone();
-            // The names end at the first " (" (a kind may hold parentheses of its own).
-            row.kind = match row.kind.split_once(" (") {
-                Some((names, rest)) => format!("{names} + {name} ({rest}"),
-                None => format!("{} + {name}", row.kind),
-            };
-            *order.last_mut().expect("a previous row") = row.kind.clone();
-            rows.insert(row.kind.clone(), row);
-            order.last().cloned().expect("a previous row")
-        } else {
-            let kind = format!("{} ({kind})", graph.value(op.output).name);
-            order.push(kind.clone());
-            kind
+            // compute set): it joins that operation's row, named beside it. The names end at
+            // the first " (" (a kind may hold parentheses of its own).
+            Some(row) if first >= last => {
+                row.kind = match row.kind.split_once(" (") {
+                    Some((names, rest)) => format!("{names} + {name} ({rest}"),
+                    None => format!("{} + {name}", row.kind),
+                };
+                Some(rows.len() - 1)
+            }
+            _ => None,
         };
-        let row = rows.entry(kind.clone()).or_insert(KindRow { kind, operations: 0, compute_cycles: 0, exchange_cycles: 0, flops: 0 });
+        let at = at.unwrap_or_else(|| {
+            let kind = if per_operation { format!("{name} ({kind})") } else { kind };
+            rows.push(KindRow { kind, operations: 0, compute_cycles: 0, exchange_cycles: 0, flops: 0 });
+            rows.len() - 1
+        });
+        let row = &mut rows[at];
         row.operations += 1;
         if let OpKind::MatMul { transpose_b } = op.kind {
             let (batches, m, k) = split3(&graph.value(op.inputs[0]).shape);
@@ -125,13 +123,10 @@ fn split(package: &Package, timeline: &Timeline, per_operation: bool) -> Result<
     }
     let total_cycles = timeline.steps.iter().map(|s| s.1).sum();
     let peak = target.compute.peak_flops_per_cycle as u64 * target.chip.tiles as u64;
-    let rows: Vec<KindRow> = if per_operation {
-        order.iter().filter_map(|name| rows.remove(name)).collect()
-    } else {
-        let mut rows: Vec<KindRow> = rows.into_values().collect();
-        rows.sort_by_key(|r| std::cmp::Reverse(r.compute_cycles + r.exchange_cycles));
-        rows
-    };
+    if !per_operation {
+        // Most cycles first; ties by kind.
+        rows.sort_by(|a, b| (b.compute_cycles + b.exchange_cycles).cmp(&(a.compute_cycles + a.exchange_cycles)).then_with(|| a.kind.cmp(&b.kind)));
+    }
     Ok(KindProfile { rows, per_operation, total_cycles, peak_flops_per_cycle: peak })
 }
 

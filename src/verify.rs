@@ -4,8 +4,8 @@
 //! `largest` is the largest finite magnitude in the reference tensor. Any NaN or infinity in the
 //! device's values fails, whatever the reference says, and so does any element whose reference
 //! is not finite (a run's inputs are refused if they hold NaN or overflow their dtype; an
-//! infinity given as such reaches the outputs it touches, and those fail). The figure reported is the maximum
-//! absolute error, with the index and both values of the worst element.
+//! infinity given as such reaches the outputs it touches, and those fail). The figure reported
+//! is the maximum absolute error, with the index and both values of the worst element.
 //!
 //! Why these numbers, for f16 values (relative = floor = 2⁻⁷ ≈ 0.0078):
 //! - One f16 ulp is between 2⁻¹¹ and 2⁻¹⁰ of a value's magnitude. The reference rounds each

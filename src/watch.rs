@@ -6,10 +6,9 @@
 //! the second `settle` (50 ms, or a quarter of a poll if shorter) after the first with no
 //! notice between, so a save read half written is not (a debounce), or at once when the
 //! notices say the save is whole (the file closed after writing, or renamed into place, with
-//! no write after). Each change re-evaluates
-//! only the queries the edit touched (salsa's early cutoff), writes the package and, with
-//! `--run`, runs it on the simulator and prints the usual result lines. An error prints
-//! `error: …` and the watch goes on.
+//! no write after). Each change re-evaluates only the queries the edit touched (salsa's early
+//! cutoff), writes the package and, with `--run`, runs it on the simulator and prints the usual
+//! result lines. An error prints `error: …` and the watch goes on.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -99,9 +98,8 @@ const SETTLE: Duration = Duration::from_millis(50);
 struct Notices {
     #[cfg(target_os = "linux")]
     inotify: Option<nix::sys::inotify::Inotify>,
-    /// Each watched file as (folder, name), and the folders watched.
+    /// Each watched file as (folder, name); the folders are the ones watched.
     files: Vec<(PathBuf, std::ffi::OsString)>,
-    folders: Vec<PathBuf>,
 }
 
 impl Notices {
@@ -113,10 +111,10 @@ impl Notices {
             if let Err(error) = &inotify {
                 tracing::debug!(%error, "no file-system notices (inotify): the watch polls");
             }
-            Notices { inotify: inotify.ok(), files: Vec::new(), folders: Vec::new() }
+            Notices { inotify: inotify.ok(), files: Vec::new() }
         }
         #[cfg(not(target_os = "linux"))]
-        Notices { files: Vec::new(), folders: Vec::new() }
+        Notices { files: Vec::new() }
     }
 
     /// Be told about changes to `files` (those not yet watched are added). A symbolic link is
@@ -129,16 +127,12 @@ impl Notices {
                 Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
                 _ => PathBuf::from("."),
             };
-            let entry = (folder.clone(), name.to_os_string());
-            if self.files.contains(&entry) {
+            if self.files.iter().any(|(f, n)| *f == folder && n == name) {
                 continue;
             }
-            self.files.push(entry);
-            if self.folders.contains(&folder) {
-                continue;
-            }
+            // A folder is watched once, with its first file.
             #[cfg(target_os = "linux")]
-            if let Some(inotify) = &self.inotify {
+            if let Some(inotify) = self.inotify.as_ref().filter(|_| !self.files.iter().any(|(f, _)| *f == folder)) {
                 use nix::sys::inotify::AddWatchFlags as F;
                 let events = F::IN_CLOSE_WRITE | F::IN_MODIFY | F::IN_MOVED_TO | F::IN_MOVED_FROM | F::IN_CREATE | F::IN_DELETE | F::IN_ATTRIB;
                 // A folder that cannot be watched (gone, not readable) is polled.
@@ -146,7 +140,7 @@ impl Notices {
                     tracing::debug!(folder = %folder.display(), %error, "no file-system notices for this folder: its files are polled");
                 }
             }
-            self.folders.push(folder);
+            self.files.push((folder, name.to_os_string()));
         }
     }
 

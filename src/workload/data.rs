@@ -40,21 +40,21 @@ impl TensorData {
         if elements != values.len() as u64 {
             return Err(DataError::Count { tensor: "<values>".into(), shape, count: values.len() });
         }
-        unrepresentable(dtype, &shape, &values)?;
-        let values: Vec<f32> = values.into_par_iter().map(|v| round_to(dtype, v as f64)).collect();
-        let bytes = encode(&values, dtype);
-        Ok(TensorData { dtype, shape, values, bytes })
+        let rounded: Vec<f32> = values.par_iter().map(|&v| round_to(dtype, v as f64)).collect();
+        unrepresentable(dtype, &shape, &values, &rounded)?;
+        let bytes = encode(&rounded, dtype);
+        Ok(TensorData { dtype, shape, values: rounded, bytes })
     }
 }
 
-/// The first element of `values` (given in f32, to be rounded to `dtype`) that a run cannot
-/// take: NaN (no verdict against the host reference could come of it: it reaches every output
-/// it touches), or a finite value that rounds to infinity in `dtype`. Infinities given as such
-/// are taken (an additive attention mask holds −∞).
-fn unrepresentable(dtype: DType, shape: &[u32], values: &[f32]) -> Result<(), DataError> {
-    let bad = |v: &f32| v.is_nan() || (v.is_finite() && round_to(dtype, *v as f64).is_infinite());
-    let Some(at) = values.par_iter().position_first(bad) else { return Ok(()) };
-    let value = values[at];
+/// The first element of `given` (with `rounded`, the same values rounded to `dtype`) that a
+/// run cannot take: NaN (no verdict against the host reference could come of it: it reaches
+/// every output it touches), or a finite value that rounded to infinity. Infinities given as
+/// such are taken (an additive attention mask holds −∞).
+fn unrepresentable(dtype: DType, shape: &[u32], given: &[f32], rounded: &[f32]) -> Result<(), DataError> {
+    let bad = |(g, r): (&f32, &f32)| g.is_nan() || (g.is_finite() && r.is_infinite());
+    let Some(at) = given.par_iter().zip(rounded).position_first(bad) else { return Ok(()) };
+    let value = given[at];
     let problem = if value.is_nan() {
         "is NaN".to_string()
     } else {
@@ -257,7 +257,7 @@ fn npy_values(declaration: &TensorDecl, file: &Path) -> Result<TensorData, DataE
         });
     }
     // The file's dtype is the declared one: nothing is rounded, and only NaN is refused.
-    unrepresentable(array.dtype, &declaration.shape, &array.values).map_err(|e| e.in_tensor(&tensor, || file.display().to_string()))?;
+    unrepresentable(array.dtype, &declaration.shape, &array.values, &array.values).map_err(|e| e.in_tensor(&tensor, || file.display().to_string()))?;
     let bytes = encode(&array.values, array.dtype);
     Ok(TensorData { dtype: array.dtype, shape: declaration.shape.clone(), values: array.values, bytes })
 }
