@@ -8,7 +8,7 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::time::Instant;
 
 use ipuq_cache::{Cache, CacheOptions, Remote, RemoteOptions};
-use ipuq_queries::db::{graph, Database, Origin, Sources, StageStore};
+use ipuq_queries::db::{graph, Database, DeferredBytes, Origin, Sources, StageStore};
 use ipuq_queries::hash::Digest;
 use ipuq_queries::package::Package;
 use ipuq_queries::pipeline::{load_build_record, lowered, package, run_phase, store_build_record, BuildRecord, PHASES};
@@ -35,8 +35,12 @@ struct Writer {
 
 enum WriteJob {
     Put { stage: String, key: ipuq_cache::Key, schema: u64, payload: rkyv::util::AlignedVec<16>, digest: ipuq_cache::Digest },
+    /// A payload the writer makes first (`StageStore::store_deferred`).
+    Make { stage: String, key: ipuq_cache::Key, schema: u64, bytes: DeferredBytes, digest: ipuq_cache::Digest },
     /// Answered once every job queued before it is written.
     Flush(mpsc::Sender<()>),
+    /// Write nothing more until the other end is dropped (`DiskStore::hold`).
+    Hold(mpsc::Receiver<()>),
 }
 
 impl Writer {
@@ -50,8 +54,17 @@ impl Writer {
                         WriteJob::Put { stage, key, schema, payload, digest } => {
                             let _ = cache.put_digested_or_warn(&stage, &key, schema, &payload, digest);
                         }
+                        WriteJob::Make { stage, key, schema, bytes, digest } => {
+                            if let Some(payload) = bytes() {
+                                debug_assert_eq!(ipuq_queries::hash::Digest::of_bytes(&payload).0, digest, "a deferred payload's digest");
+                                let _ = cache.put_digested_or_warn(&stage, &key, schema, &payload, digest);
+                            }
+                        }
                         WriteJob::Flush(done) => {
                             let _ = done.send(());
+                        }
+                        WriteJob::Hold(release) => {
+                            let _ = release.recv();
                         }
                     }
                 }
@@ -85,6 +98,25 @@ impl StageStore for DiskStore {
             let _ = self.cache.put_digested_or_warn(&stage, &key, schema, &payload, digest);
         }
     }
+    fn store_deferred(&self, stage: &str, key: &Digest, schema: u64, bytes: DeferredBytes, digest: &Digest) {
+        // The remote tier uploads as the value comes: made here.
+        if self.remote.is_some() {
+            if let Some(payload) = bytes() {
+                self.store_owned(stage, key, schema, payload, digest);
+            }
+            return;
+        }
+        let job = WriteJob::Make { stage: stage.to_string(), key: key.0, schema, bytes, digest: digest.0 };
+        let queued = match &*self.writer.lock().expect("cache writer lock") {
+            Some(writer) => writer.jobs.send(job).map_err(|e| e.0),
+            None => Err(job),
+        };
+        if let Err(WriteJob::Make { stage, key, schema, bytes, digest }) = queued {
+            if let Some(payload) = bytes() {
+                let _ = self.cache.put_digested_or_warn(&stage, &key, schema, &payload, digest);
+            }
+        }
+    }
     fn flush(&self) {
         let (done, wait) = mpsc::channel();
         let sent = self.writer.lock().expect("cache writer lock").as_ref().is_some_and(|w| w.jobs.send(WriteJob::Flush(done)).is_ok());
@@ -98,7 +130,19 @@ impl DiskStore {
     fn remote_hits(&self) -> u64 {
         self.remote.as_ref().map_or(0, |r| r.counters().hits)
     }
+
+    /// Hold the writer thread (entries queue up, nothing is written or serialised) until the
+    /// guard is dropped: a build server keeps both cores for its client's build and writes the
+    /// build's entries once the client has its answer.
+    pub fn hold(&self) -> WriterHold {
+        let (release, held) = mpsc::channel();
+        let sent = self.writer.lock().expect("cache writer lock").as_ref().is_some_and(|w| w.jobs.send(WriteJob::Hold(held)).is_ok());
+        WriterHold(sent.then_some(release))
+    }
 }
+
+/// The writer thread held (`DiskStore::hold`) until this is dropped.
+pub struct WriterHold(#[allow(dead_code)] Option<mpsc::Sender<()>>);
 
 impl Drop for DiskStore {
     /// The queued local writes, then a bounded wait for queued uploads, then the remote
@@ -249,29 +293,50 @@ pub fn cache_budget(option: Option<u64>) -> Result<u64, BuildError> {
     }
 }
 
+/// Whether cache hits are checked against a recomputation (`IPUQ_VERIFY_CACHE=1`).
+pub fn verifying_hits() -> bool {
+    std::env::var_os("IPUQ_VERIFY_CACHE").is_some_and(|v| v == "1")
+}
+
 /// A compiler session: one salsa database and its inputs, kept across rebuilds by
 /// `ipuq watch` (each rebuild re-evaluates only what the edit touched) and used once by
 /// `ipuq build`.
 pub struct Session {
+    /// The cache's writer, held while a build runs (`defer_finishing`). First: fields drop in
+    /// order, and the store (which waits for its writer when dropped) must see it released.
+    held: Option<WriterHold>,
     db: Database,
     sources: Option<Sources>,
     disk: Option<Arc<DiskStore>>,
     /// The buffer each package is serialised into, kept for the next build (`write_package`).
     payload: rkyv::util::AlignedVec,
+    /// The end of the last build, when left for later (`defer_finishing`).
+    pending: Option<Finish>,
+    defer_finish: bool,
 }
 
 impl Session {
     pub fn new(options: &BuildOptions) -> Result<Session, BuildError> {
+        Session::verifying(options, verifying_hits())
+    }
+
+    /// [`Session::new`], checking every cache hit against a recomputation when `verify`
+    /// (`IPUQ_VERIFY_CACHE=1` for [`Session::new`]; a build server takes its client's).
+    pub fn verifying(options: &BuildOptions, verify: bool) -> Result<Session, BuildError> {
         let disk = open_store(options)?;
-        let verify = std::env::var_os("IPUQ_VERIFY_CACHE").is_some_and(|v| v == "1");
         let db = Database::new(disk.clone().map(|d| d as Arc<dyn StageStore>)).verifying_hits(verify).with_plan_finalists(options.plan_finalists).with_table_budget(options.table_budget);
-        Ok(Session { db, sources: None, disk, payload: rkyv::util::AlignedVec::new() })
+        Ok(Session { db, sources: None, disk, payload: rkyv::util::AlignedVec::new(), pending: None, defer_finish: false, held: None })
     }
 
     /// A session that builds again after edits (`ipuq watch`): it also keeps the plan beam's
     /// states in memory, so an edit's resumed beam takes them instead of lowering them again.
     pub fn rebuilding(options: &BuildOptions) -> Result<Session, BuildError> {
-        let mut session = Session::new(options)?;
+        Session::rebuilding_verifying(options, verifying_hits())
+    }
+
+    /// [`Session::rebuilding`] with [`Session::verifying`]'s `verify`.
+    pub fn rebuilding_verifying(options: &BuildOptions, verify: bool) -> Result<Session, BuildError> {
+        let mut session = Session::verifying(options, verify)?;
         session.db = session.db.keeping_beam_states(true);
         Ok(session)
     }
@@ -330,6 +395,11 @@ impl Session {
     /// [`Session::build_text`] with the target description as read (`ipuq watch` builds the
     /// target file's bytes its polls read too): its text and origin, as `load_target` gives them.
     pub fn build_with_target(&mut self, text: String, workload: &Path, target: (String, String), options: &BuildOptions) -> Result<Built, BuildError> {
+        // The previous build's end first, where it was left.
+        self.finish();
+        if self.defer_finish {
+            self.held = self.disk.as_ref().map(|d| d.hold());
+        }
         let (target_text, target_origin) = target;
         let path = options.out_dir.join("model.ipuexe");
         // A no-op rebuild: this compiler built exactly these inputs into exactly this file.
@@ -376,21 +446,49 @@ impl Session {
         let package = pkg.value.clone();
         info!(final_cycles = package.summary.estimated_cycles, final_exchange = package.summary.estimated_exchange_cycles, "costed final placed program");
         let (file_head, file_len) = write_package(&package, &path, &mut self.payload)?;
-        // Every entry of this build on disk before its record, and before the size budget.
+        let record = BuildRecord { file_head, file_len, tiles: package.tile_count(), estimated_cycles: package.summary.estimated_cycles };
+        let built = Built { tiles: record.tiles, estimated_cycles: record.estimated_cycles, package: Some(package), path, timings };
+        self.pending = Some(Finish { text, target_text, record, computed: built.timings.iter().any(|t| t.computed > 0) });
+        if !self.defer_finish {
+            self.finish();
+        }
+        Ok(built)
+    }
+
+    /// Leave the end of each build (writing its cache entries, its record, the cache's size
+    /// budget) to [`Session::finish`], and hold the cache's writer thread while each build runs
+    /// (`DiskStore::hold`: both cores go to the build): a build server answers its client, and
+    /// a watch prints its result line, first.
+    pub fn defer_finishing(&mut self) {
+        self.defer_finish = true;
+    }
+
+    /// The end of the last build, where it was left: the writer released, every entry of the
+    /// build on disk before its record, and before the size budget.
+    pub fn finish(&mut self) {
+        self.held = None;
+        let Some(finish) = self.pending.take() else { return };
         if let Some(disk) = &self.disk {
             disk.flush();
         }
-        let record = BuildRecord { file_head, file_len, tiles: package.tile_count(), estimated_cycles: package.summary.estimated_cycles };
-        store_build_record(db, &text, &target_text, &record);
+        store_build_record(&self.db, &finish.text, &finish.target_text, &finish.record);
         if let Some(disk) = &self.disk {
-            if timings.iter().any(|t| t.computed > 0) {
+            if finish.computed {
                 if let Err(error) = disk.cache.enforce_budget() {
                     tracing::warn!(%error, "cache size budget not enforced");
                 }
             }
         }
-        Ok(Built { tiles: record.tiles, estimated_cycles: record.estimated_cycles, package: Some(package), path, timings })
     }
+}
+
+/// What is left of a build once its package is written (`Session::finish`).
+struct Finish {
+    text: String,
+    target_text: String,
+    record: BuildRecord,
+    /// Whether the build computed a stage (wrote to the cache).
+    computed: bool,
 }
 
 /// Build `workload` into `out_dir/model.ipuexe`.
@@ -510,6 +608,37 @@ mod tests {
         let mut bytes = rkyv::util::AlignedVec::<16>::new();
         bytes.extend_from_slice(&vec![i; 1000 + 7919 * i as usize]);
         (Digest::of_bytes(&[i]), bytes)
+    }
+
+    /// Entries handed over to be made later are made and written only once a hold is
+    /// released, and are on disk after `flush`, as a new process would read them.
+    #[test]
+    fn deferred_entries_wait_for_a_hold_and_are_on_disk_after_flush() {
+        let dir = tempfile::tempdir().expect("a temporary folder");
+        let store = disk_store(dir.path());
+        let hold = store.hold();
+        let made = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        for i in 0..10 {
+            let (key, bytes) = entry(i);
+            let digest = Digest::of_bytes(&bytes);
+            let counter = made.clone();
+            let make: DeferredBytes = Box::new(move || {
+                counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                Some(bytes)
+            });
+            store.store_deferred("test_stage", &key, 7, make, &digest);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        let reader = Cache::open(dir.path(), CacheOptions { read_only: true, max_bytes: None }).expect("the cache opens read-only");
+        assert_eq!(made.load(std::sync::atomic::Ordering::SeqCst), 0, "made while held");
+        assert!(reader.get("test_stage", &entry(0).0 .0, 7).is_none(), "written while held");
+        drop(hold);
+        store.flush();
+        assert_eq!(made.load(std::sync::atomic::Ordering::SeqCst), 10);
+        for i in 0..10 {
+            let (key, bytes) = entry(i);
+            assert_eq!(reader.get("test_stage", &key.0, 7).as_deref(), Some(&bytes[..]), "entry {i} after the hold and flush");
+        }
     }
 
     /// Entries handed to the writer thread are on disk after `flush`, and after the store is

@@ -33,6 +33,8 @@ pub struct WatchOptions {
 /// Watch `workload`; `out_dir` names the output folder for the workload's text as a poll read it.
 pub fn watch(workload: &Path, options: BuildOptions, out_dir: impl Fn(&Path, &str) -> Result<PathBuf, String>, watch: &WatchOptions) -> Result<(), String> {
     let mut session = Session::rebuilding(&options).map_err(|e| e.to_string())?;
+    // Each rebuild's result line (and run) comes first; its cache entries are written after.
+    session.defer_finishing();
     let mut options = options;
     let mut changes = Changes::default();
     let mut rebuilds = 0u32;
@@ -60,6 +62,7 @@ pub fn watch(workload: &Path, options: BuildOptions, out_dir: impl Fn(&Path, &st
                     // The bytes the polls read are built (the files may change again meanwhile).
                     rebuild(&mut session, workload, polled, &mut options, &out_dir, watch, &mut caches);
                     tracing::info!(elapsed_ms = start.elapsed().as_millis() as u64, "watch rebuild finished");
+                    session.finish();
                     session.release_deferred();
                     rebuilds += 1;
                 }

@@ -26,9 +26,22 @@ pub trait StageStore: Send + Sync {
         let _ = digest;
         self.store(stage, key, schema, &bytes);
     }
-    /// Wait until every entry handed to [`StageStore::store_owned`] is written.
+    /// Store a value whose canonical bytes, `bytes()` makes them, have blake3 `digest`. A store
+    /// may make and write them after returning (in the background, after the build's work) as
+    /// long as [`StageStore::flush`] waits for them; by default they are made and stored at once.
+    fn store_deferred(&self, stage: &str, key: &Digest, schema: u64, bytes: DeferredBytes, digest: &Digest) {
+        if let Some(bytes) = bytes() {
+            self.store_owned(stage, key, schema, bytes, digest);
+        }
+    }
+    /// Wait until every entry handed to [`StageStore::store_owned`] or
+    /// [`StageStore::store_deferred`] is written.
     fn flush(&self) {}
 }
+
+/// A stage output's canonical bytes, made when called (`StageStore::store_deferred`); `None`
+/// when it does not serialise (never for a value that was digested).
+pub type DeferredBytes = Box<dyn FnOnce() -> Option<rkyv::util::AlignedVec<16>> + Send>;
 
 /// One value of this process (with its digest) under the key it was made for, taken by its
 /// one reader.
@@ -453,7 +466,7 @@ impl StageCache {
     /// Load a stage output from disk, or compute and publish it.
     pub(crate) fn cached<T>(&self, stage: &'static str, version: u32, key: Digest, compute: impl FnOnce() -> Result<T, CompileError>) -> StageResult<T>
     where
-        T: rkyv::Archive + Canonical,
+        T: rkyv::Archive + Canonical + Send + Sync + 'static,
         T::Archived: for<'a> rkyv::bytecheck::CheckBytes<rkyv::api::high::HighValidator<'a, rkyv::rancor::Error>>
             + rkyv::Deserialize<T, rkyv::api::high::HighDeserializer<rkyv::rancor::Error>>,
     {
@@ -496,7 +509,7 @@ impl StageCache {
         compute: impl FnOnce() -> Result<(T, crate::lower::host::RateRange), CompileError>,
     ) -> StageResult<T>
     where
-        T: rkyv::Archive + Canonical,
+        T: rkyv::Archive + Canonical + Send + Sync + 'static,
         T::Archived: for<'a> rkyv::bytecheck::CheckBytes<rkyv::api::high::HighValidator<'a, rkyv::rancor::Error>>
             + rkyv::Deserialize<T, rkyv::api::high::HighDeserializer<rkyv::rancor::Error>>,
     {
@@ -597,17 +610,18 @@ impl StageCache {
     /// Record a freshly computed value: note it, digest it, publish it to the store.
     pub(crate) fn save<T>(&self, stage: &'static str, version: u32, key: Digest, value: T) -> StageResult<T>
     where
-        T: Canonical,
+        T: Canonical + Send + Sync + 'static,
     {
         self.note(stage, Origin::Computed);
-        let Some(store) = &self.store else {
-            // No disk store: the bytes are only digested, not kept.
-            return Staged::of(value);
-        };
-        let bytes = rkyv::to_bytes::<rkyv::rancor::Error>(&value).map_err(CompileError::from)?;
-        let digest = Digest::of_bytes(&bytes);
-        store.store_owned(stage, &key, schema(stage, version), bytes, &digest);
-        Ok(Staged { digest, value: Arc::new(value) })
+        // Digested as the bytes stream (`digest_of`); the store makes the bytes themselves when
+        // it writes them, off the build's path where it can.
+        let staged = Staged::of(value)?;
+        if let Some(store) = &self.store {
+            let value = staged.value.clone();
+            let bytes: DeferredBytes = Box::new(move || rkyv::to_bytes::<rkyv::rancor::Error>(&*value).ok());
+            store.store_deferred(stage, &key, schema(stage, version), bytes, &staged.digest);
+        }
+        Ok(staged)
     }
 }
 

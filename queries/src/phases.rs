@@ -27,6 +27,7 @@ pub(crate) trait Entry:
     Clone
     + Send
     + Sync
+    + 'static
     + rkyv::Archive<
         Archived: for<'a> rkyv::bytecheck::CheckBytes<rkyv::api::high::HighValidator<'a, rkyv::rancor::Error>>
                       + rkyv::Deserialize<Self, rkyv::api::high::HighDeserializer<rkyv::rancor::Error>>,
@@ -36,7 +37,7 @@ pub(crate) trait Entry:
 
 impl<T> Entry for T
 where
-    T: Clone + Send + Sync + rkyv::Archive + crate::db::Canonical,
+    T: Clone + Send + Sync + 'static + rkyv::Archive + crate::db::Canonical,
     T::Archived: for<'a> rkyv::bytecheck::CheckBytes<rkyv::api::high::HighValidator<'a, rkyv::rancor::Error>>
         + rkyv::Deserialize<T, rkyv::api::high::HighDeserializer<rkyv::rancor::Error>>,
 {
