@@ -1,4 +1,4 @@
-//! The command line: `ipuq workload | import | build | run | watch | profile | cache`.
+//! The command line: `ipuq workload | import | build | run | watch | serve | profile | cache`.
 //!
 //! Exit codes: 0 success, 1 a numerical check failed, 2 usage, input, compile or device error.
 
@@ -57,6 +57,15 @@ pub struct CompileArgs {
     exchange_table_budget: u32,
     #[command(flatten)]
     remote: crate::remote_args::RemoteArgs,
+    /// With --incremental: build in this process even where a build server (`ipuq serve`)
+    /// answers for the cache folder.
+    #[arg(long, conflicts_with = "server")]
+    no_server: bool,
+    /// With --incremental: where no build server answers for the cache folder, start one in
+    /// the background (`ipuq serve`, its log in server.log there; it stops after three idle
+    /// hours) and build through it, so that the next build rebuilds from its memory.
+    #[arg(long, requires = "incremental")]
+    server: bool,
 }
 
 #[derive(Subcommand)]
@@ -149,6 +158,20 @@ enum Command {
         /// Stop after this many rebuilds (default: watch until killed).
         #[arg(long)]
         max_rebuilds: Option<u32>,
+    },
+    /// Serve the --incremental builds of other ipuq processes from one long-lived compiler
+    /// session (what `ipuq watch` keeps between saves), on a socket in the cache folder.
+    Serve {
+        /// Cache folder (default: $IPUQ_CACHE_DIR, else ~/.cache/ipuq); the socket is
+        /// server.sock in it.
+        #[arg(long)]
+        cache_dir: Option<PathBuf>,
+        /// Stop after this many seconds without a request.
+        #[arg(long, default_value_t = crate::server::DEFAULT_MAX_IDLE.as_secs())]
+        max_idle_secs: u64,
+        /// Stop the server of the cache folder instead.
+        #[arg(long)]
+        stop: bool,
     },
     /// Summarise an execution profile.
     Profile {
@@ -312,7 +335,14 @@ fn build_options(args: &CompileArgs, out_dir: PathBuf) -> Result<BuildOptions, S
 fn compile(workload: &Path, args: &CompileArgs) -> Result<crate::build::Built, String> {
     let name = workload_name(workload)?;
     let options = build_options(args, out_dir(args, &name))?;
-    let built = build(workload, &options).map_err(|e| e.to_string())?;
+    if args.server && options.incremental {
+        crate::server::start(options.cache_dir.as_deref())?;
+    }
+    let served = if args.no_server { None } else { crate::server::build(workload, &options) };
+    let built = match served {
+        Some(built) => built?,
+        None => build(workload, &options).map_err(|e| e.to_string())?,
+    };
     if args.timings {
         print_timings(&built.timings);
     }
@@ -376,6 +406,16 @@ fn run(cli: Cli) -> Result<Outcome, String> {
             let options = build_options(&args, PathBuf::new())?;
             let watch = crate::watch::WatchOptions { run, inputs, dump, lock_timeout: Duration::from_secs(lock_timeout), poll: Duration::from_millis(poll_ms.max(1)), max_rebuilds };
             crate::watch::watch(&workload, options, |w, text| workload_name_of(w, text).map(|name| out_dir(&args, &name)), &watch)?;
+            Ok(Outcome::Pass)
+        }
+        Command::Serve { cache_dir, max_idle_secs, stop } => {
+            let dir = crate::server::cache_folder(cache_dir.as_deref())?;
+            if stop {
+                let stopped = crate::server::stop(&dir)?;
+                println!("{}", if stopped { format!("stopped the build server of {}", dir.display()) } else { format!("no build server answers for {}", dir.display()) });
+            } else {
+                crate::server::serve(&dir, Duration::from_secs(max_idle_secs))?;
+            }
             Ok(Outcome::Pass)
         }
         Command::Profile { file, chrome_trace, package, operations } => {

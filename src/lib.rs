@@ -19,6 +19,7 @@ pub mod reference_cache;
 pub mod remote_args;
 pub mod report;
 pub mod runtime;
+pub mod server;
 pub mod verify;
 pub mod watch;
 pub mod workload;

@@ -1,7 +1,8 @@
 //! A one-line progress display on standard error, drawn only when standard error is a
 //! terminal (CI logs and redirected output stay clean). Log lines go through [`Writer`],
 //! which clears the progress line before a log line and redraws it after, so both stay
-//! readable on one terminal.
+//! readable on one terminal. While a build server builds for a client (`server.rs`), log
+//! lines go to that client instead.
 
 use std::io::{IsTerminal, Write};
 use std::sync::Mutex;
@@ -9,6 +10,21 @@ use std::time::Instant;
 
 /// The line being shown ("" when none).
 static LINE: Mutex<String> = Mutex::new(String::new());
+
+/// Where log lines go instead of standard error while a build server builds for a client.
+type Forward = Box<dyn FnMut(&[u8]) + Send>;
+
+static FORWARD: Mutex<Option<Forward>> = Mutex::new(None);
+
+fn forward() -> std::sync::MutexGuard<'static, Option<Forward>> {
+    FORWARD.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Send every log line to `to` (a build server's client) until `forward_to(None)`; meanwhile
+/// no progress line is drawn.
+pub fn forward_to(to: Option<Forward>) {
+    *forward() = to;
+}
 
 fn line() -> std::sync::MutexGuard<'static, String> {
     LINE.lock().unwrap_or_else(|e| e.into_inner())
@@ -23,7 +39,7 @@ pub struct Progress {
 
 impl Progress {
     pub fn start(total: usize) -> Progress {
-        Progress { enabled: std::io::stderr().is_terminal(), total, start: Instant::now() }
+        Progress { enabled: std::io::stderr().is_terminal() && forward().is_none(), total, start: Instant::now() }
     }
 
     /// Show that phase `index` (from 0) is running.
@@ -53,6 +69,10 @@ pub struct Writer;
 
 impl Write for Writer {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if let Some(to) = forward().as_mut() {
+            to(buf);
+            return Ok(buf.len());
+        }
         let current = line();
         let mut err = std::io::stderr().lock();
         if !current.is_empty() {
