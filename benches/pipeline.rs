@@ -1,6 +1,6 @@
 //! Criterion benches of the whole path: a cold build (fresh salsa database, no disk cache), a
-//! no-op rebuild in the same database, a one-operation edit rebuilt by `ipuq watch`'s session
-//! and by `--incremental` in a new session, a simulator run of the built package (load,
+//! no-op rebuild in the same database, a one-operation edit rebuilt by `ipuq watch`'s session,
+//! by a build server's (`ipuq serve`) and by `--incremental` in a new session, a simulator run of the built package (load,
 //! initialize, execute, read back), and the host reference of the seed MLP. Small shapes on the 16-tile
 //! target and the seeds on ipu21; `ipuq exchange-report` and `queries/benches/exchange.rs`
 //! cover the scheduler alone.
@@ -52,10 +52,12 @@ fn builds(c: &mut Criterion) {
 /// included) after a cold build of the unedited workload, for the seed MLP and four of its
 /// blocks on ipu21. `watch`: in the session that built the unedited workload, as `ipuq watch`
 /// rebuilds. `incremental`: in a new session over a disk cache that holds the unedited build's
-/// entries, as `ipuq build --incremental` after the edit; the cache is opened read-only there,
+/// entries, as `ipuq build --incremental` after the edit (with no build server); `served`: as
+/// `ipuq serve` rebuilds (see below); the cache is opened read-only in `incremental`,
 /// so every sample finds the same entries (the entries a writing build would add are written
-/// behind by a thread and not timed). The untimed setup of each sample builds cold (watch) or
-/// opens a new session and output folder (incremental).
+/// behind by a thread and not timed). The untimed setup of each sample builds cold (watch,
+/// served: with a fresh cache of its own) or opens a new session and output folder
+/// (incremental).
 fn edits(c: &mut Criterion) {
     // The allocator as `ipuq` sets it up.
     ipuq::alloc::tune();
@@ -99,16 +101,42 @@ fn edits(c: &mut Criterion) {
         let writing = BuildOptions { cache_read_only: false, ..options(dir.path(), true) };
         Session::new(&writing).expect("a session").build_text(base.clone(), &workload, &writing).expect("the workload builds");
         group.bench_function(format!("incremental/{name}"), |b| {
-            let mut sample = 0;
             b.iter_batched(
                 || {
-                    sample += 1;
-                    let options = BuildOptions { out_dir: dir.path().join(format!("out-{sample}")), ..options(dir.path(), true) };
-                    (Session::new(&options).expect("a session"), options)
+                    // An output folder of this sample's own (not a counter's name: criterion
+                    // may run this function more than once, and a folder holding the edited
+                    // package would skip its write).
+                    let out = tempfile::tempdir_in(dir.path()).expect("a temporary folder");
+                    let options = BuildOptions { out_dir: out.path().to_path_buf(), ..options(dir.path(), true) };
+                    (Session::new(&options).expect("a session"), options, out)
                 },
-                |(mut session, options)| {
+                |(mut session, options, out)| {
                     session.build_text(edited.clone(), &workload, &options).expect("the edit builds");
-                    session
+                    (session, out)
+                },
+                BatchSize::PerIteration,
+            )
+        });
+        // As `ipuq serve` rebuilds for a client: the session that built the unedited workload
+        // with a writing cache of its own, its writer held while the edit builds; the end of
+        // the build (the entries written, the record) comes after the answer, untimed.
+        group.bench_function(format!("served/{name}"), |b| {
+            b.iter_batched(
+                || {
+                    // A cache and output folder of this sample's own (criterion may run this
+                    // function more than once: a counter would repeat names, and a cache that
+                    // holds the edit's entries would time hits).
+                    let folder = tempfile::tempdir_in(dir.path()).expect("a temporary folder");
+                    let options = BuildOptions { cache_dir: Some(folder.path().join("cache")), out_dir: folder.path().join("out"), cache_read_only: false, ..options(dir.path(), true) };
+                    let mut session = Session::rebuilding(&options).expect("a session");
+                    session.defer_finishing();
+                    session.build_text(base.clone(), &workload, &options).expect("the workload builds");
+                    session.finish();
+                    (session, options, folder)
+                },
+                |(mut session, options, folder)| {
+                    session.build_text(edited.clone(), &workload, &options).expect("the edit builds");
+                    (session, options, folder)
                 },
                 BatchSize::PerIteration,
             )
