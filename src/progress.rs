@@ -2,7 +2,7 @@
 //! terminal (CI logs and redirected output stay clean). Log lines go through [`Writer`],
 //! which clears the progress line before a log line and redraws it after, so both stay
 //! readable on one terminal. While a build server builds for a client (`server.rs`), log
-//! lines go to that client instead.
+//! lines and the phases reached go to that client instead, which draws the line itself.
 
 use std::io::{IsTerminal, Write};
 use std::sync::Mutex;
@@ -11,18 +11,24 @@ use std::time::Instant;
 /// The line being shown ("" when none).
 static LINE: Mutex<String> = Mutex::new(String::new());
 
-/// Where log lines go instead of standard error while a build server builds for a client.
-type Forward = Box<dyn FnMut(&[u8]) + Send>;
+/// Where log lines and progress go instead of standard error while a build server builds for
+/// a client.
+pub trait Forward: Send {
+    /// A log line's bytes.
+    fn log(&mut self, bytes: &[u8]);
+    /// Phase `index` (from 0) of `total` is running.
+    fn phase(&mut self, index: usize, total: usize, name: &str);
+}
 
-static FORWARD: Mutex<Option<Forward>> = Mutex::new(None);
+static FORWARD: Mutex<Option<Box<dyn Forward>>> = Mutex::new(None);
 
-fn forward() -> std::sync::MutexGuard<'static, Option<Forward>> {
+fn forward() -> std::sync::MutexGuard<'static, Option<Box<dyn Forward>>> {
     FORWARD.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Send every log line to `to` (a build server's client) until `forward_to(None)`; meanwhile
-/// no progress line is drawn.
-pub fn forward_to(to: Option<Forward>) {
+/// Send every log line and phase to `to` (a build server's client) until `forward_to(None)`;
+/// meanwhile this process draws no progress line.
+pub fn forward_to(to: Option<Box<dyn Forward>>) {
     *forward() = to;
 }
 
@@ -45,6 +51,9 @@ impl Progress {
     /// Show that phase `index` (from 0) is running.
     pub fn phase(&self, index: usize, name: &str) {
         if !self.enabled {
+            if let Some(to) = forward().as_mut() {
+                to.phase(index, self.total, name);
+            }
             return;
         }
         let text = format!("[{}/{}] {name} ({:.1} s)", index + 1, self.total, self.start.elapsed().as_secs_f64());
@@ -70,7 +79,7 @@ pub struct Writer;
 impl Write for Writer {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         if let Some(to) = forward().as_mut() {
-            to(buf);
+            to.log(buf);
             return Ok(buf.len());
         }
         let current = line();

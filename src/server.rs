@@ -77,10 +77,12 @@ struct Settings {
     verify_hits: bool,
 }
 
-/// What the server sends back: log lines, then one of the others.
+/// What the server sends back: log lines and phases, then one of the others.
 #[derive(Serialize, Deserialize)]
 enum Reply {
     Log(String),
+    /// Phase `index` (from 0) of `total` is running (the client draws its progress line).
+    Phase { index: usize, total: usize, name: String },
     /// Another compiler build, or a request it cannot take: the client builds itself.
     Refused(String),
     Built { path: PathBuf, tiles: u32, estimated_cycles: u64, timings: Vec<Timing> },
@@ -265,18 +267,11 @@ impl Server {
             let _ = send(&mut writer, &Reply::Refused(format!("cannot enter the working folder {}: {e}", request.cwd.display())));
             return false;
         }
-        // The client's log lines, as its own process would print them, go to it; a client
-        // gone away is written to no more, and its build goes on.
+        // The client's log lines, as its own process would print them, and the phases reached
+        // (for its progress line) go to it; a client gone away is written to no more, and its
+        // build goes on.
         let client = Arc::new(Mutex::new(Some(writer)));
-        let lines = client.clone();
-        crate::progress::forward_to(Some(Box::new(move |bytes: &[u8]| {
-            let mut lines = lines.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some(w) = lines.as_mut() {
-                if send(w, &Reply::Log(String::from_utf8_lossy(bytes).into_owned())).is_err() {
-                    *lines = None;
-                }
-            }
-        })));
+        crate::progress::forward_to(Some(Box::new(Client(client.clone()))));
         crate::logging::set_filter(&request.log_filter);
         // A build that panics (a compiler bug) fails this request, not the server: its session,
         // which may hold half-made state, is dropped.
@@ -335,6 +330,29 @@ impl Server {
             session.release_deferred();
             tracing::info!(elapsed_ms = start.elapsed().as_millis() as u64, "build finished after the answer: cache entries written, memory released");
         }
+    }
+}
+
+/// The connection to the client a build is for, as the log's and progress's destination.
+struct Client(Arc<Mutex<Option<UnixStream>>>);
+
+impl Client {
+    fn send(&self, reply: &Reply) {
+        let mut connection = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(w) = connection.as_mut() {
+            if send(w, reply).is_err() {
+                *connection = None;
+            }
+        }
+    }
+}
+
+impl crate::progress::Forward for Client {
+    fn log(&mut self, bytes: &[u8]) {
+        self.send(&Reply::Log(String::from_utf8_lossy(bytes).into_owned()));
+    }
+    fn phase(&mut self, index: usize, total: usize, name: &str) {
+        self.send(&Reply::Phase { index, total, name: name.to_string() });
     }
 }
 
@@ -406,10 +424,16 @@ pub fn build(workload: &Path, options: &BuildOptions) -> Option<Result<Built, St
     }
     let mut reader = BufReader::new(stream);
     let mut err = crate::progress::Writer;
+    // The progress line, drawn here (on a terminal) from the phases the server reports, and
+    // cleared when the answer comes.
+    let mut progress: Option<crate::progress::Progress> = None;
     loop {
         match receive::<Reply>(&mut reader) {
             Ok(Some(Reply::Log(line))) => {
                 let _ = err.write_all(line.as_bytes());
+            }
+            Ok(Some(Reply::Phase { index, total, name })) => {
+                progress.get_or_insert_with(|| crate::progress::Progress::start(total)).phase(index, &name);
             }
             Ok(Some(Reply::Refused(why))) => {
                 tracing::info!(socket = %path.display(), "the build server does not build this: {why}; building in this process");
@@ -472,5 +496,26 @@ mod tests {
         assert!(receive::<Reply>(&mut reader).unwrap().is_none());
         let mut bad = std::io::Cursor::new(b"{not json\n".to_vec());
         assert!(receive::<Reply>(&mut bad).is_err());
+    }
+
+    /// What a build logs and the phases it reaches go to its client, in order; once the
+    /// client is gone, nothing is written and nothing fails.
+    #[test]
+    fn a_builds_log_and_phases_reach_its_client_and_a_gone_client_is_dropped() {
+        use crate::progress::Forward;
+        let (server_end, client_end) = UnixStream::pair().unwrap();
+        let mut client = Client(Arc::new(Mutex::new(Some(server_end))));
+        client.log(b"a line\n");
+        client.phase(1, 8, "select_finalist");
+        let mut reader = BufReader::new(client_end);
+        assert!(matches!(receive::<Reply>(&mut reader).unwrap(), Some(Reply::Log(l)) if l == "a line\n"));
+        assert!(matches!(receive::<Reply>(&mut reader).unwrap(), Some(Reply::Phase { index: 1, total: 8, name }) if name == "select_finalist"));
+        drop(reader);
+        // The first write after the other end closed may still be buffered by the kernel; a
+        // later one fails, and the connection is dropped.
+        for _ in 0..3 {
+            client.log(b"after\n");
+        }
+        assert!(client.0.lock().unwrap().is_none(), "a gone client is written to no more");
     }
 }
