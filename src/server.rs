@@ -38,6 +38,12 @@ use crate::build::{cache_budget, default_cache_dir, BuildOptions, Built, PhaseTi
 /// The socket's file name in the cache folder.
 pub const SOCKET: &str = "server.sock";
 
+/// How long a client may take to send its request once connected.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long one write to a client may wait for it to read.
+const REPLY_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// The default `--max-idle-secs`: three hours.
 pub const DEFAULT_MAX_IDLE: Duration = Duration::from_secs(3 * 3600);
 
@@ -242,6 +248,10 @@ struct Server {
 impl Server {
     /// Answer one client; true when it asked the server to stop.
     fn answer(&mut self, stream: UnixStream) -> bool {
+        // A client that stops sending its request, or stops reading the answer (suspended),
+        // holds the server no longer than these: then it is dropped, and a build goes on.
+        let _ = stream.set_read_timeout(Some(REQUEST_TIMEOUT));
+        let _ = stream.set_write_timeout(Some(REPLY_TIMEOUT));
         let Ok(mut writer) = stream.try_clone() else { return false };
         let mut reader = BufReader::new(stream);
         let request = match receive::<Request>(&mut reader) {
