@@ -403,6 +403,9 @@ fn run(cli: Cli) -> Result<Outcome, String> {
             report::run_and_verify(&package, &package_path, &options)
         }
         Command::Watch { workload, compile: args, run, inputs, dump, lock_timeout, poll_ms, max_rebuilds } => {
+            if args.server {
+                return Err("--server: ipuq watch keeps a compiler session of its own and builds in it (a build server is for separate build commands)".into());
+            }
             let options = build_options(&args, PathBuf::new())?;
             let watch = crate::watch::WatchOptions { run, inputs, dump, lock_timeout: Duration::from_secs(lock_timeout), poll: Duration::from_millis(poll_ms.max(1)), max_rebuilds };
             crate::watch::watch(&workload, options, |w, text| workload_name_of(w, text).map(|name| out_dir(&args, &name)), &watch)?;

@@ -149,7 +149,10 @@ fn server_starts_a_server_where_none_answers_and_builds_through_it() {
         assert!(Instant::now() < deadline, "the started server did not stop");
         std::thread::sleep(Duration::from_millis(20));
     }
-    // Without --incremental there is no cache to serve: refused as a usage error.
+    // Without --incremental there is no cache to serve: refused as a usage error; so is a
+    // watch asked to build through a server (it keeps a session of its own).
     let out = ipuq(&["build", "mlp.toml", "--target", "small16", "-o", "x", "--server"], dir.path());
     assert_eq!(out.code, 2, "{}", out.stderr);
+    let out = ipuq(&["watch", "mlp.toml", "--target", "small16", "-o", "x", "--incremental", "--cache-dir", &cache_arg, "--server"], dir.path());
+    assert!(out.code == 2 && out.stderr.contains("ipuq watch keeps a compiler session of its own"), "{}", out.stderr);
 }
