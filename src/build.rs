@@ -34,9 +34,9 @@ struct Writer {
 }
 
 enum WriteJob {
-    Put { stage: String, key: ipuq_cache::Key, schema: u64, payload: rkyv::util::AlignedVec<16>, digest: ipuq_cache::Digest },
-    /// A payload the writer makes first (`StageStore::store_deferred`).
-    Make { stage: String, key: ipuq_cache::Key, schema: u64, bytes: DeferredBytes, digest: ipuq_cache::Digest },
+    /// An entry, its payload made by the writer (already made for `store_owned`, serialised
+    /// there for `store_deferred`).
+    Put { stage: String, key: ipuq_cache::Key, schema: u64, bytes: DeferredBytes, digest: ipuq_cache::Digest },
     /// Answered once every job queued before it is written.
     Flush(mpsc::Sender<()>),
     /// Write nothing more until the other end is dropped (`DiskStore::hold`).
@@ -51,15 +51,7 @@ impl Writer {
             .spawn(move || {
                 for job in queue {
                     match job {
-                        WriteJob::Put { stage, key, schema, payload, digest } => {
-                            let _ = cache.put_digested_or_warn(&stage, &key, schema, &payload, digest);
-                        }
-                        WriteJob::Make { stage, key, schema, bytes, digest } => {
-                            if let Some(payload) = bytes() {
-                                debug_assert_eq!(ipuq_queries::hash::Digest::of_bytes(&payload).0, digest, "a deferred payload's digest");
-                                let _ = cache.put_digested_or_warn(&stage, &key, schema, &payload, digest);
-                            }
-                        }
+                        WriteJob::Put { stage, key, schema, bytes, digest } => put_made(&cache, &stage, &key, schema, bytes, digest),
                         WriteJob::Flush(done) => {
                             let _ = done.send(());
                         }
@@ -88,33 +80,17 @@ impl StageStore for DiskStore {
         if let Some(remote) = &self.remote {
             remote.upload(stage, &key.0, schema, &bytes);
         }
-        let job = WriteJob::Put { stage: stage.to_string(), key: key.0, schema, payload: bytes, digest: digest.0 };
-        let queued = match &*self.writer.lock().expect("cache writer lock") {
-            Some(writer) => writer.jobs.send(job).map_err(|e| e.0),
-            None => Err(job),
-        };
-        // No writer thread (it could not start, or it is gone): written here and now.
-        if let Err(WriteJob::Put { stage, key, schema, payload, digest }) = queued {
-            let _ = self.cache.put_digested_or_warn(&stage, &key, schema, &payload, digest);
-        }
+        self.queue(stage, key, schema, Box::new(move || Some(bytes)), digest);
     }
     fn store_deferred(&self, stage: &str, key: &Digest, schema: u64, bytes: DeferredBytes, digest: &Digest) {
-        // The remote tier uploads as the value comes: made here.
-        if self.remote.is_some() {
-            if let Some(payload) = bytes() {
-                self.store_owned(stage, key, schema, payload, digest);
+        match &self.remote {
+            // The remote tier uploads as the value comes: made here.
+            Some(_) => {
+                if let Some(payload) = bytes() {
+                    self.store_owned(stage, key, schema, payload, digest);
+                }
             }
-            return;
-        }
-        let job = WriteJob::Make { stage: stage.to_string(), key: key.0, schema, bytes, digest: digest.0 };
-        let queued = match &*self.writer.lock().expect("cache writer lock") {
-            Some(writer) => writer.jobs.send(job).map_err(|e| e.0),
-            None => Err(job),
-        };
-        if let Err(WriteJob::Make { stage, key, schema, bytes, digest }) = queued {
-            if let Some(payload) = bytes() {
-                let _ = self.cache.put_digested_or_warn(&stage, &key, schema, &payload, digest);
-            }
+            None => self.queue(stage, key, schema, bytes, digest),
         }
     }
     fn flush(&self) {
@@ -126,7 +102,28 @@ impl StageStore for DiskStore {
     }
 }
 
+/// An entry's payload made and published under its digest.
+fn put_made(cache: &Cache, stage: &str, key: &ipuq_cache::Key, schema: u64, bytes: DeferredBytes, digest: ipuq_cache::Digest) {
+    if let Some(payload) = bytes() {
+        debug_assert_eq!(Digest::of_bytes(&payload).0, digest, "a payload's digest");
+        let _ = cache.put_digested_or_warn(stage, key, schema, &payload, digest);
+    }
+}
+
 impl DiskStore {
+    /// Hand an entry to the writer thread; without one (it could not start, or it is gone),
+    /// written here and now.
+    fn queue(&self, stage: &str, key: &Digest, schema: u64, bytes: DeferredBytes, digest: &Digest) {
+        let job = WriteJob::Put { stage: stage.to_string(), key: key.0, schema, bytes, digest: digest.0 };
+        let queued = match &*self.writer.lock().expect("cache writer lock") {
+            Some(writer) => writer.jobs.send(job).map_err(|e| e.0),
+            None => Err(job),
+        };
+        if let Err(WriteJob::Put { stage, key, schema, bytes, digest }) = queued {
+            put_made(&self.cache, &stage, &key, schema, bytes, digest);
+        }
+    }
+
     fn remote_hits(&self) -> u64 {
         self.remote.as_ref().map_or(0, |r| r.counters().hits)
     }

@@ -91,7 +91,8 @@ enum Reply {
     Phase { index: usize, total: usize, name: String },
     /// Another compiler build, or a request it cannot take: the client builds itself.
     Refused(String),
-    Built { path: PathBuf, tiles: u32, estimated_cycles: u64, timings: Vec<Timing> },
+    /// The package is written (at the client's output path).
+    Built { tiles: u32, estimated_cycles: u64, timings: Vec<Timing> },
     Failed(String),
     Stopping,
 }
@@ -295,7 +296,6 @@ impl Server {
         };
         let reply = match result {
             Ok(built) => Reply::Built {
-                path: built.path,
                 tiles: built.tiles,
                 estimated_cycles: built.estimated_cycles,
                 timings: built.timings.iter().map(|t| Timing { phase: t.phase.to_string(), elapsed_ms: t.elapsed_ms, computed: t.computed, disk_hits: t.disk_hits, remote_hits: t.remote_hits }).collect(),
@@ -449,13 +449,13 @@ pub fn build(workload: &Path, options: &BuildOptions) -> Option<Result<Built, St
                 tracing::info!(socket = %path.display(), "the build server does not build this: {why}; building in this process");
                 return None;
             }
-            Ok(Some(Reply::Built { path: _, tiles, estimated_cycles, timings })) => {
+            Ok(Some(Reply::Built { tiles, estimated_cycles, timings })) => {
                 let timings = timings.into_iter().filter_map(|t| {
                     let phase = ipuq_queries::pipeline::PHASES.iter().find(|p| **p == t.phase)?;
                     Some(PhaseTiming { phase, elapsed_ms: t.elapsed_ms, computed: t.computed, disk_hits: t.disk_hits, remote_hits: t.remote_hits })
                 });
                 tracing::info!(socket = %path.display(), "built by the build server");
-                // The path as this process names it (the server's is the same file).
+                // The path as this process names it (the file the server wrote).
                 let path = options.out_dir.join("model.ipuexe");
                 return Some(Ok(Built { package: None, path, tiles, estimated_cycles, timings: timings.collect() }));
             }
