@@ -43,7 +43,7 @@ use crate::storage::{place_storage, Placement};
 pub const PHASES: &[&str] = &["lower_mid", "select_finalist", "lower_exchanges_provisional", "size_tile_code", "place_storage", "optimize_exchange_placement", "lower_exchanges", "build_tile_images"];
 
 const LOWER_VERSION: u32 = 34;
-const SELECT_VERSION: u32 = 21;
+const SELECT_VERSION: u32 = 22;
 const SCHEDULE_VERSION: u32 = 9;
 const CODE_VERSION: u32 = 14;
 const PLACE_VERSION: u32 = 10;
@@ -468,6 +468,18 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
             // whole search would end with the same program); others by the whole search.
             let again = match search::relower_capped(&graph, &lt.value, &candidates[first as usize]) {
                 Some(l) => Ok(vec![l]),
+                // A program with half-duplex tiles is in hand: the re-plan is worth only a
+                // program that fits as planned (one that does not would need steering again,
+                // away from the plans the planner prefers), and the last resort of smaller
+                // operand blocks is not tried for it.
+                None if half.is_some() => match search::finalists_that_fit(&graph, &lt.value, k) {
+                    Ok(Some(found)) => Ok(found),
+                    Ok(None) => {
+                        tracing::info!(round, "the program planned again to run faster than the one with half-duplex tiles does not fit tile memory; keeping that one");
+                        return Ok(take_half(half.take().expect("a program with half-duplex tiles")));
+                    }
+                    Err(e) => Err(CompileError::from(e)),
+                },
                 None => search::finalists(&graph, &lt.value, k).map_err(CompileError::from),
             };
             replanned = Some(match (again, half.take()) {

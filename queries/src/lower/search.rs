@@ -1239,7 +1239,7 @@ pub fn finalists_keeping(graph: &Graph, target: &Target, keep: usize, previous: 
     // The mixed programs' prefixes, kept for the next build in this process.
     let mixed_now = keep_states.then(|| Arc::new(MixedPrefixes::default()));
     let memo = mixed_now.as_deref().map(|now| MixedMemo { now, before: kept_before.and_then(|k| k.mixed.as_deref()) });
-    let found = feasible_finalists(graph, target, keep, run.programs, &run.far, true, &run.histories, run.first_error, run.capped_ahead.as_ref(), memo.as_ref()).0;
+    let found = feasible_finalists(graph, target, keep, run.programs, &run.far, true, &run.histories, run.first_error, run.capped_ahead.as_ref(), memo.as_ref(), true).0;
     // The capped program's prefixes, for the next build in this process.
     let mut kept = run.kept;
     if let Some(k) = kept.as_mut() {
@@ -1249,13 +1249,25 @@ pub fn finalists_keeping(graph: &Graph, target: &Target, keep: usize, previous: 
     (found, trace, kept)
 }
 
+/// [`finalists`] for a re-plan worth making only if it finds a program that fits as planned
+/// (`select_finalist` steering a plan to beat a program it already holds that places and
+/// runs): without the last resort of smaller operand blocks (`fit_block_capped`, which makes
+/// some program fit where none does), and None when no finalist fits tile memory.
+pub fn finalists_that_fit(graph: &Graph, target: &Target, keep: usize) -> Result<Option<Vec<Lowered>>, LowerError> {
+    let run = beam_keeping(graph, target, keep.max(DEFAULT_FINALISTS), None, None, false);
+    let (found, _, fits) = feasible_finalists(graph, target, keep, run.programs, &run.far, true, &run.histories, run.first_error, run.capped_ahead.as_ref(), None, false);
+    found.map(|f| fits.then_some(f))
+}
+
 /// The beam's programs made feasible, the best `keep` of them (`finalists`). Programs far over
 /// tile memory (`far`, `FAR_OVER_MEMORY`) are made feasible only when none of the others fits
 /// (or, `skip_far` false, always, for tests), and only then with the try of replicated weights
-/// on fewer tiles (`capped_program`); with the finalists, how many were not.
+/// on fewer tiles (`capped_program`); where none fits, with `last_resort` each is planned with
+/// smaller operand blocks (`fit_block_capped`). With the finalists, how many were not made
+/// feasible, and whether the first finalist fits tile memory.
 #[allow(clippy::type_complexity)]
 #[allow(clippy::too_many_arguments)]
-fn feasible_finalists(graph: &Graph, target: &Target, keep: usize, programs: Vec<(Arc<Oriented>, Option<(Attempt, usize)>, Option<Arc<HomePrefix>>)>, far: &[bool], skip_far: bool, histories: &[Option<Arc<Snapshot>>], mut first_error: Option<LowerError>, ahead: Option<&CappedAhead>, mixed: Option<&MixedMemo>) -> (Result<Vec<Lowered>, LowerError>, usize) {
+fn feasible_finalists(graph: &Graph, target: &Target, keep: usize, programs: Vec<(Arc<Oriented>, Option<(Attempt, usize)>, Option<Arc<HomePrefix>>)>, far: &[bool], skip_far: bool, histories: &[Option<Arc<Snapshot>>], mut first_error: Option<LowerError>, ahead: Option<&CappedAhead>, mixed: Option<&MixedMemo>, last_resort: bool) -> (Result<Vec<Lowered>, LowerError>, usize, bool) {
     let mut found: Vec<(bool, u64, usize, usize, Feasible)> = Vec::new();
     let orientations: Vec<Arc<Oriented>> = programs.iter().map(|p| p.0.clone()).collect();
     // The beam's programs are made feasible in parallel, the far ones after the others and only
@@ -1294,11 +1306,11 @@ fn feasible_finalists(graph: &Graph, target: &Target, keep: usize, programs: Vec
         }
     }
     if found.is_empty() {
-        return (Err(first_error.unwrap_or_else(|| LowerError::Unsupported { operation: graph.name.clone(), message: "no orientation of the matrix products lowers".into() })), skipped);
+        return (Err(first_error.unwrap_or_else(|| LowerError::Unsupported { operation: graph.name.clone(), message: "no orientation of the matrix products lowers".into() })), skipped, false);
     }
     // Programs that fit first; one that does not is kept only when none fits.
     found.sort_by_key(|f| (f.0, f.1, f.2, f.3));
-    if found[0].0 {
+    if found[0].0 && last_resort {
         // None fits: the last resort, each program's orientation planned with smaller
         // operand blocks (`fit_block_capped`); a build with a program that fits never gets here.
         let rescued: Vec<Option<(Lowered, (u64, u64), usize)>> = found.par_iter().map(|f| orientations.get(f.3).and_then(|o| fit_block_capped(o, target))).collect();
@@ -1310,7 +1322,8 @@ fn feasible_finalists(graph: &Graph, target: &Target, keep: usize, programs: Vec
         }
         found.sort_by_key(|f| (f.0, f.1, f.2, f.3));
     }
-    if !found[0].0 {
+    let fits = !found[0].0;
+    if fits {
         found.retain(|f| !f.0);
     }
     found.truncate(keep.max(1));
@@ -1336,7 +1349,7 @@ fn feasible_finalists(graph: &Graph, target: &Target, keep: usize, programs: Vec
             "retained operator-plan finalist"
         );
     }
-    (Ok(finalists), skipped)
+    (Ok(finalists), skipped, fits)
 }
 
 /// By name, the first product with a weight at or after original operation `from` (the first
@@ -1547,17 +1560,15 @@ fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attem
 fn fit_block_capped(oriented: &Oriented, target: &Target) -> Option<(Lowered, (u64, u64), usize)> {
     let m = &target.memory;
     let standard = (m.interleaved_start.saturating_sub(m.base) as u64).saturating_sub(CODE_RESERVE_BYTES);
-    for divisor in [1, 2] {
-        let bytes = standard / divisor;
-        // Weights replicated, on home tiles aligned to the program's period, on rotated homes.
-        for (home, aligned) in [(false, true), (true, true), (true, false)] {
-            debug!(bytes, home_weights = home, aligned, "no weight arrangement fits at the planner's partitions; planning every product with smaller operand blocks");
-            if let Some((lowered, peaks)) = fit_rounds(oriented, target, "the block-capped program", bytes, |reserves| lower_block_capped(oriented, target, home, aligned, bytes, reserves), None) {
-                return Some((lowered, peaks, if home { 0 } else { usize::MAX }));
-            }
-        }
-    }
-    None
+    // Blocks of the standard region, then of half of it; at each, weights replicated, on home
+    // tiles aligned to the program's period, on rotated homes. The attempts are independent:
+    // they run in parallel, and the first in this order that fits is taken (what trying them
+    // one after another takes).
+    let attempts: Vec<(u64, bool, bool)> = [1, 2].into_iter().flat_map(|divisor| [(false, true), (true, true), (true, false)].map(|(home, aligned)| (standard / divisor, home, aligned))).collect();
+    attempts.into_par_iter().find_map_first(|(bytes, home, aligned)| {
+        debug!(bytes, home_weights = home, aligned, "no weight arrangement fits at the planner's partitions; planning every product with smaller operand blocks");
+        fit_rounds(oriented, target, "the block-capped program", bytes, |reserves| lower_block_capped(oriented, target, home, aligned, bytes, reserves), None).map(|(lowered, peaks)| (lowered, peaks, if home { 0 } else { usize::MAX }))
+    })
 }
 
 /// The names of the weights that swapped products of `oriented` read as their A operand
@@ -2445,6 +2456,23 @@ mod tests {
         assert!(extended >= products.len() - 1, "prefixes extended: {extended}");
     }
 
+    /// A re-plan made only to beat a program `select_finalist` already holds takes the
+    /// finalists the whole search takes where one fits at the planner's partitions, and none
+    /// where only the last resort (smaller operand blocks) would make one fit: a one-block MLP
+    /// of 882 rows, 306 wide, hidden 702 on small16, whose blocks fill a region of a tile.
+    #[test]
+    fn a_replan_to_beat_a_held_program_skips_the_last_resort() {
+        let target = small16();
+        let fits = mlp(2);
+        assert_eq!(finalists_that_fit(&fits, &target, DEFAULT_FINALISTS).unwrap(), Some(finalists(&fits, &target, DEFAULT_FINALISTS).unwrap()));
+        let full = Graph::parse(&mlp_text(1, 882, 306, 702), "mlp.toml").unwrap();
+        let rescued = finalists(&full, &target, DEFAULT_FINALISTS).unwrap();
+        assert!(!rescued.is_empty());
+        let placed = place_storage(&target, &rescued[0], &vec![CODE_RESERVE_BYTES as u32; rescued[0].tiles as usize]);
+        assert!(placed.is_ok(), "the last resort's program fits: {:?}", placed.err());
+        assert_eq!(finalists_that_fit(&full, &target, DEFAULT_FINALISTS).unwrap(), None);
+    }
+
     /// Programs far over tile memory are made feasible only when no nearer one fits, and
     /// skipping them leaves the finalists as making every program feasible gives them: over
     /// MLPs whose beams end with programs at 2.5-3.1x tile memory beside ones that fit.
@@ -2455,8 +2483,8 @@ mod tests {
         for (blocks, tokens, dim, hidden) in [(3, 128, 256, 1024), (4, 64, 384, 1152), (2, 64, 256, 768)] {
             let graph = Graph::parse(&mlp_text(blocks, tokens, dim, hidden), "mlp.toml").unwrap();
             let (a, b) = (beam(&graph, &target, DEFAULT_FINALISTS, None), beam(&graph, &target, DEFAULT_FINALISTS, None));
-            let (with, n) = feasible_finalists(&graph, &target, DEFAULT_FINALISTS, a.programs, &a.far, true, &a.histories, a.first_error, None, None);
-            let (without, none) = feasible_finalists(&graph, &target, DEFAULT_FINALISTS, b.programs, &b.far, false, &b.histories, b.first_error, None, None);
+            let (with, n, _) = feasible_finalists(&graph, &target, DEFAULT_FINALISTS, a.programs, &a.far, true, &a.histories, a.first_error, None, None, true);
+            let (without, none, _) = feasible_finalists(&graph, &target, DEFAULT_FINALISTS, b.programs, &b.far, false, &b.histories, b.first_error, None, None, true);
             assert_eq!(none, 0);
             assert_eq!(n, a.far.iter().filter(|&&f| f).count(), "{blocks} blocks of {tokens}x{dim}x{hidden}: a near program fits");
             assert_eq!(with.unwrap(), without.unwrap(), "{blocks} blocks of {tokens}x{dim}x{hidden}");
@@ -2468,7 +2496,7 @@ mod tests {
         let graph = Graph::parse(&mlp_text(4, 128, 512, 1536), "mlp.toml").unwrap();
         let run = beam(&graph, &target, DEFAULT_FINALISTS, None);
         assert!(!run.far.is_empty() && run.far.iter().all(|&f| f));
-        assert_eq!(feasible_finalists(&graph, &target, DEFAULT_FINALISTS, run.programs, &run.far, true, &run.histories, run.first_error, None, None).1, 0);
+        assert_eq!(feasible_finalists(&graph, &target, DEFAULT_FINALISTS, run.programs, &run.far, true, &run.histories, run.first_error, None, None, true).1, 0);
     }
 
     /// A prefix lowered over one orientation and extended over another (later products
