@@ -2209,32 +2209,70 @@ pub fn fits(lowered: &Lowered, target: &Target) -> bool {
 
 /// Per operation index: the most bytes on any tile that other operations keep live during
 /// one of its steps, in total and in the buffers that claim interleaved memory first
-/// (partials, and weights that prefer it).
+/// (partials, and weights that prefer it). Per tile, the bytes live at each step (all
+/// buffers, from differences at their first and past their last step) less those of the
+/// operation's own buffers at the steps of its span: linear in the buffers and steps, where
+/// summing the other operations' buffers at every step of every span was quadratic (an eighth
+/// of a twelve-layer encoder's `lower_mid`).
 pub fn reserves_of(attempt: &Attempt, operations: usize) -> Vec<Reserve> {
     let l = &attempt.lowered;
     let mut per_tile: Vec<Vec<usize>> = vec![Vec::new(); l.tiles as usize];
     for (i, b) in l.buffers.iter().enumerate() {
         per_tile[b.tile as usize].push(i);
     }
-    let mut out = vec![Reserve::default(); operations];
-    for (&op, &(s0, s1)) in &attempt.spans {
-        let mut r = Reserve::default();
-        for ids in &per_tile {
-            for step in s0..=s1 {
-                let (mut total, mut interleaved) = (0u64, 0u64);
-                for &i in ids {
-                    let b = &l.buffers[i];
-                    if attempt.owners[i] != op && b.first_step <= step && step <= b.last_step {
-                        total += b.bytes as u64;
-                        if b.kind == AllocationKind::Partials || b.prefer_interleaved {
-                            interleaved += b.bytes as u64;
-                        }
+    // The spans, and where each operation's steps start in one flat list of (span, step).
+    let spans: Vec<(u32, u32, u32)> = attempt.spans.iter().filter(|(_, &(s0, s1))| s0 <= s1).map(|(&op, &(s0, s1))| (op, s0, s1)).collect();
+    let mut slot_of: Vec<Option<(usize, usize)>> = vec![None; operations.max(spans.iter().map(|s| s.0 as usize + 1).max().unwrap_or(0))];
+    let mut slots = 0usize;
+    for (k, &(op, s0, s1)) in spans.iter().enumerate() {
+        slot_of[op as usize] = Some((k, slots));
+        slots += (s1 - s0 + 1) as usize;
+    }
+    let steps = l.buffers.iter().map(|b| b.last_step as usize + 1).chain(spans.iter().map(|s| s.2 as usize + 1)).max().unwrap_or(0);
+    let claims_interleaved = |b: &BufferDecl| b.kind == AllocationKind::Partials || b.prefer_interleaved;
+    let per_span: Vec<Vec<Reserve>> = per_tile
+        .par_iter()
+        .map(|ids| {
+            let mut live = vec![(0i64, 0i64); steps + 1];
+            let mut own = vec![(0u64, 0u64); slots];
+            for &i in ids {
+                let b = &l.buffers[i];
+                let (bytes, inter) = (b.bytes as i64, if claims_interleaved(b) { b.bytes as i64 } else { 0 });
+                live[b.first_step as usize].0 += bytes;
+                live[b.first_step as usize].1 += inter;
+                live[b.last_step as usize + 1].0 -= bytes;
+                live[b.last_step as usize + 1].1 -= inter;
+                if let Some(Some((k, at))) = slot_of.get(attempt.owners[i] as usize) {
+                    let (_, s0, s1) = spans[*k];
+                    for step in b.first_step.max(s0)..=b.last_step.min(s1) {
+                        let o = &mut own[at + (step - s0) as usize];
+                        o.0 += bytes as u64;
+                        o.1 += inter as u64;
                     }
                 }
-                r.total = r.total.max(total);
-                r.interleaved = r.interleaved.max(interleaved);
             }
-        }
+            for step in 1..=steps {
+                live[step].0 += live[step - 1].0;
+                live[step].1 += live[step - 1].1;
+            }
+            spans
+                .iter()
+                .map(|&(op, s0, s1)| {
+                    let at = slot_of[op as usize].expect("every span has its slots").1;
+                    let mut r = Reserve::default();
+                    for step in s0..=s1 {
+                        let (o, (t, i)) = (own[at + (step - s0) as usize], live[step as usize]);
+                        r.total = r.total.max(t as u64 - o.0);
+                        r.interleaved = r.interleaved.max(i as u64 - o.1);
+                    }
+                    r
+                })
+                .collect()
+        })
+        .collect();
+    let mut out = vec![Reserve::default(); operations];
+    for (k, &(op, ..)) in spans.iter().enumerate() {
+        let r = per_span.iter().fold(Reserve::default(), |r, tile| Reserve { total: r.total.max(tile[k].total), interleaved: r.interleaved.max(tile[k].interleaved) });
         out[op as usize] = r;
     }
     out
@@ -2454,6 +2492,48 @@ mod tests {
             }
         }
         assert!(extended >= products.len() - 1, "prefixes extended: {extended}");
+    }
+
+    /// `reserves_of` as it summed, at every step of every operation's span, the other
+    /// operations' live buffers on every tile.
+    fn reserves_swept(attempt: &Attempt, operations: usize) -> Vec<Reserve> {
+        let l = &attempt.lowered;
+        let mut out = vec![Reserve::default(); operations];
+        for (&op, &(s0, s1)) in &attempt.spans {
+            let mut r = Reserve::default();
+            for tile in 0..l.tiles {
+                for step in s0..=s1 {
+                    let live = l.buffers.iter().enumerate().filter(|(i, b)| b.tile == tile && attempt.owners[*i] != op && b.first_step <= step && step <= b.last_step);
+                    let (total, interleaved) = live.fold((0u64, 0u64), |(t, i), (_, b)| (t + b.bytes as u64, i + if b.kind == AllocationKind::Partials || b.prefer_interleaved { b.bytes as u64 } else { 0 }));
+                    r.total = r.total.max(total);
+                    r.interleaved = r.interleaved.max(interleaved);
+                }
+            }
+            out[op as usize] = r;
+        }
+        out
+    }
+
+    /// The reserves from live bytes per step less each operation's own are the sums over the
+    /// other operations' buffers, on MLPs and an encoder layer, replicated and home-tile
+    /// weights, with and without reserves of their own.
+    #[test]
+    fn reserves_from_live_bytes_equal_the_swept_sums() {
+        let target = small16();
+        let encoder = include_str!("../../../fixtures/workloads/siglip-encoder-f16-b1-t29-d64-h4-m96-l3.toml");
+        let graphs = [mlp(1), mlp(3), Graph::parse(&mlp_text(2, 128, 256, 1024), "mlp.toml").unwrap(), Graph::parse(encoder, "encoder.toml").unwrap()];
+        for graph in &graphs {
+            let oriented = orient(graph, &BTreeSet::new()).unwrap();
+            let operations = graph.operations.len();
+            for home in [false, true] {
+                let attempt = lower_with(&oriented, &target, home, &vec![Reserve::default(); operations]).unwrap();
+                let reserves = reserves_of(&attempt, operations);
+                assert_eq!(reserves, reserves_swept(&attempt, operations), "{} home {home}", graph.name);
+                assert!(reserves.iter().any(|r| r.total > 0));
+                let again = lower_with(&oriented, &target, home, &reserves).unwrap();
+                assert_eq!(reserves_of(&again, operations), reserves_swept(&again, operations), "{} home {home}, reserved", graph.name);
+            }
+        }
     }
 
     /// A re-plan made only to beat a program `select_finalist` already holds takes the
