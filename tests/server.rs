@@ -39,13 +39,23 @@ fn binary() -> PathBuf {
 
 const SERVED: &str = "built by the build server";
 
+/// The small MLP seed every test builds (on small16).
+const MLP: &str = "workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml";
+
+/// A folder holding the small MLP seed as `mlp.toml`; its cache folder and that folder as a
+/// command-line argument.
+fn workdir() -> (tempfile::TempDir, PathBuf, String) {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(fixture(MLP), dir.path().join("mlp.toml")).unwrap();
+    let cache = dir.path().join("cache");
+    let cache_arg = cache.display().to_string();
+    (dir, cache, cache_arg)
+}
+
 #[test]
 fn a_served_build_is_the_build_a_process_makes_and_errors_reach_the_client() {
-    let dir = tempfile::tempdir().unwrap();
-    let cache = dir.path().join("cache");
-    let original = std::fs::read_to_string(fixture("workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml")).unwrap();
-    std::fs::write(dir.path().join("mlp.toml"), &original).unwrap();
-    let cache_arg = cache.display().to_string();
+    let (dir, cache, cache_arg) = workdir();
+    let original = std::fs::read_to_string(fixture(MLP)).unwrap();
     let build = |out: &str, extra: &[&str]| {
         let mut args = vec!["build", "mlp.toml", "--target", "small16", "-o", out];
         args.extend_from_slice(extra);
@@ -113,10 +123,7 @@ fn a_served_build_is_the_build_a_process_makes_and_errors_reach_the_client() {
 
 #[test]
 fn a_killed_servers_socket_is_passed_over_and_replaced() {
-    let dir = tempfile::tempdir().unwrap();
-    let cache = dir.path().join("cache");
-    std::fs::copy(fixture("workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml"), dir.path().join("mlp.toml")).unwrap();
-    let cache_arg = cache.display().to_string();
+    let (dir, cache, cache_arg) = workdir();
     let killed = serve(&binary(), &cache);
     // A second server for the same folder is refused while the first answers.
     let second = ipuq(&["serve", "--cache-dir", &cache_arg], dir.path());
@@ -132,10 +139,7 @@ fn a_killed_servers_socket_is_passed_over_and_replaced() {
 
 #[test]
 fn server_starts_a_server_where_none_answers_and_builds_through_it() {
-    let dir = tempfile::tempdir().unwrap();
-    let cache = dir.path().join("cache");
-    std::fs::copy(fixture("workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml"), dir.path().join("mlp.toml")).unwrap();
-    let cache_arg = cache.display().to_string();
+    let (dir, cache, cache_arg) = workdir();
     let build = |out: &str| ipuq(&["build", "mlp.toml", "--target", "small16", "-o", out, "--incremental", "--cache-dir", &cache_arg, "--server"], dir.path());
     let first = build("first");
     assert!(first.code == 0 && first.stderr.contains("started a build server") && first.stderr.contains(SERVED), "{}", first.stderr);
