@@ -78,6 +78,7 @@ impl std::error::Error for PlacementError {}
 /// One tile's result: (buffer, address) pairs, its code range, and its peaks per region.
 type TilePlacement = (Vec<(u32, u32)>, (u32, u32), u32, u32);
 
+#[derive(Clone)]
 struct Placed {
     start: u32,
     end: u32,
@@ -203,7 +204,7 @@ impl KeptTile {
 #[allow(clippy::too_many_arguments)]
 fn tile_key(scope: &Digest, m: &crate::target::Memory, lowered: &Lowered, rules: &ExchangeRules, amp: &[Vec<u32>], tile: usize, code_bytes: &[u32], ids: &[u32]) -> Digest {
     let code = code_bytes.get(tile).copied().unwrap_or(0);
-    let mut h = KeyHasher::new("ipuq tile placement v1");
+    let mut h = KeyHasher::new("ipuq tile placement v2");
     // Whether any rules exist at all (with none, a tile that does not fit is not placed again).
     h.add(scope).add(&data_start(m.base, code)).add(&rules.receive_offset).add(&rules.strict).add(&rules.opposites.is_empty()).add(&(ids.len() as u64));
     let positions = |others: &[u32], h: &mut KeyHasher| {
@@ -227,29 +228,41 @@ fn tile_key(scope: &Digest, m: &crate::target::Memory, lowered: &Lowered, rules:
     h.finish()
 }
 
-/// One tile's placement: its buffers by first step (largest first among equals), and when
-/// the exchange rules left no room, again largest first.
+/// One tile's placement: its buffers by first step (largest first among equals); when the
+/// exchange rules left no room, again largest first; and when neither order fits, by first
+/// step again, moving placed buffers to make room for one that fits nowhere.
 fn place_one_tile(m: &crate::target::Memory, lowered: &Lowered, rules: &ExchangeRules, amp: &[Vec<u32>], tile: usize, code_bytes: &[u32], ids: &[u32]) -> Result<TilePlacement, PlacementError> {
     let code = code_bytes.get(tile).copied().unwrap_or(0);
-    let mut order = ids.to_vec();
-    order.sort_by_key(|&i| {
+    let mut by_start = ids.to_vec();
+    by_start.sort_by_key(|&i| {
         let b = &lowered.buffers[i as usize];
         (b.first_step, std::cmp::Reverse(b.bytes), i)
     });
-    let first = place_tile(m, lowered, rules, amp, tile, code, &order, true);
-    if first.is_ok() || (rules.opposites.is_empty() && ids.iter().all(|&i| amp[i as usize].is_empty())) {
+    let first = place_tile(m, lowered, rules, amp, tile, code, &by_start, true, false);
+    if first.is_ok() {
         return first;
     }
-    // Separating opposites (or a product's input from its output) fragmented the tile's
-    // memory (the rules move buffers off the lowest free addresses, and a later large buffer
-    // finds no room): the tile is placed again, the largest buffers first, under the same rules. Only tiles that failed
-    // change, so placements that fitted before are the same; the search scores the
-    // conflicts either order leaves.
-    order.sort_by_key(|&i| {
-        let b = &lowered.buffers[i as usize];
-        (std::cmp::Reverse(b.bytes), b.first_step, i)
-    });
-    place_tile(m, lowered, rules, amp, tile, code, &order, false).or(first)
+    if !(rules.opposites.is_empty() && ids.iter().all(|&i| amp[i as usize].is_empty())) {
+        // Separating opposites (or a product's input from its output) fragmented the tile's
+        // memory (the rules move buffers off the lowest free addresses, and a later large
+        // buffer finds no room): the tile is placed again, the largest buffers first, under
+        // the same rules.
+        let mut largest = ids.to_vec();
+        largest.sort_by_key(|&i| {
+            let b = &lowered.buffers[i as usize];
+            (std::cmp::Reverse(b.bytes), b.first_step, i)
+        });
+        if let Ok(placed) = place_tile(m, lowered, rules, amp, tile, code, &largest, false, false) {
+            return Ok(placed);
+        }
+    }
+    // First fit left a buffer's bytes free only in pieces (or the rules took them): the tile
+    // is placed by first step again, and a buffer that finds no room moves the buffers in
+    // the way (`TileContext::make_room`). Only tiles that failed both orders change, so
+    // placements that fitted before are the same. Where this fails too, its error is the one
+    // reported: up to the buffer the first order failed on, both placed alike, so it names a
+    // buffer (that one or a later one) for which moving others made no room.
+    place_tile(m, lowered, rules, amp, tile, code, &by_start, true, true)
 }
 
 /// Per buffer: the buffers it meets as a matrix product's input (A) or output (C) in some
@@ -274,100 +287,295 @@ fn amp_counterparts(lowered: &Lowered) -> Vec<Vec<u32>> {
     amp
 }
 
-/// One tile's placement, buffers taken in `order`; `by_start`: the order is by first step,
-/// so buffers that ended before the current one's first step are dropped from the scans.
-#[allow(clippy::too_many_arguments)]
-fn place_tile(m: &crate::target::Memory, lowered: &Lowered, rules: &ExchangeRules, amp: &[Vec<u32>], tile: usize, code: u32, order: &[u32], by_start: bool) -> Result<TilePlacement, PlacementError> {
-    let code_end = data_start(m.base, code);
-    let standard = (code_end, m.interleaved_start);
-    let interleaved = (m.interleaved_start, m.loader_limit);
-    // Per region: the placed buffers, sorted by (start, end). When buffers come by start
-    // step, one that ended before the current start step can never overlap a later buffer
-    // and is dropped: each first fit scans only what is alive.
-    let mut placed_std: Vec<Placed> = Vec::new();
-    let mut placed_int: Vec<Placed> = Vec::new();
-    let mut pruned_at: Option<u32> = None;
-    let mut out: Vec<(u32, u32)> = Vec::with_capacity(order.len());
-    let mut at: std::collections::HashMap<u32, u32> = std::collections::HashMap::new();
-    let (mut peak_s, mut peak_i) = (code_end, m.interleaved_start);
-    for &i in order {
-        let b = &lowered.buffers[i as usize];
-        if by_start && pruned_at != Some(b.first_step) {
-            pruned_at = Some(b.first_step);
-            placed_std.retain(|p| p.last >= b.first_step);
-            placed_int.retain(|p| p.last >= b.first_step);
+/// Memory-element ranges [start, end), sorted.
+type ElementRanges = Vec<(u32, u32)>;
+
+/// What placing one tile's buffers reads besides the buffers themselves.
+struct TileContext<'a> {
+    m: &'a crate::target::Memory,
+    lowered: &'a Lowered,
+    rules: &'a ExchangeRules,
+    amp: &'a [Vec<u32>],
+    /// [standard, interleaved]: each region's [start, end) for data.
+    ranges: [(u32, u32); 2],
+}
+
+/// A tile's placement so far: per region ([standard, interleaved]) the placed buffers sorted
+/// by (start, end) (when buffers come by start step, those that ended before the current
+/// buffer's first step are dropped: each first fit scans only what is alive), and each placed
+/// buffer's address, in the order placed and by buffer.
+#[derive(Clone)]
+struct TileState {
+    placed: [Vec<Placed>; 2],
+    out: Vec<(u32, u32)>,
+    at: std::collections::HashMap<u32, u32>,
+}
+
+impl TileContext<'_> {
+    fn alignment(&self, i: u32) -> u32 {
+        if self.lowered.buffers[i as usize].kind == AllocationKind::Partials {
+            self.m.partial_alignment
+        } else {
+            self.m.data_alignment
         }
-        let alignment = if b.kind == AllocationKind::Partials { m.partial_alignment } else { m.data_alignment };
-        let regions: &[bool] = match (b.kind, b.prefer_interleaved) {
+    }
+
+    /// The regions a buffer may use, the one it prefers first (true: interleaved).
+    fn regions(&self, i: u32) -> &'static [bool] {
+        let b = &self.lowered.buffers[i as usize];
+        match (b.kind, b.prefer_interleaved) {
             (AllocationKind::Partials, _) => &[true],
             (_, true) => &[true, false],
             _ => &[false, true],
-        };
-        // The element range of each placed buffer in `others`, sorted: those it exchanges
-        // against (avoided where room allows) and those it meets across a matrix product
-        // (never shared).
-        let elements_of = |others: &[u32]| -> Vec<(u32, u32)> {
-            let mut list: Vec<(u32, u32)> = others
-                .iter()
-                .filter_map(|o| at.get(o).map(|&s| (s, s + lowered.buffers[*o as usize].bytes)))
-                .map(|(s, e)| (element_range(m, s).0, element_range(m, e.saturating_sub(1).max(s)).1))
-                .collect();
-            list.sort_unstable();
-            list
-        };
-        let hard = elements_of(&amp[i as usize]);
-        let mut avoid = elements_of(rules.opposites.get(i as usize).map_or(&[], |v| v.as_slice()));
+        }
+    }
+
+    /// The element ranges of the placed buffers among `others`, sorted.
+    fn elements_of(&self, state: &TileState, others: &[u32]) -> Vec<(u32, u32)> {
+        let mut list: Vec<(u32, u32)> = others
+            .iter()
+            .filter_map(|o| state.at.get(o).map(|&s| (s, s + self.lowered.buffers[*o as usize].bytes)))
+            .map(|(s, e)| (element_range(self.m, s).0, element_range(self.m, e.saturating_sub(1).max(s)).1))
+            .collect();
+        list.sort_unstable();
+        list
+    }
+
+    /// The elements buffer `i` must not share (its matrix-product counterparts'), and those it
+    /// avoids where room allows (those and its exchange opposites'), as placed in `state`.
+    fn avoided(&self, state: &TileState, i: u32) -> (ElementRanges, ElementRanges) {
+        let hard = self.elements_of(state, &self.amp[i as usize]);
+        let mut avoid = self.elements_of(state, self.rules.opposites.get(i as usize).map_or(&[], |v| v.as_slice()));
         if !hard.is_empty() {
             avoid.extend_from_slice(&hard);
             avoid.sort_unstable();
         }
-        let offset = if rules.receives.get(i as usize).copied().unwrap_or(false) { rules.receive_offset } else { 0 };
-        // Try: away from opposite elements from the offset, then from the region start,
-        // then (room is short, and the rules are not strict) anywhere but a product
-        // counterpart's elements.
+        (hard, avoid)
+    }
+
+    /// Where buffer `i` goes first: away from opposite elements from the receive offset, then
+    /// from the region start, then (room is short, and the rules are not strict) anywhere but
+    /// a product counterpart's elements; in each, its preferred region first. `lists`: the
+    /// placed buffers to fit among, per region (`state`'s own lists when `None`).
+    fn fit(&self, state: &TileState, i: u32, lists: Option<&[Vec<Placed>; 2]>) -> Option<(bool, u32)> {
+        let b = &self.lowered.buffers[i as usize];
+        let (hard, avoid) = self.avoided(state, i);
+        let offset = if self.rules.receives.get(i as usize).copied().unwrap_or(false) { self.rules.receive_offset } else { 0 };
         let attempts: [(&[(u32, u32)], u32); 3] = [(&avoid, offset), (&avoid, 0), (&hard, 0)];
-        let tries = if rules.strict { 2 } else { 3 };
-        let mut done = false;
-        'attempts: for (avoid, offset) in attempts.into_iter().take(tries) {
-            for &inter in regions {
-                let (range, placed) = if inter { (interleaved, &mut placed_int) } else { (standard, &mut placed_std) };
+        let tries = if self.rules.strict { 2 } else { 3 };
+        let lists = lists.unwrap_or(&state.placed);
+        for (avoid, offset) in attempts.into_iter().take(tries) {
+            for &inter in self.regions(i) {
+                let range = self.ranges[inter as usize];
                 let from = (range.0.saturating_add(offset).min(range.1), range.1);
-                if let Some(start) = first_fit(from, placed, avoid, b.bytes, alignment, b.first_step, b.last_step) {
-                    let end = start + b.bytes;
-                    let slot = placed.partition_point(|p| (p.start, p.end) <= (start, end));
-                    placed.insert(slot, Placed { start, end, first: b.first_step, last: b.last_step });
-                    if inter { peak_i = peak_i.max(start + b.bytes) } else { peak_s = peak_s.max(start + b.bytes) }
-                    out.push((i, start));
-                    at.insert(i, start);
-                    done = true;
-                    break 'attempts;
+                if let Some(start) = first_fit(from, &lists[inter as usize], avoid, b.bytes, self.alignment(i), b.first_step, b.last_step) {
+                    return Some((inter, start));
                 }
             }
         }
-        if !done {
-            // The most bytes the region's placed buffers hold at one of this buffer's steps
-            // (those placed are the ones that can overlap it: see the pruning above).
-            let live = |placed: &[Placed]| (b.first_step..=b.last_step).map(|step| placed.iter().filter(|p| p.first <= step && step <= p.last).map(|p| (p.end - p.start) as u64).sum::<u64>()).max().unwrap_or(0);
-            let region = |inter: bool| {
-                let (range, placed) = if inter { (interleaved, &placed_int) } else { (standard, &placed_std) };
-                (if inter { "interleaved" } else { "standard" }, range.1 - range.0, live(placed))
-            };
-            let (name, capacity, taken) = region(regions[0]);
-            return Err(PlacementError {
-                tile: tile as u32,
-                label: lowered.labels[b.label as usize].clone(),
-                bytes: b.bytes,
-                region: name,
-                capacity,
-                live: taken,
-                also: regions.get(1).map(|&inter| region(inter)),
-                first: b.first_step,
-                last: b.last_step,
+        None
+    }
+
+    /// Every placed buffer of `state`, per region, sorted by (start, end): none dropped.
+    fn all_placed(&self, state: &TileState) -> [Vec<Placed>; 2] {
+        let mut lists: [Vec<Placed>; 2] = [Vec::new(), Vec::new()];
+        for &(j, start) in &state.out {
+            let b = &self.lowered.buffers[j as usize];
+            lists[(start >= self.m.interleaved_start) as usize].push(Placed { start, end: start + b.bytes, first: b.first_step, last: b.last_step });
+        }
+        for list in &mut lists {
+            list.sort_by_key(|p| (p.start, p.end));
+        }
+        lists
+    }
+
+    /// Room for buffer `i`, which fits nowhere as the buffers lie, made by moving some of them
+    /// ("rip up and re-place"): the windows of its size in each region it may use, away from
+    /// the elements it must not share and from the buffers in `pinned`, are ranked by the
+    /// bytes of the placed buffers alive with it that they cover (fewest first, then the
+    /// preferred region, then the lowest address); for the first `MOVE_WINDOWS`, the buffers
+    /// covered are taken out, `i` goes into the window, and they go back, largest first, each
+    /// by the same first fit among every buffer placed (also those that ended before `i`
+    /// began), or, `depth` allowing, by moving others in turn (never `i` nor one moved for
+    /// it). The first window after which all of them find room is kept; with none, nothing
+    /// changes.
+    fn make_room(&self, state: &mut TileState, i: u32, depth: u32, pinned: &mut Vec<u32>) -> bool {
+        const MOVE_WINDOWS: usize = 8;
+        let b = &self.lowered.buffers[i as usize];
+        let alignment = self.alignment(i);
+        let (hard, avoid) = self.avoided(state, i);
+        let blocked = if self.rules.strict { avoid } else { hard };
+        // Every placed buffer alive with `i`: (start, end, buffer).
+        let mut windows: Vec<(u64, usize, u32)> = Vec::new();
+        for (rank, &inter) in self.regions(i).iter().enumerate() {
+            let range = self.ranges[inter as usize];
+            let alive: Vec<(u32, u32, u32)> = state
+                .out
+                .iter()
+                .filter(|&&(j, start)| {
+                    let o = &self.lowered.buffers[j as usize];
+                    (start >= self.m.interleaved_start) == inter && o.first_step <= b.last_step && b.first_step <= o.last_step
+                })
+                .map(|&(j, start)| (start, start + self.lowered.buffers[j as usize].bytes, j))
+                .collect();
+            let mut starts: Vec<u32> = vec![align(range.0, alignment)];
+            for &(start, end, _) in &alive {
+                starts.push(align(end, alignment));
+                if let Some(below) = start.checked_sub(b.bytes) {
+                    starts.push(below / alignment * alignment);
+                }
+            }
+            starts.sort_unstable();
+            starts.dedup();
+            'windows: for s in starts {
+                let end = s as u64 + b.bytes as u64;
+                if s < range.0 || end > range.1 as u64 || blocked.iter().any(|&(a, z)| (s as u64) < z as u64 && (a as u64) < end) {
+                    continue;
+                }
+                let mut covered = 0u64;
+                for &(start, stop, j) in &alive {
+                    if (s as u64) < stop as u64 && (start as u64) < end {
+                        if pinned.contains(&j) {
+                            continue 'windows;
+                        }
+                        covered += (stop - start) as u64;
+                    }
+                }
+                windows.push((covered, rank, s));
+            }
+        }
+        windows.sort_unstable();
+        for &(_, rank, s) in windows.iter().take(MOVE_WINDOWS) {
+            let inter = self.regions(i)[rank];
+            let end = s + b.bytes;
+            let mut trial = state.clone();
+            let moved: Vec<u32> = trial
+                .out
+                .iter()
+                .filter(|&&(j, start)| {
+                    let o = &self.lowered.buffers[j as usize];
+                    (start >= self.m.interleaved_start) == inter && start < end && s < start + o.bytes && o.first_step <= b.last_step && b.first_step <= o.last_step
+                })
+                .map(|&(j, _)| j)
+                .collect();
+            for &j in &moved {
+                trial.remove(self.lowered, j);
+            }
+            trial.put(self.lowered, i, inter, s);
+            let mut order = moved;
+            order.sort_by_key(|&j| (std::cmp::Reverse(self.lowered.buffers[j as usize].bytes), j));
+            let depth_pinned = pinned.len();
+            pinned.push(i);
+            let all_back = order.iter().all(|&j| {
+                let lists = self.all_placed(&trial);
+                match self.fit(&trial, j, Some(&lists)) {
+                    Some((inter, start)) => {
+                        trial.put(self.lowered, j, inter, start);
+                        pinned.push(j);
+                        true
+                    }
+                    None if depth > 0 => {
+                        let moved_room = self.make_room(&mut trial, j, depth - 1, pinned);
+                        pinned.push(j);
+                        moved_room
+                    }
+                    None => false,
+                }
             });
+            pinned.truncate(depth_pinned);
+            if all_back {
+                *state = trial;
+                return true;
+            }
+        }
+        false
+    }
+}
+
+impl TileState {
+    fn put(&mut self, lowered: &Lowered, i: u32, inter: bool, start: u32) {
+        let b = &lowered.buffers[i as usize];
+        let end = start + b.bytes;
+        let placed = &mut self.placed[inter as usize];
+        let slot = placed.partition_point(|p| (p.start, p.end) <= (start, end));
+        placed.insert(slot, Placed { start, end, first: b.first_step, last: b.last_step });
+        self.out.push((i, start));
+        self.at.insert(i, start);
+    }
+
+    /// Takes buffer `i` out (placed buffers alive at one time never share bytes, so its
+    /// range and steps name it in its region's list).
+    fn remove(&mut self, lowered: &Lowered, i: u32) {
+        let Some(start) = self.at.remove(&i) else { return };
+        let b = &lowered.buffers[i as usize];
+        for list in &mut self.placed {
+            list.retain(|p| !(p.start == start && p.end == start + b.bytes && p.first == b.first_step && p.last == b.last_step));
+        }
+        self.out.retain(|&(j, _)| j != i);
+    }
+}
+
+/// How many times over a buffer moved to make room may itself move others
+/// (`TileContext::make_room`).
+const MOVE_DEPTH: u32 = 1;
+
+/// One tile's placement, buffers taken in `order`; `by_start`: the order is by first step,
+/// so buffers that ended before the current one's first step are dropped from the scans;
+/// `make_room`: a buffer that fits nowhere moves others to make room (`TileContext::make_room`).
+#[allow(clippy::too_many_arguments)]
+fn place_tile(m: &crate::target::Memory, lowered: &Lowered, rules: &ExchangeRules, amp: &[Vec<u32>], tile: usize, code: u32, order: &[u32], by_start: bool, make_room: bool) -> Result<TilePlacement, PlacementError> {
+    let code_end = data_start(m.base, code);
+    let ctx = TileContext { m, lowered, rules, amp, ranges: [(code_end, m.interleaved_start), (m.interleaved_start, m.loader_limit)] };
+    let mut state = TileState { placed: [Vec::new(), Vec::new()], out: Vec::with_capacity(order.len()), at: std::collections::HashMap::new() };
+    let mut pruned_at: Option<u32> = None;
+    for &i in order {
+        let b = &lowered.buffers[i as usize];
+        if by_start && pruned_at != Some(b.first_step) {
+            pruned_at = Some(b.first_step);
+            for list in &mut state.placed {
+                list.retain(|p| p.last >= b.first_step);
+            }
+        }
+        if let Some((inter, start)) = ctx.fit(&state, i, None) {
+            state.put(lowered, i, inter, start);
+            continue;
+        }
+        if make_room && ctx.make_room(&mut state, i, MOVE_DEPTH, &mut Vec::new()) {
+            continue;
+        }
+        // The most bytes the region's placed buffers hold at one of this buffer's steps
+        // (those placed are the ones that can overlap it: see the pruning above).
+        let live = |placed: &[Placed]| (b.first_step..=b.last_step).map(|step| placed.iter().filter(|p| p.first <= step && step <= p.last).map(|p| (p.end - p.start) as u64).sum::<u64>()).max().unwrap_or(0);
+        let region = |inter: bool| {
+            let range = ctx.ranges[inter as usize];
+            (if inter { "interleaved" } else { "standard" }, range.1 - range.0, live(&state.placed[inter as usize]))
+        };
+        let regions = ctx.regions(i);
+        let (name, capacity, taken) = region(regions[0]);
+        return Err(PlacementError {
+            tile: tile as u32,
+            label: lowered.labels[b.label as usize].clone(),
+            bytes: b.bytes,
+            region: name,
+            capacity,
+            live: taken,
+            also: regions.get(1).map(|&inter| region(inter)),
+            first: b.first_step,
+            last: b.last_step,
+        });
+    }
+    // Each region's highest address in use (the placements that moved hold none).
+    let (mut peak_s, mut peak_i) = (code_end, m.interleaved_start);
+    for &(i, start) in &state.out {
+        let end = start + lowered.buffers[i as usize].bytes;
+        if start >= m.interleaved_start {
+            peak_i = peak_i.max(end);
+        } else {
+            peak_s = peak_s.max(end);
         }
     }
     // The code range is the code itself; what lies between it and the data start is free.
-    Ok((out, code_range(m.base, code), peak_s, peak_i))
+    Ok((state.out, code_range(m.base, code), peak_s, peak_i))
 }
 
 /// Data starts at the code's end rounded up to this many bytes, as long as that stays within
@@ -424,7 +632,7 @@ fn first_fit(range: (u32, u32), placed: &[Placed], avoid: &[(u32, u32)], bytes: 
 
 #[cfg(test)]
 pub(crate) mod tests {
-    use super::{align, first_fit, place_storage, place_storage_with, ExchangeRules, Placed};
+    use super::{align, amp_counterparts, first_fit, place_storage, place_storage_with, place_tile, ExchangeRules, Placed};
     use crate::elements::element_range;
     use crate::lower::{BufferDecl, Lowered};
     use crate::package::AllocationKind;
@@ -482,8 +690,9 @@ pub(crate) mod tests {
         assert!(!error.to_string().contains("pieces"), "{error}");
     }
 
-    /// Strict rules never put a buffer in an element its opposite holds: where only that
-    /// element has room, the placement fails, though the usual rules place it there.
+    /// Strict rules never put a buffer in an element its opposite holds: where first fit finds
+    /// room only in that element, it fails, though the usual rules place it there; moving
+    /// buffers then finds room apart.
     #[test]
     fn strict_rules_refuse_what_the_usual_rules_place_against_an_opposite() {
         let target = Target::from_toml(crate::target::fixtures::SMALL16, "small16.toml").unwrap();
@@ -498,7 +707,13 @@ pub(crate) mod tests {
         let element = |b: usize| (placed.addresses[b] - m.interleaved_start) / m.interleaved_element_bytes;
         assert_eq!(element(0), element(1), "{:?}", placed.addresses);
         let strict = ExchangeRules { strict: true, ..rules };
-        assert!(place_storage_with(&target, &l, &[0], &strict).is_err());
+        let (amp, order) = (vec![Vec::new(); 3], [2u32, 0, 1]);
+        assert!(place_tile(m, &l, &strict, &amp, 0, 0, &order, true, false).is_err(), "first fit finds room only in the opposite's element");
+        // Moving the large buffer up by the sender's bytes puts the two at the region's ends,
+        // in different elements.
+        let moved = place_storage_with(&target, &l, &[0], &strict).expect("placed apart by moving the large buffer");
+        let element = |b: usize| (moved.addresses[b] - m.interleaved_start) / m.interleaved_element_bytes;
+        assert_ne!(element(0), element(1), "{:?}", moved.addresses);
         // With room in another element, strict rules place them apart.
         let roomy = partials(&[(1024, 0, 2), (1024, 0, 2), (whole - m.interleaved_element_bytes, 0, 2)]);
         let apart = place_storage_with(&target, &roomy, &[0], &strict).expect("placed apart");
@@ -642,5 +857,88 @@ pub(crate) mod tests {
             let range = (next(4) * 8, 1024 + next(2048));
             assert_eq!(first_fit(range, &placed, &avoid, bytes, alignment, first, last), reference(range, &placed, &avoid, bytes, alignment, first, last), "case {case}");
         }
+    }
+    /// First fit by start step leaves the bytes a buffer needs only in pieces: a small
+    /// long-lived buffer sits between a short-lived one's bytes and the rest. Moving it to the
+    /// top of the region makes room, and what no moving can fit is still an error.
+    #[test]
+    fn moving_a_buffer_makes_room_that_first_fit_left_in_pieces() {
+        let target = Target::from_toml(crate::target::fixtures::SMALL16, "small16.toml").unwrap();
+        let m = &target.memory;
+        let region = m.loader_limit - m.interleaved_start;
+        let program = |big: u32| partials(&[(1024, 0, 0), (1024, 0, 2), (big, 1, 2)]);
+        let amp = vec![Vec::new(); 3];
+        let rules = ExchangeRules::default();
+        let order = [0u32, 1, 2];
+        let error = place_tile(m, &program(region - 1024), &rules, &amp, 0, 0, &order, true, false).expect_err("first fit leaves the room in two pieces");
+        assert_eq!(error.label, "b2");
+        assert!(error.to_string().contains("1024 of them taken then and the rest in pieces too small"), "{error}");
+        let placed = place_storage(&target, &program(region - 1024), &[0]).expect("moving the long-lived buffer makes room");
+        assert_eq!(placed.addresses, vec![m.interleaved_start, m.loader_limit - 1024, m.interleaved_start]);
+        assert_eq!(placed.peak_interleaved, vec![m.loader_limit]);
+        let error = place_storage(&target, &program(region - 1008), &[0]).expect_err("no room however the buffers lie");
+        assert_eq!((error.label.as_str(), error.region, error.live), ("b2", "interleaved", 1024));
+    }
+
+    /// Random tiles filled near their memory, some buffers a matrix product's input and
+    /// output: every placement found, also those that moved buffers to make room, keeps each
+    /// buffer in a region its kind may use, aligned, apart from every buffer alive with it,
+    /// and off its product counterparts' memory elements; and moving buffers fits tiles that
+    /// first fit alone does not.
+    #[test]
+    fn placements_that_move_buffers_keep_every_rule() {
+        let target = Target::from_toml(crate::target::fixtures::SMALL16, "small16.toml").unwrap();
+        let m = &target.memory;
+        let mut rng = crate::exchange::synthetic::SplitMix64(0x9E37_79B9_7F4A_7C15);
+        let (mut fitted, mut moved) = (0, 0);
+        for case in 0..300 {
+            let count = 6 + rng.below(14);
+            let mut l = partials(&[]);
+            for i in 0..count {
+                let first = rng.below(8);
+                let kind = if rng.below(3) == 0 { AllocationKind::Partials } else { AllocationKind::Data };
+                let bytes = 16 * (1 + rng.below(6000)) + if kind == AllocationKind::Data { 8 * rng.below(2) } else { 0 };
+                l.labels.push(format!("b{i}"));
+                l.buffers.push(crate::lower::BufferDecl { tile: 0, bytes, kind, prefer_interleaved: rng.below(2) == 0, label: i, first_step: first, last_step: first + rng.below(6) });
+            }
+            let loc = |buffer| crate::lower::Loc { buffer, offset: 0, row_stride: 4, dtype_bytes: 2 };
+            let calls: Vec<(u32, crate::package::VertexCall<crate::lower::Loc>)> = (0..rng.below(4))
+                .map(|_| {
+                    let (a, c) = (rng.below(count), rng.below(count));
+                    (0, crate::package::VertexCall::MatMul { m: 4, k: 4, n: 4, a: loc(a), a_panel: 0, b: loc(a), b_transposed: false, c: loc(c), c_panel: 0, partials: true, add: None })
+                })
+                .collect();
+            l.compute_sets = vec![std::sync::Arc::new(calls)];
+            let code = 1000 + rng.below(60000);
+            let Ok(placed) = place_storage(&target, &l, &[code]) else { continue };
+            fitted += 1;
+            let amp = amp_counterparts(&l);
+            let mut order: Vec<u32> = (0..count).collect();
+            order.sort_by_key(|&i| (l.buffers[i as usize].first_step, std::cmp::Reverse(l.buffers[i as usize].bytes), i));
+            if place_tile(m, &l, &ExchangeRules::default(), &amp, 0, code, &order, true, false).is_err() {
+                moved += 1;
+            }
+            let code_end = placed.code[0].1;
+            for (i, b) in l.buffers.iter().enumerate() {
+                let start = placed.addresses[i];
+                let end = start + b.bytes;
+                let interleaved = start >= m.interleaved_start;
+                assert!(if interleaved { end <= m.loader_limit } else { start >= code_end && end <= m.interleaved_start }, "case {case}: b{i} at {start:#x}..{end:#x} outside its region");
+                assert!(interleaved || b.kind != AllocationKind::Partials, "case {case}: partials b{i} in standard memory");
+                let alignment = if b.kind == AllocationKind::Partials { m.partial_alignment } else { m.data_alignment };
+                assert_eq!(start % alignment, 0, "case {case}: b{i} misaligned");
+                for (j, o) in l.buffers.iter().enumerate().skip(i + 1) {
+                    let (s, e) = (placed.addresses[j], placed.addresses[j] + o.bytes);
+                    let alive_together = b.first_step <= o.last_step && o.first_step <= b.last_step;
+                    assert!(!(alive_together && start < e && s < end), "case {case}: b{i} and b{j} overlap while both alive");
+                }
+                for &j in &amp[i] {
+                    let elements = |start: u32, bytes: u32| (element_range(m, start).0, element_range(m, start + bytes - 1).1);
+                    let (a, c) = (elements(start, b.bytes), elements(placed.addresses[j as usize], l.buffers[j as usize].bytes));
+                    assert!(a.1 <= c.0 || c.1 <= a.0, "case {case}: product counterparts b{i} and b{j} share a memory element");
+                }
+            }
+        }
+        assert!(fitted >= 100 && moved >= 10, "the cases should exercise moving buffers: {fitted} fitted, {moved} by moving buffers");
     }
 }
