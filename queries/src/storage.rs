@@ -14,6 +14,11 @@
 //! memory rules `[OFF]`; poplibs' AMP convolution vertices carry the same constraint between
 //! their input and output fields). This rule is hard: unlike the exchange rules it is never
 //! relaxed when room is short, and a buffer that cannot keep it does not fit.
+//!
+//! Where neither first-fit order fits a tile, a buffer that finds no room moves the buffers in
+//! its way (`TileContext::make_room`). The file is long because its tests (a third of it:
+//! first fit against a plain reference, the rules, and random tiles whose placements, moved
+//! buffers included, are checked rule by rule) sit beside the code they check.
 
 use rayon::prelude::*;
 
