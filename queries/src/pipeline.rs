@@ -42,12 +42,12 @@ use crate::storage::{place_storage, Placement};
 /// The phases in order, as the driver runs and logs them.
 pub const PHASES: &[&str] = &["lower_mid", "select_finalist", "lower_exchanges_provisional", "size_tile_code", "place_storage", "optimize_exchange_placement", "lower_exchanges", "build_tile_images"];
 
-const LOWER_VERSION: u32 = 34;
-const SELECT_VERSION: u32 = 22;
+const LOWER_VERSION: u32 = 35;
+const SELECT_VERSION: u32 = 23;
 const SCHEDULE_VERSION: u32 = 9;
 const CODE_VERSION: u32 = 14;
-const PLACE_VERSION: u32 = 10;
-const OPTIMIZE_PLACEMENT_VERSION: u32 = 11;
+const PLACE_VERSION: u32 = 11;
+const OPTIMIZE_PLACEMENT_VERSION: u32 = 12;
 const TABLES_VERSION: u32 = 11;
 const PACKAGE_VERSION: u32 = 20;
 

@@ -419,9 +419,10 @@ impl TileContext<'_> {
         // (Strict rules never move buffers: `place_one_tile`.)
         let blocked = self.elements_of(state, &self.amp[i as usize]);
         let mut windows: Vec<(u64, usize, u32)> = Vec::new();
+        // Per region `i` may use: every placed buffer alive with it there (start, end, buffer).
+        let mut alive_in: Vec<Vec<(u32, u32, u32)>> = Vec::new();
         for (rank, &inter) in self.regions(i).iter().enumerate() {
             let range = self.ranges[inter as usize];
-            // Every placed buffer alive with `i` in this region: (start, end, buffer).
             let alive: Vec<(u32, u32, u32)> = state
                 .out
                 .iter()
@@ -456,21 +457,14 @@ impl TileContext<'_> {
                 }
                 windows.push((covered, rank, s));
             }
+            alive_in.push(alive);
         }
         windows.sort_unstable();
         for &(_, rank, s) in windows.iter().take(MOVE_WINDOWS) {
             let inter = self.regions(i)[rank];
             let end = s + b.bytes;
             let mut trial = state.clone();
-            let moved: Vec<u32> = trial
-                .out
-                .iter()
-                .filter(|&&(j, start)| {
-                    let o = &self.lowered.buffers[j as usize];
-                    (start >= self.m.interleaved_start) == inter && start < end && s < start + o.bytes && o.first_step <= b.last_step && b.first_step <= o.last_step
-                })
-                .map(|&(j, _)| j)
-                .collect();
+            let moved: Vec<u32> = alive_in[rank].iter().filter(|&&(start, stop, _)| start < end && s < stop).map(|&(.., j)| j).collect();
             for &j in &moved {
                 trial.remove(self.lowered, j);
             }
@@ -866,6 +860,7 @@ pub(crate) mod tests {
             assert_eq!(first_fit(range, &placed, &avoid, bytes, alignment, first, last), reference(range, &placed, &avoid, bytes, alignment, first, last), "case {case}");
         }
     }
+
     /// First fit by start step leaves the bytes a buffer needs only in pieces: a small
     /// long-lived buffer sits between a short-lived one's bytes and the rest. Moving it to the
     /// top of the region makes room, and what no moving can fit is still an error.
