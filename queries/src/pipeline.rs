@@ -43,7 +43,7 @@ use crate::storage::{place_storage, Placement};
 pub const PHASES: &[&str] = &["lower_mid", "select_finalist", "lower_exchanges_provisional", "size_tile_code", "place_storage", "optimize_exchange_placement", "lower_exchanges", "build_tile_images"];
 
 const LOWER_VERSION: u32 = 35;
-const SELECT_VERSION: u32 = 23;
+const SELECT_VERSION: u32 = 24;
 const SCHEDULE_VERSION: u32 = 9;
 const CODE_VERSION: u32 = 14;
 const PLACE_VERSION: u32 = 11;

@@ -599,7 +599,7 @@ fn code_range(base: u32, code: u32) -> (u32, u32) {
 }
 
 /// Where a tile's data may start after `code` bytes of code (see `DATA_START_GRANULE`).
-fn data_start(base: u32, code: u32) -> u32 {
+pub(crate) fn data_start(base: u32, code: u32) -> u32 {
     let coarse = align(base.saturating_add(code), DATA_START_GRANULE);
     let reserve = base.saturating_add(crate::lower::build::CODE_RESERVE_BYTES as u32);
     if coarse <= reserve {

@@ -272,7 +272,12 @@ fn cost_placed(
     // steer that plan and plan again (eight full-size encoder layers fit so, by 2,304 bytes).
     // Tiles placed alike by a rebuilding process's previous build are taken from its memo.
     let stats_memo = relative.and_then(|m| m.for_statistics(target));
-    let placement = place_storage_memoized(target, l, &code, &ExchangeRules::default(), stats_memo.as_ref().map(|(m, scope)| (*m, scope))).map_err(|e| Failure { message: e.to_string(), blamed: owner_plan(l, &e.label), conflicts: Vec::new() })?;
+    // Where the host's bytes, one copy of each, exceed the room every tile together has beside
+    // this code, the plan is not steered (`host_bytes_shortfall`).
+    let placement = place_storage_memoized(target, l, &code, &ExchangeRules::default(), stats_memo.as_ref().map(|(m, scope)| (*m, scope))).map_err(|e| match host_bytes_shortfall(target, l, &code) {
+        Some(short) => Failure { message: format!("{e}; {short}"), blamed: None, conflicts: Vec::new() },
+        None => Failure { message: e.to_string(), blamed: owner_plan(l, &e.label), conflicts: Vec::new() },
+    })?;
     keep_placement(program, &code, &placement);
     // Phases relocate independently, from relative tables made once per distinct pattern and
     // schedule (the same phase of repeated layers shares them) and reused by the candidates of
@@ -363,6 +368,41 @@ fn cost_placed(
     })
 }
 
+/// Why steering cannot place `l` when the bytes the host writes before the run, one copy of
+/// each tensor, exceed the bytes all tiles together have for data beside `code` (per tile: the
+/// program's code and exchange tables, `size_tile_code`), in words; None when they do not.
+///
+/// No placement of a program with that much code can hold them: host-written tensors are live
+/// from the first step (ipuq streams no weights during a run; a tensor some of whose buffers
+/// start later is left out of the sum), and a tile's data lies between its code and the loader
+/// limit. A steered plan moves work between tiles and changes the code and tables by some
+/// kilobytes a tile (on 27 full-size encoder layers the first steer grew tile 0's by 16 KB,
+/// and the seven after it each ended over the exchange-table budget), so for such a program
+/// `select_finalist` reports the placement error with this at once instead of planning the
+/// whole program again up to `REPLANS` times (twelve minutes on 27 layers, ending with an
+/// exchange-table error that hid the cause; 84 s now).
+fn host_bytes_shortfall(target: &Target, l: &Lowered, code: &[u32]) -> Option<String> {
+    let m = &target.memory;
+    let host: u64 = l
+        .inputs
+        .iter()
+        .filter(|t| !t.segments.is_empty() && t.segments.iter().all(|s| l.buffers.get(s.buffer as usize).is_some_and(|b| b.first_step == 0)))
+        .map(|t| t.elements() * t.dtype.bytes() as u64)
+        .sum();
+    let room = |c: u32| m.loader_limit.saturating_sub(crate::storage::data_start(m.base, c)) as u64;
+    let data: u64 = code.iter().map(|&c| room(c)).sum();
+    if host <= data {
+        return None;
+    }
+    let (tile, most) = code.iter().enumerate().max_by_key(|(i, c)| (**c, std::cmp::Reverse(*i))).map(|(i, c)| (i, *c)).unwrap_or((0, 0));
+    let short = host - data;
+    Some(format!(
+        "the host writes {host} bytes of weights and inputs before the run (one copy of each), but the {} tiles have {data} bytes for data beside this program's code and exchange tables ({most} bytes of them on tile {tile}, the most): {short} bytes too few ({} a tile), so no plan is steered to fit; weights this large need streaming from the host during the run, which ipuq does not do",
+        code.len(),
+        short.div_ceil(code.len().max(1) as u64)
+    ))
+}
+
 /// The matrix product whose buffer `label` is, as an index into the program's plans: the
 /// lowering names a product's partials after the value it writes (`l0.mlp_down.partials`, the
 /// bias add its epilogue folds in), and the plan after the product (`l0.mlp_down.product`) or
@@ -406,8 +446,8 @@ pub fn steer_away(plan: &super::OperationPlan, user: Option<&crate::ir::PlanCons
 
 #[cfg(test)]
 mod tests {
-    use super::{half_duplex, owner_plan, steer_away};
-    use crate::ir::PlanConstraint;
+    use super::{half_duplex, host_bytes_shortfall, owner_plan, steer_away};
+    use crate::ir::{DType, PlanConstraint};
     use crate::lower::OperationPlan;
 
     fn plan(kind: &str, partitions: [u32; 4]) -> OperationPlan {
@@ -466,6 +506,34 @@ mod tests {
         assert_eq!(owner_plan(&l, "l0.ln2.statistics"), None);
         assert_eq!(owner_plan(&l, "l0.mlp.partials"), None);
         assert_eq!(owner_plan(&l, "w2_3"), None);
+    }
+
+    /// Two tiles and one host tensor of `elements` f16 values split over them, written at step
+    /// `first` (0: before the run).
+    fn host_program(elements: u32, first: u32) -> crate::lower::Lowered {
+        let mut l = crate::storage::tests::partials(&[(elements, first, 3), (elements, first, 3)]);
+        l.tiles = 2;
+        l.buffers[1].tile = 1;
+        let segment = |buffer: u32| crate::lower::LSegment { buffer, offset: 0, element: buffer * elements / 2, count: elements / 2, rows: 1, element_stride: 0, offset_stride: 0, element_step: 1 };
+        l.inputs.push(crate::lower::LHostTensor { name: "w".into(), shape: vec![elements], dtype: DType::F16, role: crate::package::HostRole::Weight, segments: vec![segment(0), segment(1)] });
+        l
+    }
+
+    /// The host's bytes against the room beside the code on every tile: equal is not short;
+    /// one element more is, and says by how much; a tensor written after the first step is not
+    /// counted; more code leaves less room.
+    #[test]
+    fn host_bytes_past_the_room_beside_the_code_are_short() {
+        let target = crate::target::Target::from_toml(crate::target::fixtures::SMALL16, "small16.toml").unwrap();
+        let m = &target.memory;
+        let room = m.loader_limit - crate::storage::data_start(m.base, 0);
+        assert_eq!(host_bytes_shortfall(&target, &host_program(room, 0), &[0, 0]), None, "two tiles hold {room} f16 values, {} bytes", 2 * room);
+        let short = host_bytes_shortfall(&target, &host_program(room + 2, 0), &[0, 0]).expect("four bytes too many");
+        assert!(short.starts_with(&format!("the host writes {} bytes of weights and inputs before the run (one copy of each), but the 2 tiles have {} bytes for data beside this program's code and exchange tables (0 bytes of them on tile 0, the most): 4 bytes too few (2 a tile)", 2 * room + 4, 2 * room)), "{short}");
+        assert_eq!(host_bytes_shortfall(&target, &host_program(room + 2, 1), &[0, 0]), None, "written after the first step: not counted");
+        let code = 64 * 1024;
+        let short = host_bytes_shortfall(&target, &host_program(room, 0), &[0, code]).expect("less room beside the code");
+        assert!(short.contains(&format!("({code} bytes of them on tile 1, the most)")), "{short}");
     }
 
     #[test]
