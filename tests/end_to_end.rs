@@ -61,7 +61,8 @@ fn bad_input_gets_one_clear_error_and_exit_code_2() {
         ("bad/malformed.toml", "malformed file"),
         ("bad/unknown-operation.toml", "unknown operation 'convolve'"),
         ("bad/mismatched-shapes.toml", "inner dimensions differ"),
-        ("bad/does-not-fit.toml", "fits in tile memory"),
+        ("bad/does-not-fit.toml", "67108864 bytes of weights and inputs before the run (one copy of each; the largest, 'w', 33554432 bytes), but every one of the 16 tiles holds at most 637808 bytes of them, in the memory the loader writes (0x4c000 to 0xe7bb0) less its 64-byte runtime header: 10204928 bytes on the chip, 56903936 bytes too few: no program fits"),
+        ("bad/no-plan-fits.toml", "operation 'y': no matmul plan fits in tile memory (588720 bytes per tile) on 16 tiles; the smallest needs 770048 bytes per tile"),
     ];
     for (file, expected) in cases {
         let out = ipuq(&["build", &fixture(file), "--target", "small16", "-o", "out"], dir.path());

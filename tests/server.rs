@@ -100,7 +100,7 @@ fn a_served_build_is_the_build_a_process_makes_and_errors_reach_the_client() {
 
     // A compile error in the server reaches the client as a process's would: one `error:`
     // line, exit 2; the server goes on.
-    let bad = ipuq(&["build", &fixture("bad/does-not-fit.toml"), "--target", "small16", "-o", "bad", "--incremental", "--cache-dir", &cache_arg], dir.path());
+    let bad = ipuq(&["build", &fixture("bad/no-plan-fits.toml"), "--target", "small16", "-o", "bad", "--incremental", "--cache-dir", &cache_arg], dir.path());
     assert_eq!(bad.code, 2, "{}", bad.stderr);
     let errors: Vec<&str> = bad.stderr.lines().filter(|l| l.starts_with("error: ")).collect();
     assert!(errors.len() == 1 && errors[0].contains("fits in tile memory"), "{}", bad.stderr);

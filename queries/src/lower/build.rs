@@ -38,6 +38,8 @@ pub enum LowerError {
     Unsupported { operation: String, message: String },
     #[error("operation '{operation}': plan constraint cannot be honoured: {reason}")]
     Constraint { operation: String, reason: String },
+    #[error("the host writes {host} bytes of weights and inputs before the run (one copy of each; the largest, '{largest}', {largest_bytes} bytes), but every one of the {tiles} tiles holds at most {per_tile} bytes of them, in the memory the loader writes ({base:#x} to {limit:#x}) less its {header}-byte runtime header: {room} bytes on the chip, {short} bytes too few: no program fits; weights this large need streaming from the host during the run, which ipuq does not do")]
+    HostBytes { host: u64, largest: String, largest_bytes: u64, tiles: u32, per_tile: u32, base: u32, limit: u32, header: u32, room: u64, short: u64 },
 }
 
 /// An add folded into a product's epilogue (see `elementwise::folded_add`): the add's

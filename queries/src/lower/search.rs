@@ -1218,6 +1218,10 @@ pub fn finalists_warming(graph: &Graph, target: &Target, keep: usize, previous: 
 /// build that wrote `previous` kept, `KeptBeam`) where it holds them, and with `keep_states`
 /// this beam's states kept for the next build in this process: the same finalists and trace.
 pub fn finalists_keeping(graph: &Graph, target: &Target, keep: usize, previous: Option<&BeamTrace>, kept_before: Option<&KeptBeam>, warm: Option<Arc<Warm>>, keep_states: bool) -> (Result<Vec<Lowered>, LowerError>, BeamTrace, Option<KeptBeam>) {
+    let width = keep.max(DEFAULT_FINALISTS);
+    if let Some(e) = host_bytes_beyond_tiles(graph, target) {
+        return (Err(e), BeamTrace { workload: workload_structure(graph), width: width as u64, steps: Vec::new() }, None);
+    }
     let old = previous.and_then(|t| match Graph::parse(&t.workload, "the previous build's plan beam") {
         Ok(g) => Some((g, t)),
         Err(e) => {
@@ -1225,7 +1229,6 @@ pub fn finalists_keeping(graph: &Graph, target: &Target, keep: usize, previous: 
             None
         }
     });
-    let width = keep.max(DEFAULT_FINALISTS);
     let mut run = beam_keeping(graph, target, width, old.as_ref().map(|(g, t)| (g, *t)), kept_before, keep_states);
     if let Some(ahead) = run.capped_ahead.as_mut() {
         ahead.warm = warm;
@@ -1247,6 +1250,33 @@ pub fn finalists_keeping(graph: &Graph, target: &Target, keep: usize, previous: 
         k.mixed = mixed_now;
     }
     (found, trace, kept)
+}
+
+/// The error for a workload whose tensors the host writes before the run (those some operation
+/// reads), one copy of each, exceed every tile's memory beside the runtime header: no program
+/// can hold them (ipuq streams no weights during a run), so the search is not run (forty
+/// full-size encoder layers, 1.22 GB of weights against 939 MB, searched for more than six
+/// minutes). None when they do not.
+fn host_bytes_beyond_tiles(graph: &Graph, target: &Target) -> Option<LowerError> {
+    let read: BTreeSet<usize> = graph.operations.iter().flat_map(|o| o.inputs.iter().map(|v| v.0 as usize)).collect();
+    let tensors: Vec<(&str, u64)> = graph
+        .values
+        .iter()
+        .enumerate()
+        .filter(|(i, v)| matches!(v.producer, crate::ir::Producer::Tensor { .. }) && read.contains(i))
+        .map(|(_, v)| (v.name.as_str(), v.elements() * v.dtype.bytes() as u64))
+        .collect();
+    let host: u64 = tensors.iter().map(|t| t.1).sum();
+    let m = &target.memory;
+    let tiles = target.chip.tiles;
+    let header = crate::emit::RUNTIME_HEADER_BYTES;
+    let per_tile = m.loader_limit.saturating_sub(m.base).saturating_sub(header);
+    let room = per_tile as u64 * tiles as u64;
+    if host <= room {
+        return None;
+    }
+    let (largest, largest_bytes) = tensors.iter().max_by_key(|t| (t.1, std::cmp::Reverse(t.0))).map(|t| (t.0.to_string(), t.1)).unwrap_or_default();
+    Some(LowerError::HostBytes { host, largest, largest_bytes, tiles, per_tile, base: m.base, limit: m.loader_limit, header, room, short: host - room })
 }
 
 /// [`finalists`] for a re-plan worth making only if it finds a program that fits as planned
@@ -2534,6 +2564,35 @@ mod tests {
                 assert_eq!(reserves_of(&again, operations), reserves_swept(&again, operations), "{} home {home}, reserved", graph.name);
             }
         }
+    }
+
+    /// A workload whose host tensors, one copy of each, exceed every tile's memory beside the
+    /// runtime header is refused before the search, with the bytes; one that does not exceed it
+    /// is left to the search (which may still find it does not fit).
+    #[test]
+    fn host_bytes_beyond_every_tile_are_refused_before_the_search() {
+        let target = small16();
+        let m = &target.memory;
+        let room = (m.loader_limit - m.base - crate::emit::RUNTIME_HEADER_BYTES) as u64 * 16;
+        // x [16, 1024] and two weights of 1024 x hidden, f16.
+        let bytes = |hidden: u64| 16 * 1024 * 2 + 2 * 1024 * hidden * 2;
+        let (under, over) = (2480, 2490);
+        assert!(bytes(under) <= room && bytes(over) > room);
+        assert_eq!(host_bytes_beyond_tiles(&Graph::parse(&mlp_text(1, 16, 1024, under as u32), "mlp.toml").unwrap(), &target), None);
+        let big = Graph::parse(&mlp_text(1, 16, 1024, over as u32), "mlp.toml").unwrap();
+        let e = finalists(&big, &target, DEFAULT_FINALISTS).expect_err("no program holds the weights");
+        let per_tile = (room / 16) as u32;
+        let header = crate::emit::RUNTIME_HEADER_BYTES;
+        assert_eq!(e, LowerError::HostBytes { host: bytes(over), largest: "w1_0".into(), largest_bytes: 1024 * over * 2, tiles: 16, per_tile, base: m.base, limit: m.loader_limit, header, room, short: bytes(over) - room });
+        let expected = format!(
+            "the host writes {} bytes of weights and inputs before the run (one copy of each; the largest, 'w1_0', {} bytes), but every one of the 16 tiles holds at most {per_tile} bytes of them, in the memory the loader writes ({:#x} to {:#x}) less its {header}-byte runtime header: {room} bytes on the chip, {} bytes too few",
+            bytes(over),
+            1024 * over * 2,
+            m.base,
+            m.loader_limit,
+            bytes(over) - room
+        );
+        assert!(e.to_string().starts_with(&expected), "{e}");
     }
 
     /// A re-plan made only to beat a program `select_finalist` already holds takes the
