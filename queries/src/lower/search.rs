@@ -1220,7 +1220,10 @@ pub fn finalists_warming(graph: &Graph, target: &Target, keep: usize, previous: 
 pub fn finalists_keeping(graph: &Graph, target: &Target, keep: usize, previous: Option<&BeamTrace>, kept_before: Option<&KeptBeam>, warm: Option<Arc<Warm>>, keep_states: bool) -> (Result<Vec<Lowered>, LowerError>, BeamTrace, Option<KeptBeam>) {
     let width = keep.max(DEFAULT_FINALISTS);
     if let Some(e) = host_bytes_beyond_tiles(graph, target) {
-        return (Err(e), BeamTrace { workload: workload_structure(graph), width: width as u64, steps: Vec::new() }, None);
+        // Nothing was searched: the previous build's trace stays for the next build to resume
+        // from (an edit that outgrew the chip and is taken back loses nothing).
+        let trace = previous.cloned().unwrap_or_else(|| BeamTrace { workload: workload_structure(graph), width: width as u64, steps: Vec::new() });
+        return (Err(e), trace, None);
     }
     let old = previous.and_then(|t| match Graph::parse(&t.workload, "the previous build's plan beam") {
         Ok(g) => Some((g, t)),
@@ -2581,6 +2584,11 @@ mod tests {
         assert_eq!(host_bytes_beyond_tiles(&Graph::parse(&mlp_text(1, 16, 1024, under as u32), "mlp.toml").unwrap(), &target), None);
         let big = Graph::parse(&mlp_text(1, 16, 1024, over as u32), "mlp.toml").unwrap();
         let e = finalists(&big, &target, DEFAULT_FINALISTS).expect_err("no program holds the weights");
+        // The previous build's trace is handed back for the next build, not replaced.
+        let (_, previous) = finalists_warming(&Graph::parse(&mlp_text(1, 16, 64, 96), "mlp.toml").unwrap(), &target, DEFAULT_FINALISTS, None, None);
+        assert!(!previous.steps.is_empty());
+        let (refused, trace, _) = finalists_keeping(&big, &target, DEFAULT_FINALISTS, Some(&previous), None, None, false);
+        assert_eq!((refused.as_ref().err(), &trace), (Some(&e), &previous));
         let per_tile = (room / 16) as u32;
         let header = crate::emit::RUNTIME_HEADER_BYTES;
         assert_eq!(e, LowerError::HostBytes { host: bytes(over), largest: "w1_0".into(), largest_bytes: 1024 * over * 2, tiles: 16, per_tile, base: m.base, limit: m.loader_limit, header, room, short: bytes(over) - room });
