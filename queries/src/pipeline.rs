@@ -43,7 +43,7 @@ use crate::storage::{place_storage, Placement};
 pub const PHASES: &[&str] = &["lower_mid", "select_finalist", "lower_exchanges_provisional", "size_tile_code", "place_storage", "optimize_exchange_placement", "lower_exchanges", "build_tile_images"];
 
 const LOWER_VERSION: u32 = 36;
-const SELECT_VERSION: u32 = 24;
+const SELECT_VERSION: u32 = 25;
 const SCHEDULE_VERSION: u32 = 9;
 const CODE_VERSION: u32 = 14;
 const PLACE_VERSION: u32 = 11;
@@ -181,6 +181,20 @@ fn schedule_through_memo(db: &Database, x: &Staged<crate::target::Target>, progr
 /// blamed for it away from their plans, `lower/select.rs`).
 const REPLANS: usize = 8;
 
+/// The error of a selection whose steered re-plans did not make any program placeable: why
+/// lower_mid's finalists could not be placed (`first`), then what steering tried and why its
+/// last program failed (`last`), where steering ran and that differs. Twenty-four full-size
+/// encoder layers had ended, after eight re-plans and ten minutes, with only the last: a table
+/// 248 bytes over the budget on tile 19, where the cause was tile 0's host-written weights.
+fn steering_did_not_help(first: &str, steered: &[crate::ir::PlanConstraint], last: &str) -> String {
+    if steered.is_empty() || first == last {
+        return last.to_string();
+    }
+    let plans: Vec<String> = steered.iter().map(|c| format!("{} ({})", c.operation, c.describe())).collect();
+    let (what, from) = if plans.len() == 1 { ("operation", "its plan") } else { ("operations", "their plans") };
+    format!("{first}; planning again with {} {what} steered away from {from} did not help: {last} (steered: {})", plans.len(), plans.join(", "))
+}
+
 /// A program `selection` made placeable with half-duplex tiles, and the memo entries of its
 /// round (for the stages after selection, should it be the one chosen: its placement search,
 /// sizing, baseline placement and schedules).
@@ -307,6 +321,9 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
         }
         let _cleared = Cleared(&db.relative_memo, db.keeps_beam_states());
         let mut steered: Vec<crate::ir::PlanConstraint> = Vec::new();
+        // Why lower_mid's finalists could not be placed, for the error should steering not help
+        // (a steered program can fail for another reason, which would hide the cause).
+        let mut first_failure: Option<String> = None;
         // The cheapest program made placeable by half-duplex tiles (below), with the memo
         // entries its round left for the later stages: taken over a steered program only where
         // it runs in fewer cycles, and where steering finds none.
@@ -380,6 +397,8 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
                 }
                 Err(e) => e,
             };
+            let first_failure = &*first_failure.get_or_insert_with(|| failure.message.clone());
+            let fail = |steered: &[crate::ir::PlanConstraint], last: &str| CompileError(steering_did_not_help(first_failure, steered, last));
             // Memory-element conflicts that placement cannot remove, on a finalist that fails
             // for nothing else: its schedules keep those tiles' sends and receives apart in
             // time (`Lowered::half_duplex`), a few more cycles in those phases. The tiles
@@ -438,7 +457,7 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
             let Some(first) = failure.blamed.first().map(|b| b.0) else {
                 return match half.take() {
                     Some(h) => Ok(take_half(h)),
-                    None => Err(CompileError(failure.message)),
+                    None => Err(fail(&steered, &failure.message)),
                 };
             };
             let mut changed = false;
@@ -458,7 +477,7 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
             if !changed {
                 return match half.take() {
                     Some(h) => Ok(take_half(h)),
-                    None => Err(CompileError(failure.message)),
+                    None => Err(fail(&steered, &failure.message)),
                 };
             }
             let mut graph = (*g.value).clone();
@@ -488,7 +507,7 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
                     again
                 }
                 (Err(_), Some(h)) => return Ok(take_half(h)),
-                (Err(e), None) => return Err(e),
+                (Err(e), None) => return Err(fail(&steered, &e.0)),
             });
         }
         match half.take() {
@@ -1079,6 +1098,24 @@ mod tests {
     use super::*;
     use crate::db::sources;
     use crate::target::fixtures;
+
+    /// Where steering ran and its last program failed otherwise, the error leads with why
+    /// lower_mid's finalists could not be placed and names every steered operation; with no
+    /// steer, or the same failure, it is the failure alone.
+    #[test]
+    fn a_failed_steer_keeps_the_first_failure() {
+        let steer = |operation: &str, inner| crate::ir::PlanConstraint { operation: operation.into(), orientation: None, row_partitions: None, column_partitions: None, inner_partitions: Some(inner), weight_memory: None, weights: None };
+        assert_eq!(steering_did_not_help("tile 0: full", &[], "tile 0: full"), "tile 0: full");
+        assert_eq!(steering_did_not_help("tile 0: full", &[steer("a", 4)], "tile 0: full"), "tile 0: full");
+        assert_eq!(
+            steering_did_not_help("tile 0: full", &[steer("a", 4)], "tile 3: tables"),
+            "tile 0: full; planning again with 1 operation steered away from its plan did not help: tile 3: tables (steered: a (inner_partitions=4))"
+        );
+        assert_eq!(
+            steering_did_not_help("tile 0: full", &[steer("a", 4), steer("b", 2)], "tile 3: tables"),
+            "tile 0: full; planning again with 2 operations steered away from their plans did not help: tile 3: tables (steered: a (inner_partitions=4), b (inner_partitions=2))"
+        );
+    }
 
     /// Takes the memo's entry under `key` away (it must be there) and puts `altered` under each
     /// of `keys` (none of them `key`): a stage that reads the memo must then miss.

@@ -276,7 +276,13 @@ fn cost_placed(
     // this code, the plan is not steered (`host_bytes_shortfall`).
     let placement = place_storage_memoized(target, l, &code, &ExchangeRules::default(), stats_memo.as_ref().map(|(m, scope)| (*m, scope))).map_err(|e| match host_bytes_shortfall(target, l, &code) {
         Some(short) => Failure { message: format!("{e}; {short}"), blamed: None, conflicts: Vec::new() },
-        None => Failure { message: e.to_string(), blamed: owner_plan(l, &e.label), conflicts: Vec::new() },
+        None => {
+            let message = match host_bytes_on_tile(target, l, &code, e.tile) {
+                Some(over) => format!("{e}; {over}"),
+                None => e.to_string(),
+            };
+            Failure { message, blamed: owner_plan(l, &e.label), conflicts: Vec::new() }
+        }
     })?;
     keep_placement(program, &code, &placement);
     // Phases relocate independently, from relative tables made once per distinct pattern and
@@ -403,6 +409,43 @@ fn host_bytes_shortfall(target: &Target, l: &Lowered, code: &[u32]) -> Option<St
     ))
 }
 
+/// Why `tile` cannot hold `l`'s placement when the bytes the host writes there before the run
+/// (buffers of host tensors live from the first step, weights kept on home tiles) alone exceed
+/// what the tile has for data beside its code and exchange tables (`code`, per tile), in words
+/// naming the tensors with most bytes there; None when they do not.
+///
+/// The placement error names the buffer that found no room, which is only the one placed last;
+/// this says the tile was over before any buffer the program computes (24 full-size encoder
+/// layers: tile 0 holds 603,392 host-written bytes beside 87,640 of code and tables, 53,168
+/// more than its 550,224 bytes of room, as the same weight of every layer is homed there).
+fn host_bytes_on_tile(target: &Target, l: &Lowered, code: &[u32], tile: u32) -> Option<String> {
+    let m = &target.memory;
+    let c = *code.get(tile as usize)?;
+    let room = m.loader_limit.saturating_sub(crate::storage::data_start(m.base, c)) as u64;
+    let mut by_tensor: Vec<(u64, &str)> = l
+        .inputs
+        .iter()
+        .filter(|t| !t.segments.is_empty() && t.segments.iter().all(|s| l.buffers.get(s.buffer as usize).is_some_and(|b| b.first_step == 0)))
+        .filter_map(|t| {
+            let mut buffers: Vec<u32> = t.segments.iter().map(|s| s.buffer).filter(|&b| l.buffers[b as usize].tile == tile).collect();
+            buffers.sort_unstable();
+            buffers.dedup();
+            let bytes: u64 = buffers.iter().map(|&b| l.buffers[b as usize].bytes as u64).sum();
+            (bytes > 0).then_some((bytes, t.name.as_str()))
+        })
+        .collect();
+    let host: u64 = by_tensor.iter().map(|t| t.0).sum();
+    if host <= room {
+        return None;
+    }
+    by_tensor.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(b.1)));
+    let mut named: Vec<String> = by_tensor.iter().take(3).map(|(bytes, name)| format!("'{name}' {bytes}")).collect();
+    if by_tensor.len() > named.len() {
+        named.push(format!("{} more tensors", by_tensor.len() - named.len()));
+    }
+    Some(format!("tile {tile} holds {host} bytes the host writes before the run ({}), {} more than the {room} bytes it has for data beside its {c} bytes of code and exchange tables", named.join(", "), host - room))
+}
+
 /// The matrix product whose buffer `label` is, as an index into the program's plans: the
 /// lowering names a product's partials after the value it writes (`l0.mlp_down.partials`, the
 /// bias add its epilogue folds in), and the plan after the product (`l0.mlp_down.product`) or
@@ -446,7 +489,7 @@ pub fn steer_away(plan: &super::OperationPlan, user: Option<&crate::ir::PlanCons
 
 #[cfg(test)]
 mod tests {
-    use super::{half_duplex, host_bytes_shortfall, owner_plan, steer_away};
+    use super::{half_duplex, host_bytes_on_tile, host_bytes_shortfall, owner_plan, steer_away};
     use crate::ir::{DType, PlanConstraint};
     use crate::lower::OperationPlan;
 
@@ -534,6 +577,27 @@ mod tests {
         let code = 64 * 1024;
         let short = host_bytes_shortfall(&target, &host_program(room, 0), &[0, code]).expect("less room beside the code");
         assert!(short.contains(&format!("({code} bytes of them on tile 1, the most)")), "{short}");
+    }
+
+    /// The host's bytes on the tile where placement failed, against that tile's room beside
+    /// its code: equal fits; one element more is over, naming the tensor and the bytes; a
+    /// tensor written after the first step is not counted; more code on the tile leaves less
+    /// room there and none less on the other.
+    #[test]
+    fn host_bytes_over_one_tile_are_named() {
+        let target = crate::target::Target::from_toml(crate::target::fixtures::SMALL16, "small16.toml").unwrap();
+        let m = &target.memory;
+        let room = m.loader_limit - crate::storage::data_start(m.base, 0);
+        assert_eq!(host_bytes_on_tile(&target, &host_program(room, 0), &[0, 0], 0), None, "each tile holds {room} bytes");
+        let over = host_bytes_on_tile(&target, &host_program(room + 2, 0), &[0, 0], 0).expect("two bytes too many");
+        assert_eq!(over, format!("tile 0 holds {} bytes the host writes before the run ('w' {}), 2 more than the {room} bytes it has for data beside its 0 bytes of code and exchange tables", room + 2, room + 2));
+        assert_eq!(host_bytes_on_tile(&target, &host_program(room + 2, 1), &[0, 0], 0), None, "written after the first step: not counted");
+        let code = 64 * 1024;
+        let less = m.loader_limit - crate::storage::data_start(m.base, code);
+        let over = host_bytes_on_tile(&target, &host_program(room, 0), &[0, code], 1).expect("less room beside the code");
+        assert!(over.starts_with(&format!("tile 1 holds {room} bytes")) && over.ends_with(&format!("{} more than the {less} bytes it has for data beside its {code} bytes of code and exchange tables", room - less)), "{over}");
+        assert_eq!(host_bytes_on_tile(&target, &host_program(room, 0), &[0, code], 0), None);
+        assert_eq!(host_bytes_on_tile(&target, &host_program(room, 0), &[0, code], 2), None, "no such tile");
     }
 
     #[test]
