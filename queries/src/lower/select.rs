@@ -388,15 +388,8 @@ fn cost_placed(
 /// whole program again up to `REPLANS` times (twelve minutes on 27 layers, ending with an
 /// exchange-table error that hid the cause; 84 s now).
 fn host_bytes_shortfall(target: &Target, l: &Lowered, code: &[u32]) -> Option<String> {
-    let m = &target.memory;
-    let host: u64 = l
-        .inputs
-        .iter()
-        .filter(|t| !t.segments.is_empty() && t.segments.iter().all(|s| l.buffers.get(s.buffer as usize).is_some_and(|b| b.first_step == 0)))
-        .map(|t| t.elements() * t.dtype.bytes() as u64)
-        .sum();
-    let room = |c: u32| m.loader_limit.saturating_sub(crate::storage::data_start(m.base, c)) as u64;
-    let data: u64 = code.iter().map(|&c| room(c)).sum();
+    let host: u64 = written_before_run(l).map(|t| t.elements() * t.dtype.bytes() as u64).sum();
+    let data: u64 = code.iter().map(|&c| room_beside(target, c)).sum();
     if host <= data {
         return None;
     }
@@ -419,13 +412,9 @@ fn host_bytes_shortfall(target: &Target, l: &Lowered, code: &[u32]) -> Option<St
 /// layers: tile 0 holds 603,392 host-written bytes beside 87,640 of code and tables, 53,168
 /// more than its 550,224 bytes of room, as the same weight of every layer is homed there).
 fn host_bytes_on_tile(target: &Target, l: &Lowered, code: &[u32], tile: u32) -> Option<String> {
-    let m = &target.memory;
     let c = *code.get(tile as usize)?;
-    let room = m.loader_limit.saturating_sub(crate::storage::data_start(m.base, c)) as u64;
-    let mut by_tensor: Vec<(u64, &str)> = l
-        .inputs
-        .iter()
-        .filter(|t| !t.segments.is_empty() && t.segments.iter().all(|s| l.buffers.get(s.buffer as usize).is_some_and(|b| b.first_step == 0)))
+    let room = room_beside(target, c);
+    let mut by_tensor: Vec<(u64, &str)> = written_before_run(l)
         .filter_map(|t| {
             let mut buffers: Vec<u32> = t.segments.iter().map(|s| s.buffer).filter(|&b| l.buffers[b as usize].tile == tile).collect();
             buffers.sort_unstable();
@@ -444,6 +433,19 @@ fn host_bytes_on_tile(target: &Target, l: &Lowered, code: &[u32], tile: u32) -> 
         named.push(format!("{} more tensors", by_tensor.len() - named.len()));
     }
     Some(format!("tile {tile} holds {host} bytes the host writes before the run ({}), {} more than the {room} bytes it has for data beside its {c} bytes of code and exchange tables", named.join(", "), host - room))
+}
+
+/// The host tensors of `l` written before the run: every buffer of theirs is live from the
+/// first step (a tensor some of whose buffers start later is left out).
+fn written_before_run(l: &Lowered) -> impl Iterator<Item = &crate::lower::LHostTensor> {
+    l.inputs.iter().filter(|t| !t.segments.is_empty() && t.segments.iter().all(|s| l.buffers.get(s.buffer as usize).is_some_and(|b| b.first_step == 0)))
+}
+
+/// The bytes a tile has for data beside `code` bytes of code and exchange tables: from where
+/// its data may start to the loader limit.
+fn room_beside(target: &Target, code: u32) -> u64 {
+    let m = &target.memory;
+    m.loader_limit.saturating_sub(crate::storage::data_start(m.base, code)) as u64
 }
 
 /// The matrix product whose buffer `label` is, as an index into the program's plans: the
