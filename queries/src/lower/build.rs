@@ -1362,7 +1362,7 @@ impl<'a> Builder<'a> {
             let a_words = if a_stored || a_replicated(p) { (0..nb).map(|ib| words(a_block(p, ib, 0, 0), av.dtype.bytes())).max().unwrap_or(0) } else { 0 };
             let b_remote = b_stored || (home_b && p.pm > 1) || b_replicated(p);
             let b_words = if b_remote { (0..nb).map(|ib| words(b_block(p, ib, 0, 0), bv.dtype.bytes())).max().unwrap_or(0) } else { 0 };
-            a_words + b_words
+            (a_words, b_words)
         };
         let graph = self.graph;
         let original_name = graph.value(self.checkpoint_value.get(&product).copied().unwrap_or(product)).name.clone();
@@ -1374,7 +1374,7 @@ impl<'a> Builder<'a> {
         let is_weight = |base: ValueId| matches!(graph.value(base).producer, Producer::Tensor { role: Role::Weight, .. });
         let max_row_partitions = if !b_stored && !home_b && !b_rank3 && is_weight(b_chain.base) { self.replication_cap } else { u32::MAX };
         let max_column_partitions = if !a_stored && !a_rank3 && is_weight(a_chain.base) { self.replication_cap } else { u32::MAX };
-        let problem = MatMulProblem { batches, m, k, n, b_transposed, whole_rows, m_align, epilogue, remote_a_words: &remote_a, remote_b_words: &remote_b, gather_bound: &gather_bound, a_gathered: a_stored || a_input, b_gathered: b_stored || home_b || b_input, memory_budget: self.budget(), interleaved_budget: self.interleaved_budget(), standard_budget: self.standard_budget(), constraint, max_row_partitions, max_column_partitions, max_block_bytes: self.block_cap, first_tile: range.0, tiles: range.1 };
+        let problem = MatMulProblem { batches, m, k, n, b_transposed, whole_rows, m_align, epilogue, remote_a_words: &remote_a, remote_b_words: &remote_b, gather_bound: &gather_bound, a_gathered: a_stored || a_input, b_gathered: b_stored || home_b || b_input, a_stored, b_stored, memory_budget: self.budget(), interleaved_budget: self.interleaved_budget(), standard_budget: self.standard_budget(), constraint, max_row_partitions, max_column_partitions, max_block_bytes: self.block_cap, first_tile: range.0, tiles: range.1 };
         let layout = |chain: &ViewChain| match self.stored.get(&chain.base) {
             Some(s) => format!("{} stored {:?} {:?}", chain.signature(), s.grid.cuts, s.grid.tiles),
             None => format!("{} host", chain.signature()),

@@ -29,7 +29,7 @@ fn memo() -> &'static Memo {
 /// read (operand views, producer grids, dtypes, ranks), the target included.
 pub fn signature(target: &Target, problem: &MatMulProblem, parts: &str) -> Digest {
     let text = format!(
-        "{target:?}|{} {} {} {} {} {} {} {:?}|{} {} {}|{:?} {} {}|{} {}|tiles {} {}|{parts}",
+        "{target:?}|{} {} {} {} {} {} {} {:?}|{} {} {}|{:?} {} {}|{} {} {} {}|tiles {} {}|{parts}",
         problem.batches,
         problem.m,
         problem.k,
@@ -46,6 +46,8 @@ pub fn signature(target: &Target, problem: &MatMulProblem, parts: &str) -> Diges
         problem.max_column_partitions,
         problem.a_gathered,
         problem.b_gathered,
+        problem.a_stored,
+        problem.b_stored,
         problem.first_tile,
         problem.tiles,
     );

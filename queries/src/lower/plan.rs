@@ -99,12 +99,17 @@ pub struct MatMulProblem<'a> {
     /// writes it (a weight, or an input block no other tile holds).
     pub remote_a_words: &'a dyn Fn(&MatMulPlan, u32) -> u64,
     pub remote_b_words: &'a dyn Fn(&MatMulPlan, u32) -> u64,
-    /// No tile receives more words than this (the search stops there).
-    pub gather_bound: &'a dyn Fn(&MatMulPlan) -> u64,
+    /// No tile receives more words of A, and of B, than these (the search stops there).
+    pub gather_bound: &'a dyn Fn(&MatMulPlan) -> (u64, u64),
     /// A's blocks (B's) arrive by exchange, each read by several tiles when there are several
     /// column (row) partitions: they decide the tile numbering (`TileOrder`).
     pub a_gathered: bool,
     pub b_gathered: bool,
+    /// A's blocks (B's) are gathered from a computed value's cells, not copied from a host
+    /// input by the input phase: the two tiles of a supertile pair that need the same block
+    /// receive it together, `paired_words_per_cycle` words a cycle (`paired_gathers`).
+    pub a_stored: bool,
+    pub b_stored: bool,
     /// Bytes a tile may use for this operation's buffers.
     pub memory_budget: u64,
     /// Interleaved bytes a tile may use beside what other operations keep there (partials
@@ -370,12 +375,17 @@ fn cost_plan(t: &Target, p: &MatMulProblem, b_cuts: Vec<u32>, m_cuts: Vec<u32>, 
         return Err(Some(bytes));
     }
     let mut gather = 0u64;
-    let bound = (p.gather_bound)(&plan);
+    let (a_rate, b_rate) = paired_gathers(t, p, &plan);
+    let bound = {
+        let (a, b) = (p.gather_bound)(&plan);
+        a.div_ceil(a_rate) + b.div_ceil(b_rate)
+    };
     for tile in plan.first_tile..plan.first_tile + plan.tiles() {
         if gather >= bound {
             break;
         }
-        gather = gather.max((p.remote_a_words)(&plan, tile) + (p.remote_b_words)(&plan, tile));
+        let (a, b) = ((p.remote_a_words)(&plan, tile), (p.remote_b_words)(&plan, tile));
+        gather = gather.max(a.div_ceil(a_rate) + b.div_ceil(b_rate));
     }
     if gather > 0 {
         exchange += sync + max_delay as u64 + gather;
@@ -392,18 +402,33 @@ fn cost_plan(t: &Target, p: &MatMulProblem, b_cuts: Vec<u32>, m_cuts: Vec<u32>, 
     Ok(plan)
 }
 
+/// The words a cycle in which a tile receives its A and its B block: `paired_words_per_cycle`
+/// where both tiles of every supertile pair (tiles 2j and 2j + 1) need the same block and it
+/// is gathered from a computed value (`MatMulProblem::a_stored`), else one. With `TileOrder::
+/// Columns` neighbours are column partitions of one A block, so an even count of them from an
+/// even first tile pairs every tile (an odd count leaves a tile whose partner needs another
+/// block, and the busiest tile bounds the phase); likewise rows of one B block with
+/// `TileOrder::Rows`. The exchange scheduler pairs such receivers (`$INCOMING_MUXPAIR`,
+/// machine-model.md): the MLP up product [1,4,90,4] of four full-size encoder layers receives
+/// 26,352 words a tile in a 14,066-cycle phase.
+fn paired_gathers(t: &Target, p: &MatMulProblem, plan: &MatMulPlan) -> (u64, u64) {
+    let paired = (t.exchange.paired_words_per_cycle as u64).max(1);
+    let even = plan.first_tile.is_multiple_of(2);
+    let a = even && p.a_stored && plan.order == TileOrder::Columns && plan.pn.is_multiple_of(2);
+    let b = even && p.b_stored && plan.order == TileOrder::Rows && plan.pm.is_multiple_of(2);
+    (if a { paired } else { 1 }, if b { paired } else { 1 })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::target::{fixtures, Target};
 
-    /// A 256 x 512 x 512 product on small16's 16 tiles whose operands the host writes (no
-    /// gathers), planned within `budget` bytes a tile; the regions' budgets are the target's.
-    fn plan(t: &Target, budget: u64) -> Result<Planned, NoPlan> {
-        let none = |_: &MatMulPlan, _: u32| 0u64;
-        let bound = |_: &MatMulPlan| 0u64;
+    /// The 256 x 512 x 512 product on small16's 16 tiles within `budget` bytes a tile (the
+    /// regions' budgets are the target's), A's remote words `a_words`, B's none, and `bound`.
+    fn problem<'a>(t: &Target, budget: u64, a_words: &'a dyn Fn(&MatMulPlan, u32) -> u64, none: &'a dyn Fn(&MatMulPlan, u32) -> u64, bound: &'a dyn Fn(&MatMulPlan) -> (u64, u64)) -> MatMulProblem<'a> {
         let m = &t.memory;
-        let problem = MatMulProblem {
+        MatMulProblem {
             batches: 1,
             m: 256,
             k: 512,
@@ -412,11 +437,13 @@ mod tests {
             whole_rows: false,
             m_align: 1,
             epilogue: None,
-            remote_a_words: &none,
-            remote_b_words: &none,
-            gather_bound: &bound,
+            remote_a_words: a_words,
+            remote_b_words: none,
+            gather_bound: bound,
             a_gathered: false,
             b_gathered: false,
+            a_stored: false,
+            b_stored: false,
             memory_budget: budget,
             interleaved_budget: (m.loader_limit - m.interleaved_start) as u64,
             standard_budget: (m.interleaved_start - m.base) as u64,
@@ -426,8 +453,48 @@ mod tests {
             max_block_bytes: u64::MAX,
             first_tile: 0,
             tiles: 16,
-        };
-        plan_matmul(t, &problem)
+        }
+    }
+
+    /// The product with operands the host writes (no gathers), planned within `budget`.
+    fn plan(t: &Target, budget: u64) -> Result<Planned, NoPlan> {
+        let none = |_: &MatMulPlan, _: u32| 0u64;
+        let bound = |_: &MatMulPlan| (0u64, 0u64);
+        plan_matmul(t, &problem(t, budget, &none, &none, &bound))
+    }
+
+    /// The product with A gathered (each tile receives its A block) and the weights written
+    /// by the host, planned as `[1, rows, columns, 1]` on tiles `first..16`; `stored`: A is a
+    /// computed value's cells, not a host input's copies.
+    fn gathered(t: &Target, stored: bool, rows: u32, columns: u32, first: u32) -> MatMulPlan {
+        let a_words = |p: &MatMulPlan, _: u32| (max_extent(&p.m_cuts) as u64 * max_extent(&p.k_cuts) as u64 * 2).div_ceil(4);
+        let none = |_: &MatMulPlan, _: u32| 0u64;
+        let bound = |p: &MatMulPlan| (a_words(p, 0), 0u64);
+        let constraint = PlanConstraint { operation: "y".into(), orientation: None, row_partitions: Some(rows), column_partitions: Some(columns), inner_partitions: Some(1), weight_memory: None, weights: None };
+        let budget = (t.memory.loader_limit - t.memory.base) as u64;
+        let problem = MatMulProblem { a_gathered: true, a_stored: stored, constraint: Some(&constraint), first_tile: first, tiles: 16 - first, ..problem(t, budget, &a_words, &none, &bound) };
+        plan_matmul(t, &problem).expect("the constrained plan fits").plan
+    }
+
+    /// A gathered A block that both tiles of every supertile pair read (column partitions
+    /// innermost, an even count of them from an even first tile, A a computed value) is
+    /// counted at the paired rate (`paired_words_per_cycle`); a host input's copies, an odd
+    /// count of column partitions and an odd first tile at one word a cycle.
+    #[test]
+    fn gathers_that_supertile_pairs_share_are_counted_at_the_paired_rate() {
+        let t = Target::from_toml(fixtures::SMALL16, "small16.toml").unwrap();
+        let fixed = t.exchange.sync_cycles + t.delay_range().1 as u64;
+        // 64 rows x 512 inner f16 a tile: 16,384 words.
+        let paired = gathered(&t, true, 4, 4, 0);
+        assert_eq!(paired.order, TileOrder::Columns);
+        assert_eq!(paired.exchange_cycles, fixed + 16_384 / t.exchange.paired_words_per_cycle as u64);
+        assert_eq!(gathered(&t, false, 4, 4, 0).exchange_cycles, fixed + 16_384);
+        // 16 rows a tile (4,096 words) at one column partition; 86 rows a tile (22,016 words)
+        // at three row partitions, on the 12 tiles from tile 4, then from tile 1.
+        assert_eq!(gathered(&t, true, 16, 1, 0).exchange_cycles, fixed + 4_096);
+        assert_eq!(gathered(&t, true, 3, 4, 4).exchange_cycles, fixed + 22_016 / 2);
+        let odd = gathered(&t, true, 3, 4, 1);
+        assert_eq!(odd.exchange_cycles, fixed + 22_016);
     }
 
     /// A product no plan of which fits says how many bytes its smallest plan needs, and that

@@ -213,7 +213,9 @@ fn identical_steps(old: &Graph, trace: &BeamTrace, graph: &Graph, width: usize, 
             }
             _ => false,
         });
-        if !same {
+        // Retention keeps a completable state beyond the width where none of the others is
+        // (`retain`): a trace step with none completable on the new graph might keep another.
+        if !same || (!step.states.is_empty() && !step.states.iter().any(|r| completable(graph, products, &r.swapped_set(), (must, must_not), chains.1))) {
             break;
         }
         done = s + 1;
@@ -758,17 +760,40 @@ const FAR_OVER_MEMORY: u64 = 2;
 
 /// Pareto retention, the extensions that fit in memory first: in each class, the extensions
 /// no other one of the class dominates (no worse in every score, better in one), best estimate first (ties: fewer swapped products, then generation order), then
-/// the dominated ones in the same order, up to `width`.
-fn retain(mut scored: Vec<(State, [u64; 5], bool)>, width: usize) -> Vec<State> {
+/// the dominated ones in the same order, up to `width`. Where none of those is `completable`
+/// (`completable`, below) and a dropped one is, the first such one is kept too (`width` + 1):
+/// a beam whose kept states all swap a product that a later reader rejects (a lone swapped Q
+/// or K that the scores would read across its rows) would otherwise end with no program. A
+/// three-layer encoder on small16 with a weights constraint (which plans Q, K and V one after
+/// another) kept four such states at `l1.k` once the planner counted paired gathers.
+fn retain(mut scored: Vec<(State, [u64; 5], bool)>, width: usize, completable: impl Fn(&State) -> bool) -> Vec<State> {
     let dominated: Vec<bool> = scored
         .iter()
         .map(|(_, a, fa)| scored.iter().any(|(_, b, fb)| fa == fb && b.iter().zip(a).all(|(x, y)| x <= y) && b.iter().zip(a).any(|(x, y)| x < y)))
         .collect();
     let mut order: Vec<usize> = (0..scored.len()).collect();
     order.sort_by_key(|&i| (!scored[i].2, dominated[i], scored[i].1[0], scored[i].0.swapped.len(), i));
+    let rescue = (order.len() > width && !order[..width].iter().any(|&i| completable(&scored[i].0))).then(|| order[width..].iter().copied().find(|&i| completable(&scored[i].0))).flatten();
     order.truncate(width);
+    order.extend(rescue);
     let mut taken: Vec<Option<State>> = scored.drain(..).map(|(s, _, _)| Some(s)).collect();
     order.into_iter().map(|i| taken[i].take().expect("each state taken once")).collect()
+}
+
+/// Whether some orientation that swaps the products in `swapped` is one the search accepts
+/// (`beam_orient` over the whole graph): the other products as the user's constraints require
+/// (`must`, `must_not`) and normal, or with one more of `products` swapped (a swapped chain
+/// ends at a later swapped product: the MLP's down product after its up product). A state of
+/// the beam whose readers still to come reject it under both is not completable (`retain`).
+fn completable(graph: &Graph, products: &[usize], swapped: &BTreeSet<usize>, (must, must_not): (&BTreeSet<usize>, &BTreeSet<usize>), chains: bool) -> bool {
+    let base: BTreeSet<usize> = swapped.union(must).copied().collect();
+    let accepted = |s: &BTreeSet<usize>| beam_orient(graph, s, usize::MAX, chains).is_ok();
+    accepted(&base)
+        || products.iter().filter(|p| !base.contains(p) && !must_not.contains(p)).any(|&p| {
+            let mut more = base.clone();
+            more.insert(p);
+            accepted(&more)
+        })
 }
 
 /// The beam over program order (module docs): the lowered programs it ends with, as first
@@ -1115,13 +1140,13 @@ fn beam_keeping(graph: &Graph, target: &Target, width: usize, previous: Option<(
                 Err(e) => note(e, &mut first_error),
             }
         }
-        states = retain(scored, width);
-        // The first step whose best program keeps weights on home tiles: start the capped
-        // program's lowering beside the beam (`CappedAhead`), over the best one's orientation.
+        states = retain(scored, width, |s| completable(graph, &products, &s.swapped, (&must, &must_not), chains));
+        // The first step where any program of the beam keeps weights on home tiles: start the
+        // capped program's lowering beside the beam (`CappedAhead`), over the best one's
+        // orientation.
         if ahead_capped && capped_ahead.is_none() && next.is_some() {
-            // On a wide pool, the first step where any program of the beam does (`WIDE_POOL`).
             let homing = |s: &State| s.partial.home_from() < usize::MAX;
-            if let Some(best) = states.first().filter(|b| homing(b) || (wide_pool() && states.iter().any(homing))) {
+            if let Some(best) = states.first().filter(|_| states.iter().any(homing)) {
                 let partials: Vec<&Partial> = states.iter().map(|s| &s.partial).collect();
                 capped_ahead = CappedAhead::start(graph, target, &best.swapped, &partials, &products, kept_before.and_then(|k| k.capped.clone()), keep);
             }
@@ -1897,13 +1922,18 @@ fn first_cap(weight_bytes: u64, live: u64, target: &Target, margin: bool) -> u32
 
 /// The fewest threads in the pool (`rayon::current_num_threads`) for which the search spends
 /// spare cores on speculative work that only shortens the wall time (the programs are the same
-/// at any thread count): the capped program's lowering starts at the first beam step where any
-/// program keeps weights on home tiles, not only the best one, and the exchange phases it hands
-/// on are scheduled on all threads but two while the search waits for it (`CappedAhead`). On a
+/// at any thread count): the exchange phases the capped program's lowering hands on are
+/// scheduled on all threads but two while the search waits for it (`CappedAhead`). On a
 /// 16-core machine (session 42) four encoder layers waited 2.5 s of their 7 s `lower_mid` for
-/// that lowering after the beam had ended, with 15 cores idle. On fewer threads it would take
-/// the cores the beam needs: on two, the four-block MLP starts a lowering there that is never
-/// used (a swapped side program homes at its third product) and built 0.1–0.8 s slower.
+/// that lowering after the beam had ended, with 15 cores idle. Until session 62 the lowering
+/// itself also started at the first step where any program of the beam homes weights only on
+/// such a pool (on fewer threads, where the best one does: on two, the four-block MLP started
+/// a lowering there that was never used and built 0.1–0.8 s slower). Since the planner counts
+/// paired gathers (`plan.rs` `paired_gathers`) four encoder layers' best program keeps its
+/// weights replicated to the beam's last product, and lowering the capped program after the
+/// beam made their build 9.7 s instead of 8.2 s on two cores; the four-block MLP's unused
+/// lowering is within this machine's noise now (3.7–4.2 s either way), so it starts there on
+/// any pool.
 const WIDE_POOL: usize = 4;
 
 /// Whether the current pool has `WIDE_POOL` threads or more.
@@ -1912,8 +1942,8 @@ fn wide_pool() -> bool {
 }
 
 /// The first lowering of a capped program (`fit_capped`'s round without reserves), started on
-/// a thread of its own at the step where the beam's best program first keeps weights on home
-/// tiles: from there the beam most likely ends with home-tile weights, and then
+/// a thread of its own at the first step where a program of the beam keeps weights on home
+/// tiles: from there the beam likely ends with home-tile weights (or a mixed program), and then
 /// `capped_program` tries replicas capped, a whole-program lowering on one core; the beam's
 /// last steps mostly extend one or two programs and leave the other core idle. The
 /// orientation is the best program's at that step (later products normal), the cap
@@ -2775,10 +2805,32 @@ mod tests {
             (state(2), [95, 20, 6, 5, 11], true), // dominated by the second
             (state(3), [50, 1, 1, 1, 2], false),  // does not fit
         ];
-        let kept: Vec<usize> = retain(scored.clone(), 4).iter().map(|s| s.swapped.len()).collect();
+        let kept: Vec<usize> = retain(scored.clone(), 4, |_| true).iter().map(|s| s.swapped.len()).collect();
         assert_eq!(kept, vec![1, 0, 2, 3]);
-        let kept: Vec<usize> = retain(scored, 2).iter().map(|s| s.swapped.len()).collect();
+        let kept: Vec<usize> = retain(scored, 2, |_| true).iter().map(|s| s.swapped.len()).collect();
         assert_eq!(kept, vec![1, 0]);
+    }
+
+    /// Where none of the states within the width is completable, retention keeps the first
+    /// dropped one that is as well; where one within the width is, or none is at all, the
+    /// width holds.
+    #[test]
+    fn retention_keeps_a_completable_state_beyond_the_width() {
+        let graph = mlp(1);
+        let state = |n: usize| State { swapped: (0..n).collect(), oriented: Arc::new(orient(&graph, &BTreeSet::new()).unwrap()), partial: Partial::new(false), home: None, history: None };
+        let scored = vec![
+            (state(0), [100, 10, 5, 5, 10], true),
+            (state(1), [90, 20, 5, 5, 10], true),
+            (state(2), [95, 20, 6, 5, 11], true),
+            (state(3), [50, 1, 1, 1, 2], false),
+        ];
+        let kept = |width: usize, completable: &dyn Fn(usize) -> bool| -> Vec<usize> { retain(scored.clone(), width, |s| completable(s.swapped.len())).iter().map(|s| s.swapped.len()).collect() };
+        assert_eq!(kept(1, &|n| n == 0), vec![1, 0]);
+        assert_eq!(kept(1, &|n| n == 3), vec![1, 3]);
+        assert_eq!(kept(2, &|n| n == 0), vec![1, 0]);
+        assert_eq!(kept(2, &|n| n == 2), vec![1, 0, 2]);
+        assert_eq!(kept(1, &|_| false), vec![1]);
+        assert_eq!(kept(4, &|_| false), vec![1, 0, 2, 3]);
     }
 
     /// The beam's finalists are no worse than any orientation's program: on two blocks, the
@@ -3186,8 +3238,7 @@ mod tests {
     /// A search that hands the capped program's phases to a `Warm` while it waits finds the
     /// same finalists (the handing on is a speed matter only), and what it hands on are valid
     /// exchange requests (each schedules); on two threads (one warming thread) and on a wide
-    /// pool (`WIDE_POOL`: phases warmed side by side, the lowering started at the first step
-    /// any program homes weights).
+    /// pool (`WIDE_POOL`: phases warmed side by side).
     #[test]
     fn warming_the_capped_programs_phases_leaves_the_finalists_alone() {
         let (graph, target) = (row_partitioned_mlp(4), small16());
@@ -3205,8 +3256,8 @@ mod tests {
     }
 
     /// The finalists are the same with one thread (no lowering beside the beam), with two, and
-    /// on a wide pool (`WIDE_POOL`: the lowering beside the beam starts earlier, and its phases
-    /// are warmed on several threads).
+    /// on a wide pool (`WIDE_POOL`: the capped lowering's phases are warmed on several
+    /// threads).
     #[test]
     fn finalists_are_the_same_at_any_thread_count() {
         let target = small16();
