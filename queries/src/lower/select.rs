@@ -269,7 +269,8 @@ fn cost_placed(
     };
     let code: Vec<u32> = support.iter().map(|s| s.total()).collect();
     // A buffer that does not fit blames the product it belongs to, so that the pipeline can
-    // steer that plan and plan again (eight full-size encoder layers fit so, by 2,304 bytes).
+    // steer that plan and plan again (eight full-size encoder layers fitted so in session 44, by
+    // 2,304 bytes).
     // Tiles placed alike by a rebuilding process's previous build are taken from its memo.
     let stats_memo = relative.and_then(|m| m.for_statistics(target));
     // Where the host's bytes, one copy of each, exceed the room every tile together has beside
