@@ -215,7 +215,7 @@ fn identical_steps(old: &Graph, trace: &BeamTrace, graph: &Graph, width: usize, 
         });
         // Retention keeps a completable state beyond the width where none of the others is
         // (`retain`): a trace step with none completable on the new graph might keep another.
-        if !same || (!step.states.is_empty() && !step.states.iter().any(|r| completable(graph, products, &r.swapped_set(), (must, must_not), chains.1))) {
+        if !same || !step.states.iter().any(|r| completable(graph, &products[s..], &r.swapped_set(), (must, must_not), chains.1)) {
             break;
         }
         done = s + 1;
@@ -782,14 +782,15 @@ fn retain(mut scored: Vec<(State, [u64; 5], bool)>, width: usize, completable: i
 
 /// Whether some orientation that swaps the products in `swapped` is one the search accepts
 /// (`beam_orient` over the whole graph): the other products as the user's constraints require
-/// (`must`, `must_not`) and normal, or with one more of `products` swapped (a swapped chain
-/// ends at a later swapped product: the MLP's down product after its up product). A state of
-/// the beam whose readers still to come reject it under both is not completable (`retain`).
-fn completable(graph: &Graph, products: &[usize], swapped: &BTreeSet<usize>, (must, must_not): (&BTreeSet<usize>, &BTreeSet<usize>), chains: bool) -> bool {
+/// (`must`, `must_not`) and normal, or with one more of the products still to come (`later`)
+/// swapped (a swapped chain ends at a later swapped product: the MLP's down product after its
+/// up product). A state of the beam whose readers still to come reject it under both is not
+/// completable (`retain`).
+fn completable(graph: &Graph, later: &[usize], swapped: &BTreeSet<usize>, (must, must_not): (&BTreeSet<usize>, &BTreeSet<usize>), chains: bool) -> bool {
     let base: BTreeSet<usize> = swapped.union(must).copied().collect();
     let accepted = |s: &BTreeSet<usize>| beam_orient(graph, s, usize::MAX, chains).is_ok();
     accepted(&base)
-        || products.iter().filter(|p| !base.contains(p) && !must_not.contains(p)).any(|&p| {
+        || later.iter().filter(|p| !base.contains(p) && !must_not.contains(p)).any(|&p| {
             let mut more = base.clone();
             more.insert(p);
             accepted(&more)
@@ -1140,7 +1141,7 @@ fn beam_keeping(graph: &Graph, target: &Target, width: usize, previous: Option<(
                 Err(e) => note(e, &mut first_error),
             }
         }
-        states = retain(scored, width, |s| completable(graph, &products, &s.swapped, (&must, &must_not), chains));
+        states = retain(scored, width, |s| completable(graph, &products[j + 1..], &s.swapped, (&must, &must_not), chains));
         // The first step where any program of the beam keeps weights on home tiles: start the
         // capped program's lowering beside the beam (`CappedAhead`), over the best one's
         // orientation.
