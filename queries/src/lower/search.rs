@@ -422,6 +422,14 @@ pub struct KeptBeam {
     /// The capped program's prefixes the build lowered beside its beam (`CappedAhead`), for
     /// the next build's capped lowering to extend.
     capped: Option<Arc<CappedPrefixes>>,
+    /// Whether the build tried a capped program (`capped_program`, for a program of its beam
+    /// whose replicated weights did not fit). A build that resumes this one's beam lowers the
+    /// capped program beside its own only where this one tried it: the four-block MLP, whose
+    /// finalist keeps every weight replicated and fits, lowered its last block's capped
+    /// program beside each edit's resumed beam for nothing (about 0.2 s of a 1.1 s edit through
+    /// a build server on two cores, session 63). A speed matter only: a build that tries it
+    /// lowers it there all the same.
+    capped_tried: bool,
 }
 
 /// A capped program's prefixes at its product boundaries, as `CappedAhead` lowered them (over
@@ -511,6 +519,8 @@ struct MixedPrefix {
 pub(crate) struct MixedMemo<'a> {
     now: &'a MixedPrefixes,
     before: Option<&'a MixedPrefixes>,
+    /// Set where a capped program is tried (`KeptBeam::capped_tried`).
+    capped_tried: &'a AtomicBool,
 }
 
 /// `snapshot`'s prefix with the weights of the products from `home_from` on on home tiles,
@@ -1038,7 +1048,9 @@ fn beam_keeping(graph: &Graph, target: &Target, width: usize, previous: Option<(
     let mut pool: Vec<Arc<HomePrefix>> = Vec::new();
     // The capped try (`lower_feasible`) is made only without a home-weights constraint; it is
     // lowered beside the beam only where the thread pool has a second thread (an idle core).
-    let ahead_capped = home_constraint(graph).is_none() && rayon::current_num_threads() > 1;
+    // Where this beam resumes the kept beam of a build that tried no capped program, none is
+    // lowered beside it (`KeptBeam::capped_tried`).
+    let ahead_capped = home_constraint(graph).is_none() && rayon::current_num_threads() > 1 && !(first_product > 0 && kept_before.is_some_and(|k| !k.capped_tried));
     let mut capped_ahead: Option<CappedAhead> = None;
     // A home-weights prefix lowered ahead, beside steps that leave a core idle (see below).
     let mut shadow: Option<Arc<HomePrefix>> = None;
@@ -1186,7 +1198,7 @@ fn beam_keeping(graph: &Graph, target: &Target, width: usize, previous: Option<(
             Err(e) => note(e, &mut first_error),
         }
     }
-    Beam { programs, far: far_over, histories, first_error, steps, resumed, searched, capped_ahead, kept: keep.then_some(KeptBeam { steps: kept, through: throughs, mixed: None, capped: None }), reused }
+    Beam { programs, far: far_over, histories, first_error, steps, resumed, searched, capped_ahead, kept: keep.then_some(KeptBeam { steps: kept, through: throughs, mixed: None, capped: None, capped_tried: false }), reused }
 }
 
 /// What [`beam`] ends with.
@@ -1270,13 +1282,17 @@ pub fn finalists_keeping(graph: &Graph, target: &Target, keep: usize, previous: 
     let trace = BeamTrace { workload: workload_structure(graph), width: width as u64, steps: run.steps };
     // The mixed programs' prefixes, kept for the next build in this process.
     let mixed_now = keep_states.then(|| Arc::new(MixedPrefixes::default()));
-    let memo = mixed_now.as_deref().map(|now| MixedMemo { now, before: kept_before.and_then(|k| k.mixed.as_deref()) });
+    let capped_tried = AtomicBool::new(false);
+    let memo = mixed_now.as_deref().map(|now| MixedMemo { now, before: kept_before.and_then(|k| k.mixed.as_deref()), capped_tried: &capped_tried });
     let found = feasible_finalists(graph, target, keep, run.programs, &run.far, true, &run.histories, run.first_error, run.capped_ahead.as_ref(), memo.as_ref(), true).0;
     // The capped program's prefixes, for the next build in this process.
     let mut kept = run.kept;
     if let Some(k) = kept.as_mut() {
-        k.capped = run.capped_ahead.as_ref().and_then(|a| a.prefixes.lock().ok().and_then(|mut p| p.take()));
+        // A build that lowered none keeps the previous build's (each is checked against the
+        // graph it is extended over).
+        k.capped = run.capped_ahead.as_ref().and_then(|a| a.prefixes.lock().ok().and_then(|mut p| p.take())).or_else(|| kept_before.and_then(|b| b.capped.clone()));
         k.mixed = mixed_now;
+        k.capped_tried = capped_tried.into_inner();
     }
     (found, trace, kept)
 }
@@ -1503,6 +1519,9 @@ fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attem
     // One estimated slower than the beam's program is kept in case no arrangement below fits.
     let mut capped_fallback: Option<Feasible> = None;
     if try_capped && beam_from < usize::MAX && home_constraint(&oriented.graph).is_none() {
+        if let Some((m, _)) = mixed_memo {
+            m.capped_tried.store(true, Ordering::Relaxed);
+        }
         match first.as_ref().and_then(|(beam, _)| capped_program(oriented, target, beam, ahead)) {
             Some((capped, true)) => return Ok(capped),
             Some((capped, false)) => capped_fallback = Some(capped),
@@ -1934,7 +1953,9 @@ fn first_cap(weight_bytes: u64, live: u64, target: &Target, margin: bool) -> u32
 /// weights replicated to the beam's last product, and lowering the capped program after the
 /// beam made their build 9.7 s instead of 8.2 s on two cores; the four-block MLP's unused
 /// lowering is within this machine's noise now (3.7–4.2 s either way), so it starts there on
-/// any pool.
+/// any pool. Not in a build that resumes the kept beam of one that tried no capped program
+/// (`KeptBeam::capped_tried`): the four-block MLP's edits under `ipuq watch` and `ipuq serve`
+/// lowered it for nothing beside the resumed beam (session 63).
 const WIDE_POOL: usize = 4;
 
 /// Whether the current pool has `WIDE_POOL` threads or more.
@@ -2003,6 +2024,7 @@ impl CappedAhead {
             return None;
         }
         let oriented = Arc::new(orient_until(graph, swapped, usize::MAX).ok()?);
+        let from = resume.as_ref().and_then(|r| r.longest(&oriented, cap)).map_or(0, |p| p.lowered_operations());
         let cancel = Arc::new(AtomicBool::new(false));
         let (o, t, c, products) = (oriented.clone(), target.clone(), cancel.clone(), products.to_vec());
         let (sender, receiver) = std::sync::mpsc::channel::<HandedOn>();
@@ -2064,7 +2086,7 @@ impl CappedAhead {
                 (Some(complete(partial, &o, &t, &[])), prefixes)
             })
             .ok()?;
-        debug!(cap, swapped = ?swapped, "lowering the capped program beside the beam");
+        debug!(cap, swapped = ?swapped, from, "lowering the capped program beside the beam");
         Some(CappedAhead { oriented, cap, cancel, handle: std::sync::Mutex::new(Some(handle)), lowering: std::sync::Mutex::new(Some(receiver)), warm: None, prefixes: std::sync::Mutex::new(None) })
     }
 
@@ -2960,7 +2982,8 @@ mod tests {
 
     /// Finalists made with the previous build's kept beam, extensions through products
     /// (`Through`) and mixed programs' prefixes (`MixedPrefixes`) are those of a build from the
-    /// start, edit after edit (the same factor edited twice, then another block).
+    /// start, edit after edit (the same factor edited twice, then another block), with or
+    /// without the capped program lowered beside the resumed beam (`KeptBeam::capped_tried`).
     #[test]
     fn finalists_from_kept_prefixes_equal_finalists_from_the_start() {
         let target = small16();
@@ -2978,6 +3001,23 @@ mod tests {
                     current = edit(&current, block, factor);
                 }
                 let graph = Graph::parse(&current, "mlp.toml").unwrap();
+                // A resumed beam lowers the capped program beside it only where the build it
+                // resumes tried one (`KeptBeam::capped_tried`): the row-partitioned blocks'
+                // replicated weights do not fit, so each build tries it. Told that the previous
+                // build did not, the resumed beam lowers none, and the finalists are the same.
+                if let Some((t, k)) = previous.as_mut() {
+                    let old = Graph::parse(&t.workload, "the previous workload").unwrap();
+                    let tried = k.capped_tried;
+                    assert_eq!(tried, name == "row-partitioned", "{name} round {round}");
+                    assert_eq!(beam_keeping(&graph, &target, width, Some((&old, t)), Some(k), false).capped_ahead.is_some(), tried, "{name} round {round}");
+                    if tried {
+                        k.capped_tried = false;
+                        assert!(beam_keeping(&graph, &target, width, Some((&old, t)), Some(k), false).capped_ahead.is_none(), "{name} round {round}");
+                        let (found, _, _) = finalists_keeping(&graph, &target, width, Some(t), Some(k), None, true);
+                        assert_eq!(found.unwrap(), finalists(&graph, &target, width).unwrap(), "{name} round {round}: without the capped lowering beside the beam");
+                        k.capped_tried = true;
+                    }
+                }
                 let (found, trace, kept) = finalists_keeping(&graph, &target, width, previous.as_ref().map(|(t, _)| t), previous.as_ref().map(|(_, k)| k), None, true);
                 assert_eq!(found.unwrap(), finalists(&graph, &target, width).unwrap(), "{name} round {round}");
                 previous = Some((trace, kept.expect("kept")));
@@ -3008,15 +3048,15 @@ mod tests {
         let from = products[products.len() - 2];
         for (edited, taken) in [(scaled(&text, 2), true), (scaled(&text, 1), false)] {
             let first = MixedPrefixes::default();
-            mixed(&text, from, &MixedMemo { now: &first, before: None });
+            mixed(&text, from, &MixedMemo { now: &first, before: None, capped_tried: &AtomicBool::new(false) });
             assert!(!first.entries.lock().unwrap().is_empty(), "prefixes kept");
             let second = MixedPrefixes::default();
-            mixed(&edited, from, &MixedMemo { now: &second, before: Some(&first) });
+            mixed(&edited, from, &MixedMemo { now: &second, before: Some(&first), capped_tried: &AtomicBool::new(false) });
             assert_eq!(first.taken.load(Ordering::Relaxed) > 0, taken);
             // The prefixes taken are carried into the edited build's memo, though it lowered
             // none of them: a further edit of the same operation takes them from there.
             let third = MixedPrefixes::default();
-            mixed(&edited.replacen("factor = 0.5", "factor = 0.25", 1), from, &MixedMemo { now: &third, before: Some(&second) });
+            mixed(&edited.replacen("factor = 0.5", "factor = 0.25", 1), from, &MixedMemo { now: &third, before: Some(&second), capped_tried: &AtomicBool::new(false) });
             assert_eq!(second.taken.load(Ordering::Relaxed) > 0, taken);
         }
     }
