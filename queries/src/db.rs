@@ -211,7 +211,7 @@ pub struct Database {
     /// The tables the exchange-placement search validated for the placement it accepted, by
     /// the key of what they are made of (`pipeline::validated_key`): `lower_exchanges` packs
     /// them instead of validating the same tables again. Taken by the next `lower_exchanges`.
-    pub(crate) validated_memo: Arc<std::sync::Mutex<Option<(Digest, Arc<Vec<crate::package::ExchangePhase>>)>>>,
+    pub(crate) validated_memo: Arc<std::sync::Mutex<Option<(Digest, Arc<crate::exchange_placement::Validated>)>>>,
     /// In a process that builds again (`ipuq watch`): the entries `placement_memo`,
     /// `sizing_memo` and `baseline_memo` held for each selection before the latest one ran
     /// (`PreviousSelection`), newest first, as many as `selection_memo` holds selections

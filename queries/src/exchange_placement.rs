@@ -497,9 +497,36 @@ pub fn checked_tables(target: &Target, lowered: &Lowered, schedules: &[Schedule]
     tables.into_iter().collect()
 }
 
-/// Checks a placement's tables as `checked_tables` does, with the same result (the pipeline's
-/// remembers per phase which tables validated, `pipeline::checked_tables_memoized`).
-pub type Check<'a> = dyn Fn(&Placement, Vec<ExchangePhase>) -> Result<Vec<ExchangePhase>, CompileError> + Sync + 'a;
+/// A placement's tables as a check (`Check`) takes them: every phase's, written already, or
+/// each phase's written when the check first reads it. A rebuilding process (`ipuq watch`,
+/// `ipuq serve`) takes the second: its check finds most phases validated before (the
+/// pipeline's memo) and its later stages take those phases' packed tables from their own memo,
+/// so an edit writes only the tables of the phases it moved (the four-block MLP's 24 phases
+/// hold 11 million table entries, which every edit wrote again until session 63).
+pub enum Tables<'a> {
+    Written(Vec<ExchangePhase>),
+    OnDemand(&'a (dyn Fn(usize) -> Result<ExchangePhase, CompileError> + Sync)),
+}
+
+/// A placement's validated tables by phase: every phase's where they were written before the
+/// check; on demand, those the check read (the later stages write the others again where they
+/// need them, as without validated tables).
+pub type Validated = Vec<Option<ExchangePhase>>;
+
+/// `checked_tables` of tables written or on demand (every phase's then written), every phase's
+/// validated tables.
+pub fn checked_all(target: &Target, lowered: &Lowered, schedules: &[Schedule], placement: &Placement, tables: Tables) -> Result<Validated, CompileError> {
+    let written = match tables {
+        Tables::Written(written) => written,
+        Tables::OnDemand(write) => (0..lowered.phases.len()).into_par_iter().map(write).collect::<Result<Vec<_>, _>>()?,
+    };
+    Ok(checked_tables(target, lowered, schedules, placement, written)?.into_iter().map(Some).collect())
+}
+
+/// Checks a placement's tables as `checked_tables` does, with the same result for the phases
+/// it returns (the pipeline's remembers per phase which tables validated,
+/// `pipeline::checked_tables_memoized`).
+pub type Check<'a> = dyn Fn(&Placement, Tables<'_>) -> Result<Validated, CompileError> + Sync + 'a;
 
 /// The baseline placement's tables of every phase, written unchecked by the caller
 /// (`select_finalist` writes them while costing a finalist), with each phase's memory-element
@@ -580,6 +607,16 @@ pub fn written(target: &Target, lowered: &Lowered, schedules: &[Schedule], place
     Ok((tables, summary, stats))
 }
 
+/// Phase `i`'s tables under `placement`, as `write_all` writes them.
+fn write_phase(target: &Target, lowered: &Lowered, schedules: &[Schedule], placement: &Placement, relocation: Option<&Relocation>, i: usize) -> Result<ExchangePhase, CompileError> {
+    let addresses = &placement.addresses;
+    let address = |buffer: u32, offset: u32| addresses[buffer as usize] + offset;
+    match relocation {
+        Some(r) => r.phase_at(target, lowered, schedules, i, &address),
+        None => exchange::relocate(target, &phase_request(lowered, i, &address), &schedules[i], false, None).map_err(CompileError::from),
+    }
+}
+
 /// Every phase's tables under `placement`: from the relative tables where the caller has them.
 pub fn write_all(target: &Target, lowered: &Lowered, schedules: &[Schedule], placement: &Placement, relocation: Option<&Relocation>) -> Result<Vec<ExchangePhase>, CompileError> {
     match relocation {
@@ -632,12 +669,12 @@ pub fn best_exchange_placement(target: &Target, lowered: &Lowered, schedules: &[
 pub struct Searched {
     pub placement: Placement,
     pub conflicts: u64,
-    pub validated: Option<std::sync::Arc<Vec<ExchangePhase>>>,
+    pub validated: Option<std::sync::Arc<Validated>>,
 }
 
 /// `best_exchange_placement`, keeping the accepted candidate's validated tables.
 pub fn search_exchange_placement(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_bytes: &[u32], baseline: &Placement) -> Result<Searched, CompileError> {
-    search_from(target, lowered, schedules, code_bytes, baseline, None, &|placement, written| checked_tables(target, lowered, schedules, placement, written))
+    search_from(target, lowered, schedules, code_bytes, baseline, None, &|placement, tables| checked_all(target, lowered, schedules, placement, tables))
 }
 
 /// `search_exchange_placement` from the baseline's tables as the caller wrote them (the same
@@ -692,8 +729,9 @@ fn search_from(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_
                 let rules = ExchangeRules { receive_offset: offset, ..rules.clone() };
                 let result = match place_storage_memoized(target, lowered, code_bytes, &rules, memo) {
                     // The first offset keeps its tables: the search takes the first placements
-                    // that score zero, lowest offset first, so that one is the usual winner.
-                    Ok(placement) => written(target, lowered, schedules, &placement, relocation.as_ref(), k == 0, memo).map(|(tables, summary, stats)| {
+                    // that score zero, lowest offset first, so that one is the usual winner
+                    // (not in a rebuilding process, whose winner's tables are written on demand).
+                    Ok(placement) => written(target, lowered, schedules, &placement, relocation.as_ref(), k == 0 && memo.is_none(), memo).map(|(tables, summary, stats)| {
                         let (conflicts, score) = score(&summary, &stats);
                         Some(Scored { offset: Some(offset), placement, tables, summary, stats, conflicts, score })
                     }),
@@ -751,12 +789,17 @@ fn search_from(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_
     let accepted_any = best.is_some();
     if let Some((f, _, _)) = best.as_mut() {
         // Its tables as scored (written unchecked under its placement), or written again the
-        // same way where the candidate did not keep them, checked as they are.
-        let tables = match f.tables.take() {
-            Some(tables) => tables,
-            None => write_all(target, lowered, schedules, &f.placement, relocation.as_ref())?,
+        // same way where the candidate did not keep them (in a rebuilding process, with a memo,
+        // those the check reads), checked as they are.
+        let kept = f.tables.take();
+        let placement = &f.placement;
+        let write = |i: usize| write_phase(target, lowered, schedules, placement, relocation.as_ref(), i);
+        let tables = match (kept, memo) {
+            (Some(tables), _) => Tables::Written(tables),
+            (None, Some(_)) => Tables::OnDemand(&write),
+            (None, None) => Tables::Written(write_all(target, lowered, schedules, placement, relocation.as_ref())?),
         };
-        match check(&f.placement, tables) {
+        match check(placement, tables) {
             Ok(tables) => validated = Some(std::sync::Arc::new(tables)),
             Err(e) => {
                 warn!(offset = f.offset.unwrap_or(0), error = %e, "exchange placement finalist's relocated rows do not validate: keeping the baseline");
@@ -764,8 +807,8 @@ fn search_from(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_
             }
         }
     }
-    let (placement, stats, conflicts, cycles, exchange_cycles) = match best {
-        Some((f, c, x)) => (f.placement, f.stats, f.conflicts, c, x),
+    let (placement, summary, stats, conflicts, cycles, exchange_cycles) = match best {
+        Some((f, c, x)) => (f.placement, f.summary, f.stats, f.conflicts, c, x),
         None => {
             // The baseline kept (no candidate accepted, or the accepted one did not
             // validate): the caller's tables are checked here, unless conflicts remain (the
@@ -774,17 +817,17 @@ fn search_from(target: &Target, lowered: &Lowered, schedules: &[Schedule], code_
                 debug!("keeping the baseline after the accepted candidate failed validation");
             }
             match base_tables.take() {
-                Some(tables) => validated = Some(std::sync::Arc::new(check(baseline, tables)?)),
+                Some(tables) => validated = Some(std::sync::Arc::new(check(baseline, Tables::Written(tables))?)),
                 None => {
                     validated = None;
                     log_phases("final", &base_summary, &base_stats);
                 }
             }
-            (baseline.clone(), base_stats, base_conflicts, base_cycles, base_exchange)
+            (baseline.clone(), base_summary, base_stats, base_conflicts, base_cycles, base_exchange)
         }
     };
-    if let Some(tables) = &validated {
-        log_phases("final", &summary(tables), &stats);
+    if validated.is_some() {
+        log_phases("final", &summary, &stats);
     }
     if conflicts > 0 {
         warn!(conflicts, "memory-element conflicts remain after exchange placement (tile memory too full to separate send and receive buffers)");

@@ -29,7 +29,7 @@ use rayon::prelude::*;
 use crate::db::{digest_of, exchange_target, graph, lowering_target, memory_target, selection_target, target, CompileError, Database, Db, Sources, StageCache, StageResult, Staged, BEAM_TRACE_STAGE, BEAM_TRACE_VERSION};
 use crate::emit::{assemble_package, build_tile, log_support_memory, tile_inputs, SupportMemory, TileBody};
 use crate::exchange::{self, Destination, PhaseRequest, Schedule};
-use crate::exchange_placement::{check_placement, search_exchange_placement, search_exchange_placement_from, Baseline};
+use crate::exchange_placement::{check_placement, search_exchange_placement, search_exchange_placement_from, Baseline, Tables, Validated};
 use crate::hash::{Digest, KeyHasher};
 use crate::lower::search;
 use crate::lower::select::{select_finalist, Selection};
@@ -253,7 +253,7 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
         let optimize = |l: &Lowered, program: Digest, schedules: &[Schedule], digests: &[Digest], code: &[u32], baseline: &Placement, tables: Baseline| -> Result<(Placement, u64), String> {
             let (code_digest, base) = (digest_of(&code.to_vec()).map_err(|e| e.0)?, digest_of(baseline).map_err(|e| e.0)?);
             let key = placement_search_key(lt.digest, program, digests, code_digest, base);
-            let check = |placement: &Placement, written: Vec<ExchangePhase>| checked_tables_memoized((cache, validations), x.digest, &lt.value, l, (schedules, digests), placement, written);
+            let check = |placement: &Placement, tables: Tables| checked_tables_memoized((cache, validations), x.digest, &lt.value, l, (schedules, digests), placement, tables);
             let found = Arc::new(search_exchange_placement_from(&lt.value, l, schedules, code, baseline, tables, &check).map_err(|e| e.0)?);
             memo.lock().expect("placement memo lock").insert(key, found.clone());
             Ok((found.placement.clone(), found.conflicts))
@@ -778,7 +778,9 @@ fn request_digest(request: &PhaseRequest) -> Digest {
 /// phase the tables that validated: a phase's key holds the exchange view, its schedule's
 /// digest and its request with addresses (what its tables are written from), so an edit
 /// re-validates only the phases whose addresses or schedule moved. The entry is the phase's
-/// horizon; the first failing phase's error is `checked_tables`'s.
+/// horizon; the first failing phase's error is `checked_tables`'s. Tables on demand
+/// (`Tables::OnDemand`) are written only for the phases validated (and the first phases of
+/// their schedules that carry them); the others are absent from the result.
 fn checked_tables_memoized(
     (db, memo): (&StageCache, &crate::phases::Memo<u32>),
     exchange: Digest,
@@ -786,14 +788,26 @@ fn checked_tables_memoized(
     lowered: &Lowered,
     (schedules, digests): (&[Schedule], &[Digest]),
     placement: &Placement,
-    written: Vec<ExchangePhase>,
-) -> Result<Vec<ExchangePhase>, CompileError> {
+    tables: Tables,
+) -> Result<Validated, CompileError> {
     let addresses = &placement.addresses;
     // Requests are made only for the phases validated (a phase found in the memo is not).
     let requests = LazyRequests::new(lowered, addresses);
-    if written.len() != requests.len() || schedules.len() != requests.len() || digests.len() != requests.len() {
-        return Err(CompileError(format!("{} tables and {} schedules for {} exchange phases", written.len(), schedules.len(), requests.len())));
+    let (written, write) = match tables {
+        Tables::Written(written) => (Some(written), None),
+        Tables::OnDemand(write) => (None, Some(write)),
+    };
+    if written.as_ref().is_some_and(|w| w.len() != requests.len()) || schedules.len() != requests.len() || digests.len() != requests.len() {
+        return Err(CompileError(format!("{} tables and {} schedules for {} exchange phases", written.as_ref().map_or(requests.len(), Vec::len), schedules.len(), requests.len())));
     }
+    let made: Vec<std::sync::OnceLock<Result<ExchangePhase, CompileError>>> = (0..requests.len()).map(|_| std::sync::OnceLock::new()).collect();
+    let table = |i: usize| -> Result<&ExchangePhase, CompileError> {
+        match (&written, write) {
+            (Some(written), _) => Ok(&written[i]),
+            (None, Some(write)) => made[i].get_or_init(|| write(i)).as_ref().map_err(Clone::clone),
+            (None, None) => Err(CompileError("no exchange tables to check".into())),
+        }
+    };
     let keys: Vec<Digest> = digests.par_iter().enumerate().map(|(i, d)| db.key("exchange_validation", TABLES_VERSION, &[exchange, *d, requests.request_digest(i)])).collect();
     // Phases of one schedule (the same phase of repeated layers): the first is validated, and
     // another that is the first moved buffer by buffer (`exchange::moved_alike`) validates
@@ -801,7 +815,10 @@ fn checked_tables_memoized(
     let first = first_of_schedule(digests);
     let buffers: Vec<std::sync::OnceLock<crate::tables::PhaseBuffers>> = (0..requests.len()).map(|_| std::sync::OnceLock::new()).collect();
     let buffers_of = |i: usize| buffers[i].get_or_init(|| crate::sizing::phase_buffers(lowered, i, addresses)).as_slice();
-    let validate = |i: usize| exchange::check_relocated(target, requests.get(i), &schedules[i], &written[i]).map(|()| written[i].horizon).map_err(CompileError::from);
+    let validate = |i: usize| {
+        let t = table(i)?;
+        exchange::check_relocated(target, requests.get(i), &schedules[i], t).map(|()| t.horizon).map_err(CompileError::from)
+    };
     let outcomes: Vec<std::sync::OnceLock<Result<u32, CompileError>>> = (0..requests.len()).map(|_| std::sync::OnceLock::new()).collect();
     let carried = std::sync::atomic::AtomicUsize::new(0);
     per_phase(db, "exchange_validation", TABLES_VERSION, &keys, memo, |i| {
@@ -810,14 +827,18 @@ fn checked_tables_memoized(
             return outcomes[i].get_or_init(|| validate(i)).clone();
         }
         let first_valid = outcomes[f].get_or_init(|| validate(f)).is_ok();
-        if first_valid && exchange::moved_alike((requests.get(f), &written[f], buffers_of(f)), (requests.get(i), &written[i], buffers_of(i))) {
+        if first_valid && exchange::moved_alike((requests.get(f), table(f)?, buffers_of(f)), (requests.get(i), table(i)?, buffers_of(i))) {
             carried.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            return Ok(written[i].horizon);
+            return Ok(table(i)?.horizon);
         }
         validate(i)
     })?;
-    tracing::debug!(phases = requests.len(), carried = carried.into_inner(), "validated exchange tables (carried: the tables of a phase moved buffer by buffer from a validated one)");
-    Ok(written)
+    let written_now = made.iter().filter(|m| m.get().is_some()).count();
+    tracing::debug!(phases = requests.len(), carried = carried.into_inner(), written_now, "validated exchange tables (carried: the tables of a phase moved buffer by buffer from a validated one; written now: of tables on demand)");
+    Ok(match written {
+        Some(written) => written.into_iter().map(Some).collect(),
+        None => made.into_iter().map(|m| m.into_inner().and_then(Result::ok)).collect(),
+    })
 }
 
 /// `size_tile_code`: support memory per tile with each tile's compact exchange tables encoded
@@ -984,24 +1005,28 @@ pub fn tables(db: &dyn Db, sources: Sources) -> StageResult<Vec<Arc<PackedPhase>
     first.iter().for_each(|&f| sharing[f] += 1);
     let packed_first: Vec<std::sync::OnceLock<Result<PackedPhase, String>>> = (0..requests.len()).map(|_| std::sync::OnceLock::new()).collect();
     let moved = std::sync::atomic::AtomicUsize::new(0);
-    let entries = per_phase(db, "lower_exchanges", TABLES_VERSION, &keys, &db.tables_memo, |i| match validated.as_ref() {
-        Some(tables) => {
-            exchange::log_validated(i as u32, &schedules[i], &tables[i]);
+    // A phase whose validated tables were not written (a rebuilding process writes only
+    // those its check read, `Tables::OnDemand`) is relocated and validated again here, as
+    // without validated tables.
+    let entries = per_phase(db, "lower_exchanges", TABLES_VERSION, &keys, &db.tables_memo, |i| match validated.as_ref().and_then(|v| Some((v, v[i].as_ref()?))) {
+        Some((tables, table)) => {
+            exchange::log_validated(i as u32, &schedules[i], table);
             let f = first[i];
-            // A schedule of one phase is packed alone, not kept for others.
-            if sharing[f] == 1 {
-                return crate::tables::pack_phase(&tables[i], &buffers[i]).map_err(CompileError);
-            }
-            let packed = packed_first[f].get_or_init(|| crate::tables::pack_phase(&tables[f], &buffers[f]));
+            // A schedule of one phase is packed alone, not kept for others; so is a phase
+            // whose first phase's tables were not written.
+            let Some(first_table) = tables[f].as_ref().filter(|_| sharing[f] > 1) else {
+                return crate::tables::pack_phase(table, &buffers[i]).map_err(CompileError);
+            };
+            let packed = packed_first[f].get_or_init(|| crate::tables::pack_phase(first_table, &buffers[f]));
             if f == i {
                 return packed.clone().map_err(CompileError);
             }
-            match packed.as_ref().ok().and_then(|p| crate::tables::rebased_phase((&tables[f], &buffers[f], p), &tables[i], &buffers[i])) {
+            match packed.as_ref().ok().and_then(|p| crate::tables::rebased_phase((first_table, &buffers[f], p), table, &buffers[i])) {
                 Some(p) => {
                     moved.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     Ok(p)
                 }
-                None => crate::tables::pack_phase(&tables[i], &buffers[i]).map_err(CompileError),
+                None => crate::tables::pack_phase(table, &buffers[i]).map_err(CompileError),
             }
         }
         None => exchange::reuse(target, requests.get(i), &schedules[i]).map_err(CompileError::from).and_then(|p| crate::tables::pack_phase(&p, &buffers[i]).map_err(CompileError)),
@@ -1411,7 +1436,14 @@ mod tests {
         let (phases, digests) = (&sch.value.phases, &sch.value.digests);
         let written = crate::exchange_placement::placed_tables(&x.value, &l.value, phases, &p.value, false).unwrap();
         let plain = crate::exchange_placement::checked_tables(&x.value, &l.value, phases, &p.value, written.clone()).unwrap();
-        let check = |placement: &Placement, written: Vec<ExchangePhase>| checked_tables_memoized((&db, &db.validation_memo), x.digest, &x.value, &l.value, (phases, digests), placement, written);
+        let check = |placement: &Placement, written: Vec<ExchangePhase>| checked_tables_memoized((&db, &db.validation_memo), x.digest, &x.value, &l.value, (phases, digests), placement, Tables::Written(written)).map(|v| v.into_iter().map(|t| t.expect("every phase's tables")).collect::<Vec<_>>());
+        // Tables on demand: written only for the phases validated (counted).
+        let writes = std::sync::atomic::AtomicUsize::new(0);
+        let write = |i: usize| {
+            writes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Ok(written[i].clone())
+        };
+        let on_demand = |placement: &Placement| checked_tables_memoized((&db, &db.validation_memo), x.digest, &x.value, &l.value, (phases, digests), placement, Tables::OnDemand(&write));
         let validated = |db: &Database| db.take_runs().iter().filter(|r| r.0 == "exchange_validation" && r.1 == crate::db::Origin::Computed).count();
         db.validation_memo.lock().unwrap().clear();
         db.take_runs();
@@ -1421,6 +1453,18 @@ mod tests {
         // Again: every phase from the memo, the same tables.
         assert_eq!(check(&p.value, written.clone()).unwrap(), plain);
         assert_eq!(validated(&db), 0);
+        // On demand, with every phase in the memo: none written, none returned.
+        assert!(on_demand(&p.value).unwrap().iter().all(Option::is_none));
+        assert_eq!(writes.load(std::sync::atomic::Ordering::Relaxed), 0);
+        // On demand with an empty memo: the phases validated are written once each and are
+        // checked_tables' (the others carried from the first phase of their schedule, which
+        // is written, or not read).
+        db.validation_memo.lock().unwrap().clear();
+        let demanded = on_demand(&p.value).unwrap();
+        assert!(validated(&db) > 0);
+        assert_eq!(writes.load(std::sync::atomic::Ordering::Relaxed), demanded.iter().flatten().count());
+        assert!(demanded.iter().zip(&plain).all(|(d, p)| d.as_ref().is_none_or(|d| d == p)));
+        assert!(demanded.iter().any(Option::is_some));
         // A sent buffer moved by 8 bytes: the tables written for the old addresses are not
         // taken as validated for the new ones (the phases that send it are checked again).
         let first = l.value.phases.iter().flat_map(|p| p.iter()).next().expect("a transfer");
