@@ -51,6 +51,9 @@ pub(crate) type KeyedSlot<T> = Arc<Mutex<Option<(Digest, Staged<T>)>>>;
 /// With it, the beam's states per step when the database keeps them (`keeping_beam_states`).
 type TraceSlot = Arc<Mutex<Option<(Digest, Arc<BeamTrace>, Option<Arc<KeptBeam>>)>>>;
 
+/// The validated exchange tables `optimize_exchange_placement` hands to `lower_exchanges`, by key.
+type ValidatedEntry = (Digest, Arc<crate::exchange_placement::Validated>);
+
 /// Ranged results of one stage in this process (`Database::ranged`).
 pub(crate) type RangedMemo<T> = Arc<Mutex<Vec<(Digest, crate::lower::host::RateRange, Staged<T>)>>>;
 
@@ -211,7 +214,7 @@ pub struct Database {
     /// The tables the exchange-placement search validated for the placement it accepted, by
     /// the key of what they are made of (`pipeline::validated_key`): `lower_exchanges` packs
     /// them instead of validating the same tables again. Taken by the next `lower_exchanges`.
-    pub(crate) validated_memo: Arc<std::sync::Mutex<Option<(Digest, Arc<crate::exchange_placement::Validated>)>>>,
+    pub(crate) validated_memo: Arc<std::sync::Mutex<Option<ValidatedEntry>>>,
     /// In a process that builds again (`ipuq watch`): the entries `placement_memo`,
     /// `sizing_memo` and `baseline_memo` held for each selection before the latest one ran
     /// (`PreviousSelection`), newest first, as many as `selection_memo` holds selections
