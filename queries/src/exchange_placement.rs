@@ -663,9 +663,10 @@ pub fn best_exchange_placement(target: &Target, lowered: &Lowered, schedules: &[
 }
 
 /// What the search found: the accepted placement, the conflicting tile-cycles it leaves, and,
-/// when a candidate was accepted, its relocated tables of every phase as validated (the stage
-/// `lower_exchanges` would validate the same tables again); when the baseline is kept, its
-/// tables as validated if the caller handed them over (`search_exchange_placement_from`).
+/// when a candidate was accepted, its relocated tables as validated (the stage
+/// `lower_exchanges` would validate the same tables again): every phase's, or in a rebuilding
+/// process those its check wrote (`Tables::OnDemand`); when the baseline is kept, its tables
+/// as validated if the caller handed them over (`search_exchange_placement_from`).
 pub struct Searched {
     pub placement: Placement,
     pub conflicts: u64,
