@@ -793,19 +793,18 @@ fn checked_tables_memoized(
     let addresses = &placement.addresses;
     // Requests are made only for the phases validated (a phase found in the memo is not).
     let requests = LazyRequests::new(lowered, addresses);
-    let (written, write) = match tables {
-        Tables::Written(written) => (Some(written), None),
-        Tables::OnDemand(write) => (None, Some(write)),
+    let count = match &tables {
+        Tables::Written(written) => written.len(),
+        Tables::OnDemand(_) => requests.len(),
     };
-    if written.as_ref().is_some_and(|w| w.len() != requests.len()) || schedules.len() != requests.len() || digests.len() != requests.len() {
-        return Err(CompileError(format!("{} tables and {} schedules for {} exchange phases", written.as_ref().map_or(requests.len(), Vec::len), schedules.len(), requests.len())));
+    if count != requests.len() || schedules.len() != requests.len() || digests.len() != requests.len() {
+        return Err(CompileError(format!("{count} tables and {} schedules for {} exchange phases", schedules.len(), requests.len())));
     }
     let made: Vec<std::sync::OnceLock<Result<ExchangePhase, CompileError>>> = (0..requests.len()).map(|_| std::sync::OnceLock::new()).collect();
     let table = |i: usize| -> Result<&ExchangePhase, CompileError> {
-        match (&written, write) {
-            (Some(written), _) => Ok(&written[i]),
-            (None, Some(write)) => made[i].get_or_init(|| write(i)).as_ref().map_err(Clone::clone),
-            (None, None) => Err(CompileError("no exchange tables to check".into())),
+        match &tables {
+            Tables::Written(written) => Ok(&written[i]),
+            Tables::OnDemand(write) => made[i].get_or_init(|| write(i)).as_ref().map_err(Clone::clone),
         }
     };
     let keys: Vec<Digest> = digests.par_iter().enumerate().map(|(i, d)| db.key("exchange_validation", TABLES_VERSION, &[exchange, *d, requests.request_digest(i)])).collect();
@@ -835,9 +834,9 @@ fn checked_tables_memoized(
     })?;
     let written_now = made.iter().filter(|m| m.get().is_some()).count();
     tracing::debug!(phases = requests.len(), carried = carried.into_inner(), written_now, "validated exchange tables (carried: the tables of a phase moved buffer by buffer from a validated one; written now: of tables on demand)");
-    Ok(match written {
-        Some(written) => written.into_iter().map(Some).collect(),
-        None => made.into_iter().map(|m| m.into_inner().and_then(Result::ok)).collect(),
+    Ok(match tables {
+        Tables::Written(written) => written.into_iter().map(Some).collect(),
+        Tables::OnDemand(_) => made.into_iter().map(|m| m.into_inner().and_then(Result::ok)).collect(),
     })
 }
 

@@ -2024,7 +2024,6 @@ impl CappedAhead {
             return None;
         }
         let oriented = Arc::new(orient_until(graph, swapped, usize::MAX).ok()?);
-        let from = resume.as_ref().and_then(|r| r.longest(&oriented, cap)).map_or(0, |p| p.lowered_operations());
         let cancel = Arc::new(AtomicBool::new(false));
         let (o, t, c, products) = (oriented.clone(), target.clone(), cancel.clone(), products.to_vec());
         let (sender, receiver) = std::sync::mpsc::channel::<HandedOn>();
@@ -2048,6 +2047,7 @@ impl CappedAhead {
                 let mut partial = match resume.as_ref().and_then(|r| r.longest(&o, cap).map(|p| (r, p))) {
                     Some((r, p)) => {
                         let n = p.lowered_operations();
+                        debug!(from = n, "the capped lowering extends the previous build's prefix");
                         if keep {
                             prefixes.extend(r.prefixes.iter().filter(|q| q.lowered_operations() <= n && prefix_identical_across_graphs(&r.oriented, &o, q.lowered_operations())).cloned());
                         }
@@ -2086,7 +2086,7 @@ impl CappedAhead {
                 (Some(complete(partial, &o, &t, &[])), prefixes)
             })
             .ok()?;
-        debug!(cap, swapped = ?swapped, from, "lowering the capped program beside the beam");
+        debug!(cap, swapped = ?swapped, "lowering the capped program beside the beam");
         Some(CappedAhead { oriented, cap, cancel, handle: std::sync::Mutex::new(Some(handle)), lowering: std::sync::Mutex::new(Some(receiver)), warm: None, prefixes: std::sync::Mutex::new(None) })
     }
 
@@ -2816,18 +2816,24 @@ mod tests {
         }
     }
 
+    /// Four scored states, told apart by how many products they swap (0 to 3): the second
+    /// dominates the third, and the fourth does not fit.
+    fn four_scored_states() -> Vec<(State, [u64; 5], bool)> {
+        let graph = mlp(1);
+        let state = |n: usize| State { swapped: (0..n).collect(), oriented: Arc::new(orient(&graph, &BTreeSet::new()).unwrap()), partial: Partial::new(false), home: None, history: None };
+        vec![
+            (state(0), [100, 10, 5, 5, 10], true),
+            (state(1), [90, 20, 5, 5, 10], true),
+            (state(2), [95, 20, 6, 5, 11], true),
+            (state(3), [50, 1, 1, 1, 2], false),
+        ]
+    }
+
     /// Pareto retention keeps what fits first, then the non-dominated extensions by estimate,
     /// then the dominated ones, up to the width.
     #[test]
     fn retention_is_pareto_then_estimate() {
-        let graph = mlp(1);
-        let state = |n: usize| State { swapped: (0..n).collect(), oriented: Arc::new(orient(&graph, &BTreeSet::new()).unwrap()), partial: Partial::new(false), home: None, history: None };
-        let scored = vec![
-            (state(0), [100, 10, 5, 5, 10], true),
-            (state(1), [90, 20, 5, 5, 10], true),
-            (state(2), [95, 20, 6, 5, 11], true), // dominated by the second
-            (state(3), [50, 1, 1, 1, 2], false),  // does not fit
-        ];
+        let scored = four_scored_states();
         let kept: Vec<usize> = retain(scored.clone(), 4, |_| true).iter().map(|s| s.swapped.len()).collect();
         assert_eq!(kept, vec![1, 0, 2, 3]);
         let kept: Vec<usize> = retain(scored, 2, |_| true).iter().map(|s| s.swapped.len()).collect();
@@ -2839,14 +2845,7 @@ mod tests {
     /// width holds.
     #[test]
     fn retention_keeps_a_completable_state_beyond_the_width() {
-        let graph = mlp(1);
-        let state = |n: usize| State { swapped: (0..n).collect(), oriented: Arc::new(orient(&graph, &BTreeSet::new()).unwrap()), partial: Partial::new(false), home: None, history: None };
-        let scored = vec![
-            (state(0), [100, 10, 5, 5, 10], true),
-            (state(1), [90, 20, 5, 5, 10], true),
-            (state(2), [95, 20, 6, 5, 11], true),
-            (state(3), [50, 1, 1, 1, 2], false),
-        ];
+        let scored = four_scored_states();
         let kept = |width: usize, completable: &dyn Fn(usize) -> bool| -> Vec<usize> { retain(scored.clone(), width, |s| completable(s.swapped.len())).iter().map(|s| s.swapped.len()).collect() };
         assert_eq!(kept(1, &|n| n == 0), vec![1, 0]);
         assert_eq!(kept(1, &|n| n == 3), vec![1, 3]);
