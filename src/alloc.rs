@@ -11,8 +11,18 @@
 //! watch edit 1.12 s against 1.20 s, later edits of the same process 0.82 s against 0.90 s,
 //! cold builds and simulator runs within noise, peak resident size a few per cent higher.
 //!
-//! Since session 48 the program also executes itself once at start with glibc's malloc asked
-//! for transparent huge pages (`huge_pages`), so that fresh memory is faulted in 2 MiB at a time.
+//! Transparent huge pages for malloc's heap (glibc's tunable `glibc.malloc.hugetlb=1`) are not
+//! asked for. From session 48 to session 63 the program executed itself once at start with that
+//! tunable set; session 64 measured it on this machine (a Firecracker guest, Linux 6.18; release,
+//! 2 cores, alternating, medians) and it made one-shot commands slower, the more so the more memory
+//! they touch: ten full-size encoder layers built in 47.0–50.8 s with it (five runs) against
+//! 40.3–46.1 s without (seven; system time 16–20 s against 7–15 s, though both fault in about
+//! 6.7 GB; the gap was 7–20 % in each pair, as the machine's page faults grew dearer and cheaper),
+//! four layers in 10.4 s against 9.2 s, the run of four layers' package 24.4 s against 22.0 s, the
+//! seed MLP's run 2.7 s against 2.3 s (three each); the four-block MLP's edits under `ipuq watch` and
+//! `ipuq serve` moved within noise (0.69–0.87 s either way). Session 48 had measured the
+//! opposite (5–20 % faster) on the same kind of machine in another state. A user who
+//! wants them sets the tunable: `GLIBC_TUNABLES=glibc.malloc.hugetlb=1 ipuq ...`.
 
 /// Raise glibc malloc's mmap and trim thresholds (see the module note). Elsewhere, nothing.
 pub fn tune() {
@@ -35,57 +45,3 @@ pub fn tune() {
         }
     }
 }
-
-/// The glibc tunable that has malloc back the memory it takes from the kernel with transparent
-/// huge pages (`madvise(MADV_HUGEPAGE)`; glibc 2.35 and later, ignored by older ones).
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
-const HUGE_PAGES: &str = "glibc.malloc.hugetlb=1";
-
-/// Execute this program again (the same process, arguments and environment) with glibc's
-/// malloc backing its heap with transparent huge pages. glibc reads its tunables only at start,
-/// so the process executes itself once, first thing in `main`, with `GLIBC_TUNABLES` extended.
-/// A build touches far more memory than it keeps (the four-block MLP's `ipuq watch` edit makes
-/// its program, tables and placements while the previous build's are still kept, and grows the
-/// process by about 240 MB; a four-layer build faults in 1.6 GB); where transparent huge pages
-/// are granted on request (`madvise`, the usual setting, and this machine's), that memory is
-/// faulted in 2 MiB at a time instead of 4 KiB. Measured in session 48 (release, 2 cores,
-/// medians, alternating with the tunable unset): `ipuq watch` on the four-block MLP (a cold
-/// build, the last GELU made a scale, then two factor changes; six processes each), first edit
-/// 0.76 s against 0.96 s, later edits 0.69 s against 0.76 s; four encoder layers' first watch
-/// edit 1.76–1.78 s against 1.96–1.98 s (two each); cold `ipuq build` (four each) of four
-/// encoder layers 6.30 s against 6.60 s, one layer 2.54 s against 2.58 s, four MLP blocks
-/// 3.0 s both, with 30–50 % fewer page faults; `ipuq run` of built packages (three each) four
-/// layers 11.8 s against 12.7 s, the seed MLP 1.63 s against 1.74 s; peak resident size the
-/// same within 3 %.
-///
-/// Nothing happens where the environment already names `glibc.malloc.hugetlb` (the user's
-/// choice: `GLIBC_TUNABLES=glibc.malloc.hugetlb=0` turns this off), where this process is the
-/// one executed again (`REEXECUTED` in its environment, so that a glibc that drops the tunable,
-/// as it may for a set-user-ID program, cannot make it execute itself without end), where
-/// `GLIBC_TUNABLES` is not UTF-8, off glibc on Linux, or where the program cannot be executed
-/// again (it then goes on as it is, silently: nothing is wrong with the build).
-pub fn huge_pages() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    {
-        use std::os::unix::process::CommandExt;
-        if std::env::var_os(REEXECUTED).is_some() {
-            return;
-        }
-        let tunables = match std::env::var_os("GLIBC_TUNABLES") {
-            None => String::new(),
-            Some(t) => match t.into_string() {
-                Ok(t) if !t.contains("glibc.malloc.hugetlb") => t,
-                _ => return,
-            },
-        };
-        let mut args = std::env::args_os();
-        let Some(program) = args.next() else { return };
-        let value = if tunables.is_empty() { HUGE_PAGES.to_string() } else { format!("{tunables}:{HUGE_PAGES}") };
-        // `exec` returns only when it fails; the process then goes on as it is.
-        let _ = std::process::Command::new("/proc/self/exe").arg0(program).args(args).env("GLIBC_TUNABLES", value).env(REEXECUTED, "1").exec();
-    }
-}
-
-/// Set in the environment of the process `huge_pages` executes (and so of its children).
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
-const REEXECUTED: &str = "IPUQ_HUGE_PAGES_EXECUTED";
