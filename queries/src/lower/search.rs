@@ -1486,10 +1486,87 @@ type Feasible = (Lowered, Option<(u64, u64)>, usize);
 /// overflow by [`mixed_from`]); every weight on home tiles aligned to the program's period;
 /// rotating with every weight.
 #[allow(clippy::too_many_arguments)]
-fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attempt, usize)>, memo: Option<&HomePrefix>, history: Option<&Snapshot>, try_capped: bool, ahead: Option<&CappedAhead>, mixed_memo: Option<(&MixedMemo, &Arc<Oriented>)>) -> Result<Feasible, LowerError> {
+fn lower_feasible(oriented: &Oriented, target: &Target, first: Option<(Attempt, usize)>, memo: Option<&HomePrefix>, history: Option<&Snapshot>, try_capped: bool, ahead: Option<&CappedAhead>, mixed_memo: Option<(&MixedMemo, &Arc<Oriented>)>) -> Result<Feasible, LowerError> {
+    let beam_from = first.as_ref().map_or(usize::MAX, |f| f.1);
+    // The beam kept weights on home tiles because replicated ones did not fit at the planner's
+    // own partitions: every weight replicated on fewer tiles may fit, and beat the multicasts
+    // (not when the user asked for home-tile weights).
+    // One estimated slower than the beam's program is kept in case no arrangement below fits.
+    let mut capped_fallback: Option<Feasible> = None;
+    let mut deferred: Option<Deferred> = None;
+    if try_capped && beam_from < usize::MAX && home_constraint(&oriented.graph).is_none() {
+        if let Some((m, _)) = mixed_memo {
+            m.capped_tried.store(true, Ordering::Relaxed);
+        }
+        match first.as_ref().map(|(beam, _)| capped_program(oriented, target, beam, ahead)) {
+            Some(CappedStart::Done(Some(done))) => match *done {
+                (capped, true) => return Ok(capped),
+                (capped, false) => capped_fallback = Some(capped),
+            },
+            Some(CappedStart::Fallback(d)) => deferred = Some(d),
+            Some(CappedStart::Done(None)) | None => {}
+        }
+    }
+    let arrange = |first, stop_at_swapped| arrangements(oriented, target, first, memo, history, mixed_memo, stop_at_swapped);
+    let arranged = match deferred {
+        None => arrange(first, capped_fallback.is_some()).0,
+        // The first cap did not fit and the cap with the margin is still to lower: it and the
+        // home-tile arrangements are independent, so they run side by side (five and ten
+        // full-size encoder layers lowered the lower cap for 5 and 13 s, on one core, before
+        // finding that it does not fit either). What is taken is what trying them one after
+        // the other takes: the capped program when it fits and is estimated no slower than
+        // the beam's, or when it fits and the arrangements met an overflow of a swapped
+        // product's weights (where they would have stopped for it), else the arrangements'.
+        Some(d) => {
+            let (capped, (arranged, swapped_seen)) = rayon::join(|| capped_at(oriented, target, d), || arrange(first, false));
+            match capped {
+                Some((capped, true)) => return Ok(capped),
+                Some((capped, false)) if swapped_seen => {
+                    debug!("a swapped product's weights overflow, which home tiles cannot hold once; keeping the weights replicated on fewer tiles");
+                    return Ok(capped);
+                }
+                Some((capped, false)) => capped_fallback = Some(capped),
+                None => {}
+            }
+            arranged
+        }
+    };
+    match arranged {
+        Arranged::Fits(f) => Ok(f),
+        Arranged::SwappedOverflow => Ok(capped_fallback.expect("the arrangements stop at a swapped product's overflow only beside a capped program")),
+        Arranged::Nothing { .. } if capped_fallback.is_some() => {
+            debug!("no home-tile arrangement fits; keeping the weights replicated on fewer tiles");
+            Ok(capped_fallback.expect("checked"))
+        }
+        // Nothing fits: hand on the last program so placement names the buffer that overflows.
+        Arranged::Nothing { last, first_error } => last.map(|(l, from)| (l, None, from)).ok_or_else(|| first_error.expect("an attempt either lowers or fails")),
+    }
+}
+
+/// What the home-tile arrangements of [`lower_feasible`] came to.
+enum Arranged {
+    /// A program that fits.
+    Fits(Feasible),
+    /// A swapped product's weights (its A operand, which no arrangement keeps on home tiles)
+    /// overflowed, and the arrangements were asked to stop there (a capped program that fits
+    /// is at hand: that program is what replicates them less).
+    SwappedOverflow,
+    /// None fits: the last program lowered (placement names its overflow), else the first error.
+    Nothing { last: Option<(Lowered, usize)>, first_error: Option<LowerError> },
+}
+
+/// The weight arrangements [`lower_feasible`] tries after the capped program: the beam's own
+/// (home tiles from its `home_from`, when it homed any), then every weight on home tiles
+/// aligned to the program's period, then rotated, with mixed programs between them, each
+/// re-planned with the other operations' resident bytes. `first` is the beam's program and
+/// its `home_from`. With `stop_at_swapped` they stop at the first placement overflow of a
+/// swapped product's weights (`Arranged::SwappedOverflow`); also returned: whether they met
+/// one before they ended.
+fn arrangements(oriented: &Oriented, target: &Target, mut first: Option<(Attempt, usize)>, memo: Option<&HomePrefix>, history: Option<&Snapshot>, mixed_memo: Option<(&MixedMemo, &Arc<Oriented>)>, stop_at_swapped: bool) -> (Arranged, bool) {
     let operations = oriented.graph.operations.len();
     let mut last: Option<(Lowered, usize)> = None;
     let mut first_error: Option<LowerError> = None;
+    let mut swapped_seen = false;
     // A program the beam already lowered with (some) home-tile weights found replicated ones
     // too big. Home tiles aligned to the program's period come first (repeated blocks then
     // share their multicast patterns); rotating with every weight, when those do not fit.
@@ -1513,21 +1590,6 @@ fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attem
     // since a start may fit only with them and keeping the most weights replicated is what
     // was asked.
     let descent_rounds = if constrained.is_some() { ROUNDS } else { 1 };
-    // The beam kept weights on home tiles because replicated ones did not fit at the planner's
-    // own partitions: every weight replicated on fewer tiles may fit, and beat the multicasts
-    // (not when the user asked for home-tile weights).
-    // One estimated slower than the beam's program is kept in case no arrangement below fits.
-    let mut capped_fallback: Option<Feasible> = None;
-    if try_capped && beam_from < usize::MAX && home_constraint(&oriented.graph).is_none() {
-        if let Some((m, _)) = mixed_memo {
-            m.capped_tried.store(true, Ordering::Relaxed);
-        }
-        match first.as_ref().and_then(|(beam, _)| capped_program(oriented, target, beam, ahead)) {
-            Some((capped, true)) => return Ok(capped),
-            Some((capped, false)) => capped_fallback = Some(capped),
-            None => {}
-        }
-    }
     let mut mode = 0;
     let mut mixed_tries = 0;
     while let Some(&(home_from, aligned, rounds)) = modes.get(mode) {
@@ -1571,7 +1633,7 @@ fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attem
             };
             let Placed { peaks, displaced, failure } = place_attempt(&attempt, target);
             if let Some(peaks) = peaks.filter(|_| !displaced || round + 1 == ROUNDS || fitting.is_some()) {
-                return Ok((attempt.lowered, Some(peaks), home_from));
+                return (Arranged::Fits((attempt.lowered, Some(peaks), home_from)), swapped_seen);
             }
             let merged = merged_reserves(&reserves, &attempt, operations);
             match peaks {
@@ -1584,9 +1646,12 @@ fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attem
                     // arrangement keeps on home tiles) and the capped program fits: that
                     // program is what replicates it less; the home-tile arrangements would
                     // only lower it again at the planner's partitions.
-                    if capped_fallback.is_some() && failure.as_ref().is_some_and(|f| swapped_weights(oriented).contains(&f.label)) {
-                        debug!(failure = ?failure, "a swapped product's weights overflow, which home tiles cannot hold once; keeping the weights replicated on fewer tiles");
-                        return Ok(capped_fallback.take().expect("checked"));
+                    if !swapped_seen && failure.as_ref().is_some_and(|f| swapped_weights(oriented).contains(&f.label)) {
+                        swapped_seen = true;
+                        if stop_at_swapped {
+                            debug!(failure = ?failure, "a swapped product's weights overflow, which home tiles cannot hold once; keeping the weights replicated on fewer tiles");
+                            return (Arranged::SwappedOverflow, true);
+                        }
                     }
                     debug!(home_weights, home_from, aligned, failure = ?failure, "the program does not fit; planning again with other operations' resident bytes");
                     if let Some(failure) = failure.filter(|_| round == 0 && home_from > 0 && mixed_tries < MIXED_TRIES) {
@@ -1601,7 +1666,7 @@ fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attem
             reserves = merged;
         }
         if let Some((l, peaks)) = fitting {
-            return Ok((l, Some(peaks), home_from));
+            return (Arranged::Fits((l, Some(peaks), home_from)), swapped_seen);
         }
         if let Some(from) = mixed {
             debug!(home_from, mixed_from = from, "replicated weights do not fit in tile memory; keeping the weight blocks of the products from this operation on once on a home tile");
@@ -1615,12 +1680,7 @@ fn lower_feasible(oriented: &Oriented, target: &Target, mut first: Option<(Attem
             debug!("home tiles aligned to the program's period do not fit; rotating them with every weight");
         }
     }
-    if let Some(capped) = capped_fallback {
-        debug!("no home-tile arrangement fits; keeping the weights replicated on fewer tiles");
-        return Ok(capped);
-    }
-    // Nothing fits: hand on the last program so placement names the buffer that overflows.
-    last.map(|(l, from)| (l, None, from)).ok_or_else(|| first_error.expect("an attempt either lowers or fails"))
+    (Arranged::Nothing { last, first_error }, swapped_seen)
 }
 
 /// The last resort of `feasible_finalists`, tried only when no program of the beam fits in
@@ -1740,7 +1800,9 @@ fn fit_rounds(oriented: &Oriented, target: &Target, what: &str, cap: u64, lower:
 /// tiles (`fit_capped`) when one fits, and whether its estimate is no worse than the beam's,
 /// which pays a multicast of each homed weight block at every product that reads it (when it
 /// is worse, [`lower_feasible`] keeps it only if no home-tile arrangement fits: a swapped
-/// product's weights, its A operand, cannot be homed).
+/// product's weights, its A operand, cannot be homed). The cap with the margin (below) is not
+/// lowered here: it is handed back (`CappedStart::Fallback`), and `lower_feasible` lowers it
+/// beside the home-tile arrangements (`capped_at`).
 ///
 /// The first cap tried is what memory suggests: the most replicas r for which the program's
 /// rank-2 weights, spread over tiles / r tiles (one replica set), fit in the bytes a tile has
@@ -1759,10 +1821,10 @@ fn fit_rounds(oriented: &Oriented, target: &Target, what: &str, cap: u64, lower:
 /// and is estimated faster (one full-size encoder layer with its MLP
 /// swapped: 20 replicas, 366,992 estimated, then 24, 350,711; 28 fits, estimated the same:
 /// at 24 the MLP's plans take 23 replicas, and caps up to 39 fit with the same plans).
-fn capped_program(oriented: &Oriented, target: &Target, beam: &Attempt, ahead: Option<&CappedAhead>) -> Option<(Feasible, bool)> {
+fn capped_program(oriented: &Oriented, target: &Target, beam: &Attempt, ahead: Option<&CappedAhead>) -> CappedStart {
     let weight_bytes = matrix_weight_bytes(&oriented.graph);
     if weight_bytes == 0 {
-        return None;
+        return CappedStart::Done(None);
     }
     let l = &beam.lowered;
     let live = transient_peak(l.buffers.iter(), &host_written(l), l.tiles);
@@ -1770,36 +1832,77 @@ fn capped_program(oriented: &Oriented, target: &Target, beam: &Attempt, ahead: O
     let beam_estimate = estimated_cycles(l);
     debug!(weight_bytes, transient_peak = live, start, beam_estimate, "replicated weights did not fit; trying fewer replicas");
     if start == 0 {
-        return None;
+        return CappedStart::Done(None);
     }
+    // The most replicas any product of the beam's program has (the ladder's top, below).
+    let most = l.plans.iter().filter(|p| p.kind == "matmul").map(|p| if p.orientation == "swapped" { p.partitions[2] } else { p.partitions[1] }).max().unwrap_or(0);
     // The first lowering of this cap, when it was lowered beside the beam over this orientation.
     let first = ahead.and_then(|a| a.take(oriented, start));
-    // A cap's program is taken only where it fits and leaves room to keep exchange buffers
-    // apart (`keeps_opposites_apart`): one that fits with less room makes `select_finalist`
-    // steer and plan again, to a program slower than the home-tile weights' (five full-size
-    // encoder layers at cap 3: 2,103,032 cycles after the steer, against 1,992,272 homed).
-    let usable = |cap: u32, first: Option<Result<Attempt, LowerError>>| fit_capped(oriented, target, cap, first).filter(|(l, _)| keeps_opposites_apart(l, target));
-    let fitted = match usable(start, first) {
-        Some(fitted) => Some((start, fitted)),
+    match usable(oriented, target, start, first) {
+        Some(fitted) => CappedStart::Done(Some(Box::new(climb(oriented, target, start, fitted, most, beam_estimate)))),
         None => {
             // The cap with the margin, when it is lower.
             let fallback = first_cap(weight_bytes, live, target, true);
             debug!(cap = start, fallback, "replicated weights on this many tiles do not fit, or leave no room to keep exchange buffers apart");
-            (fallback > 0 && fallback < start).then(|| usable(fallback, None).map(|f| (fallback, f))).flatten()
+            if fallback > 0 && fallback < start {
+                CappedStart::Fallback(Deferred { cap: fallback, most, beam_estimate })
+            } else {
+                debug!("replicated weights on fewer tiles do not fit");
+                CappedStart::Done(None)
+            }
         }
-    };
-    let Some((start, (mut lowered, mut peaks))) = fitted else {
+    }
+}
+
+/// What [`capped_program`] found before it would lower a cap below its first.
+enum CappedStart {
+    /// Its answer: the capped program and whether it is estimated no slower than the beam's
+    /// (None: no cap fits, or there is none to try).
+    Done(Option<Box<(Feasible, bool)>>),
+    /// The first cap does not fit; the cap with the margin is lower and still to be lowered
+    /// ([`capped_at`]).
+    Fallback(Deferred),
+}
+
+/// A replication cap [`capped_program`] leaves to [`capped_at`]: the cap, the most replicas any
+/// product of the beam's program has and the beam program's estimate.
+#[derive(Clone, Copy)]
+struct Deferred {
+    cap: u32,
+    most: u32,
+    beam_estimate: u64,
+}
+
+/// [`capped_program`] from its deferred cap on: the program at that cap when it fits, after
+/// the larger caps that also fit and are estimated faster (`climb`).
+fn capped_at(oriented: &Oriented, target: &Target, d: Deferred) -> Option<(Feasible, bool)> {
+    let fitted = usable(oriented, target, d.cap, None);
+    if fitted.is_none() {
         debug!("replicated weights on fewer tiles do not fit");
-        return None;
-    };
+    }
+    fitted.map(|f| climb(oriented, target, d.cap, f, d.most, d.beam_estimate))
+}
+
+/// A cap's program as [`capped_program`] takes it: where it fits and leaves room to keep
+/// exchange buffers apart (`keeps_opposites_apart`): one that fits with less room makes
+/// `select_finalist` steer and plan again, to a program slower than the home-tile weights'
+/// (five full-size encoder layers at cap 3: 2,103,032 cycles after the steer, against
+/// 1,992,272 homed).
+fn usable(oriented: &Oriented, target: &Target, cap: u32, first: Option<Result<Attempt, LowerError>>) -> Option<Fitted> {
+    fit_capped(oriented, target, cap, first).filter(|(l, _)| keeps_opposites_apart(l, target))
+}
+
+/// The capped program from the first cap that fits (`start`, its program and placement's
+/// peaks), and whether it is estimated no slower than the beam's (`beam_estimate`).
+/// `first_cap` counts every weight at the cap, but products that the planner gives fewer
+/// replicas than the cap hold fewer (and products side by side share the tiles): more
+/// replicas may fit. Larger caps, each about a fifth more, up to `most` (the most replicas any
+/// product of the beam's program has), while the weight bytes they could add on a tile (the
+/// most weight bytes the capped program keeps on one, grown by the cap's ratio) stay within
+/// the bytes its placement left free, and while each fits and is estimated faster.
+fn climb(oriented: &Oriented, target: &Target, start: u32, fitted: Fitted, most: u32, beam_estimate: u64) -> (Feasible, bool) {
+    let (mut lowered, mut peaks) = fitted;
     let mut estimate = estimated_cycles(&lowered);
-    // `first_cap` counts every weight at the cap, but products that the planner gives fewer
-    // replicas than the cap hold fewer (and products side by side share the tiles): more
-    // replicas may fit. Larger caps, each about a fifth more, up to the most replicas any
-    // product of the beam's program has, while the weight bytes they could add on a tile
-    // (the most weight bytes the capped program keeps on one, grown by the cap's ratio) stay
-    // within the bytes its placement left free, and while each fits and is estimated faster.
-    let most = l.plans.iter().filter(|p| p.kind == "matmul").map(|p| if p.orientation == "swapped" { p.partitions[2] } else { p.partitions[1] }).max().unwrap_or(0);
     let mut cap = start;
     // The next cap above `cap` worth lowering after the program `l` (placed at `p`): none past
     // `most`, or when the weight bytes it could add exceed what that placement left free.
@@ -1845,7 +1948,7 @@ fn capped_program(oriented: &Oriented, target: &Target, beam: &Attempt, ahead: O
     } else {
         debug!(cap, estimate, beam_estimate, "replicated weights on this many tiles fit but are estimated slower than home-tile weights");
     }
-    Some(((lowered, Some(peaks), usize::MAX), better))
+    ((lowered, Some(peaks), usize::MAX), better)
 }
 
 /// Whether `l`, placed with the code reserve in place of code, keeps every tile's sending and
@@ -3230,6 +3333,26 @@ mod tests {
         // Its own prefixes: those taken over, then the ones it lowered.
         let again = resumed.prefixes.lock().unwrap().take().expect("kept");
         assert_eq!(again.prefixes.len(), boundaries);
+    }
+
+    /// Where the first replication cap does not fit and the cap with the margin is lower,
+    /// `capped_program` hands that cap back (`CappedStart::Fallback`) instead of lowering it,
+    /// and `lower_feasible` lowers it beside the home-tile arrangements. Two blocks of 512
+    /// tokens, 256 wide, hidden 768 on small16 (caps 2, then 1): neither cap fits, and the
+    /// program taken is the arrangements' own, which trying them one after the other takes.
+    #[test]
+    fn the_cap_with_the_margin_is_lowered_beside_the_home_tile_arrangements() {
+        let target = small16();
+        let graph = Graph::parse(&mlp_text(2, 512, 256, 768), "mlp.toml").unwrap();
+        let oriented = orient(&graph, &BTreeSet::new()).unwrap();
+        let beam = || lower_homing_from(&oriented, &target, 0, &[]).unwrap();
+        let CappedStart::Fallback(d) = capped_program(&oriented, &target, &beam(), None) else { panic!("the cap with the margin is handed back") };
+        assert_eq!(d.cap, 1);
+        assert!(capped_at(&oriented, &target, d).is_none(), "neither cap fits");
+        let (Arranged::Fits((alone, alone_peaks, alone_from)), false) = arrangements(&oriented, &target, Some((beam(), 0)), None, None, None, false) else { panic!("a home-tile arrangement fits") };
+        let (taken, peaks, from) = lower_feasible(&oriented, &target, Some((beam(), 0)), None, None, true, None, None).unwrap();
+        assert_eq!((peaks, from), (alone_peaks, alone_from));
+        assert!(taken == alone, "the arrangements' program");
     }
 
     /// The capped program lowered beside the beam (`CappedAhead`) is the program lowered in
