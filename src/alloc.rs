@@ -11,18 +11,22 @@
 //! watch edit 1.12 s against 1.20 s, later edits of the same process 0.82 s against 0.90 s,
 //! cold builds and simulator runs within noise, peak resident size a few per cent higher.
 //!
-//! Transparent huge pages for malloc's heap (glibc's tunable `glibc.malloc.hugetlb=1`) are not
-//! asked for. From session 48 to session 63 the program executed itself once at start with that
-//! tunable set; session 64 measured it on this machine (a Firecracker guest, Linux 6.18; release,
-//! 2 cores, alternating, medians) and it made one-shot commands slower, the more so the more memory
-//! they touch: ten full-size encoder layers built in 47.0–50.8 s with it (five runs) against
-//! 40.3–46.1 s without (seven; system time 16–20 s against 7–15 s, though both fault in about
-//! 6.7 GB; the gap was 7–20 % in each pair, as the machine's page faults grew dearer and cheaper),
-//! four layers in 10.4 s against 9.2 s, the run of four layers' package 24.4 s against 22.0 s, the
-//! seed MLP's run 2.7 s against 2.3 s (three each); the four-block MLP's edits under `ipuq watch` and
-//! `ipuq serve` moved within noise (0.69–0.87 s either way). Session 48 had measured the
-//! opposite (5–20 % faster) on the same kind of machine in another state. A user who
-//! wants them sets the tunable: `GLIBC_TUNABLES=glibc.malloc.hugetlb=1 ipuq ...`.
+//! Transparent huge pages for malloc's heap (glibc's tunable `glibc.malloc.hugetlb=1`) are asked
+//! for only by the long-lived commands, `ipuq watch` and `ipuq serve` (`huge_pages`). From
+//! session 48 to session 63 every command executed itself once at start with that tunable set
+//! (session 48 measured 5–20 % faster); session 64 measured it on this machine (a Firecracker
+//! guest, Linux 6.18; release, 2 cores, alternating, medians) and it made one-shot commands
+//! slower, the more so the more memory they touch: ten full-size encoder layers built in
+//! 47.0–50.8 s with it (five runs) against 40.3–46.1 s without (seven; system time 16–20 s
+//! against 7–15 s, though both fault in about 6.7 GB; the gap was 7–20 % in each pair, as the
+//! machine's page faults grew dearer and cheaper), four layers in 10.4 s against 9.2 s, the run
+//! of four layers' package 24.4 s against 22.0 s, the seed MLP's run 2.7 s against 2.3 s (three
+//! each). A long-lived process faults its memory in once and reuses it through many builds:
+//! there the four-block MLP's edit through `ipuq serve` took 0.70–0.73 s with them (four sets of
+//! three) against 0.71–0.83 s without (four sets), and under `ipuq watch` 0.69–0.93 s against
+//! 0.70–0.78 s (noise either way). A user's own `glibc.malloc.hugetlb` is kept:
+//! `GLIBC_TUNABLES=glibc.malloc.hugetlb=1 ipuq build ...` asks for them in a one-shot command,
+//! `=0` turns them off in the long-lived ones.
 
 /// Raise glibc malloc's mmap and trim thresholds (see the module note). Elsewhere, nothing.
 pub fn tune() {
@@ -42,6 +46,90 @@ pub fn tune() {
         unsafe {
             mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD);
             mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD);
+        }
+    }
+}
+
+/// The glibc tunable that has malloc back the memory it takes from the kernel with transparent
+/// huge pages (`madvise(MADV_HUGEPAGE)`; glibc 2.35 and later, ignored by older ones).
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+const HUGE_PAGES: &str = "glibc.malloc.hugetlb=1";
+
+/// In a long-lived command (`long_lived`), execute this program again (the same process,
+/// arguments and environment) with glibc's malloc backing its heap with transparent huge pages.
+/// glibc reads its tunables only at start, so the process executes itself once, first thing in
+/// `main`, with `GLIBC_TUNABLES` extended. Session 48 measured `ipuq watch` on the four-block MLP
+/// (a cold build, the last GELU made a scale, then two factor changes; six processes each, the
+/// tunable set against unset): first edit 0.76 s against 0.96 s, later edits 0.69 s against
+/// 0.76 s; four encoder layers' first watch edit 1.76–1.78 s against 1.96–1.98 s.
+///
+/// Nothing happens in other commands, where the environment already names
+/// `glibc.malloc.hugetlb` (the user's choice), where this process is the one executed again
+/// (`REEXECUTED` in its environment, so that a glibc that drops the tunable, as it may for a
+/// set-user-ID program, cannot make it execute itself without end), where `GLIBC_TUNABLES` is
+/// not UTF-8, off glibc on Linux, or where the program cannot be executed again (it then goes
+/// on as it is, silently: nothing is wrong with the build).
+pub fn huge_pages() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        use std::os::unix::process::CommandExt;
+        if std::env::var_os(REEXECUTED).is_some() {
+            return;
+        }
+        let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+        if !long_lived(&args) {
+            return;
+        }
+        let tunables = match std::env::var_os("GLIBC_TUNABLES") {
+            None => String::new(),
+            Some(t) => match t.into_string() {
+                Ok(t) if !t.contains("glibc.malloc.hugetlb") => t,
+                _ => return,
+            },
+        };
+        let Some((program, rest)) = args.split_first() else { return };
+        let value = if tunables.is_empty() { HUGE_PAGES.to_string() } else { format!("{tunables}:{HUGE_PAGES}") };
+        // `exec` returns only when it fails; the process then goes on as it is.
+        let _ = std::process::Command::new("/proc/self/exe").arg0(program).args(rest).env("GLIBC_TUNABLES", value).env(REEXECUTED, "1").exec();
+    }
+}
+
+/// Whether the command line (program name first) runs a long-lived command, `ipuq watch` or
+/// `ipuq serve`: its first word that is neither an option nor the value of `-j`/`--threads`
+/// (the one global option before the command that takes a separate value).
+pub fn long_lived(args: &[std::ffi::OsString]) -> bool {
+    let mut words = args.iter().skip(1).map(|a| a.to_string_lossy());
+    while let Some(word) = words.next() {
+        if word == "-j" || word == "--threads" {
+            words.next();
+        } else if !word.starts_with('-') {
+            return word == "watch" || word == "serve";
+        }
+    }
+    false
+}
+
+/// Set in the environment of the process `huge_pages` executes (and so of its children).
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+const REEXECUTED: &str = "IPUQ_HUGE_PAGES_EXECUTED";
+
+#[cfg(test)]
+mod tests {
+    use super::long_lived;
+
+    fn line(words: &[&str]) -> Vec<std::ffi::OsString> {
+        words.iter().map(|w| w.into()).collect()
+    }
+
+    /// `watch` and `serve` are the long-lived commands, after any global option; nothing else
+    /// is, nor a command's later words.
+    #[test]
+    fn only_watch_and_serve_are_long_lived() {
+        for words in [&["ipuq", "watch", "w.toml"][..], &["ipuq", "serve"], &["ipuq", "-j", "4", "serve"], &["ipuq", "--threads", "2", "watch", "w.toml"], &["ipuq", "-j4", "watch", "w.toml"], &["ipuq", "--threads=3", "serve"]] {
+            assert!(long_lived(&line(words)), "{words:?}");
+        }
+        for words in [&["ipuq", "build", "watch.toml"][..], &["ipuq", "run", "serve"], &["ipuq"], &["ipuq", "-j", "8"], &["ipuq", "--help"], &["ipuq", "-j", "watch", "build"], &["ipuq", "cache", "stats"]] {
+            assert!(!long_lived(&line(words)), "{words:?}");
         }
     }
 }

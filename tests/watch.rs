@@ -181,3 +181,64 @@ fn watch_runs_on_a_given_input_and_dumps_every_run() {
     }
 }
 
+/// `ipuq watch`, a long-lived command, executes itself once with glibc's malloc on transparent
+/// huge pages (`alloc::huge_pages`, first thing in `main`; one-shot commands do not, see
+/// `alloc::long_lived`): the process's environment holds the tunable beside the user's own
+/// tunables, a `glibc.malloc.hugetlb` the user set is left as it is, and the process builds as
+/// before.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+#[test]
+fn ipuq_watch_runs_with_mallocs_heap_on_huge_pages_unless_the_user_chose() {
+    // (The user's tunables, whether the process is marked as executed again already, and the
+    // tunables the watching process runs with.)
+    for (given, marked, expected) in [
+        (None, false, Some("glibc.malloc.hugetlb=1")),
+        (Some("glibc.malloc.arena_max=4"), false, Some("glibc.malloc.arena_max=4:glibc.malloc.hugetlb=1")),
+        (Some("glibc.malloc.hugetlb=0"), false, Some("glibc.malloc.hugetlb=0")),
+        // A process executed again never executes itself once more.
+        (None, true, None),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::copy(fixture("workloads/siglip-mlp-f16-b1-t37-d64-h96-n1.toml"), dir.path().join("mlp.toml")).unwrap();
+        let mut command = Command::new(env!("CARGO_BIN_EXE_ipuq"));
+        command.args(["watch", "mlp.toml", "--target", "small16", "-o", "out", "--poll-ms", "50"]).current_dir(dir.path()).env("IPUQ_LOG", "warn").env_remove("GLIBC_TUNABLES");
+        if let Some(t) = given {
+            command.env("GLIBC_TUNABLES", t);
+        }
+        if marked {
+            command.env("IPUQ_HUGE_PAGES_EXECUTED", "1");
+        } else {
+            command.env_remove("IPUQ_HUGE_PAGES_EXECUTED");
+        }
+        let mut child = Watch(command.stdout(Stdio::piped()).stderr(Stdio::null()).spawn().unwrap());
+        let (send, lines) = mpsc::channel();
+        let stdout = child.0.stdout.take().unwrap();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let _ = send.send(line);
+            }
+        });
+        let built = next_line(&lines, "package=", Duration::from_secs(120));
+        let environ = std::fs::read(format!("/proc/{}/environ", child.0.id())).unwrap();
+        child.0.kill().unwrap();
+        child.0.wait().unwrap();
+        assert!(built.is_some(), "{given:?}: no package line");
+        // glibc (2.36) ends each tunable's value in place as it reads them, so the process's
+        // environment block shows `GLIBC_TUNABLES=a=1` and `b=2` apart: joined again here.
+        let entries: Vec<String> = environ.split(|&b| b == 0).map(|v| String::from_utf8_lossy(v).into_owned()).collect();
+        let at: Vec<usize> = (0..entries.len()).filter(|&i| entries[i].starts_with("GLIBC_TUNABLES=")).collect();
+        let Some(expected) = expected else {
+            assert!(at.is_empty(), "{given:?}, marked: {entries:?}");
+            continue;
+        };
+        assert_eq!(at.len(), 1, "{given:?}: {entries:?}");
+        let mut tunables = entries[at[0]].clone();
+        for next in entries[at[0] + 1..].iter().take_while(|e| e.starts_with("glibc.")) {
+            tunables = format!("{tunables}:{next}");
+        }
+        assert_eq!(tunables, format!("GLIBC_TUNABLES={expected}"), "{given:?}");
+        if given.is_none_or(|g| !g.contains("hugetlb")) {
+            assert!(entries.iter().any(|e| e == "IPUQ_HUGE_PAGES_EXECUTED=1"), "{given:?}: not marked as executed again");
+        }
+    }
+}
