@@ -55,7 +55,7 @@ pub fn tune() {
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 const HUGE_PAGES: &str = "glibc.malloc.hugetlb=1";
 
-/// In a long-lived command (`long_lived`), execute this program again (the same process,
+/// In a long-lived command (`cli::long_lived`), execute this program again (the same process,
 /// arguments and environment) with glibc's malloc backing its heap with transparent huge pages.
 /// glibc reads its tunables only at start, so the process executes itself once, first thing in
 /// `main`, with `GLIBC_TUNABLES` extended. Session 48 measured `ipuq watch` on the four-block MLP
@@ -77,7 +77,7 @@ pub fn huge_pages() {
             return;
         }
         let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
-        if !long_lived(&args) {
+        if !crate::cli::long_lived(&args) {
             return;
         }
         let tunables = match std::env::var_os("GLIBC_TUNABLES") {
@@ -94,42 +94,6 @@ pub fn huge_pages() {
     }
 }
 
-/// Whether the command line (program name first) runs a long-lived command, `ipuq watch` or
-/// `ipuq serve`: its first word that is neither an option nor the value of `-j`/`--threads`
-/// (the one global option before the command that takes a separate value).
-pub fn long_lived(args: &[std::ffi::OsString]) -> bool {
-    let mut words = args.iter().skip(1).map(|a| a.to_string_lossy());
-    while let Some(word) = words.next() {
-        if word == "-j" || word == "--threads" {
-            words.next();
-        } else if !word.starts_with('-') {
-            return word == "watch" || word == "serve";
-        }
-    }
-    false
-}
-
 /// Set in the environment of the process `huge_pages` executes (and so of its children).
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 const REEXECUTED: &str = "IPUQ_HUGE_PAGES_EXECUTED";
-
-#[cfg(test)]
-mod tests {
-    use super::long_lived;
-
-    fn line(words: &[&str]) -> Vec<std::ffi::OsString> {
-        words.iter().map(|w| w.into()).collect()
-    }
-
-    /// `watch` and `serve` are the long-lived commands, after any global option; nothing else
-    /// is, nor a command's later words.
-    #[test]
-    fn only_watch_and_serve_are_long_lived() {
-        for words in [&["ipuq", "watch", "w.toml"][..], &["ipuq", "serve"], &["ipuq", "-j", "4", "serve"], &["ipuq", "--threads", "2", "watch", "w.toml"], &["ipuq", "-j4", "watch", "w.toml"], &["ipuq", "--threads=3", "serve"]] {
-            assert!(long_lived(&line(words)), "{words:?}");
-        }
-        for words in [&["ipuq", "build", "watch.toml"][..], &["ipuq", "run", "serve"], &["ipuq"], &["ipuq", "-j", "8"], &["ipuq", "--help"], &["ipuq", "-j", "watch", "build"], &["ipuq", "cache", "stats"]] {
-            assert!(!long_lived(&line(words)), "{words:?}");
-        }
-    }
-}

@@ -280,6 +280,12 @@ enum CacheAction {
     Import { file: PathBuf },
 }
 
+/// Whether the command line (program name first) runs a long-lived command, `ipuq watch` or
+/// `ipuq serve`, as the command-line parser reads it (a line it refuses runs nothing long).
+pub fn long_lived(args: &[std::ffi::OsString]) -> bool {
+    Cli::try_parse_from(args).is_ok_and(|cli| matches!(cli.command, Command::Watch { .. } | Command::Serve { .. }))
+}
+
 pub fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
@@ -481,6 +487,27 @@ fn run(cli: Cli) -> Result<Outcome, String> {
                 }
             }
             Ok(Outcome::Pass)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::long_lived;
+
+    fn line(words: &[&str]) -> Vec<std::ffi::OsString> {
+        words.iter().map(|w| w.into()).collect()
+    }
+
+    /// `watch` and `serve` are the long-lived commands, after any global option; nothing else
+    /// is, nor a command's later words, nor a line the parser refuses.
+    #[test]
+    fn only_watch_and_serve_are_long_lived() {
+        for words in [&["ipuq", "watch", "w.toml"][..], &["ipuq", "serve"], &["ipuq", "-j", "4", "serve"], &["ipuq", "--threads", "2", "watch", "w.toml"], &["ipuq", "-j4", "watch", "w.toml"], &["ipuq", "--threads=3", "serve"], &["ipuq", "watch", "w.toml", "-j", "2"]] {
+            assert!(long_lived(&line(words)), "{words:?}");
+        }
+        for words in [&["ipuq", "build", "watch.toml"][..], &["ipuq", "run", "serve"], &["ipuq"], &["ipuq", "-j", "8"], &["ipuq", "--help"], &["ipuq", "-j", "watch", "build"], &["ipuq", "cache", "stats"], &["ipuq", "watch"]] {
+            assert!(!long_lived(&line(words)), "{words:?}");
         }
     }
 }

@@ -183,7 +183,7 @@ fn watch_runs_on_a_given_input_and_dumps_every_run() {
 
 /// `ipuq watch`, a long-lived command, executes itself once with glibc's malloc on transparent
 /// huge pages (`alloc::huge_pages`, first thing in `main`; one-shot commands do not, see
-/// `alloc::long_lived`): the process's environment holds the tunable beside the user's own
+/// `cli::long_lived`): the process's environment holds the tunable beside the user's own
 /// tunables, a `glibc.malloc.hugetlb` the user set is left as it is, and the process builds as
 /// before.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]

@@ -1531,15 +1531,17 @@ fn lower_feasible(oriented: &Oriented, target: &Target, first: Option<(Attempt, 
             arranged
         }
     };
-    match arranged {
-        Arranged::Fits(f) => Ok(f),
-        Arranged::SwappedOverflow => Ok(capped_fallback.expect("the arrangements stop at a swapped product's overflow only beside a capped program")),
-        Arranged::Nothing { .. } if capped_fallback.is_some() => {
-            debug!("no home-tile arrangement fits; keeping the weights replicated on fewer tiles");
-            Ok(capped_fallback.expect("checked"))
+    match (arranged, capped_fallback) {
+        (Arranged::Fits(f), _) => Ok(f),
+        (arranged, Some(capped)) => {
+            if matches!(arranged, Arranged::Nothing { .. }) {
+                debug!("no home-tile arrangement fits; keeping the weights replicated on fewer tiles");
+            }
+            Ok(capped)
         }
         // Nothing fits: hand on the last program so placement names the buffer that overflows.
-        Arranged::Nothing { last, first_error } => last.map(|(l, from)| (l, None, from)).ok_or_else(|| first_error.expect("an attempt either lowers or fails")),
+        (Arranged::Nothing { last, first_error }, None) => last.map(|(l, from)| (l, None, from)).ok_or_else(|| first_error.expect("an attempt either lowers or fails")),
+        (Arranged::SwappedOverflow, None) => unreachable!("the arrangements stop at a swapped product's overflow only beside a capped program"),
     }
 }
 
