@@ -72,7 +72,7 @@ fn edits(c: &mut Criterion) {
         cache_read_only: incremental,
         cache_max_bytes: None,
         plan_finalists: 4,
-        table_budget: ipuq_queries::sizing::EXCHANGE_TABLE_BUDGET_BYTES,
+        table_budget: None,
         remote: None,
     };
     for blocks in [1, 4] {

@@ -218,7 +218,7 @@ pub struct BuildOptions {
     /// Operator-plan finalists `lower_mid` keeps (`--plan-finalists`).
     pub plan_finalists: usize,
     /// Exchange-table bytes a tile may hold (`--exchange-table-budget`).
-    pub table_budget: u32,
+    pub table_budget: Option<u32>,
     /// A shared cache server behind the local cache (implies `incremental`).
     pub remote: Option<RemoteOptions>,
 }
@@ -595,7 +595,7 @@ mod tests {
             cache_read_only: false,
             cache_max_bytes: None,
             plan_finalists: 4,
-            table_budget: ipuq_queries::sizing::EXCHANGE_TABLE_BUDGET_BYTES,
+            table_budget: None,
             remote: None,
         };
         open_store(&options).expect("the cache opens").expect("an incremental build has a store")

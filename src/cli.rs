@@ -51,10 +51,12 @@ pub struct CompileArgs {
     /// Operator-plan finalists lower_mid keeps for select_finalist to cost exactly.
     #[arg(long, default_value_t = ipuq_queries::lower::search::DEFAULT_FINALISTS, value_parser = clap::value_parser!(usize))]
     plan_finalists: usize,
-    /// Exchange-table bytes one tile may hold (a compiler policy; default 48 KiB). A plan whose
-    /// tables exceed it is steered away from and the program planned again.
-    #[arg(long, default_value_t = ipuq_queries::sizing::EXCHANGE_TABLE_BUDGET_BYTES)]
-    exchange_table_budget: u32,
+    /// Exchange-table bytes one tile may hold, a hard limit: a plan whose tables exceed it is
+    /// steered away from and the program planned again. Without it the compiler's policy
+    /// applies: 48 KiB, exceeded where the program still places with its tables (deep stacks
+    /// of layers hold a table for each of their phases).
+    #[arg(long)]
+    exchange_table_budget: Option<u32>,
     #[command(flatten)]
     remote: crate::remote_args::RemoteArgs,
     /// With --incremental: build in this process even where a build server (`ipuq serve`)

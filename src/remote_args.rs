@@ -77,7 +77,7 @@ pub fn export(dir: &Path, file: &Path, workloads: &[PathBuf], target: Option<&st
         cache_read_only: false,
         cache_max_bytes: None,
         plan_finalists: ipuq_queries::lower::search::DEFAULT_FINALISTS,
-        table_budget: ipuq_queries::sizing::EXCHANGE_TABLE_BUDGET_BYTES,
+        table_budget: None,
         remote: None,
     };
     let mut session = Session::new(&options).map_err(|e| e.to_string())?;

@@ -79,7 +79,7 @@ struct Settings {
     cache_read_only: bool,
     cache_max_bytes: u64,
     plan_finalists: usize,
-    table_budget: u32,
+    table_budget: Option<u32>,
     verify_hits: bool,
 }
 

@@ -387,7 +387,7 @@ mod tests {
             cache_read_only: false,
             cache_max_bytes: None,
             plan_finalists: 4,
-            table_budget: ipuq_queries::sizing::EXCHANGE_TABLE_BUDGET_BYTES,
+            table_budget: None,
             remote: None,
         }
     }

@@ -163,7 +163,7 @@ fn small_package() -> (Package, std::collections::BTreeMap<String, Vec<u8>>) {
 fn package_of(fixture: &str) -> (Package, std::collections::BTreeMap<String, Vec<u8>>) {
     let dir = tempfile::tempdir().unwrap();
     let workload = Path::new(env!("CARGO_MANIFEST_DIR")).join(fixture);
-    let options = ipuq::build::BuildOptions { target: Some("small16".into()), out_dir: dir.path().to_path_buf(), incremental: false, cache_dir: None, cache_read_only: false, cache_max_bytes: None, plan_finalists: ipuq_queries::lower::search::DEFAULT_FINALISTS, table_budget: ipuq_queries::sizing::EXCHANGE_TABLE_BUDGET_BYTES, remote: None };
+    let options = ipuq::build::BuildOptions { target: Some("small16".into()), out_dir: dir.path().to_path_buf(), incremental: false, cache_dir: None, cache_read_only: false, cache_max_bytes: None, plan_finalists: ipuq_queries::lower::search::DEFAULT_FINALISTS, table_budget: None, remote: None };
     let built = ipuq::build::build(&workload, &options).unwrap();
     let package = ipuq::build::read_package(&built.path).unwrap();
     let graph = Graph::parse(&package.workload_toml, "embedded").unwrap();

@@ -261,40 +261,46 @@ fn five_full_size_encoder_layers_take_no_capped_program_that_placement_cannot_se
     assert!(cycles <= 2_000_000, "five layers {cycles}");
 }
 
-/// Ten full-size layers, the most that fit at f16 since the planner counts paired gathers
-/// (session 62; seven fitted only with tiles made half-duplex and eight only after a steer,
-/// nine did not): they build without a steer and pass (measured: 3,925,628 cycles, built and
-/// run in 70 s release; eight 3,140,528, 3,423,794 before).
+/// Twelve full-size layers, the most that fit at f16 since session 65 (ten since session 62,
+/// when the planner began counting paired gathers; eight before): every weight is kept once
+/// on a home tile, each block on the least-loaded tile of its row partitions, and their
+/// exchange tables, a table for each of the stack's phases (72,808 bytes on tile 0), are over
+/// the compiler's 48 KiB budget but placed beside the program's data, so they are kept
+/// (measured: 4,710,744 cycles, built and run in 110 s release, 6.8 GB; eleven 4,318,152).
 #[test]
-fn ten_full_size_encoder_layers_fit_at_f16_unsteered() {
-    let cycles = run_layers_unsteered("10");
-    assert!(cycles <= 3_940_000, "ten layers {cycles}");
+fn twelve_full_size_encoder_layers_fit_at_f16_unsteered() {
+    let (cycles, stderr) = run_layers_unsteered("12");
+    assert!(cycles <= 4_720_000, "twelve layers {cycles}");
+    assert!(stderr.contains("exchange tables over the budget, placed with the program's data: kept"), "{}", common::tail(&stderr));
 }
 
-/// Eleven full-size layers do not fit: the build exits 2 naming the tile, the buffer, the
-/// region and its bytes, after the steer that did not help (measured: 61 s release, 6.5 GB).
+/// Thirteen full-size layers do not fit: the build exits 2 naming the tile, the buffer, the
+/// region and its bytes, with the exchange tables over the budget that the code beside them
+/// holds, after the steers that did not help (measured: 2 min 54 s release, 9.2 GB; eight
+/// steers of the phase that held most tables took 4 min 35 s and named only the tables).
 #[test]
-fn eleven_full_size_encoder_layers_do_not_fit_and_say_where() {
+fn thirteen_full_size_encoder_layers_do_not_fit_and_say_where() {
     let dir = tempfile::tempdir().unwrap();
-    let out = ipuq(&["workload", "siglip-encoder", "--layers", "11", "-o", "enc.toml"], dir.path());
+    let out = ipuq(&["workload", "siglip-encoder", "--layers", "13", "-o", "enc.toml"], dir.path());
     assert_eq!(out.code, 0, "{}", out.stderr);
     let out = ipuq(&["build", "enc.toml", "-o", "out"], dir.path());
     assert_eq!(out.code, 2, "{}", common::tail(&out.stderr));
     let error = out.stderr.lines().find(|l| l.starts_with("error: ")).unwrap_or_else(|| panic!("no error line: {}", common::tail(&out.stderr)));
     assert!(error.starts_with("error: tile ") && error.contains(" bytes of interleaved memory") && error.contains("taken then"), "{error}");
-    assert!(error.contains("planning again with 1 operation steered away from its plan did not help: tile "), "{error}");
+    assert!(error.contains("exchange tables over the compiler's 49152-byte budget"), "{error}");
+    assert!(error.contains(" steered away from ") && error.contains(" did not help: tile "), "{error}");
 }
 
 /// Runs `layers` full-size encoder layers, checks that they pass and that `select_finalist`
-/// did not steer and plan again, and gives the simulated cycles.
-fn run_layers_unsteered(layers: &str) -> u64 {
+/// did not steer and plan again, and gives the simulated cycles and the log.
+fn run_layers_unsteered(layers: &str) -> (u64, String) {
     let dir = tempfile::tempdir().unwrap();
     let out = ipuq(&["workload", "siglip-encoder", "--layers", layers, "-o", "enc.toml"], dir.path());
     assert_eq!(out.code, 0, "{}", out.stderr);
     let out = ipuq(&["run", "enc.toml", "-o", "out"], dir.path());
     assert_pass(&out);
     assert!(!out.stderr.contains("steered away from its plan"), "{}", common::tail(&out.stderr));
-    field(&out.stdout, "workload=", "cycles").unwrap().parse().unwrap()
+    (field(&out.stdout, "workload=", "cycles").unwrap().parse().unwrap(), out.stderr)
 }
 
 /// A BERT-base-sized layer (128 tokens, width 768, 12 heads, MLP 3072) on the 1472 tiles: its

@@ -49,7 +49,7 @@ pub fn small16_options(out_dir: &Path) -> ipuq::build::BuildOptions {
         cache_read_only: false,
         cache_max_bytes: None,
         plan_finalists: ipuq_queries::lower::search::DEFAULT_FINALISTS,
-        table_budget: ipuq_queries::sizing::EXCHANGE_TABLE_BUDGET_BYTES,
+        table_budget: None,
         remote: None,
     }
 }

@@ -182,6 +182,7 @@ pub struct Database {
     /// Exchange-table bytes a tile may hold (`--exchange-table-budget`; a compiler policy that
     /// tests lower to exercise re-planning at small sizes).
     table_budget: u32,
+    table_budget_hard: bool,
     /// Hand stages the whole target instead of their views (the test proving views complete).
     full_target_views: bool,
     /// Per-phase schedules of this process by key (`phases.rs`): an edit that re-runs the
@@ -286,6 +287,7 @@ impl Database {
             deferred: Arc::default(),
             plan_finalists: crate::lower::search::DEFAULT_FINALISTS,
             table_budget: crate::sizing::EXCHANGE_TABLE_BUDGET_BYTES,
+            table_budget_hard: false,
         }
     }
 
@@ -326,13 +328,23 @@ impl Database {
         self
     }
 
-    pub fn with_table_budget(mut self, bytes: u32) -> Self {
-        self.table_budget = bytes;
+    /// A hard per-tile exchange-table budget of `bytes` (a user's setting), or (None) the
+    /// compiler's policy: `sizing::EXCHANGE_TABLE_BUDGET_BYTES`, exceeded where the program
+    /// places with its tables (`sizing` module docs).
+    pub fn with_table_budget(mut self, bytes: Option<u32>) -> Self {
+        self.table_budget = bytes.unwrap_or(crate::sizing::EXCHANGE_TABLE_BUDGET_BYTES);
+        self.table_budget_hard = bytes.is_some();
         self
     }
 
     pub fn table_budget(&self) -> u32 {
         self.table_budget
+    }
+
+    /// Whether the table budget is a hard limit (a user's setting) rather than the policy
+    /// that a program over it is kept where it places with its tables.
+    pub fn table_budget_hard(&self) -> bool {
+        self.table_budget_hard
     }
 
     pub fn plan_finalists(&self) -> usize {

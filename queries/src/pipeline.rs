@@ -42,8 +42,8 @@ use crate::storage::{place_storage, Placement};
 /// The phases in order, as the driver runs and logs them.
 pub const PHASES: &[&str] = &["lower_mid", "select_finalist", "lower_exchanges_provisional", "size_tile_code", "place_storage", "optimize_exchange_placement", "lower_exchanges", "build_tile_images"];
 
-const LOWER_VERSION: u32 = 37;
-const SELECT_VERSION: u32 = 26;
+const LOWER_VERSION: u32 = 38;
+const SELECT_VERSION: u32 = 27;
 const SCHEDULE_VERSION: u32 = 9;
 const CODE_VERSION: u32 = 14;
 const PLACE_VERSION: u32 = 11;
@@ -72,8 +72,8 @@ pub fn finalists(db: &dyn Db, sources: Sources) -> StageResult<Vec<Lowered>> {
     let g = graph(db, sources)?;
     let k = db.ipuq().plan_finalists();
     let x = exchange_target(db, sources)?;
-    let budget = db.ipuq().table_budget();
-    let key = db.ipuq().key("lower_mid", LOWER_VERSION, &[t.digest, x.digest, g.digest, KeyHasher::new("plan finalists").add(&(k as u64)).finish(), KeyHasher::new("table budget").add(&budget).finish()]);
+    let (budget, hard) = (db.ipuq().table_budget(), db.ipuq().table_budget_hard());
+    let key = db.ipuq().key("lower_mid", LOWER_VERSION, &[t.digest, x.digest, g.digest, KeyHasher::new("plan finalists").add(&(k as u64)).finish(), KeyHasher::new("table budget").add(&budget).add(&hard).finish()]);
     let db = db.ipuq();
     db.cached("lower_mid", LOWER_VERSION, key, || {
         // The plan beam resumes from the previous build's of a workload of the same name over
@@ -118,7 +118,7 @@ pub fn finalists(db: &dyn Db, sources: Sources) -> StageResult<Vec<Lowered>> {
         // Packed sizings are kept only for a next build (a cold build would hash and copy
         // every phase's packing for nothing: four encoder layers about 0.25 s).
         db.relative_memo.keep_packings(db.keeps_beam_states());
-        let kept = crate::lower::screen::screen_tables(&g.value, &t.value, found, budget, &mut schedule, &mut remember, Some(&db.relative_memo));
+        let kept = crate::lower::screen::screen_tables(&g.value, &t.value, found, (budget, hard), &mut schedule, &mut remember, Some(&db.relative_memo));
         *db.schedule_memo.lock().expect("phase memo lock") = screened.into_inner();
         let kept = kept.map_err(CompileError)?;
         *db.screen_memo.lock().expect("screen memo lock") = sized;
@@ -229,11 +229,11 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
     let f = finalists(db, sources)?;
     let lt = lowering_target(db, sources)?;
     let g = graph(db, sources)?;
-    let budget = db.ipuq().table_budget();
+    let (budget, hard) = (db.ipuq().table_budget(), db.ipuq().table_budget_hard());
     // The key holds all it reads but the link rate; the rate is matched against the range of
     // rates over which the host pass decides alike (`Database::ranged`), so a link edit that
     // flips no decision selects nothing again.
-    let key = db.ipuq().key("select_finalist", SELECT_VERSION, &[x.digest, f.digest, lt.digest, g.digest, KeyHasher::new("table budget").add(&budget).finish()]);
+    let key = db.ipuq().key("select_finalist", SELECT_VERSION, &[x.digest, f.digest, lt.digest, g.digest, KeyHasher::new("table budget").add(&budget).add(&hard).finish()]);
     let k = db.ipuq().plan_finalists();
     let db = db.ipuq();
     let range = std::sync::Mutex::new(crate::lower::host::RateRange::ALL);
@@ -279,10 +279,13 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
             let known = known(l, digests);
             crate::sizing::support_checked_known(&t.value, l, schedules, Some(digests), budget, known.as_deref().map(|v| &v[..]))
         };
-        let keep_sizing = |program: Digest, digests: &[Digest], outcome: &crate::lower::select::Sizing| {
-            if let Ok(support) = outcome {
-                sized.lock().expect("sizing memo lock").insert(sizing_key(x.digest, program, digests, budget), Arc::new(support.clone()));
-            }
+        // (Over the budget too: such a finalist is kept where it places with its tables.)
+        let keep_sizing = |program: Digest, digests: &[Digest], l: &Lowered, outcome: &crate::lower::select::Sizing| {
+            let support = match outcome {
+                Ok(support) => support.clone(),
+                Err(o) => crate::emit::support_memory(l, &o.table_bytes),
+            };
+            sized.lock().expect("sizing memo lock").insert(sizing_key(x.digest, program, digests, budget), Arc::new(support));
         };
         // A finalist's baseline placement, by what placement reads: the memory view (the
         // selection view's memory section, digested as the memory view is), the program and
@@ -369,7 +372,7 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
             sized.lock().expect("sizing memo lock").clear();
             baselines.lock().expect("baseline memo lock").clear();
             programs.lock().expect("program digests lock").clear();
-            let failure = match select_finalist(&t.value, candidates, prepare, schedule, digest, size, keep_sizing, &keep_placement, optimize, Some(&db.relative_memo)) {
+            let failure = match select_finalist(&t.value, candidates, prepare, schedule, digest, (size, hard), keep_sizing, &keep_placement, optimize, Some(&db.relative_memo)) {
                 Ok(mut s) => {
                     s.steered = steered.iter().map(|c| format!("{}: {}", c.operation, c.describe())).collect();
                     if let Some(h) = half.take() {
@@ -422,7 +425,7 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
                 sized.lock().expect("sizing memo lock").clear();
                 baselines.lock().expect("baseline memo lock").clear();
                 programs.lock().expect("program digests lock").clear();
-                match select_finalist(&t.value, std::slice::from_ref(&program), |l| l, schedule, digest, size, keep_sizing, &keep_placement, optimize, Some(&db.relative_memo)) {
+                match select_finalist(&t.value, std::slice::from_ref(&program), |l| l, schedule, digest, (size, hard), keep_sizing, &keep_placement, optimize, Some(&db.relative_memo)) {
                     Ok(mut s) => {
                         // The program is not the host pass of a finalist: it goes with the
                         // selection (`lowered`).
@@ -857,7 +860,9 @@ pub fn code_sizes(db: &dyn Db, sources: Sources) -> StageResult<Vec<u32>> {
         let found = selected(db, &db.sizing_memo, &sizing_key(x.digest, l.digest, &s.value.digests, budget), |p| &p.sizings);
         let support = match found {
             Some(support) => support,
-            None => Arc::new(crate::sizing::support_with_tables(&x.value, &l.value, &s.value.phases, Some(&s.value.digests), budget).map_err(CompileError)?),
+            // (No budget here: select_finalist judged it, keeping a program over it only
+            // where the program places with its tables.)
+            None => Arc::new(crate::sizing::support_with_tables(&x.value, &l.value, &s.value.phases, Some(&s.value.digests), u32::MAX).map_err(CompileError)?),
         };
         log_support_memory(&t.value, &support);
         Ok(support.iter().map(SupportMemory::total).collect())

@@ -9,9 +9,13 @@
 //! phases at the same final addresses), which makes the final tables smaller, never larger.
 //! The package stage checks that the final tables fit what was sized (an error otherwise).
 //!
-//! The budget is a planner input: a program whose tables exceed it on some tile is infeasible
-//! (`select_finalist` drops such a finalist; when none is left, the operation whose phase
-//! holds most of the oversized tables is planned again, steered away from its plan).
+//! The budget is a planner input: a program whose tables exceed it on some tile is feasible
+//! only where it still places with them (every tile's code at its size, tables included,
+//! beside the program's data: `places_with_tables`). Else `select_finalist` drops such a
+//! finalist, and when none is left, the operation whose phase holds most of the oversized
+//! tables is planned again, steered away from its plan. A stack of encoder layers holds a
+//! table for each of its phases on a tile, so its tables grow with its depth: eleven
+//! full-size layers need 66,508 bytes on tile 0, where their standard memory has room.
 
 use std::sync::Arc;
 
@@ -245,6 +249,9 @@ pub struct TableOverflow {
     /// The phase whose tables on that tile are largest (index into `Lowered::phases`).
     pub phase: Option<u32>,
     pub phase_bytes: u32,
+    /// Every tile's table bytes, as the sizing found them: a program over the budget is still
+    /// feasible where it places with its tables (`select_finalist`, `lower_mid`'s screen).
+    pub table_bytes: Arc<Vec<u32>>,
 }
 
 impl std::fmt::Display for TableOverflow {
@@ -255,6 +262,13 @@ impl std::fmt::Display for TableOverflow {
         }
         Ok(())
     }
+}
+
+/// Whether `lowered` places (`storage::place_storage`) with each tile's code at its size for
+/// these table bytes: a program whose tables exceed the budget is kept where it does (the
+/// placement error otherwise).
+pub fn places_with_tables(target: &Target, lowered: &Lowered, table_bytes: &[u32]) -> Result<(), crate::storage::PlacementError> {
+    crate::storage::place_storage(target, lowered, &crate::emit::size_tile_code(lowered, table_bytes)).map(|_| ())
 }
 
 /// Support memory per tile with compact tables, or the first tile (lowest) whose tables
@@ -294,7 +308,7 @@ pub fn table_bytes_memoized(target: &Target, lowered: &Lowered, schedules: &[Sch
                 }
             }
         }
-        return Ok(Err(TableOverflow { tile: tile as u32, bytes, budget, phase: worst.map(|w| w.0), phase_bytes: worst.map_or(0, |w| w.1) }));
+        return Ok(Err(TableOverflow { tile: tile as u32, bytes, budget, phase: worst.map(|w| w.0), phase_bytes: worst.map_or(0, |w| w.1), table_bytes: Arc::new(table_bytes) }));
     }
     Ok(Ok(table_bytes))
 }

@@ -199,6 +199,10 @@ struct Builder<'a> {
     /// (`aligned_home_slot`), so that repeated blocks multicast from the same tiles and share
     /// exchange patterns; else they rotate with every weight (less memory on the fullest tile).
     home_aligned: bool,
+    /// With rotating homes (not `home_aligned`): the bytes of weight blocks homed on each tile
+    /// so far (indexed by tile, grown as needed), so each block goes to the least-loaded tile
+    /// of its row partitions (`home_weight`).
+    home_load: Arc<Vec<u64>>,
     /// The most replicas a replicated rank-2 weight may have: a normal product's B block is
     /// replicated on its row partitions, a swapped product's A block (the weight) on its
     /// column partitions (u32::MAX: no cap). Chosen when replicated weights at the planner's
@@ -417,6 +421,7 @@ pub struct Partial {
     home_from: usize,
     home_rotation: usize,
     home_aligned: bool,
+    home_load: Arc<Vec<u64>>,
     replication_cap: u32,
     block_cap: u64,
     owners: Owners,
@@ -450,6 +455,7 @@ impl Partial {
             home_from: if home_weights { 0 } else { usize::MAX },
             home_rotation: 0,
             home_aligned: true,
+            home_load: Arc::new(Vec::new()),
             replication_cap: u32::MAX,
             block_cap: u64::MAX,
             owners: Chunked::default(),
@@ -737,6 +743,7 @@ impl<'a> Builder<'a> {
             home_from: p.home_from,
             home_rotation: p.home_rotation,
             home_aligned: p.home_aligned,
+            home_load: p.home_load,
             replication_cap: p.replication_cap,
             block_cap: p.block_cap,
             reserves,
@@ -774,6 +781,7 @@ impl<'a> Builder<'a> {
             home_from: self.home_from,
             home_rotation: self.home_rotation,
             home_aligned: self.home_aligned,
+            home_load: self.home_load,
             replication_cap: self.replication_cap,
             block_cap: self.block_cap,
             owners: self.owners,
@@ -1556,9 +1564,23 @@ impl<'a> Builder<'a> {
             let block = grid.cell_block(cell);
             let (c0, c1) = (cell / (grid.cuts[1].len() - 1), cell % (grid.cuts[1].len() - 1));
             let (ik, i_n) = if b_transposed { (c1, c0) } else { (c0, c1) };
-            let im = (i_n + ik + rotation) % nm;
+            let bytes = block_elements_stored(&block, value.dtype) * value.dtype.bytes() as u64;
+            let first = (i_n + ik + rotation) % nm;
+            let im = if self.home_aligned {
+                first
+            } else {
+                // The least-loaded tile of the block's row partitions, ties in rotation order.
+                let load = Arc::make_mut(&mut self.home_load);
+                let im = (0..nm).map(|d| (first + d) % nm).min_by_key(|&im| load.get(plan.tile_of(0, im, i_n, ik) as usize).copied().unwrap_or(0)).unwrap_or(first);
+                let t = plan.tile_of(0, im, i_n, ik) as usize;
+                if load.len() <= t {
+                    load.resize(t + 1, 0);
+                }
+                load[t] += bytes;
+                im
+            };
             let tile = plan.tile_of(0, im, i_n, ik);
-            let buffer = self.buffer(tile, block_elements_stored(&block, value.dtype) * value.dtype.bytes() as u64, AllocationKind::Data, true, &value.name);
+            let buffer = self.buffer(tile, bytes, AllocationKind::Data, true, &value.name);
             let stride = row_stride(block[1].1 - block[1].0, value.dtype);
             for r in block[0].0..block[0].1 {
                 segments.push(LSegment {

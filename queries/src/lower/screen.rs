@@ -13,8 +13,10 @@
 //! per-phase memo, so `select_finalist` finds these schedules done), and its tables are
 //! encoded over sizing addresses in the table format (`sizing.rs`, `tables.rs`).
 //!
-//! When the best finalist's tables overflow, the operation whose phase holds most of the
-//! bytes on the overflowing tile is steered away from its plan (`select::steer_away`: half
+//! Under the compiler's budget policy, a finalist over the budget that places with its tables
+//! (every tile's code at its size beside the program's data, `sizing::places_with_tables`) is
+//! kept as it is, and one that does not is handed on. Under a user's hard budget, the
+//! operation whose phase holds most of the bytes on the overflowing tile is steered away from its plan (`select::steer_away`: half
 //! the pieces along one free axis) and only that finalist's program is lowered again, in its
 //! own orientation (`search::lower_feasible`, which makes it fit tile memory), instead of
 //! planning the whole program again; repeated until it fits or nothing is left to steer.
@@ -112,7 +114,7 @@ fn sizing_view(l: &Lowered) -> Lowered {
 /// over it dropped (module docs), best estimate first (ties: the search's order). `graph` is
 /// the graph the finalists were planned from (the user's constraints are kept when steering).
 /// `relative`: see `size_tables`.
-pub fn screen_tables(graph: &Graph, target: &Target, finalists: Vec<Lowered>, budget: u32, schedule: &mut ScheduleFn, remember: &mut RememberFn, relative: Option<&RelativeMemo>) -> Result<Vec<Lowered>, String> {
+pub fn screen_tables(graph: &Graph, target: &Target, finalists: Vec<Lowered>, (budget, hard): (u32, bool), schedule: &mut ScheduleFn, remember: &mut RememberFn, relative: Option<&RelativeMemo>) -> Result<Vec<Lowered>, String> {
     let mut kept: Vec<Lowered> = Vec::with_capacity(finalists.len());
     let mut first_failure: Option<Lowered> = None;
     let mut steered_any = false;
@@ -128,7 +130,7 @@ pub fn screen_tables(graph: &Graph, target: &Target, finalists: Vec<Lowered>, bu
             continue;
         }
         let steers = if kept.is_empty() { STEERS } else { 0 };
-        match steer_within(graph, target, index, finalist, budget, steers, schedule, remember, relative)? {
+        match steer_within(graph, target, index, finalist, (budget, hard), steers, schedule, remember, relative)? {
             // A steered finalist may come out as one already kept.
             Ok((l, steered)) => {
                 if !steered || !kept.contains(&l) {
@@ -150,7 +152,7 @@ pub fn screen_tables(graph: &Graph, target: &Target, finalists: Vec<Lowered>, bu
             continue;
         }
         let steers = if kept.is_empty() { STEERS } else { 0 };
-        match steer_within(graph, target, index, finalist, budget, steers, schedule, remember, relative)? {
+        match steer_within(graph, target, index, finalist, (budget, hard), steers, schedule, remember, relative)? {
             Ok((l, steered)) => {
                 kept.push(l);
                 steered_any |= steered;
@@ -174,7 +176,7 @@ pub fn screen_tables(graph: &Graph, target: &Target, finalists: Vec<Lowered>, bu
 /// One finalist within the table budget, and whether it was steered (Ok), or the finalist as
 /// the search planned it when at most `steers` steers cannot bring it within (Err).
 #[allow(clippy::too_many_arguments)]
-fn steer_within(graph: &Graph, target: &Target, index: usize, finalist: Lowered, budget: u32, steers: usize, schedule: &mut ScheduleFn, remember: &mut RememberFn, relative: Option<&RelativeMemo>) -> Result<Result<(Lowered, bool), Lowered>, String> {
+fn steer_within(graph: &Graph, target: &Target, index: usize, finalist: Lowered, (budget, hard): (u32, bool), steers: usize, schedule: &mut ScheduleFn, remember: &mut RememberFn, relative: Option<&RelativeMemo>) -> Result<Result<(Lowered, bool), Lowered>, String> {
     // The finalist steered so far (None: as planned).
     let mut current: Option<Lowered> = None;
     let mut steered = graph.clone();
@@ -193,6 +195,28 @@ fn steer_within(graph: &Graph, target: &Target, index: usize, finalist: Lowered,
             }
             Err(o) => o,
         };
+        // Under the compiler's policy (not `hard`), a finalist over the budget that places with
+        // its tables beside the program's data is kept as it is (`sizing` module docs), as
+        // select_finalist keeps it; one that does not place is handed on as planned, for
+        // select_finalist to name what does not fit and blame (steering tables is for a
+        // user's hard budget: where memory is what runs out, as in thirteen full-size encoder
+        // layers, eight steered lowerings took five minutes and did not help).
+        if !hard {
+            match crate::sizing::places_with_tables(target, l, &overflow.table_bytes) {
+                Ok(()) => {
+                    info!(finalist = index, tile = overflow.tile, exchange_table_bytes = overflow.bytes, budget = overflow.budget, "exchange tables over the budget, placed with the program's data: kept");
+                    remember(sized.prepared, &sized.digests, &overflow.table_bytes);
+                    return Ok(Ok(match current {
+                        Some(l) => (l, true),
+                        None => (finalist, false),
+                    }));
+                }
+                Err(e) => {
+                    debug!(finalist = index, %overflow, error = %e, "exchange tables over the budget do not place with the program: finalist handed on");
+                    break;
+                }
+            }
+        }
         if round == steers {
             debug!(finalist = index, %overflow, "exchange tables over the budget: finalist dropped");
             break;
@@ -322,8 +346,8 @@ mod tests {
         }
     }
 
-    /// At the budget the best finalist needs, the screen changes nothing; one byte under it,
-    /// every finalist it keeps sizes within the budget (the best one steered, later ones over
+    /// At a user's hard budget of what the best finalist needs, the screen changes nothing;
+    /// one byte under it, every finalist it keeps sizes within the budget (the best one steered, later ones over
     /// it dropped), or only the best finalist is handed on as planned, over the budget, when
     /// no steering helps; what it remembers for select_finalist is within the budget.
     #[test]
@@ -333,12 +357,12 @@ mod tests {
         let found = finalists(&graph, &target, 4).unwrap();
         let need = size_tables(&target, &found[0], u32::MAX, &mut schedule(&target), None).unwrap().tables.unwrap().into_iter().max().unwrap();
         let mut remembered: Vec<u32> = Vec::new();
-        let kept = screen_tables(&graph, &target, found.clone(), need, &mut schedule(&target), &mut |_, _, b| remembered.push(b.iter().copied().max().unwrap_or(0)), None).unwrap();
+        let kept = screen_tables(&graph, &target, found.clone(), (need, true), &mut schedule(&target), &mut |_, _, b| remembered.push(b.iter().copied().max().unwrap_or(0)), None).unwrap();
         assert_eq!(kept[0], found[0]);
         assert!(remembered.iter().all(|&b| b <= need) && remembered.contains(&need), "{remembered:?}");
         let budget = need - 1;
         remembered.clear();
-        let kept = screen_tables(&graph, &target, found.clone(), budget, &mut schedule(&target), &mut |_, _, b| remembered.push(b.iter().copied().max().unwrap_or(0)), None).unwrap();
+        let kept = screen_tables(&graph, &target, found.clone(), (budget, true), &mut schedule(&target), &mut |_, _, b| remembered.push(b.iter().copied().max().unwrap_or(0)), None).unwrap();
         assert!(!kept.is_empty());
         assert!(remembered.iter().all(|&b| b <= budget), "{remembered:?}");
         let best = estimated_cycles(&kept[0]);
@@ -351,5 +375,28 @@ mod tests {
                 assert!(!over(l), "a finalist over the budget was kept: {:?} {:?} {}", found.iter().map(estimated_cycles).collect::<Vec<_>>(), kept.iter().map(|k| (estimated_cycles(k), found.iter().position(|f| f == k))).collect::<Vec<_>>(), estimated_cycles(l));
             }
         }
+    }
+
+    /// Under the compiler's policy (not hard) one byte under what the best finalist needs,
+    /// the finalist still places with its tables beside its data (small16 has room), so it is
+    /// kept as planned, not steered, and its sizing, over the budget, goes to select_finalist.
+    /// Tables as large as a tile's standard region do not place: code is fetched from there
+    /// only (`places_with_tables` names the tile and the code).
+    #[test]
+    fn finalists_over_the_policy_budget_are_kept_where_they_place() {
+        let target = small16();
+        let graph = Graph::parse(MLP, "mlp").unwrap();
+        let found = finalists(&graph, &target, 4).unwrap();
+        let need = size_tables(&target, &found[0], u32::MAX, &mut schedule(&target), None).unwrap().tables.unwrap().into_iter().max().unwrap();
+        let mut remembered: Vec<u32> = Vec::new();
+        let kept = screen_tables(&graph, &target, found.clone(), (need - 1, false), &mut schedule(&target), &mut |_, _, b| remembered.push(b.iter().copied().max().unwrap_or(0)), None).unwrap();
+        assert_eq!(kept[0], found[0]);
+        assert!(remembered.contains(&need), "{remembered:?}");
+        let over = size_tables(&target, &found[0], need - 1, &mut schedule(&target), None).unwrap().tables.unwrap_err();
+        assert!(crate::sizing::places_with_tables(&target, &found[0], &over.table_bytes).is_ok());
+        // (Code is fetched from below the interleaved region only: tables past it do not place.)
+        let huge = vec![target.memory.interleaved_start - target.memory.base; found[0].tiles as usize];
+        let error = crate::sizing::places_with_tables(&target, &found[0], &huge).unwrap_err();
+        assert_eq!((error.tile, error.label.as_str(), error.region), (0, "code", "standard"), "{error}");
     }
 }

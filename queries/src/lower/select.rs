@@ -138,7 +138,8 @@ pub const EXACT_COST_MARGIN_PERCENT: u64 = 5;
 /// the baseline), the placement it accepts and the conflicts left (the pipeline memoizes it,
 /// so that the stage `optimize_exchange_placement` finds the chosen finalist's search done).
 /// `size` is `sizing::support_checked` of a finalist over `target` (the pipeline takes the
-/// table bytes `lower_mid`'s screen found when it has them), and `keep_sizing` is told of it
+/// table bytes `lower_mid`'s screen found when it has them), with whether the budget is a
+/// user's hard one (else a finalist over it is kept where it places with its tables), and `keep_sizing` is told of it
 /// with the program's digest (the pipeline memoizes the support memory, so that the stage
 /// `size_tile_code` finds the chosen finalist's sizing done), and `keep_placement` of each
 /// finalist's baseline placement with its program's digest and code bytes (the pipeline
@@ -152,8 +153,8 @@ pub fn select_finalist(
     prepare: impl Fn(Lowered) -> Lowered + Sync,
     schedule: impl FnOnce(&[LazyRequests]) -> Result<Vec<(Schedule, Digest)>, String>,
     digest: impl Fn(usize, &Lowered) -> Result<Digest, String> + Sync,
-    size: impl Fn(&Lowered, &[Schedule], &[Digest]) -> Result<Sizing, String> + Sync,
-    keep_sizing: impl Fn(Digest, &[Digest], &Sizing) + Sync,
+    (size, hard): (impl Fn(&Lowered, &[Schedule], &[Digest]) -> Result<Sizing, String> + Sync, bool),
+    keep_sizing: impl Fn(Digest, &[Digest], &Lowered, &Sizing) + Sync,
     keep_placement: &(impl Fn(Digest, &[u32], &Placement) + Sync),
     optimize: impl Fn(&Lowered, Digest, &[Schedule], &[Digest], &[u32], &Placement, Baseline) -> Result<(Placement, u64), String> + Sync,
     relative: Option<&RelativeMemo>,
@@ -201,8 +202,8 @@ pub fn select_finalist(
                 },
             );
             let (program, sizing) = (program?, sizing?);
-            keep_sizing(program, &digests[f], &sizing);
-            cost_placed(target, f as u32, (l, program), &per_finalist[f], &digests[f], sizing, keep_placement, &optimize, relative)
+            keep_sizing(program, &digests[f], l, &sizing);
+            cost_placed(target, f as u32, (l, program), &per_finalist[f], &digests[f], (sizing, hard), keep_placement, &optimize, relative)
         })
         .collect();
     let mut ok: Vec<Costed> = Vec::new();
@@ -247,7 +248,9 @@ pub fn select_finalist(
 /// Cycles of a finalist's placed program, computed as the package summary computes them.
 ///
 /// Infeasible (blaming the plan of the phase at fault, `Lowered::phase_plans`) when a tile's
-/// exchange tables exceed the budget, or when memory-element conflicts remain after the
+/// exchange tables exceed the budget and it is `hard` (a user's), or when the program does not
+/// place with its code and tables (blaming the product that owns the buffer that does not fit,
+/// within the budget or over the compiler's), or when memory-element conflicts remain after the
 /// exchange-placement stage's own search (run here only where the placement has conflicts),
 /// since the device rejects a tile sending from and receiving into one element in a cycle.
 #[allow(clippy::too_many_arguments)]
@@ -257,15 +260,19 @@ fn cost_placed(
     (l, program): (&Lowered, Digest),
     schedules: &[Schedule],
     digests: &[Digest],
-    sizing: Sizing,
+    (sizing, hard): (Sizing, bool),
     keep_placement: &(impl Fn(Digest, &[u32], &Placement) + Sync),
     optimize: &(impl Fn(&Lowered, Digest, &[Schedule], &[Digest], &[u32], &Placement, Baseline) -> Result<(Placement, u64), String> + Sync),
     relative: Option<&RelativeMemo>,
 ) -> Result<Costed, Failure> {
     let blame = |phase: u32| l.phase_plans.get(phase as usize).copied();
-    let support = match sizing {
-        Ok(s) => s,
-        Err(o) => return Err(Failure { message: o.to_string(), blamed: o.phase.and_then(blame), conflicts: Vec::new() }),
+    // Tables over the compiler's budget are kept where the program places with them
+    // (`sizing` module docs); where it does not, the phase holding most of them is blamed, as
+    // it is at once over a user's hard budget.
+    let (support, over) = match sizing {
+        Ok(s) => (s, None),
+        Err(o) if hard => return Err(Failure { message: o.to_string(), blamed: o.phase.and_then(blame), conflicts: Vec::new() }),
+        Err(o) => (crate::emit::support_memory(l, &o.table_bytes), Some(o)),
     };
     let code: Vec<u32> = support.iter().map(|s| s.total()).collect();
     // A buffer that does not fit blames the product it belongs to, so that the pipeline can
@@ -275,16 +282,24 @@ fn cost_placed(
     let stats_memo = relative.and_then(|m| m.for_statistics(target));
     // Where the host's bytes, one copy of each, exceed the room every tile together has beside
     // this code, the plan is not steered (`host_bytes_shortfall`).
+    // (Over the compiler's table budget, the tables are code like any other: what does not
+    // place blames as it would within the budget, and the message names the tables too. Blaming
+    // the phase that holds most of them steered thirteen full-size layers' MLP up products
+    // eight times, each lowering the whole program again, where memory was what ran out.)
+    let tables = over.as_ref().map(|o| format!(" (the code beside it holds exchange tables over the compiler's {}-byte budget: {} bytes on tile {})", o.budget, o.bytes, o.tile)).unwrap_or_default();
     let placement = place_storage_memoized(target, l, &code, &ExchangeRules::default(), stats_memo.as_ref().map(|(m, scope)| (*m, scope))).map_err(|e| match host_bytes_shortfall(target, l, &code) {
-        Some(short) => Failure { message: format!("{e}; {short}"), blamed: None, conflicts: Vec::new() },
+        Some(short) => Failure { message: format!("{e}{tables}; {short}"), blamed: None, conflicts: Vec::new() },
         None => {
             let message = match host_bytes_on_tile(target, l, &code, e.tile) {
-                Some(over) => format!("{e}; {over}"),
-                None => e.to_string(),
+                Some(over) => format!("{e}{tables}; {over}"),
+                None => format!("{e}{tables}"),
             };
             Failure { message, blamed: owner_plan(l, &e.label), conflicts: Vec::new() }
         }
     })?;
+    if let Some(o) = &over {
+        info!(finalist, tile = o.tile, exchange_table_bytes = o.bytes, budget = o.budget, "exchange tables over the budget, placed with the program's data: kept");
+    }
     keep_placement(program, &code, &placement);
     // Phases relocate independently, from relative tables made once per distinct pattern and
     // schedule (the same phase of repeated layers shares them) and reused by the candidates of
