@@ -278,10 +278,16 @@ pub fn support_checked(target: &Target, lowered: &Lowered, schedules: &[Schedule
 }
 
 /// `support_checked` given each tile's table bytes as an earlier sizing of this program over
-/// these schedules found them (`known`, when at hand and within `budget`), else sized here.
+/// these schedules found them (`known`, when at hand), else sized here. Known bytes over the
+/// budget (a finalist `lower_mid`'s screen kept under the compiler's budget policy, where it
+/// places with its tables) give the overflow without the phase holding most of them, which
+/// only a hard budget's steer reads (and the screen keeps no such finalist under one).
 pub fn support_checked_known(target: &Target, lowered: &Lowered, schedules: &[Schedule], digests: Option<&[Digest]>, budget: u32, known: Option<&[u32]>) -> Result<Result<Vec<SupportMemory>, TableOverflow>, String> {
     match known {
-        Some(bytes) if bytes.len() == lowered.tiles as usize && bytes.iter().all(|&b| b <= budget) => Ok(Ok(support_memory(lowered, bytes))),
+        Some(bytes) if bytes.len() == lowered.tiles as usize => Ok(match bytes.iter().enumerate().find(|(_, b)| **b > budget) {
+            None => Ok(support_memory(lowered, bytes)),
+            Some((tile, &over)) => Err(TableOverflow { tile: tile as u32, bytes: over, budget, phase: None, phase_bytes: 0, table_bytes: Arc::new(bytes.to_vec()) }),
+        }),
         _ => support_checked(target, lowered, schedules, digests, budget),
     }
 }

@@ -399,4 +399,25 @@ mod tests {
         let error = crate::sizing::places_with_tables(&target, &found[0], &huge).unwrap_err();
         assert_eq!((error.tile, error.label.as_str(), error.region), (0, "code", "standard"), "{error}");
     }
+
+    /// select_finalist takes the table bytes the screen found (`support_checked_known`),
+    /// without sizing again: within the budget the support memory they give, over it (a
+    /// finalist kept under the budget policy) the overflow at the lowest tile over it, with
+    /// every tile's bytes.
+    #[test]
+    fn known_table_bytes_over_the_budget_give_the_overflow_without_sizing_again() {
+        let target = small16();
+        let graph = Graph::parse(MLP, "mlp").unwrap();
+        let found = finalists(&graph, &target, 4).unwrap();
+        let sized = size_tables(&target, &found[0], u32::MAX, &mut schedule(&target), None).unwrap();
+        let bytes = sized.tables.unwrap();
+        let need = bytes.iter().copied().max().unwrap();
+        // No schedules: the known bytes are all it reads.
+        let within = crate::sizing::support_checked_known(&target, &sized.prepared, &[], None, need, Some(&bytes)).unwrap().unwrap();
+        let total = |s: &[crate::emit::SupportMemory]| s.iter().map(crate::emit::SupportMemory::total).collect::<Vec<u32>>();
+        assert_eq!(total(&within), total(&crate::emit::support_memory(&sized.prepared, &bytes)));
+        let over = crate::sizing::support_checked_known(&target, &sized.prepared, &[], None, need - 1, Some(&bytes)).unwrap().unwrap_err();
+        assert_eq!((over.tile as usize, over.bytes, over.budget), (bytes.iter().position(|&b| b == need).unwrap(), need, need - 1));
+        assert_eq!(*over.table_bytes, bytes);
+    }
 }
