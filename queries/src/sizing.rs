@@ -31,8 +31,10 @@ use crate::pipeline::requests;
 use crate::tables::{encode_tile, pack_phase, PackedPhase, PhaseBuffers};
 use crate::target::Target;
 
-/// Exchange-table bytes one tile may hold: a compiler policy, not a machine constant (the
-/// SDK's exchange code on a full So400m layer is 37 KB at most on a tile).
+/// Exchange-table bytes a tile should hold: a compiler policy, not a machine constant (the
+/// SDK's exchange code on a full So400m layer is 37 KB at most on a tile). By default a program
+/// over it is kept where it places with its tables (module docs); given by the user
+/// (`Database::with_table_budget`), it is a hard limit.
 pub const EXCHANGE_TABLE_BUDGET_BYTES: u32 = 48 * 1024;
 
 /// Sizing addresses (see the module header), wrapping.
