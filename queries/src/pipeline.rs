@@ -279,13 +279,10 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
             let known = known(l, digests);
             crate::sizing::support_checked_known(&t.value, l, schedules, Some(digests), budget, known.as_deref().map(|v| &v[..]))
         };
-        // (Over the budget too: such a finalist is kept where it places with its tables.)
-        let keep_sizing = |program: Digest, digests: &[Digest], l: &Lowered, outcome: &crate::lower::select::Sizing| {
-            let support = match outcome {
-                Ok(support) => support.clone(),
-                Err(o) => crate::emit::support_memory(l, &o.table_bytes),
-            };
-            sized.lock().expect("sizing memo lock").insert(sizing_key(x.digest, program, digests, budget), Arc::new(support));
+        // (Over the compiler's budget too: such a finalist is kept where it places with its
+        // tables.)
+        let keep_sizing = |program: Digest, digests: &[Digest], support: &[crate::emit::SupportMemory]| {
+            sized.lock().expect("sizing memo lock").insert(sizing_key(x.digest, program, digests, budget), Arc::new(support.to_vec()));
         };
         // A finalist's baseline placement, by what placement reads: the memory view (the
         // selection view's memory section, digested as the memory view is), the program and

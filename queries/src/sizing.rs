@@ -9,11 +9,13 @@
 //! phases at the same final addresses), which makes the final tables smaller, never larger.
 //! The package stage checks that the final tables fit what was sized (an error otherwise).
 //!
-//! The budget is a planner input: a program whose tables exceed it on some tile is feasible
-//! only where it still places with them (every tile's code at its size, tables included,
-//! beside the program's data: `places_with_tables`). Else `select_finalist` drops such a
-//! finalist, and when none is left, the operation whose phase holds most of the oversized
-//! tables is planned again, steered away from its plan. A stack of encoder layers holds a
+//! The budget is a planner input. By default it is a policy: a program whose tables exceed it
+//! on some tile is feasible where it still places with them (every tile's code at its size,
+//! tables included, beside the program's data: `places_with_tables`); where it does not, the
+//! placement failure blames the product owning the buffer that does not fit. A user's budget
+//! is a hard limit: `select_finalist` drops a finalist over it, and when none is left, the
+//! operation whose phase holds most of the oversized tables is planned again, steered away
+//! from its plan. A stack of encoder layers holds a
 //! table for each of its phases on a tile, so its tables grow with its depth: eleven
 //! full-size layers need 66,508 bytes on tile 0, where their standard memory has room.
 

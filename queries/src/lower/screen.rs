@@ -16,10 +16,10 @@
 //! Under the compiler's budget policy, a finalist over the budget that places with its tables
 //! (every tile's code at its size beside the program's data, `sizing::places_with_tables`) is
 //! kept as it is, and one that does not is handed on. Under a user's hard budget, the
-//! operation whose phase holds most of the bytes on the overflowing tile is steered away from its plan (`select::steer_away`: half
-//! the pieces along one free axis) and only that finalist's program is lowered again, in its
-//! own orientation (`search::lower_feasible`, which makes it fit tile memory), instead of
-//! planning the whole program again; repeated until it fits or nothing is left to steer.
+//! operation whose phase holds most of the bytes on the overflowing tile is steered away from
+//! its plan (`select::steer_away`: half the pieces along one free axis) and only that
+//! finalist's program is lowered again, in its own orientation (`search::lower_feasible`,
+//! which makes it fit tile memory), instead of planning the whole program again; repeated until it fits or nothing is left to steer.
 //! Once a finalist is kept, a later one over the budget is dropped rather than steered (each
 //! steer lowers a whole program again; select_finalist would drop it unsteered). When no
 //! finalist can be brought within the budget, the best one is handed on as planned
@@ -347,9 +347,10 @@ mod tests {
     }
 
     /// At a user's hard budget of what the best finalist needs, the screen changes nothing;
-    /// one byte under it, every finalist it keeps sizes within the budget (the best one steered, later ones over
-    /// it dropped), or only the best finalist is handed on as planned, over the budget, when
-    /// no steering helps; what it remembers for select_finalist is within the budget.
+    /// one byte under it, every finalist it keeps sizes within the budget (the best one
+    /// steered, later ones over it dropped), or only the best finalist is handed on as
+    /// planned, over the budget, when no steering helps; what it remembers for
+    /// select_finalist is within the budget.
     #[test]
     fn finalists_over_the_table_budget_are_steered_or_dropped() {
         let target = small16();

@@ -139,8 +139,9 @@ pub const EXACT_COST_MARGIN_PERCENT: u64 = 5;
 /// so that the stage `optimize_exchange_placement` finds the chosen finalist's search done).
 /// `size` is `sizing::support_checked` of a finalist over `target` (the pipeline takes the
 /// table bytes `lower_mid`'s screen found when it has them), with whether the budget is a
-/// user's hard one (else a finalist over it is kept where it places with its tables), and `keep_sizing` is told of it
-/// with the program's digest (the pipeline memoizes the support memory, so that the stage
+/// user's hard one (else a finalist over it is kept where it places with its tables), and
+/// `keep_sizing` is told of its support memory with the program's digest (the pipeline
+/// memoizes it, so that the stage
 /// `size_tile_code` finds the chosen finalist's sizing done), and `keep_placement` of each
 /// finalist's baseline placement with its program's digest and code bytes (the pipeline
 /// memoizes it, so that the stage `place_storage` finds the chosen finalist's placement done).
@@ -154,7 +155,7 @@ pub fn select_finalist(
     schedule: impl FnOnce(&[LazyRequests]) -> Result<Vec<(Schedule, Digest)>, String>,
     digest: impl Fn(usize, &Lowered) -> Result<Digest, String> + Sync,
     (size, hard): (impl Fn(&Lowered, &[Schedule], &[Digest]) -> Result<Sizing, String> + Sync, bool),
-    keep_sizing: impl Fn(Digest, &[Digest], &Lowered, &Sizing) + Sync,
+    keep_sizing: impl Fn(Digest, &[Digest], &[crate::emit::SupportMemory]) + Sync,
     keep_placement: &(impl Fn(Digest, &[u32], &Placement) + Sync),
     optimize: impl Fn(&Lowered, Digest, &[Schedule], &[Digest], &[u32], &Placement, Baseline) -> Result<(Placement, u64), String> + Sync,
     relative: Option<&RelativeMemo>,
@@ -202,8 +203,16 @@ pub fn select_finalist(
                 },
             );
             let (program, sizing) = (program?, sizing?);
-            keep_sizing(program, &digests[f], l, &sizing);
-            cost_placed(target, f as u32, (l, program), &per_finalist[f], &digests[f], (sizing, hard), keep_placement, &optimize, relative)
+            // Tables over a user's hard budget make the finalist infeasible, blaming the phase
+            // that holds most of them; over the compiler's budget they are code like any other,
+            // kept where the program places with them (`cost_placed`, `sizing` module docs).
+            let (support, over) = match sizing {
+                Ok(s) => (s, None),
+                Err(o) if hard => return Err(Failure { message: o.to_string(), blamed: o.phase.and_then(|p| l.phase_plans.get(p as usize).copied()), conflicts: Vec::new() }),
+                Err(o) => (crate::emit::support_memory(l, &o.table_bytes), Some(o)),
+            };
+            keep_sizing(program, &digests[f], &support);
+            cost_placed(target, f as u32, (l, program), &per_finalist[f], &digests[f], (support, over), keep_placement, &optimize, relative)
         })
         .collect();
     let mut ok: Vec<Costed> = Vec::new();
@@ -247,11 +256,11 @@ pub fn select_finalist(
 
 /// Cycles of a finalist's placed program, computed as the package summary computes them.
 ///
-/// Infeasible (blaming the plan of the phase at fault, `Lowered::phase_plans`) when a tile's
-/// exchange tables exceed the budget and it is `hard` (a user's), or when the program does not
-/// place with its code and tables (blaming the product that owns the buffer that does not fit,
-/// within the budget or over the compiler's), or when memory-element conflicts remain after the
-/// exchange-placement stage's own search (run here only where the placement has conflicts),
+/// `support` is each tile's code, tables included, and `over` the tables' overflow of the
+/// compiler's budget where they exceed it (named in a placement failure). Infeasible when the
+/// program does not place with its code (blaming the product that owns the buffer that does
+/// not fit), or (blaming the plan of the phase at fault, `Lowered::phase_plans`) when
+/// memory-element conflicts remain after the exchange-placement stage's own search (run here only where the placement has conflicts),
 /// since the device rejects a tile sending from and receiving into one element in a cycle.
 #[allow(clippy::too_many_arguments)]
 fn cost_placed(
@@ -260,20 +269,12 @@ fn cost_placed(
     (l, program): (&Lowered, Digest),
     schedules: &[Schedule],
     digests: &[Digest],
-    (sizing, hard): (Sizing, bool),
+    (support, over): (Vec<crate::emit::SupportMemory>, Option<crate::sizing::TableOverflow>),
     keep_placement: &(impl Fn(Digest, &[u32], &Placement) + Sync),
     optimize: &(impl Fn(&Lowered, Digest, &[Schedule], &[Digest], &[u32], &Placement, Baseline) -> Result<(Placement, u64), String> + Sync),
     relative: Option<&RelativeMemo>,
 ) -> Result<Costed, Failure> {
     let blame = |phase: u32| l.phase_plans.get(phase as usize).copied();
-    // Tables over the compiler's budget are kept where the program places with them
-    // (`sizing` module docs); where it does not, the phase holding most of them is blamed, as
-    // it is at once over a user's hard budget.
-    let (support, over) = match sizing {
-        Ok(s) => (s, None),
-        Err(o) if hard => return Err(Failure { message: o.to_string(), blamed: o.phase.and_then(blame), conflicts: Vec::new() }),
-        Err(o) => (crate::emit::support_memory(l, &o.table_bytes), Some(o)),
-    };
     let code: Vec<u32> = support.iter().map(|s| s.total()).collect();
     // A buffer that does not fit blames the product it belongs to, so that the pipeline can
     // steer that plan and plan again (eight full-size encoder layers fitted so in session 44, by
