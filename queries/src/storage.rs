@@ -239,6 +239,12 @@ fn tile_key(scope: &Digest, m: &crate::target::Memory, lowered: &Lowered, rules:
 /// that fits nowhere.
 fn place_one_tile(m: &crate::target::Memory, lowered: &Lowered, rules: &ExchangeRules, amp: &[Vec<u32>], tile: usize, code_bytes: &[u32], ids: &[u32]) -> Result<TilePlacement, PlacementError> {
     let code = code_bytes.get(tile).copied().unwrap_or(0);
+    // Code (vertex state and exchange tables too) runs only from below the interleaved region:
+    // instructions are not fetched above it (the simulator rejects such an image).
+    if m.base.saturating_add(code) > m.interleaved_start {
+        let capacity = m.interleaved_start - m.base;
+        return Err(PlacementError { tile: tile as u32, label: "code".into(), bytes: code, region: "standard", capacity, live: 0, also: None, first: 0, last: lowered.steps.len().saturating_sub(1) as u32 });
+    }
     let mut by_start = ids.to_vec();
     by_start.sort_by_key(|&i| {
         let b = &lowered.buffers[i as usize];
@@ -532,12 +538,6 @@ const MOVE_DEPTH: u32 = 1;
 #[allow(clippy::too_many_arguments)]
 fn place_tile(m: &crate::target::Memory, lowered: &Lowered, rules: &ExchangeRules, amp: &[Vec<u32>], tile: usize, code: u32, order: &[u32], by_start: bool, make_room: bool) -> Result<TilePlacement, PlacementError> {
     let code_end = data_start(m.base, code);
-    // Code (vertex state and exchange tables too) runs only from below the interleaved region:
-    // instructions are not fetched above it (the simulator rejects such an image).
-    if m.base.saturating_add(code) > m.interleaved_start {
-        let capacity = m.interleaved_start - m.base;
-        return Err(PlacementError { tile: tile as u32, label: "code".into(), bytes: code, region: "standard", capacity, live: 0, also: None, first: 0, last: lowered.steps.len().saturating_sub(1) as u32 });
-    }
     let ctx = TileContext { m, lowered, rules, amp, ranges: [(code_end, m.interleaved_start), (m.interleaved_start, m.loader_limit)] };
     let mut state = TileState { placed: [Vec::new(), Vec::new()], out: Vec::with_capacity(order.len()), at: std::collections::HashMap::new() };
     let mut pruned_at: Option<u32> = None;

@@ -1566,20 +1566,18 @@ impl<'a> Builder<'a> {
             let (ik, i_n) = if b_transposed { (c1, c0) } else { (c0, c1) };
             let bytes = block_elements_stored(&block, value.dtype) * value.dtype.bytes() as u64;
             let first = (i_n + ik + rotation) % nm;
-            let im = if self.home_aligned {
-                first
+            let tile = if self.home_aligned {
+                plan.tile_of(0, first, i_n, ik)
             } else {
                 // The least-loaded tile of the block's row partitions, ties in rotation order.
                 let load = Arc::make_mut(&mut self.home_load);
-                let im = (0..nm).map(|d| (first + d) % nm).min_by_key(|&im| load.get(plan.tile_of(0, im, i_n, ik) as usize).copied().unwrap_or(0)).unwrap_or(first);
-                let t = plan.tile_of(0, im, i_n, ik) as usize;
-                if load.len() <= t {
-                    load.resize(t + 1, 0);
+                let tile = (0..nm).map(|d| plan.tile_of(0, (first + d) % nm, i_n, ik)).min_by_key(|&t| load.get(t as usize).copied().unwrap_or(0)).unwrap_or_else(|| plan.tile_of(0, first, i_n, ik));
+                if load.len() <= tile as usize {
+                    load.resize(tile as usize + 1, 0);
                 }
-                load[t] += bytes;
-                im
+                load[tile as usize] += bytes;
+                tile
             };
-            let tile = plan.tile_of(0, im, i_n, ik);
             let buffer = self.buffer(tile, bytes, AllocationKind::Data, true, &value.name);
             let stride = row_stride(block[1].1 - block[1].0, value.dtype);
             for r in block[0].0..block[0].1 {

@@ -315,6 +315,19 @@ mod tests {
         }
     }
 
+    /// The most table bytes a tile of this finalist needs (sized with no budget).
+    fn most_table_bytes(target: &Target, l: &Lowered) -> u32 {
+        size_tables(target, l, u32::MAX, &mut schedule(target), None).unwrap().tables.unwrap().into_iter().max().unwrap()
+    }
+
+    /// The screen at this budget: the finalists it keeps, and the most table bytes a tile
+    /// needs of each sizing it remembers for select_finalist.
+    fn screen_remembering(graph: &Graph, target: &Target, found: &[Lowered], budget: (u32, bool)) -> (Vec<Lowered>, Vec<u32>) {
+        let mut remembered: Vec<u32> = Vec::new();
+        let kept = screen_tables(graph, target, found.to_vec(), budget, &mut schedule(target), &mut |_, _, b| remembered.push(b.iter().copied().max().unwrap_or(0)), None).unwrap();
+        (kept, remembered)
+    }
+
     /// Each tile's table bytes of a finalist as select_finalist prepares it at this link rate.
     fn prepared_bytes(target: &Target, l: &Lowered, link_bytes_per_second: u64) -> Vec<u32> {
         let mut at_rate = target.clone();
@@ -356,14 +369,12 @@ mod tests {
         let target = small16();
         let graph = Graph::parse(MLP, "mlp").unwrap();
         let found = finalists(&graph, &target, 4).unwrap();
-        let need = size_tables(&target, &found[0], u32::MAX, &mut schedule(&target), None).unwrap().tables.unwrap().into_iter().max().unwrap();
-        let mut remembered: Vec<u32> = Vec::new();
-        let kept = screen_tables(&graph, &target, found.clone(), (need, true), &mut schedule(&target), &mut |_, _, b| remembered.push(b.iter().copied().max().unwrap_or(0)), None).unwrap();
+        let need = most_table_bytes(&target, &found[0]);
+        let (kept, remembered) = screen_remembering(&graph, &target, &found, (need, true));
         assert_eq!(kept[0], found[0]);
         assert!(remembered.iter().all(|&b| b <= need) && remembered.contains(&need), "{remembered:?}");
         let budget = need - 1;
-        remembered.clear();
-        let kept = screen_tables(&graph, &target, found.clone(), (budget, true), &mut schedule(&target), &mut |_, _, b| remembered.push(b.iter().copied().max().unwrap_or(0)), None).unwrap();
+        let (kept, remembered) = screen_remembering(&graph, &target, &found, (budget, true));
         assert!(!kept.is_empty());
         assert!(remembered.iter().all(|&b| b <= budget), "{remembered:?}");
         let best = estimated_cycles(&kept[0]);
@@ -388,9 +399,8 @@ mod tests {
         let target = small16();
         let graph = Graph::parse(MLP, "mlp").unwrap();
         let found = finalists(&graph, &target, 4).unwrap();
-        let need = size_tables(&target, &found[0], u32::MAX, &mut schedule(&target), None).unwrap().tables.unwrap().into_iter().max().unwrap();
-        let mut remembered: Vec<u32> = Vec::new();
-        let kept = screen_tables(&graph, &target, found.clone(), (need - 1, false), &mut schedule(&target), &mut |_, _, b| remembered.push(b.iter().copied().max().unwrap_or(0)), None).unwrap();
+        let need = most_table_bytes(&target, &found[0]);
+        let (kept, remembered) = screen_remembering(&graph, &target, &found, (need - 1, false));
         assert_eq!(kept[0], found[0]);
         assert!(remembered.contains(&need), "{remembered:?}");
         let over = size_tables(&target, &found[0], need - 1, &mut schedule(&target), None).unwrap().tables.unwrap_err();
