@@ -392,6 +392,47 @@ fn an_output_shape_larger_than_its_segments_is_refused_before_allocating() {
     }
 }
 
+/// Regression (cargo-fuzz `package_device`, session 67, kept in
+/// `fuzz/regressions/package_device/`): one flipped byte made a send run of the small encoder's
+/// package 16,515,075 entries long (within `MAX_PHASE_ENTRIES`) by 16 bytes, in a table segment
+/// two phases share; the device expanded, sorted and checked every entry of both phases before
+/// it found one outside the buffer (80 s in the instrumented fuzz build). A run is the rows of
+/// one buffer, so its span is now checked against the tile's buffers before it is expanded, and
+/// the error names the run. Sends and receives alike.
+#[test]
+fn a_run_longer_than_its_buffer_is_refused_before_it_is_expanded() {
+    let (package, inputs) = package_of("fixtures/workloads/siglip-encoder-f16-b1-t5-d256-h4-m96-l1.toml");
+    let options = ipuq::runtime::RunOptions::default();
+    let count = (1u32 << 24) - 1;
+    for kind in ["send", "receive"] {
+        let mut programs = ipuq_queries::image::Programs::of(&package).unwrap();
+        let mut edited = None;
+        'find: for x in &mut programs.exchanges {
+            for t in &mut x.tiles {
+                let runs: Vec<(&mut u32, u32)> = if kind == "send" {
+                    t.sends.iter_mut().map(|r| (&mut r.count, r.address_stride)).collect()
+                } else {
+                    t.receives.iter_mut().map(|r| (&mut r.count, r.address_stride)).collect()
+                };
+                if let Some((c, _)) = runs.into_iter().find(|(c, stride)| **c >= 2 && *stride != 0) {
+                    *c = count;
+                    edited = Some((x.index, t.tile));
+                    break 'find;
+                }
+            }
+        }
+        let (phase, tile) = edited.unwrap_or_else(|| panic!("the small encoder has a strided {kind} run"));
+        let mut p = package.clone();
+        programs.write(&mut p).unwrap();
+        let error = match ipuq::runtime::execute(&p, &inputs, &options) {
+            Ok(_) => panic!("a {kind} run of {count} entries on tile {tile} in phase {phase} ran"),
+            Err(e) => e.to_string(),
+        };
+        assert!(error.contains(&format!("a {kind} run of {count} entries spans")) && error.contains("not one buffer"), "{error}");
+        eprintln!("refused: {error}");
+    }
+}
+
 /// Regression (`structurally_mutated_packages_never_panic_the_device` at
 /// `IPUQ_FUZZ_SCALE=300`, session 40, case 6309): a matrix product mutated to zero output
 /// columns with its output at address 0. The empty operand passed the checks (an empty extent

@@ -10,7 +10,9 @@
 //! - each receive starting at cycle `c` from `source` is covered, word for word, by sends of
 //!   `source` that start at `c - delay(source, tile)`, of the same width, back to back;
 //! - every entry is word aligned (paired: even words, 8-byte aligned) and lies in tensor storage
-//!   that is live at the phase's step;
+//!   that is live at the phase's step; a run descriptor's entries lie in one such buffer, which
+//!   is checked on the descriptor before it is expanded (`check_runs`: a run is the format's
+//!   rows of one buffer, and a hostile count must not cost an expansion first);
 //! - the byte rules (overlapping receive writes, read-after-write hazards, unreceived sends)
 //!   live in `rules.rs`.
 //!
@@ -23,6 +25,7 @@
 use std::collections::BTreeMap;
 
 use ipuq_queries::package::{ExchangePhase, SendEntry, TileExchange};
+use ipuq_queries::tables::PackedPhase;
 use ipuq_queries::target::Target;
 use rayon::prelude::*;
 
@@ -129,6 +132,39 @@ fn check_port(phase: u32, port: &str, ports: BTreeMap<u32, Vec<PortUse>>) -> Res
 /// Check a phase's tables against the target and the tiles' allocations, and plan its moves.
 /// `slots[tile]` is the memory index of each loaded tile.
 /// `steps` are the program steps that run the phase: every entry must lie in storage live then.
+/// The run descriptors of a packed phase, before the device expands them: each run's entries,
+/// from its lowest address to its highest entry's end (a stride read as signed, the compact
+/// tables' wrapping form of a descending run), lie in one tensor buffer of the tile that is
+/// live at the phase's steps, as the package format defines a run (its rows of one buffer,
+/// `tables.rs`). Every entry is checked again after expansion (`check_phase`); this check makes
+/// a hostile count (up to `MAX_PHASE_ENTRIES`) an error at once instead of an expansion, a sort
+/// and a check of millions of entries first.
+pub fn check_runs(packed: &PackedPhase, slots: &[Option<usize>], memories: &[TileMemory], labels: &[String], steps: &[u32]) -> Result<(), DeviceError> {
+    let fail = |tile: u32, cycle: u32, message: String| DeviceError::Exchange { phase: packed.index, tile, cycle: cycle as u64, message };
+    for t in &packed.tiles {
+        let Some(slot) = slots.get(t.tile as usize).copied().flatten() else {
+            return Err(fail(t.tile, 0, "tile has exchange tables but is not in the package".into()));
+        };
+        let memory = &memories[slot];
+        let sends = t.sends.iter().map(|r| ("send", r.cycle, r.address, r.words, r.count, r.address_stride));
+        let receives = t.receives.iter().map(|r| ("receive", r.cycle, r.address, r.words, r.count, r.address_stride));
+        for (kind, cycle, address, words, count, stride) in sends.chain(receives) {
+            if count < 2 {
+                continue;
+            }
+            let last = address as i64 + (count as i64 - 1) * stride as i32 as i64;
+            let (low, high) = (last.min(address as i64), last.max(address as i64) + words as i64 * WORD_BYTES as i64);
+            if low < 0 || high > 1 << 32 {
+                return Err(fail(t.tile, cycle, format!("a {kind} run of {count} entries from {address:#x} by {} bytes leaves the 32-bit address space", stride as i32)));
+            }
+            memory
+                .check(low as u64, high as u64, Need::Tensor, steps, labels)
+                .map_err(|problem| fail(t.tile, cycle, format!("a {kind} run of {count} entries spans [{low:#x}, {high:#x}), which is not one buffer: it {problem}")))?;
+        }
+    }
+    Ok(())
+}
+
 pub fn check_phase(
     target: &Target,
     phase: &ExchangePhase,

@@ -243,10 +243,11 @@ impl Device for Simulator {
             .into_par_iter()
             .map(|(_, mut packed)| {
                 packed.tiles.sort_by_key(|t| t.tile);
+                let steps = phase_steps.get(&packed.index).unwrap_or(&no_steps);
+                exchange::check_runs(&packed, &slots, &memories, labels, steps)?;
                 // The device executes the run descriptors: it expands them itself.
                 let phase = &tables::unpack_phase(&packed, tables::MAX_PHASE_ENTRIES)
                     .map_err(|(tile, message)| DeviceError::Exchange { phase: packed.index, tile, cycle: 0, message: format!("exchange table: {message}") })?;
-                let steps = phase_steps.get(&phase.index).unwrap_or(&no_steps);
                 let plan = exchange::check_phase(target, phase, &slots, &memories, labels, steps)?;
                 elements::check(target, phase)?;
                 Ok((phase.index, plan))
