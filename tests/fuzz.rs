@@ -433,6 +433,44 @@ fn a_run_longer_than_its_buffer_is_refused_before_it_is_expanded() {
     }
 }
 
+/// A run whose own entries collide, with a hostile count and no address stride (its span stays
+/// in its buffer): refused on the descriptor as well, by the rule its expanded entries would
+/// break (consecutive sends on one port at once; receives writing the same bytes).
+#[test]
+fn runs_whose_entries_collide_are_refused_before_they_are_expanded() {
+    let (package, inputs) = package_of("fixtures/workloads/siglip-encoder-f16-b1-t5-d256-h4-m96-l1.toml");
+    let options = ipuq::runtime::RunOptions::default();
+    let count = (1u32 << 24) - 1;
+    for (kind, cycle_stride, expected) in [("send", 0, "overlap on the tile's send port"), ("receive", 1 << 20, "write the same bytes")] {
+        let mut programs = ipuq_queries::image::Programs::of(&package).unwrap();
+        let mut edited = false;
+        'find: for x in &mut programs.exchanges {
+            for t in &mut x.tiles {
+                if kind == "send" {
+                    if let Some(r) = t.sends.iter_mut().find(|r| r.count >= 2) {
+                        (r.count, r.cycle_stride, r.address_stride) = (count, cycle_stride, 0);
+                        edited = true;
+                        break 'find;
+                    }
+                } else if let Some(r) = t.receives.iter_mut().find(|r| r.count >= 2) {
+                    (r.count, r.cycle_stride, r.address_stride) = (count, cycle_stride, 0);
+                    edited = true;
+                    break 'find;
+                }
+            }
+        }
+        assert!(edited, "the small encoder has a {kind} run");
+        let mut p = package.clone();
+        programs.write(&mut p).unwrap();
+        let error = match ipuq::runtime::execute(&p, &inputs, &options) {
+            Ok(_) => panic!("a {kind} run of {count} colliding entries ran"),
+            Err(e) => e.to_string(),
+        };
+        assert!(error.contains(&format!("a {kind} run of {count} entries")) && error.contains(expected), "{error}");
+        eprintln!("refused: {error}");
+    }
+}
+
 /// Regression (`structurally_mutated_packages_never_panic_the_device` at
 /// `IPUQ_FUZZ_SCALE=300`, session 40, case 6309): a matrix product mutated to zero output
 /// columns with its output at address 0. The empty operand passed the checks (an empty extent

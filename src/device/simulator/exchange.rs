@@ -132,25 +132,53 @@ fn check_port(phase: u32, port: &str, ports: BTreeMap<u32, Vec<PortUse>>) -> Res
 /// Check a phase's tables against the target and the tiles' allocations, and plan its moves.
 /// `slots[tile]` is the memory index of each loaded tile.
 /// `steps` are the program steps that run the phase: every entry must lie in storage live then.
-/// The run descriptors of a packed phase, before the device expands them: each run's entries,
-/// from its lowest address to its highest entry's end (a stride read as signed, the compact
-/// tables' wrapping form of a descending run), lie in one tensor buffer of the tile that is
-/// live at the phase's steps, as the package format defines a run (its rows of one buffer,
-/// `tables.rs`). Every entry is checked again after expansion (`check_phase`); this check makes
-/// a hostile count (up to `MAX_PHASE_ENTRIES`) an error at once instead of an expansion, a sort
-/// and a check of millions of entries first.
-pub fn check_runs(packed: &PackedPhase, slots: &[Option<usize>], memories: &[TileMemory], labels: &[String], steps: &[u32]) -> Result<(), DeviceError> {
+/// Cycles one entry of `words` words holds its port: at `per_cycle` words a cycle, or the
+/// paired rate for a paired entry.
+fn entry_cycles(target: &Target, words: u32, paired: bool, per_cycle: u32) -> u64 {
+    let rate = if paired { target.exchange.paired_words_per_cycle } else { per_cycle };
+    (words as u64).div_ceil(rate.max(1) as u64)
+}
+
+/// The run descriptors of a packed phase, before the device expands them:
+/// - each run's entries, from its lowest address to its highest entry's end (a stride read as
+///   signed, the compact tables' wrapping form of a descending run), lie in one tensor buffer
+///   of the tile that is live at the phase's steps, as the package format defines a run (its
+///   rows of one buffer, `tables.rs`);
+/// - and a run's own entries break none of the rules `check_phase` applies to any two entries
+///   of a tile: none is empty, consecutive ones do not overlap on the tile's port (the cycle
+///   stride is at least one entry's duration), and a receive run's entries write no byte twice
+///   (its address stride, either way, is at least one entry's bytes).
+///
+/// Every entry is checked again after expansion (`check_phase`), so these reject exactly
+/// tables that would be rejected anyway; they make a hostile count (up to
+/// `MAX_PHASE_ENTRIES`; a larger one is `unpack_phase`'s error) an error at once instead of an
+/// expansion, a sort and a check of millions of entries first.
+pub fn check_runs(target: &Target, packed: &PackedPhase, slots: &[Option<usize>], memories: &[TileMemory], labels: &[String], steps: &[u32]) -> Result<(), DeviceError> {
     let fail = |tile: u32, cycle: u32, message: String| DeviceError::Exchange { phase: packed.index, tile, cycle: cycle as u64, message };
     for t in &packed.tiles {
         let Some(slot) = slots.get(t.tile as usize).copied().flatten() else {
             return Err(fail(t.tile, 0, "tile has exchange tables but is not in the package".into()));
         };
         let memory = &memories[slot];
-        let sends = t.sends.iter().map(|r| ("send", r.cycle, r.address, r.words, r.count, r.address_stride));
-        let receives = t.receives.iter().map(|r| ("receive", r.cycle, r.address, r.words, r.count, r.address_stride));
-        for (kind, cycle, address, words, count, stride) in sends.chain(receives) {
-            if count < 2 {
+        let x = &target.exchange;
+        let sends = t.sends.iter().map(|r| ("send", r.cycle, r.address, r.words, r.paired, r.count, r.cycle_stride, r.address_stride, x.send_words_per_cycle));
+        let receives = t.receives.iter().map(|r| ("receive", r.cycle, r.address, r.words, r.paired, r.count, r.cycle_stride, r.address_stride, x.receive_words_per_cycle));
+        for (kind, cycle, address, words, paired, count, cycle_stride, stride, per_cycle) in sends.chain(receives) {
+            // A count past what a phase may expand is refused by `unpack_phase` by that reason,
+            // before it expands anything of that run.
+            if count < 2 || count as u64 > ipuq_queries::tables::MAX_PHASE_ENTRIES {
                 continue;
+            }
+            if words == 0 {
+                return Err(fail(t.tile, cycle, format!("a {kind} run of {count} empty entries")));
+            }
+            let cycles = entry_cycles(target, words, paired, per_cycle);
+            if (cycle_stride as u64) < cycles {
+                return Err(fail(t.tile, cycle, format!("a {kind} run of {count} entries {cycle_stride} cycles apart, each {cycles} cycles long: its entries overlap on the tile's {kind} port")));
+            }
+            let bytes = words as i64 * WORD_BYTES as i64;
+            if kind == "receive" && (stride as i32 as i64).abs() < bytes {
+                return Err(fail(t.tile, cycle, format!("a receive run of {count} entries {} bytes apart, each writing {bytes} bytes: its entries write the same bytes", stride as i32)));
             }
             let last = address as i64 + (count as i64 - 1) * stride as i32 as i64;
             let (low, high) = (last.min(address as i64), last.max(address as i64) + words as i64 * WORD_BYTES as i64);
@@ -176,10 +204,7 @@ pub fn check_phase(
     let x = &target.exchange;
     let index = phase.index;
     let fail = |tile: u32, cycle: u64, message: String| DeviceError::Exchange { phase: index, tile, cycle, message };
-    let duration = |words: u32, paired: bool, per_cycle: u32| {
-        let rate = if paired { x.paired_words_per_cycle } else { per_cycle };
-        (words as u64).div_ceil(rate.max(1) as u64)
-    };
+    let duration = |words: u32, paired: bool, per_cycle: u32| entry_cycles(target, words, paired, per_cycle);
     let send_cycles = |e: &SendEntry| duration(e.words, e.paired, x.send_words_per_cycle);
     let slot_of = |tile: u32| slots.get(tile as usize).copied().flatten();
 

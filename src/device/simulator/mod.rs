@@ -244,7 +244,7 @@ impl Device for Simulator {
             .map(|(_, mut packed)| {
                 packed.tiles.sort_by_key(|t| t.tile);
                 let steps = phase_steps.get(&packed.index).unwrap_or(&no_steps);
-                exchange::check_runs(&packed, &slots, &memories, labels, steps)?;
+                exchange::check_runs(target, &packed, &slots, &memories, labels, steps)?;
                 // The device executes the run descriptors: it expands them itself.
                 let phase = &tables::unpack_phase(&packed, tables::MAX_PHASE_ENTRIES)
                     .map_err(|(tile, message)| DeviceError::Exchange { phase: packed.index, tile, cycle: 0, message: format!("exchange table: {message}") })?;
