@@ -10,9 +10,10 @@
 //! - each receive starting at cycle `c` from `source` is covered, word for word, by sends of
 //!   `source` that start at `c - delay(source, tile)`, of the same width, back to back;
 //! - every entry is word aligned (paired: even words, 8-byte aligned) and lies in tensor storage
-//!   that is live at the phase's step; a run descriptor's entries lie in one such buffer, which
-//!   is checked on the descriptor before it is expanded (`check_runs`: a run is the format's
-//!   rows of one buffer, and a hostile count must not cost an expansion first);
+//!   that is live at the phase's step; a run descriptor's entries lie in one such buffer, and
+//!   its own entries break none of these rules among themselves, which is checked on the
+//!   descriptor before it is expanded (`check_runs`: a run is the format's rows of one buffer,
+//!   and a hostile count must not cost an expansion first);
 //! - the byte rules (overlapping receive writes, read-after-write hazards, unreceived sends)
 //!   live in `rules.rs`.
 //!
@@ -129,9 +130,6 @@ fn check_port(phase: u32, port: &str, ports: BTreeMap<u32, Vec<PortUse>>) -> Res
     Ok(())
 }
 
-/// Check a phase's tables against the target and the tiles' allocations, and plan its moves.
-/// `slots[tile]` is the memory index of each loaded tile.
-/// `steps` are the program steps that run the phase: every entry must lie in storage live then.
 /// Cycles one entry of `words` words holds its port: at `per_cycle` words a cycle, or the
 /// paired rate for a paired entry.
 fn entry_cycles(target: &Target, words: u32, paired: bool, per_cycle: u32) -> u64 {
@@ -193,6 +191,9 @@ pub fn check_runs(target: &Target, packed: &PackedPhase, slots: &[Option<usize>]
     Ok(())
 }
 
+/// Check a phase's tables against the target and the tiles' allocations, and plan its moves.
+/// `slots[tile]` is the memory index of each loaded tile.
+/// `steps` are the program steps that run the phase: every entry must lie in storage live then.
 pub fn check_phase(
     target: &Target,
     phase: &ExchangePhase,
