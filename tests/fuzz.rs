@@ -392,6 +392,32 @@ fn an_output_shape_larger_than_its_segments_is_refused_before_allocating() {
     }
 }
 
+/// The device's error for the small encoder's package with the first `kind` ("send" or
+/// "receive") run descriptor that `pick` accepts, by (count, address stride), edited by `edit`
+/// (count, cycle stride, address stride) in the decoded tables.
+fn error_with_run_edited(kind: &str, pick: impl Fn(u32, u32) -> bool, edit: impl Fn(&mut u32, &mut u32, &mut u32)) -> String {
+    let (package, inputs) = package_of("fixtures/workloads/siglip-encoder-f16-b1-t5-d256-h4-m96-l1.toml");
+    let mut programs = ipuq_queries::image::Programs::of(&package).unwrap();
+    let found = programs.exchanges.iter_mut().flat_map(|x| x.tiles.iter_mut()).find_map(|t| {
+        let mut runs: Vec<(&mut u32, &mut u32, &mut u32)> = if kind == "send" {
+            t.sends.iter_mut().map(|r| (&mut r.count, &mut r.cycle_stride, &mut r.address_stride)).collect()
+        } else {
+            t.receives.iter_mut().map(|r| (&mut r.count, &mut r.cycle_stride, &mut r.address_stride)).collect()
+        };
+        let i = runs.iter().position(|(c, _, s)| pick(**c, **s))?;
+        let (c, cs, s) = runs.swap_remove(i);
+        edit(c, cs, s);
+        Some(())
+    });
+    assert!(found.is_some(), "the small encoder has the {kind} run asked for");
+    let mut p = package.clone();
+    programs.write(&mut p).unwrap();
+    match ipuq::runtime::execute(&p, &inputs, &ipuq::runtime::RunOptions::default()) {
+        Ok(_) => panic!("the package with the {kind} run edited ran"),
+        Err(e) => e.to_string(),
+    }
+}
+
 /// Regression (cargo-fuzz `package_device`, session 67, kept in
 /// `fuzz/regressions/package_device/`): one flipped byte made a send run of the small encoder's
 /// package 16,515,075 entries long (within `MAX_PHASE_ENTRIES`) by 16 bytes, in a table segment
@@ -401,33 +427,9 @@ fn an_output_shape_larger_than_its_segments_is_refused_before_allocating() {
 /// the error names the run. Sends and receives alike.
 #[test]
 fn a_run_longer_than_its_buffer_is_refused_before_it_is_expanded() {
-    let (package, inputs) = package_of("fixtures/workloads/siglip-encoder-f16-b1-t5-d256-h4-m96-l1.toml");
-    let options = ipuq::runtime::RunOptions::default();
     let count = (1u32 << 24) - 1;
     for kind in ["send", "receive"] {
-        let mut programs = ipuq_queries::image::Programs::of(&package).unwrap();
-        let mut edited = None;
-        'find: for x in &mut programs.exchanges {
-            for t in &mut x.tiles {
-                let runs: Vec<(&mut u32, u32)> = if kind == "send" {
-                    t.sends.iter_mut().map(|r| (&mut r.count, r.address_stride)).collect()
-                } else {
-                    t.receives.iter_mut().map(|r| (&mut r.count, r.address_stride)).collect()
-                };
-                if let Some((c, _)) = runs.into_iter().find(|(c, stride)| **c >= 2 && *stride != 0) {
-                    *c = count;
-                    edited = Some((x.index, t.tile));
-                    break 'find;
-                }
-            }
-        }
-        let (phase, tile) = edited.unwrap_or_else(|| panic!("the small encoder has a strided {kind} run"));
-        let mut p = package.clone();
-        programs.write(&mut p).unwrap();
-        let error = match ipuq::runtime::execute(&p, &inputs, &options) {
-            Ok(_) => panic!("a {kind} run of {count} entries on tile {tile} in phase {phase} ran"),
-            Err(e) => e.to_string(),
-        };
+        let error = error_with_run_edited(kind, |c, stride| c >= 2 && stride != 0, |c, _, _| *c = count);
         assert!(error.contains(&format!("a {kind} run of {count} entries spans")) && error.contains("not one buffer"), "{error}");
         eprintln!("refused: {error}");
     }
@@ -438,34 +440,9 @@ fn a_run_longer_than_its_buffer_is_refused_before_it_is_expanded() {
 /// break (consecutive sends on one port at once; receives writing the same bytes).
 #[test]
 fn runs_whose_entries_collide_are_refused_before_they_are_expanded() {
-    let (package, inputs) = package_of("fixtures/workloads/siglip-encoder-f16-b1-t5-d256-h4-m96-l1.toml");
-    let options = ipuq::runtime::RunOptions::default();
     let count = (1u32 << 24) - 1;
     for (kind, cycle_stride, expected) in [("send", 0, "overlap on the tile's send port"), ("receive", 1 << 20, "write the same bytes")] {
-        let mut programs = ipuq_queries::image::Programs::of(&package).unwrap();
-        let mut edited = false;
-        'find: for x in &mut programs.exchanges {
-            for t in &mut x.tiles {
-                if kind == "send" {
-                    if let Some(r) = t.sends.iter_mut().find(|r| r.count >= 2) {
-                        (r.count, r.cycle_stride, r.address_stride) = (count, cycle_stride, 0);
-                        edited = true;
-                        break 'find;
-                    }
-                } else if let Some(r) = t.receives.iter_mut().find(|r| r.count >= 2) {
-                    (r.count, r.cycle_stride, r.address_stride) = (count, cycle_stride, 0);
-                    edited = true;
-                    break 'find;
-                }
-            }
-        }
-        assert!(edited, "the small encoder has a {kind} run");
-        let mut p = package.clone();
-        programs.write(&mut p).unwrap();
-        let error = match ipuq::runtime::execute(&p, &inputs, &options) {
-            Ok(_) => panic!("a {kind} run of {count} colliding entries ran"),
-            Err(e) => e.to_string(),
-        };
+        let error = error_with_run_edited(kind, |c, _| c >= 2, |c, cs, s| (*c, *cs, *s) = (count, cycle_stride, 0));
         assert!(error.contains(&format!("a {kind} run of {count} entries")) && error.contains(expected), "{error}");
         eprintln!("refused: {error}");
     }

@@ -19,7 +19,8 @@
 //! operation whose phase holds most of the bytes on the overflowing tile is steered away from
 //! its plan (`select::steer_away`: half the pieces along one free axis) and only that
 //! finalist's program is lowered again, in its own orientation (`search::lower_feasible`,
-//! which makes it fit tile memory), instead of planning the whole program again; repeated until it fits or nothing is left to steer.
+//! which makes it fit tile memory), instead of planning the whole program again; repeated
+//! until it fits or nothing is left to steer.
 //! Once a finalist is kept, a later one over the budget is dropped rather than steered (each
 //! steer lowers a whole program again; select_finalist would drop it unsteered). When no
 //! finalist can be brought within the budget, the best one is handed on as planned

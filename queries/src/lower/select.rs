@@ -141,10 +141,10 @@ pub const EXACT_COST_MARGIN_PERCENT: u64 = 5;
 /// table bytes `lower_mid`'s screen found when it has them), with whether the budget is a
 /// user's hard one (else a finalist over it is kept where it places with its tables), and
 /// `keep_sizing` is told of its support memory with the program's digest (the pipeline
-/// memoizes it, so that the stage
-/// `size_tile_code` finds the chosen finalist's sizing done), and `keep_placement` of each
-/// finalist's baseline placement with its program's digest and code bytes (the pipeline
-/// memoizes it, so that the stage `place_storage` finds the chosen finalist's placement done).
+/// memoizes it, so that the stage `size_tile_code` finds the chosen finalist's sizing done),
+/// and `keep_placement` of each finalist's baseline placement with its program's digest and
+/// code bytes (the pipeline memoizes it, so that the stage `place_storage` finds the chosen
+/// finalist's placement done).
 /// `optimize`, `keep_sizing` and `keep_placement` get the program's digest, from `digest`
 /// (computed once per finalist costed, given the finalist's index, beside its sizing).
 #[allow(clippy::too_many_arguments)] // one closure per pipeline memo it feeds
@@ -260,8 +260,9 @@ pub fn select_finalist(
 /// compiler's budget where they exceed it (named in a placement failure). Infeasible when the
 /// program does not place with its code (blaming the product that owns the buffer that does
 /// not fit), or (blaming the plan of the phase at fault, `Lowered::phase_plans`) when
-/// memory-element conflicts remain after the exchange-placement stage's own search (run here only where the placement has conflicts),
-/// since the device rejects a tile sending from and receiving into one element in a cycle.
+/// memory-element conflicts remain after the exchange-placement stage's own search (run here
+/// only where the placement has conflicts), since the device rejects a tile sending from and
+/// receiving into one element in a cycle.
 #[allow(clippy::too_many_arguments)]
 fn cost_placed(
     target: &Target,

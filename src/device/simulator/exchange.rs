@@ -153,12 +153,12 @@ fn entry_cycles(target: &Target, words: u32, paired: bool, per_cycle: u32) -> u6
 /// expansion, a sort and a check of millions of entries first.
 pub fn check_runs(target: &Target, packed: &PackedPhase, slots: &[Option<usize>], memories: &[TileMemory], labels: &[String], steps: &[u32]) -> Result<(), DeviceError> {
     let fail = |tile: u32, cycle: u32, message: String| DeviceError::Exchange { phase: packed.index, tile, cycle: cycle as u64, message };
+    let x = &target.exchange;
     for t in &packed.tiles {
         let Some(slot) = slots.get(t.tile as usize).copied().flatten() else {
             return Err(fail(t.tile, 0, "tile has exchange tables but is not in the package".into()));
         };
         let memory = &memories[slot];
-        let x = &target.exchange;
         let sends = t.sends.iter().map(|r| ("send", r.cycle, r.address, r.words, r.paired, r.count, r.cycle_stride, r.address_stride, x.send_words_per_cycle));
         let receives = t.receives.iter().map(|r| ("receive", r.cycle, r.address, r.words, r.paired, r.count, r.cycle_stride, r.address_stride, x.receive_words_per_cycle));
         for (kind, cycle, address, words, paired, count, cycle_stride, stride, per_cycle) in sends.chain(receives) {
@@ -179,7 +179,7 @@ pub fn check_runs(target: &Target, packed: &PackedPhase, slots: &[Option<usize>]
                 return Err(fail(t.tile, cycle, format!("a receive run of {count} entries {} bytes apart, each writing {bytes} bytes: its entries write the same bytes", stride as i32)));
             }
             let last = address as i64 + (count as i64 - 1) * stride as i32 as i64;
-            let (low, high) = (last.min(address as i64), last.max(address as i64) + words as i64 * WORD_BYTES as i64);
+            let (low, high) = (last.min(address as i64), last.max(address as i64) + bytes);
             if low < 0 || high > 1 << 32 {
                 return Err(fail(t.tile, cycle, format!("a {kind} run of {count} entries from {address:#x} by {} bytes leaves the 32-bit address space", stride as i32)));
             }
