@@ -3,16 +3,24 @@
 //! operation in program order (`--operations`).
 //!
 //! Each operation owns the program steps after the previous operation's checkpoint up to and
-//! including its own (`Checkpoint::after_step`). Where the lowering put an operation's calls
-//! into the compute set of the operation before it (an elementwise pass over a product's
-//! output cells, no exchange between), those calls' cycles count with that earlier
-//! operation: this split is by superstep, not by call. Efficiency is the matrix-product FLOPs
-//! of the kind over the kind's cycles at the chip's peak (all tiles).
+//! including its own (`Checkpoint::after_step`): their exchange cycles are its. A compute
+//! step's cycles are split by call, since the lowering runs one operation's calls in another's
+//! compute set where no exchange lies between (a product's matrix calls beside the reduction
+//! of the product before it, a LayerNorm's statistics beside the residual add they read): on
+//! the step's slowest tile, which sets the step's length, each call's cycles by the target's
+//! formulas (`cost::vertex`, as the simulator prices it) go to the operation whose buffer the
+//! call writes (its allocation's label, a value of the workload or one with a suffix such as
+//! `.partials`), and the step's cycles are shared in those proportions. Copies (a gathered
+//! block staged, an operand laid out in panels, a transposed write-out) and calls whose buffer
+//! names no operation with a row count with the operation owning the step. Efficiency is the
+//! matrix-product FLOPs of the kind over the kind's cycles at the chip's peak (all tiles).
 
 use std::fmt;
 
+use ipuq_queries::cost;
+use ipuq_queries::image;
 use ipuq_queries::ir::{split3, Graph, OpKind, Producer};
-use ipuq_queries::package::{Package, Step};
+use ipuq_queries::package::{Operand, Package, Step, VertexCall};
 use ipuq_queries::target::Target;
 
 use crate::device::Timeline;
@@ -63,25 +71,30 @@ fn split(package: &Package, timeline: &Timeline, per_operation: bool) -> Result<
     let mut rows: Vec<KindRow> = Vec::new();
     let mut first = 0usize;
     let checkpointed: std::collections::BTreeSet<u32> = checkpoints.iter().map(|c| c.1).collect();
+    // The row each compute step belongs to by checkpoints, and each operation's row.
+    let mut step_row: Vec<Option<usize>> = vec![None; timeline.steps.len()];
+    let mut row_of_operation: std::collections::HashMap<usize, usize> = std::collections::HashMap::new();
     for (after, operation) in checkpoints {
         let op = graph.operations.get(operation as usize).ok_or_else(|| format!("checkpoint of operation {operation}, which the workload lacks"))?;
         // An add folded into a product's epilogue: its checkpoint closes the product's steps
         // (the product has none of its own), so they count as the product's.
         let folded_product = match op.kind {
             OpKind::BiasAdd | OpKind::Add => op.inputs.iter().find_map(|&v| match graph.value(v).producer {
-                Producer::Operation(i) if !checkpointed.contains(&(i as u32)) && matches!(graph.operations[i].kind, OpKind::MatMul { .. }) => Some(&graph.operations[i]),
+                Producer::Operation(i) if !checkpointed.contains(&(i as u32)) && matches!(graph.operations[i].kind, OpKind::MatMul { .. }) => Some(i),
                 _ => None,
             }),
             _ => None,
         };
-        let op = folded_product.unwrap_or(op);
+        let op = folded_product.map_or(op, |i| &graph.operations[i]);
         // A softmax whose normalisation the product reading it applies has no checkpoint (its
         // probabilities never exist on the device): its steps close with the product's.
-        let deferred_softmax = matches!(op.kind, OpKind::MatMul { .. })
-            && matches!(graph.value(op.inputs[0]).producer, Producer::Operation(i) if !checkpointed.contains(&(i as u32)) && matches!(graph.operations[i].kind, OpKind::Softmax));
+        let deferred_softmax = match graph.value(op.inputs[0]).producer {
+            Producer::Operation(i) if matches!(op.kind, OpKind::MatMul { .. }) && !checkpointed.contains(&(i as u32)) && matches!(graph.operations[i].kind, OpKind::Softmax) => Some(i),
+            _ => None,
+        };
         let kind = match &op.kind {
             OpKind::Softmax => "softmax (scale folded in)".to_string(),
-            OpKind::MatMul { .. } if deferred_softmax => "softmax (normalisation deferred) + matmul".to_string(),
+            OpKind::MatMul { .. } if deferred_softmax.is_some() => "softmax (normalisation deferred) + matmul".to_string(),
             k => k.name().to_string(),
         };
         let last = (after as usize + 1).min(timeline.steps.len());
@@ -113,13 +126,25 @@ fn split(package: &Package, timeline: &Timeline, per_operation: bool) -> Result<
             let n = if transpose_b { b.1 } else { b.2 };
             row.flops += 2 * batches as u64 * m as u64 * k as u64 * n as u64;
         }
-        for &(step, cycles) in &timeline.steps[first.min(last)..last] {
+        for (s, &(step, cycles)) in timeline.steps.iter().enumerate().take(last).skip(first.min(last)) {
             match step {
-                Step::Compute { .. } => row.compute_cycles += cycles,
+                Step::Compute { .. } => step_row[s] = Some(at),
                 Step::Exchange { .. } => row.exchange_cycles += cycles,
             }
         }
+        // The operations whose buffers name this row: the checkpointed one, and the product
+        // or softmax whose steps it closes.
+        for i in [Some(operation as usize), folded_product, deferred_softmax].into_iter().flatten() {
+            row_of_operation.insert(i, at);
+        }
         first = first.max(last);
+    }
+    let programs = image::decode_package(package).map_err(|e| format!("{}: {e}", package.workload_name))?;
+    for (s, row) in step_row.iter().enumerate() {
+        let Some(row) = *row else { continue };
+        for (at, cycles) in split_compute_step(package, &programs, timeline, &graph, &target, &row_of_operation, s, row) {
+            rows[at].compute_cycles += cycles;
+        }
     }
     let total_cycles = timeline.steps.iter().map(|s| s.1).sum();
     let peak = target.compute.peak_flops_per_cycle as u64 * target.chip.tiles as u64;
@@ -128,6 +153,100 @@ fn split(package: &Package, timeline: &Timeline, per_operation: bool) -> Result<
         rows.sort_by(|a, b| (b.compute_cycles + b.exchange_cycles).cmp(&(a.compute_cycles + a.exchange_cycles)).then_with(|| a.kind.cmp(&b.kind)));
     }
     Ok(KindProfile { rows, per_operation, total_cycles, peak_flops_per_cycle: peak })
+}
+
+/// The buffer a call writes.
+fn written(call: &VertexCall) -> Operand {
+    match call {
+        VertexCall::MatMul { c, .. } => *c,
+        VertexCall::Reduce { out, .. } => *out,
+        VertexCall::LayerNormStatistics { statistics, .. } => *statistics,
+        VertexCall::Gelu { output, .. }
+        | VertexCall::Scale { output, .. }
+        | VertexCall::Add { output, .. }
+        | VertexCall::Softmax { output, .. }
+        | VertexCall::GeluErf { output, .. }
+        | VertexCall::BiasAdd { output, .. }
+        | VertexCall::LayerNorm { output, .. }
+        | VertexCall::Copy { output, .. }
+        | VertexCall::CopyWords { output, .. }
+        | VertexCall::CopyHalves { output, .. }
+        | VertexCall::Transpose { output, .. }
+        | VertexCall::LayerNormSegment { output, .. } => *output,
+    }
+}
+
+/// Compute step `s`'s cycles split over rows (module docs): on its slowest tile, each call's
+/// cycles to the row of the operation whose buffer it writes (`row` where none has one), the
+/// step's cycles shared in those proportions (rounded down, the remainder to the largest
+/// share), so the shares add up to the step's cycles.
+#[allow(clippy::too_many_arguments)]
+fn split_compute_step(
+    package: &Package,
+    programs: &[image::TileProgram],
+    timeline: &Timeline,
+    graph: &Graph,
+    target: &Target,
+    row_of_operation: &std::collections::HashMap<usize, usize>,
+    s: usize,
+    row: usize,
+) -> Vec<(usize, u64)> {
+    let (step, cycles) = timeline.steps[s];
+    let Step::Compute { index } = step else { return vec![] };
+    let tiles = timeline.tiles.len();
+    // The slowest tile (the first of equals).
+    let slowest = (0..tiles).fold(None::<(usize, u64)>, |best, slot| {
+        let c = timeline.record(s, slot).compute;
+        if best.is_none_or(|b| c > b.1) { Some((slot, c)) } else { best }
+    });
+    let calls = slowest.and_then(|(slot, _)| Some((slot, programs.get(slot)?.compute_sets.iter().find(|c| c.index == index)?)));
+    let mut shares: Vec<(usize, u64)> = Vec::new();
+    if let Some((slot, set)) = calls {
+        let image = &package.tiles[slot];
+        for call in &set.calls {
+            // A copy moves a block into the layout the step's operation reads (a gathered
+            // block staged, an operand panel): it counts with the step's owner.
+            let copy = matches!(call, VertexCall::Copy { .. } | VertexCall::CopyWords { .. } | VertexCall::CopyHalves { .. } | VertexCall::Transpose { .. });
+            let address = written(call).address;
+            // The buffer live at this step that holds the written address (the latest begun).
+            let owner = (!copy)
+                .then(|| image.allocations.iter().filter(|a| a.start <= address && address < a.end && a.live_at(s as u32)).max_by_key(|a| a.first_step))
+                .flatten()
+                .and_then(|a| package.labels.get(a.label as usize))
+                .and_then(|label| operation_of(graph, label))
+                .and_then(|op| row_of_operation.get(&op).copied())
+                .unwrap_or(row);
+            let c = cost::vertex(target, call);
+            match shares.iter_mut().find(|x| x.0 == owner) {
+                Some(x) => x.1 += c,
+                None => shares.push((owner, c)),
+            }
+        }
+    }
+    let total: u64 = shares.iter().map(|x| x.1).sum();
+    if total == 0 {
+        return vec![(row, cycles)];
+    }
+    let mut split: Vec<(usize, u64)> = shares.iter().map(|&(r, c)| (r, (cycles as u128 * c as u128 / total as u128) as u64)).collect();
+    let remainder = cycles - split.iter().map(|x| x.1).sum::<u64>();
+    let largest = (0..shares.len()).fold(0, |b, i| if shares[i].1 > shares[b].1 { i } else { b });
+    split[largest].1 += remainder;
+    split
+}
+
+/// The operation producing the value an allocation label names: the label itself, or with
+/// its last `.suffix`es taken off (`l0.q.partials`, `l0.ln1.statistics`).
+fn operation_of(graph: &Graph, label: &str) -> Option<usize> {
+    let mut name = label;
+    loop {
+        if let Some(v) = graph.find(name) {
+            return match graph.value(v).producer {
+                Producer::Operation(i) => Some(i),
+                Producer::Tensor { .. } => None,
+            };
+        }
+        name = name.rsplit_once('.')?.0;
+    }
 }
 
 impl fmt::Display for KindProfile {

@@ -144,6 +144,27 @@ fn heads_of_any_width_copy_in_words_or_halves_and_match_the_host_reference() {
     }
 }
 
+/// One row of `ipuq profile … --operations`.
+struct OperationRow {
+    name: String,
+    cycles: u64,
+    compute: u64,
+    /// Percent of peak; none for rows without matrix products.
+    efficiency: Option<f64>,
+}
+
+fn operation_rows(stdout: &str) -> Vec<OperationRow> {
+    stdout
+        .lines()
+        .filter(|l| l.starts_with("| l") || l.starts_with("| last_hidden_state"))
+        .map(|l| {
+            let cells: Vec<&str> = l.split('|').map(str::trim).collect();
+            let efficiency = cells[7].strip_suffix(" %").map(|e| e.parse().unwrap());
+            OperationRow { name: cells[1].to_string(), cycles: cells[3].parse().unwrap(), compute: cells[5].parse().unwrap(), efficiency }
+        })
+        .collect()
+}
+
 #[test]
 fn the_generator_writes_a_named_pre_norm_encoder_that_runs() {
     let dir = tempfile::tempdir().unwrap();
@@ -176,23 +197,49 @@ fn the_generator_writes_a_named_pre_norm_encoder_that_runs() {
     // of the operation whose steps it runs in.
     let per = ipuq(&["profile", "out/execution.ipuprofile", "--package", "out/model.ipuexe", "--operations"], dir.path());
     assert_eq!(per.code, 0, "{}", per.stderr);
-    let rows: Vec<(&str, u64)> = per
-        .stdout
-        .lines()
-        .filter(|l| l.starts_with("| l") || l.starts_with("| last_hidden_state"))
-        .map(|l| {
-            let cells: Vec<&str> = l.split('|').map(str::trim).collect();
-            (cells[1], cells[3].parse().unwrap())
-        })
-        .collect();
-    assert!(rows.first().is_some_and(|r| r.0 == "l0.ln1 (layer_norm)") && rows.last().is_some_and(|r| r.0 == "last_hidden_state (add)"), "{}", per.stdout);
-    assert!(rows.iter().any(|r| r.0 == "l1.mlp_up.product + l1.mlp_act (matmul)"), "{}", per.stdout);
-    assert_eq!(rows.iter().map(|r| r.1).sum::<u64>().to_string(), cycles, "{}", per.stdout);
+    let rows = operation_rows(&per.stdout);
+    assert!(rows.first().is_some_and(|r| r.name == "l0.ln1 (layer_norm)") && rows.last().is_some_and(|r| r.name == "last_hidden_state (add)"), "{}", per.stdout);
+    assert!(rows.iter().any(|r| r.name == "l1.mlp_up.product + l1.mlp_act (matmul)"), "{}", per.stdout);
+    assert_eq!(rows.iter().map(|r| r.cycles).sum::<u64>().to_string(), cycles, "{}", per.stdout);
     assert!(per.stdout.contains(&format!("| all | | {cycles} | 100 % ({cycles} attributed)")), "{}", per.stdout);
     // A shape the family cannot take is refused with the parameter named.
     let out = ipuq(&["workload", "siglip-encoder", "--dim", "30", "--heads", "4"], dir.path());
     assert_eq!(out.code, 2, "{}", out.stderr);
     assert!(out.stderr.contains("4 heads do not divide the hidden width 30"), "{}", out.stderr);
+}
+
+
+#[test]
+fn the_profile_splits_a_compute_set_two_operations_share_by_their_calls() {
+    // Q, K and V constrained to the same plan with two inner partitions run one after the
+    // other (not side by side): K's products run in the compute set of Q's reduction, V's in
+    // K's. A split by superstep gave Q K's matrix calls and V only its reduction.
+    let dir = tempfile::tempdir().unwrap();
+    let out = ipuq(&["workload", "siglip-encoder", "--layers", "1", "--tokens", "9", "--dim", "32", "--heads", "4", "--hidden", "48", "-o", "enc.toml"], dir.path());
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let mut text = std::fs::read_to_string(dir.path().join("enc.toml")).unwrap().replacen("-l1\"", "-l1-qkv\"", 1);
+    for p in ["q", "k", "v"] {
+        text += &format!("\n[[constraint]]\noperation = \"l0.{p}.product\"\nrow_partitions = 4\ncolumn_partitions = 2\ninner_partitions = 2\n");
+    }
+    std::fs::write(dir.path().join("enc.toml"), text).unwrap();
+    let out = ipuq(&["run", "enc.toml", "--target", "small16", "-o", "out"], dir.path());
+    assert_pass(&out);
+    let cycles = field(&out.stdout, "workload=", "cycles").unwrap();
+    let per = ipuq(&["profile", "out/execution.ipuprofile", "--package", "out/model.ipuexe", "--operations"], dir.path());
+    assert_eq!(per.code, 0, "{}", per.stderr);
+    let rows = operation_rows(&per.stdout);
+    let compute = |name: &str| rows.iter().find(|r| r.name == name).unwrap_or_else(|| panic!("{name}: {}", per.stdout)).compute;
+    // The same plan on the same tiles: K and V compute alike, Q as much or more (its step also
+    // stages the LayerNorm's output).
+    let (q, k, v) = (compute("l0.q.product (matmul)"), compute("l0.k.product (matmul)"), compute("l0.v.product (matmul)"));
+    assert!(k > 0 && k == v && q >= k, "q {q}, k {k}, v {v}: {}", per.stdout);
+    assert!(rows.iter().all(|r| r.efficiency.is_none_or(|e| e <= 100.0)), "{}", per.stdout);
+    assert!(per.stdout.contains(&format!("| all | | {cycles} | 100 % ({cycles} attributed)")), "{}", per.stdout);
+    // By kind, the GELU that runs in the up product's reduction set has its own cycles.
+    let split = ipuq(&["profile", "out/execution.ipuprofile", "--package", "out/model.ipuexe"], dir.path());
+    let gelu = split.stdout.lines().find(|l| l.starts_with("| gelu |")).unwrap_or_else(|| panic!("{}", split.stdout));
+    assert!(gelu.split('|').nth(5).is_some_and(|c| c.trim().parse::<u64>().is_ok_and(|c| c > 0)), "{}", split.stdout);
+    assert!(split.stdout.contains(&format!("| all | | {cycles} | 100 % ({cycles} attributed)")), "{}", split.stdout);
 }
 
 #[test]
