@@ -495,6 +495,36 @@ fn run_mutants(package: &Package, inputs: &std::collections::BTreeMap<String, Ve
     outcomes
 }
 
+/// Regression (cargo-fuzz `package_device`, session 68, kept in
+/// `fuzz/regressions/package_device/`): a call whose operand has rows and columns near 2^32
+/// spans more than 2^64 bytes; the device's check that no operand spans more than a tile's
+/// memory multiplied its element count by its element bytes and overflowed (a panic in a
+/// build with overflow checks; a wrapped, passing size without them). Refused by name.
+#[test]
+fn operands_of_more_than_2_64_bytes_are_refused_not_overflowed() {
+    let (package, inputs) = small_package();
+    let mutants: [fn(&mut VertexCall) -> bool; 2] = [
+        |call| match call {
+            VertexCall::Gelu { rows, cols, .. } => {
+                (*rows, *cols) = (u32::MAX, u32::MAX);
+                true
+            }
+            _ => false,
+        },
+        |call| match call {
+            VertexCall::MatMul { m, k, .. } => {
+                (*m, *k) = (u32::MAX, u32::MAX);
+                true
+            }
+            _ => false,
+        },
+    ];
+    for outcome in run_mutants(&package, &inputs, &mutants) {
+        let error = outcome.err().unwrap_or_default();
+        assert!(error.contains(&format!("spans {} x {} elements, more than a tile's memory holds", u32::MAX, u32::MAX)), "{error}");
+    }
+}
+
 /// Regressions (`vertex_sizes_mutated_never_panic_the_device` at `IPUQ_FUZZ_SCALE=300`,
 /// session 40): LayerNorm statistics of a zero-column segment (the kernel wrote no records and
 /// the write read past them), a product of 2^32 - 1 rows at a row stride of 2^32 - 1 (its

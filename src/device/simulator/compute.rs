@@ -221,8 +221,9 @@ pub fn check_set(
             }
             // Rows may overlap (a stride below the row length re-reads memory), but a call never
             // handles more elements than a tile can hold: that bounds the host buffers too.
+            // (Rows and columns near 2^32 make more than 2^64 bytes: saturated, still refused.)
             let elements = access.rows as u64 * access.cols as u64;
-            if elements * access.element_bytes as u64 > m.size as u64 {
+            if elements.saturating_mul(access.element_bytes as u64) > m.size as u64 {
                 return Err(fail(format!("spans {} x {} elements, more than a tile's memory holds", access.rows, access.cols)));
             }
             if start % access.element_bytes as u64 != 0 {
