@@ -63,6 +63,9 @@ fn split(package: &Package, timeline: &Timeline, per_operation: bool) -> Result<
     if timeline.steps.len() != package.steps.len() {
         return Err(format!("the profile has {} steps, the package {}: not a run of this package", timeline.steps.len(), package.steps.len()));
     }
+    if !timeline.tiles.iter().copied().eq(package.tiles.iter().map(|t| t.tile)) {
+        return Err(format!("the profile's {} tiles are not the package's {}: not a run of this package", timeline.tiles.len(), package.tiles.len()));
+    }
     let graph = Graph::parse(&package.workload_toml, &package.workload_name).map_err(|e| e.to_string())?;
     let target = Target::from_toml(&package.target_toml, "package").map_err(|e| e.to_string())?;
     let mut checkpoints: Vec<(u32, u32)> = package.host.checkpoints.iter().map(|c| (c.after_step, c.operation)).collect();
@@ -199,10 +202,9 @@ fn split_compute_step(
         let c = timeline.record(s, slot).compute;
         if best.is_none_or(|b| c > b.1) { Some((slot, c)) } else { best }
     });
-    let calls = slowest.and_then(|(slot, _)| Some((slot, programs.get(slot)?.compute_sets.iter().find(|c| c.index == index)?)));
+    let calls = slowest.and_then(|(slot, _)| Some((package.tiles.get(slot)?, programs.get(slot)?.compute_sets.iter().find(|c| c.index == index)?)));
     let mut shares: Vec<(usize, u64)> = Vec::new();
-    if let Some((slot, set)) = calls {
-        let image = &package.tiles[slot];
+    if let Some((image, set)) = calls {
         for call in &set.calls {
             // A copy moves a block into the layout the step's operation reads (a gathered
             // block staged, an operand panel): it counts with the step's owner.
