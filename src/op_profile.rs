@@ -63,6 +63,9 @@ fn split(package: &Package, timeline: &Timeline, per_operation: bool) -> Result<
     if timeline.steps.len() != package.steps.len() {
         return Err(format!("the profile has {} steps, the package {}: not a run of this package", timeline.steps.len(), package.steps.len()));
     }
+    if !timeline.steps.iter().map(|s| s.0).eq(package.steps.iter().copied()) {
+        return Err("the profile's steps are not the package's compute sets and exchange phases: not a run of this package".into());
+    }
     if !timeline.tiles.iter().copied().eq(package.tiles.iter().map(|t| t.tile)) {
         return Err(format!("the profile's {} tiles are not the package's {}: not a run of this package", timeline.tiles.len(), package.tiles.len()));
     }
@@ -179,6 +182,27 @@ fn written(call: &VertexCall) -> Operand {
     }
 }
 
+/// A call's dimensions (rows, columns, inner size or segments).
+fn sizes(call: &VertexCall) -> [u32; 3] {
+    match call {
+        VertexCall::MatMul { m, k, n, .. } => [*m, *k, *n],
+        VertexCall::Reduce { rows, cols, parts, .. } => [*rows, *cols, parts.len().try_into().unwrap_or(u32::MAX)],
+        VertexCall::LayerNormSegment { rows, cols, segments, .. } => [*rows, *cols, *segments],
+        VertexCall::Gelu { rows, cols, .. }
+        | VertexCall::Scale { rows, cols, .. }
+        | VertexCall::Add { rows, cols, .. }
+        | VertexCall::Softmax { rows, cols, .. }
+        | VertexCall::GeluErf { rows, cols, .. }
+        | VertexCall::BiasAdd { rows, cols, .. }
+        | VertexCall::LayerNorm { rows, cols, .. }
+        | VertexCall::Copy { rows, cols, .. }
+        | VertexCall::CopyWords { rows, cols, .. }
+        | VertexCall::CopyHalves { rows, cols, .. }
+        | VertexCall::Transpose { rows, cols, .. }
+        | VertexCall::LayerNormStatistics { rows, cols, .. } => [*rows, *cols, 0],
+    }
+}
+
 /// Compute step `s`'s cycles split over rows (module docs): on its slowest tile, each call's
 /// cycles to the row of the operation whose buffer it writes (`row` where none has one), the
 /// step's cycles shared in those proportions (rounded down, the remainder to the largest
@@ -218,7 +242,9 @@ fn split_compute_step(
                 .and_then(|label| operation_of(graph, label))
                 .and_then(|op| row_of_operation.get(&op).copied())
                 .unwrap_or(row);
-            let c = cost::vertex(target, call);
+            // A call the device ran has no dimension past a tile's bytes; one that has (a
+            // package other than the run's) is not priced, its formulas' products could overflow.
+            let c = if sizes(call).iter().all(|&d| d <= target.memory.size) { cost::vertex(target, call) } else { 0 };
             match shares.iter_mut().find(|x| x.0 == owner) {
                 Some(x) => x.1 += c,
                 None => shares.push((owner, c)),
