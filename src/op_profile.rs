@@ -220,13 +220,9 @@ fn split_compute_step(
 ) -> Vec<(usize, u64)> {
     let (step, cycles) = timeline.steps[s];
     let Step::Compute { index } = step else { return vec![] };
-    let tiles = timeline.tiles.len();
     // The slowest tile (the first of equals).
-    let slowest = (0..tiles).fold(None::<(usize, u64)>, |best, slot| {
-        let c = timeline.record(s, slot).compute;
-        if best.is_none_or(|b| c > b.1) { Some((slot, c)) } else { best }
-    });
-    let calls = slowest.and_then(|(slot, _)| Some((package.tiles.get(slot)?, programs.get(slot)?.compute_sets.iter().find(|c| c.index == index)?)));
+    let slowest = (0..timeline.tiles.len()).max_by_key(|&slot| (timeline.record(s, slot).compute, std::cmp::Reverse(slot)));
+    let calls = slowest.and_then(|slot| Some((package.tiles.get(slot)?, programs.get(slot)?.compute_sets.iter().find(|c| c.index == index)?)));
     let mut shares: Vec<(usize, u64)> = Vec::new();
     if let Some((image, set)) = calls {
         for call in &set.calls {
@@ -257,7 +253,7 @@ fn split_compute_step(
     }
     let mut split: Vec<(usize, u64)> = shares.iter().map(|&(r, c)| (r, (cycles as u128 * c as u128 / total as u128) as u64)).collect();
     let remainder = cycles - split.iter().map(|x| x.1).sum::<u64>();
-    let largest = (0..shares.len()).fold(0, |b, i| if shares[i].1 > shares[b].1 { i } else { b });
+    let largest = (0..shares.len()).max_by_key(|&i| (shares[i].1, std::cmp::Reverse(i))).unwrap_or(0);
     split[largest].1 += remainder;
     split
 }
