@@ -1,6 +1,14 @@
 //! `ipuq inspect PACKAGE`: what a package holds, read through the same checks as `ipuq run`
 //! (header, checksum, archive validation), without running it; calls and exchange tables are
 //! decoded from the tile images, as the device decodes them.
+//!
+//! Each exchange phase also gets how busy the tiles' ports are (`port_use`): the cycles each
+//! tile's receive port and send port are held, at the package's target rates and by the
+//! simulator's port rules (one entry at a time; a paired entry moves two words a cycle and
+//! also holds the supertile partner's port, which only paired entries of the same stream may
+//! share), against the phase's horizon. A phase whose busiest port is far below its horizon
+//! waits on delays or on one tile; receive cycles left idle across the program are what a
+//! transfer moved into earlier phases (a weight prefetch) could use.
 
 use std::path::Path;
 
@@ -8,7 +16,8 @@ use std::collections::BTreeMap;
 
 use ipuq_queries::image;
 use ipuq_queries::package::{AllocationKind, Package, Step};
-use ipuq_queries::tables::PackedTile;
+use ipuq_queries::tables::{PackedTile, MAX_PHASE_ENTRIES};
+use ipuq_queries::target::Target;
 
 use crate::build::read_package;
 
@@ -69,19 +78,43 @@ pub fn describe(p: &Package) -> Result<String, String> {
             per_phase.entry(*phase).or_default().push(t);
         }
     }
+    let target = Target::from_toml(&p.target_toml, "the package's target").map_err(|e| format!("{}: {e}", p.workload_name))?;
+    let mut ports = Vec::with_capacity(p.phases.len());
     for phase in &p.phases {
+        let tiles = per_phase.get(&phase.index).map(Vec::as_slice).unwrap_or_default();
+        ports.push(port_use(&target, p.tile_count(), tiles).map_err(|e| format!("{}: exchange phase {}: {e}", p.workload_name, phase.index))?);
+    }
+    // Port time over the whole program: every tile, every phase (tiles a phase leaves out idle).
+    let horizons: u64 = p.phases.iter().map(|ph| ph.horizon as u64).sum();
+    let tiles = p.tile_count() as u64;
+    let receive_busy: u64 = ports.iter().map(|u| u.receive.iter().sum::<u64>()).sum();
+    let send_busy: u64 = ports.iter().map(|u| u.send.iter().sum::<u64>()).sum();
+    let idle: u64 = p.phases.iter().zip(&ports).map(|(ph, u)| u.receive.iter().map(|&b| (ph.horizon as u64).saturating_sub(b)).sum::<u64>()).sum();
+    let percent = |busy: u64| if horizons * tiles == 0 { 0.0 } else { 100.0 * busy as f64 / (horizons * tiles) as f64 };
+    line(format!(
+        "exchangePorts horizonCycles={horizons} receiveBusyPercent={:.1} sendBusyPercent={:.1} idleReceiveCyclesPerTile={}",
+        percent(receive_busy),
+        percent(send_busy),
+        idle.checked_div(tiles).unwrap_or(0)
+    ));
+    for (phase, use_) in p.phases.iter().zip(&ports) {
         let tiles = per_phase.get(&phase.index).map(Vec::as_slice).unwrap_or_default();
         let count = |runs: &mut dyn Iterator<Item = u32>| runs.fold(0u64, |a, c| a.saturating_add(c as u64));
         let sends = count(&mut tiles.iter().flat_map(|t| t.sends.iter().map(|r| r.count)));
         let receives = count(&mut tiles.iter().flat_map(|t| t.receives.iter().map(|r| r.count)));
         let send_runs: usize = tiles.iter().map(|t| t.sends.len()).sum();
         let receive_runs: usize = tiles.iter().map(|t| t.receives.len()).sum();
+        let mean = |v: &[u64]| if v.is_empty() { 0 } else { v.iter().sum::<u64>().div_ceil(v.len() as u64) };
         line(format!(
-            "exchange phase={} tiles={} sendEntries={sends} receiveEntries={receives} sendRuns={send_runs} receiveRuns={receive_runs} horizon={} endpointLowerBound={}",
+            "exchange phase={} tiles={} sendEntries={sends} receiveEntries={receives} sendRuns={send_runs} receiveRuns={receive_runs} horizon={} endpointLowerBound={} receivePortBusyMean={} receivePortBusyMax={} sendPortBusyMean={} sendPortBusyMax={}",
             phase.index,
             tiles.len(),
             phase.horizon,
-            phase.endpoint_lower_bound
+            phase.endpoint_lower_bound,
+            mean(&use_.receive),
+            use_.receive.iter().max().copied().unwrap_or(0),
+            mean(&use_.send),
+            use_.send.iter().max().copied().unwrap_or(0),
         ));
     }
     let tables = [("input", &p.host.inputs), ("output", &p.host.outputs)];
@@ -94,4 +127,105 @@ pub fn describe(p: &Package) -> Result<String, String> {
         line(format!("checkpoint operation={} value={} afterStep={}", c.operation, c.tensor.name, c.after_step));
     }
     Ok(out)
+}
+
+/// Cycles each tile's ports are held in one exchange phase (index: tile).
+#[derive(Debug, PartialEq)]
+pub struct PortUse {
+    pub receive: Vec<u64>,
+    pub send: Vec<u64>,
+}
+
+/// The cycles each tile's receive and send ports are held by a phase's tables: the union of the
+/// tile's own entries and its supertile partner's paired entries (a paired entry holds both
+/// ports; the partner's own entries of the same stream overlap it and count once), each
+/// `ceil(words / rate)` cycles long at the target's unpaired or paired rate. Runs are expanded
+/// entry by entry, at most `MAX_PHASE_ENTRIES` for the phase, as the device expands them.
+pub fn port_use(target: &Target, tile_count: u32, tiles: &[&PackedTile]) -> Result<PortUse, String> {
+    let x = &target.exchange;
+    let n = tile_count as usize;
+    let mut receive: Vec<Vec<(u64, u64)>> = vec![Vec::new(); n];
+    let mut send: Vec<Vec<(u64, u64)>> = vec![Vec::new(); n];
+    let mut budget = MAX_PHASE_ENTRIES;
+    let duration = |words: u32, paired: bool, rate: u32| (words as u64).div_ceil(if paired { x.paired_words_per_cycle } else { rate }.max(1) as u64);
+    for t in tiles {
+        let tile = t.tile as usize;
+        if tile >= n {
+            return Err(format!("tile {tile} has exchange tables but the package has {n} tiles"));
+        }
+        let partner = tile ^ 1;
+        let receives = t.receives.iter().map(|r| (false, r.cycle, r.words, r.paired, r.count, r.cycle_stride, x.receive_words_per_cycle));
+        let sends = t.sends.iter().map(|r| (true, r.cycle, r.words, r.paired, r.count, r.cycle_stride, x.send_words_per_cycle));
+        for (is_send, cycle, words, paired, count, stride, rate) in receives.chain(sends) {
+            budget = budget.checked_sub(count as u64).ok_or_else(|| format!("tile {tile}: its runs hold more than {MAX_PHASE_ENTRIES} entries"))?;
+            let ports = if is_send { &mut send } else { &mut receive };
+            let d = duration(words, paired, rate);
+            for i in 0..count as u64 {
+                let start = cycle as u64 + i * stride as u64;
+                ports[tile].push((start, start + d));
+                if paired && partner < n {
+                    ports[partner].push((start, start + d));
+                }
+            }
+        }
+    }
+    let union = |mut v: Vec<(u64, u64)>| {
+        v.sort_unstable();
+        let (mut total, mut end) = (0u64, 0u64);
+        for (a, b) in v {
+            let a = a.max(end);
+            if b > a {
+                total += b - a;
+                end = b;
+            }
+        }
+        total
+    };
+    Ok(PortUse { receive: receive.into_iter().map(union).collect(), send: send.into_iter().map(union).collect() })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ipuq_queries::tables::{ReceiveRun, SendRun};
+    use ipuq_queries::target::fixtures;
+
+    fn receive(cycle: u32, source: u32, words: u32, paired: bool, count: u32, cycle_stride: u32) -> ReceiveRun {
+        ReceiveRun { cycle, source, slot: 0, address: 0, words, paired, count, cycle_stride, address_stride: 4 * words }
+    }
+
+    fn send(cycle: u32, words: u32, paired: bool, count: u32, cycle_stride: u32) -> SendRun {
+        SendRun { cycle, slot: 0, address: 0, words, paired, count, cycle_stride, address_stride: 4 * words }
+    }
+
+    #[test]
+    fn a_paired_entry_holds_the_partners_port_and_a_shared_stream_counts_once() {
+        let target = Target::from_toml(fixtures::SMALL16, "small16").unwrap();
+        // Tile 2 hears 8 words from tile 5 paired at cycle 10 (4 cycles at two words a cycle),
+        // and tile 3, its partner, the same stream (its own entry); tile 3 also takes 3 words
+        // unpaired at cycle 20, and a run of two 2-word entries 5 cycles apart from cycle 30.
+        let t2 = PackedTile { tile: 2, bases: vec![], sends: vec![], receives: vec![receive(10, 5, 8, true, 1, 0)] };
+        let t3 = PackedTile { tile: 3, bases: vec![], sends: vec![], receives: vec![receive(10, 5, 8, true, 1, 0), receive(20, 7, 3, false, 1, 0), receive(30, 7, 2, false, 2, 5)] };
+        // Tile 5 sends the 8 words paired (holding tile 4's send port too); tile 7 sends the rest.
+        let t5 = PackedTile { tile: 5, bases: vec![], sends: vec![send(4, 8, true, 1, 0)], receives: vec![] };
+        let t7 = PackedTile { tile: 7, bases: vec![], sends: vec![send(14, 3, false, 1, 0), send(24, 2, false, 2, 5)], receives: vec![] };
+        let u = port_use(&target, 16, &[&t2, &t3, &t5, &t7]).unwrap();
+        let mut receive_expected = vec![0u64; 16];
+        receive_expected[2] = 4;
+        receive_expected[3] = 4 + 3 + 2 + 2;
+        assert_eq!(u.receive, receive_expected);
+        let mut send_expected = vec![0u64; 16];
+        send_expected[4] = 4;
+        send_expected[5] = 4;
+        send_expected[7] = 3 + 2 + 2;
+        assert_eq!(u.send, send_expected);
+        // Two different paired streams into one pair take the pair's ports one after another.
+        let t2b = PackedTile { tile: 2, bases: vec![], sends: vec![], receives: vec![receive(10, 5, 8, true, 1, 0)] };
+        let t3b = PackedTile { tile: 3, bases: vec![], sends: vec![], receives: vec![receive(14, 9, 8, true, 1, 0)] };
+        let u = port_use(&target, 16, &[&t2b, &t3b]).unwrap();
+        assert_eq!((u.receive[2], u.receive[3]), (8, 8));
+        // A tile past the package's is an error naming it.
+        let stray = PackedTile { tile: 16, bases: vec![], sends: vec![], receives: vec![receive(0, 1, 1, false, 1, 0)] };
+        assert!(port_use(&target, 16, &[&stray]).unwrap_err().contains("tile 16"));
+    }
 }

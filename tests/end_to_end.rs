@@ -87,6 +87,29 @@ fn bad_input_gets_one_clear_error_and_exit_code_2() {
     let kinds = inspected.stdout.lines().find_map(|l| l.strip_prefix("vertices ")).expect("a vertices line");
     assert!(kinds.contains("MatMul=") && kinds.contains("Gelu="), "{kinds}");
     assert_eq!(kinds.split(' ').map(|kv| kv.split_once('=').unwrap().1.parse::<usize>().unwrap()).sum::<usize>(), calls, "{kinds}");
+    // Port use: no tile's port is held longer than its phase, some port is busy in every phase
+    // that moves words, and the idle receive cycles are what the busy share leaves.
+    let number = |line: &str, key: &str| field(line, "", key).and_then(|v| v.parse::<f64>().ok()).unwrap_or_else(|| panic!("{key} in {line}"));
+    let phases: Vec<&str> = inspected.stdout.lines().filter(|l| l.starts_with("exchange phase=")).collect();
+    assert!(!phases.is_empty(), "{}", inspected.stdout);
+    let mut horizons = 0.0;
+    for phase in &phases {
+        let horizon = number(phase, "horizon");
+        horizons += horizon;
+        for key in ["receivePortBusyMax", "sendPortBusyMax"] {
+            assert!(number(phase, key) <= horizon, "{key}: {phase}");
+        }
+        assert!(number(phase, "receivePortBusyMean") <= number(phase, "receivePortBusyMax"), "{phase}");
+        if number(phase, "receiveEntries") > 0.0 {
+            assert!(number(phase, "receivePortBusyMax") > 0.0 && number(phase, "sendPortBusyMax") > 0.0, "{phase}");
+        }
+    }
+    let ports = inspected.stdout.lines().find(|l| l.starts_with("exchangePorts ")).expect("an exchangePorts line");
+    assert_eq!(number(ports, "horizonCycles"), horizons, "{ports}");
+    let busy = number(ports, "receiveBusyPercent");
+    assert!(busy > 0.0 && busy <= 100.0, "{ports}");
+    let idle = number(ports, "idleReceiveCyclesPerTile");
+    assert!((idle - horizons * (1.0 - busy / 100.0)).abs() <= horizons * 0.001 + 1.0, "{ports}");
     let mut flipped = good.clone();
     flipped[good.len() / 2] ^= 0x10;
     let mut foreign = good.clone();
