@@ -7,8 +7,9 @@
 //! simulator's port rules (one entry at a time; a paired entry moves two words a cycle and
 //! also holds the supertile partner's port, which only paired entries of the same stream may
 //! share), against the phase's horizon. A phase whose busiest port is far below its horizon
-//! waits on delays or on one tile; receive cycles left idle across the program are what a
-//! transfer moved into earlier phases (a weight prefetch) could use.
+//! waits on delays or on one tile; receive cycles the run's phases leave idle (the load-time
+//! phases of the "initialize" call not counted) are what a transfer moved into earlier phases
+//! (a weight prefetch) could use.
 
 use std::path::Path;
 
@@ -84,21 +85,33 @@ pub fn describe(p: &Package) -> Result<String, String> {
         let tiles = per_phase.get(&phase.index).map(Vec::as_slice).unwrap_or_default();
         ports.push(port_use(&target, p.tile_count(), tiles).map_err(|e| format!("{}: exchange phase {}: {e}", p.workload_name, phase.index))?);
     }
-    // Port time over the whole program: every tile, every phase (tiles a phase leaves out idle).
-    let horizons: u64 = p.phases.iter().map(|ph| ph.horizon as u64).sum();
+    // Port time over the run: every tile, every exchange step (tiles a phase leaves out idle);
+    // the phases the "initialize" call runs at load time are not part of it.
+    let position: BTreeMap<u32, usize> = p.phases.iter().enumerate().map(|(i, ph)| (ph.index, i)).collect();
+    let run: Vec<usize> = p.steps.iter().filter_map(|s| if let Step::Exchange { phase } = s { position.get(phase).copied() } else { None }).collect();
+    let horizons: u64 = run.iter().map(|&i| p.phases[i].horizon as u64).sum();
     let tiles = p.tile_count() as u64;
-    let receive_busy: u64 = ports.iter().map(|u| u.receive.iter().sum::<u64>()).sum();
-    let send_busy: u64 = ports.iter().map(|u| u.send.iter().sum::<u64>()).sum();
-    let idle: u64 = p.phases.iter().zip(&ports).map(|(ph, u)| u.receive.iter().map(|&b| (ph.horizon as u64).saturating_sub(b)).sum::<u64>()).sum();
+    let receive_busy: u64 = run.iter().map(|&i| ports[i].receive.iter().sum::<u64>()).sum();
+    let send_busy: u64 = run.iter().map(|&i| ports[i].send.iter().sum::<u64>()).sum();
+    let idle: u64 = run.iter().map(|&i| ports[i].receive.iter().map(|&b| (p.phases[i].horizon as u64).saturating_sub(b)).sum::<u64>()).sum();
     let percent = |busy: u64| if horizons * tiles == 0 { 0.0 } else { 100.0 * busy as f64 / (horizons * tiles) as f64 };
     line(format!(
-        "exchangePorts horizonCycles={horizons} receiveBusyPercent={:.1} sendBusyPercent={:.1} idleReceiveCyclesPerTile={}",
+        "exchangePorts runSteps={} horizonCycles={horizons} receiveBusyPercent={:.1} sendBusyPercent={:.1} idleReceiveCyclesPerTile={}",
+        run.len(),
         percent(receive_busy),
         percent(send_busy),
         idle.checked_div(tiles).unwrap_or(0)
     ));
-    for (phase, use_) in p.phases.iter().zip(&ports) {
+    for (position, (phase, use_)) in p.phases.iter().zip(&ports).enumerate() {
         let tiles = per_phase.get(&phase.index).map(Vec::as_slice).unwrap_or_default();
+        // When the phase runs: at steps of the run, or in the "initialize" call at load time.
+        let when = if run.contains(&position) {
+            "run"
+        } else if p.host.initialize.contains(&phase.index) {
+            "initialize"
+        } else {
+            "never"
+        };
         let count = |runs: &mut dyn Iterator<Item = u32>| runs.fold(0u64, |a, c| a.saturating_add(c as u64));
         let sends = count(&mut tiles.iter().flat_map(|t| t.sends.iter().map(|r| r.count)));
         let receives = count(&mut tiles.iter().flat_map(|t| t.receives.iter().map(|r| r.count)));
@@ -106,7 +119,7 @@ pub fn describe(p: &Package) -> Result<String, String> {
         let receive_runs: usize = tiles.iter().map(|t| t.receives.len()).sum();
         let mean = |v: &[u64]| if v.is_empty() { 0 } else { v.iter().sum::<u64>().div_ceil(v.len() as u64) };
         line(format!(
-            "exchange phase={} tiles={} sendEntries={sends} receiveEntries={receives} sendRuns={send_runs} receiveRuns={receive_runs} horizon={} endpointLowerBound={} receivePortBusyMean={} receivePortBusyMax={} sendPortBusyMean={} sendPortBusyMax={}",
+            "exchange phase={} when={when} tiles={} sendEntries={sends} receiveEntries={receives} sendRuns={send_runs} receiveRuns={receive_runs} horizon={} endpointLowerBound={} receivePortBusyMean={} receivePortBusyMax={} sendPortBusyMean={} sendPortBusyMax={}",
             phase.index,
             tiles.len(),
             phase.horizon,
