@@ -261,34 +261,34 @@ fn five_full_size_encoder_layers_take_no_capped_program_that_placement_cannot_se
     assert!(cycles <= 2_000_000, "five layers {cycles}");
 }
 
-/// Twelve full-size layers, the most that fit at f16 since session 65 (ten since session 62,
-/// when the planner began counting paired gathers; eight before): every weight is kept once
-/// on a home tile, each block on the least-loaded tile of its row partitions, and their
-/// exchange tables, a table for each of the stack's phases (72,808 bytes on tile 0), are over
-/// the compiler's 48 KiB budget but placed beside the program's data, so they are kept
-/// (measured: 4,710,744 cycles, built and run in 110 s release, 6.8 GB; eleven 4,318,152).
+/// Fourteen full-size layers, the most that fit at f16 since session 69 (twelve since session
+/// 65, ten since session 62, eight before): every weight is kept once on a home tile, homes
+/// rotating with the layers (each block of layer r sits r row partitions on from layer 0's,
+/// from the row partition that leaves its tiles least loaded), so layers a whole number of row
+/// partitions apart share their multicast patterns and exchange tables: the tables stay
+/// within the compiler's 48 KiB budget (measured: 40,152 bytes on the fullest tile, 5,495,982
+/// cycles, built and run in 92 s release, 7.3 GB; twelve layers take 39,572 bytes of tables
+/// on their fullest tile, where homes rotating with every weight took 81,376).
 #[test]
-fn twelve_full_size_encoder_layers_fit_at_f16_unsteered() {
-    let (cycles, stderr) = run_layers_unsteered("12");
-    assert!(cycles <= 4_720_000, "twelve layers {cycles}");
-    assert!(stderr.contains("exchange tables over the budget, placed with the program's data: kept"), "{}", common::tail(&stderr));
+fn fourteen_full_size_encoder_layers_fit_at_f16_unsteered_with_their_tables_in_the_budget() {
+    let (cycles, stderr) = run_layers_unsteered("14");
+    assert!(cycles <= 5_510_000, "fourteen layers {cycles}");
+    assert!(!stderr.contains("exchange tables over the budget"), "{}", common::tail(&stderr));
 }
 
-/// Thirteen full-size layers do not fit: the build exits 2 naming the tile, the buffer, the
-/// region and its bytes, with the exchange tables over the budget that the code beside them
-/// holds, after the steers that did not help (measured: 2 min 54 s release, 9.2 GB; eight
-/// steers of the phase that held most tables took 4 min 35 s and named only the tables).
+/// Fifteen full-size layers do not fit: the build exits 2 naming the tile, the buffer, its
+/// bytes and the regions with the bytes taken there (measured: 31 s release, 6.4 GB: a
+/// LayerNorm output's gathered block, which no steer of a product moves).
 #[test]
-fn thirteen_full_size_encoder_layers_do_not_fit_and_say_where() {
+fn fifteen_full_size_encoder_layers_do_not_fit_and_say_where() {
     let dir = tempfile::tempdir().unwrap();
-    let out = ipuq(&["workload", "siglip-encoder", "--layers", "13", "-o", "enc.toml"], dir.path());
+    let out = ipuq(&["workload", "siglip-encoder", "--layers", "15", "-o", "enc.toml"], dir.path());
     assert_eq!(out.code, 0, "{}", out.stderr);
     let out = ipuq(&["build", "enc.toml", "-o", "out"], dir.path());
     assert_eq!(out.code, 2, "{}", common::tail(&out.stderr));
     let error = out.stderr.lines().find(|l| l.starts_with("error: ")).unwrap_or_else(|| panic!("no error line: {}", common::tail(&out.stderr)));
-    assert!(error.starts_with("error: tile ") && error.contains(" bytes of interleaved memory") && error.contains("taken then"), "{error}");
-    assert!(error.contains("exchange tables over the compiler's 49152-byte budget"), "{error}");
-    assert!(error.contains(" steered away from ") && error.contains(" did not help: tile "), "{error}");
+    assert!(error.starts_with("error: tile ") && error.contains(" needs ") && error.contains(" bytes of ") && error.contains(" memory") && error.contains("taken then"), "{error}");
+    assert!(error.contains("'l") && !out.stderr.contains("panicked"), "{error}");
 }
 
 /// Runs `layers` full-size encoder layers, checks that they pass and that `select_finalist`

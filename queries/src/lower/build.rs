@@ -199,6 +199,17 @@ struct Builder<'a> {
     /// (`aligned_home_slot`), so that repeated blocks multicast from the same tiles and share
     /// exchange patterns; else they rotate with every weight (less memory on the fullest tile).
     home_aligned: bool,
+    /// With homes not aligned: each weight block rotates with the repetition of the program's
+    /// period its weight belongs to (`period_home_slot`), so a block of the r-th repeat sits
+    /// r row partitions on from the first repeat's: homes spread over the row partitions as
+    /// the repeats go, and repeats a whole number of row partitions apart share their
+    /// multicast patterns (and so their schedules and exchange tables). Else each block goes
+    /// to the least-loaded tile of its row partitions.
+    home_period: bool,
+    /// With `home_period`: the row partition each weight block's first repeat is homed on
+    /// (keyed by the weight's slot, its product's row partitions and cells, and the cell), so
+    /// later repeats of the block rotate on from it.
+    home_bases: Arc<BTreeMap<(usize, usize, usize, usize), usize>>,
     /// With rotating homes (not `home_aligned`): the bytes of weight blocks homed on each tile
     /// so far (indexed by tile, grown as needed), so each block goes to the least-loaded tile
     /// of its row partitions (`home_weight`).
@@ -375,6 +386,12 @@ pub fn lower_with_rotated_homes(oriented: &Oriented, target: &Target, reserves: 
     lower_from(Partial::rotated_homes(), oriented, target, reserves)
 }
 
+/// `lower_with` home-tile weights that rotate with the repeats of the program's period
+/// (`Partial::period_homes`).
+pub fn lower_with_period_homes(oriented: &Oriented, target: &Target, reserves: &[Reserve]) -> Result<Attempt, LowerError> {
+    lower_from(Partial::period_homes(), oriented, target, reserves)
+}
+
 fn lower_from(start: Partial, oriented: &Oriented, target: &Target, reserves: &[Reserve]) -> Result<Attempt, LowerError> {
     let partial = extend(start, oriented, target, reserves, oriented.graph.operations.len())?;
     complete(partial, oriented, target, reserves)
@@ -386,6 +403,27 @@ fn lower_from(start: Partial, oriented: &Oriented, target: &Target, reserves: &[
 /// the blocks' multicast phases the same pattern, scheduled once). None for a value that is
 /// not such a weight.
 pub(crate) fn aligned_home_slot(graph: &Graph, weight: ValueId) -> Option<usize> {
+    period_home_slot(graph, weight).map(|(slot, _, _)| slot)
+}
+
+/// A weight's home slot (`aligned_home_slot`), which repeat of the period it belongs to (0
+/// for the first block's weights), and how many repeats the slot has.
+pub(crate) fn period_home_slot(graph: &Graph, weight: ValueId) -> Option<(usize, usize, usize)> {
+    let (position, period, n) = weight_period(graph, weight)?;
+    let slot = position % period;
+    Some((slot, position / period, (n - slot).div_ceil(period)))
+}
+
+/// Whether the program's rank-2 weights repeat their period at least twice (a program of
+/// repeated blocks), where homes rotating with the repeats differ from aligned ones.
+pub(crate) fn weights_repeat(graph: &Graph) -> bool {
+    let n = graph.values.iter().filter(|v| v.is_matrix_weight()).count();
+    graph.values.iter().position(|v| v.is_matrix_weight()).and_then(|first| weight_period(graph, ValueId(first as u32))).is_some_and(|(_, period, _)| n >= 2 * period)
+}
+
+/// A rank-2 weight's place among them (declaration order), the shortest period of their
+/// (shape, dtype) sequence, and how many there are.
+fn weight_period(graph: &Graph, weight: ValueId) -> Option<(usize, usize, usize)> {
     let weights: Vec<(usize, &Value)> = graph
         .values
         .iter()
@@ -396,7 +434,7 @@ pub(crate) fn aligned_home_slot(graph: &Graph, weight: ValueId) -> Option<usize>
     let same = |a: &Value, b: &Value| a.shape == b.shape && a.dtype == b.dtype;
     let n = weights.len();
     let period = (1..=n).find(|&p| (0..n - p).all(|i| same(weights[i].1, weights[i + p].1))).unwrap_or(n.max(1));
-    Some(position % period)
+    Some((position, period, n))
 }
 
 /// A lowering in progress between two operations: the builder's own state, so that the
@@ -421,6 +459,8 @@ pub struct Partial {
     home_from: usize,
     home_rotation: usize,
     home_aligned: bool,
+    home_period: bool,
+    home_bases: Arc<BTreeMap<(usize, usize, usize, usize), usize>>,
     home_load: Arc<Vec<u64>>,
     replication_cap: u32,
     block_cap: u64,
@@ -455,6 +495,8 @@ impl Partial {
             home_from: if home_weights { 0 } else { usize::MAX },
             home_rotation: 0,
             home_aligned: true,
+            home_period: false,
+            home_bases: Arc::new(BTreeMap::new()),
             home_load: Arc::new(Vec::new()),
             replication_cap: u32::MAX,
             block_cap: u64::MAX,
@@ -508,6 +550,13 @@ impl Partial {
     /// program's period): the fallback when aligned homes do not fit.
     pub fn rotated_homes() -> Partial {
         Partial { home_aligned: false, ..Partial::new(true) }
+    }
+
+    /// A program with home-tile weights rotating with the repeats of the program's period
+    /// (`home_period`): tried between aligned and rotated homes in a program of repeated
+    /// blocks, whose repeats then share multicast patterns while their homes spread.
+    pub fn period_homes() -> Partial {
+        Partial { home_aligned: false, home_period: true, ..Partial::new(true) }
     }
 
     /// A program with every weight replicated, each rank-2 weight block on at most `cap`
@@ -743,6 +792,8 @@ impl<'a> Builder<'a> {
             home_from: p.home_from,
             home_rotation: p.home_rotation,
             home_aligned: p.home_aligned,
+            home_period: p.home_period,
+            home_bases: p.home_bases,
             home_load: p.home_load,
             replication_cap: p.replication_cap,
             block_cap: p.block_cap,
@@ -781,6 +832,8 @@ impl<'a> Builder<'a> {
             home_from: self.home_from,
             home_rotation: self.home_rotation,
             home_aligned: self.home_aligned,
+            home_period: self.home_period,
+            home_bases: self.home_bases,
             home_load: self.home_load,
             replication_cap: self.replication_cap,
             block_cap: self.block_cap,
@@ -1566,8 +1619,36 @@ impl<'a> Builder<'a> {
             let (ik, i_n) = if b_transposed { (c1, c0) } else { (c0, c1) };
             let bytes = block_elements_stored(&block, value.dtype) * value.dtype.bytes() as u64;
             let first = (i_n + ik + rotation) % nm;
+            let period = if self.home_period { period_home_slot(self.graph, weight) } else { None };
             let tile = if self.home_aligned {
                 plan.tile_of(0, first, i_n, ik)
+            } else if let Some((slot, repeat, repeats)) = period {
+                // The first repeat takes the row partition that leaves the cell's tiles least
+                // loaded once every repeat of the block is homed on from it (ties in rotation
+                // order from `first`); the later ones rotate on from it.
+                let key = (slot, nm, cells, cell);
+                let base = match self.home_bases.get(&key) {
+                    Some(&base) => base,
+                    None => {
+                        let tiles: Vec<u32> = (0..nm).map(|row| plan.tile_of(0, row, i_n, ik)).collect();
+                        let left = repeats - repeat;
+                        let count = |base: usize, row: usize| (0..left).filter(|r| (base + r) % nm == row).count() as u64;
+                        let load = Arc::make_mut(&mut self.home_load);
+                        if let Some(&most) = tiles.iter().max() {
+                            if load.len() <= most as usize {
+                                load.resize(most as usize + 1, 0);
+                            }
+                        }
+                        let fullest = |base: usize| (0..nm).map(|row| load[tiles[row] as usize] + count(base, row) * bytes).max().unwrap_or(0);
+                        let base = (0..nm).map(|d| (first + d) % nm).min_by_key(|&b| fullest(b)).unwrap_or(first);
+                        for row in 0..nm {
+                            load[tiles[row] as usize] += count(base, row) * bytes;
+                        }
+                        Arc::make_mut(&mut self.home_bases).insert(key, (base + nm - repeat % nm) % nm);
+                        (base + nm - repeat % nm) % nm
+                    }
+                };
+                plan.tile_of(0, (base + repeat) % nm, i_n, ik)
             } else {
                 // The least-loaded tile of the block's row partitions, ties in rotation order.
                 let load = Arc::make_mut(&mut self.home_load);
