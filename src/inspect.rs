@@ -21,6 +21,7 @@ use ipuq_queries::tables::{PackedTile, MAX_PHASE_ENTRIES};
 use ipuq_queries::target::Target;
 
 use crate::build::read_package;
+use crate::device::simulator::exchange::entry_cycles;
 
 pub fn run(path: &Path) -> Result<(), String> {
     let package = read_package(path).map_err(|e| e.to_string())?;
@@ -152,7 +153,7 @@ pub struct PortUse {
 /// The cycles each tile's receive and send ports are held by a phase's tables: the union of the
 /// tile's own entries and its supertile partner's paired entries (a paired entry holds both
 /// ports; the partner's own entries of the same stream overlap it and count once), each
-/// `ceil(words / rate)` cycles long at the target's unpaired or paired rate. Runs are expanded
+/// as long as the simulator holds it (`entry_cycles`). Runs are expanded
 /// entry by entry, at most `MAX_PHASE_ENTRIES` for the phase, as the device expands them.
 pub fn port_use(target: &Target, tile_count: u32, tiles: &[&PackedTile]) -> Result<PortUse, String> {
     let x = &target.exchange;
@@ -160,7 +161,6 @@ pub fn port_use(target: &Target, tile_count: u32, tiles: &[&PackedTile]) -> Resu
     let mut receive: Vec<Vec<(u64, u64)>> = vec![Vec::new(); n];
     let mut send: Vec<Vec<(u64, u64)>> = vec![Vec::new(); n];
     let mut budget = MAX_PHASE_ENTRIES;
-    let duration = |words: u32, paired: bool, rate: u32| (words as u64).div_ceil(if paired { x.paired_words_per_cycle } else { rate }.max(1) as u64);
     for t in tiles {
         let tile = t.tile as usize;
         if tile >= n {
@@ -172,7 +172,7 @@ pub fn port_use(target: &Target, tile_count: u32, tiles: &[&PackedTile]) -> Resu
         for (is_send, cycle, words, paired, count, stride, rate) in receives.chain(sends) {
             budget = budget.checked_sub(count as u64).ok_or_else(|| format!("tile {tile}: its runs hold more than {MAX_PHASE_ENTRIES} entries"))?;
             let ports = if is_send { &mut send } else { &mut receive };
-            let d = duration(words, paired, rate);
+            let d = entry_cycles(target, words, paired, rate);
             for i in 0..count as u64 {
                 let start = cycle as u64 + i * stride as u64;
                 ports[tile].push((start, start + d));

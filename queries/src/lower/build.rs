@@ -417,8 +417,7 @@ pub(crate) fn period_home_slot(graph: &Graph, weight: ValueId) -> Option<(usize,
 /// Whether the program's rank-2 weights repeat their period at least twice (a program of
 /// repeated blocks), where homes rotating with the repeats differ from aligned ones.
 pub(crate) fn weights_repeat(graph: &Graph) -> bool {
-    let n = graph.values.iter().filter(|v| v.is_matrix_weight()).count();
-    graph.values.iter().position(|v| v.is_matrix_weight()).and_then(|first| weight_period(graph, ValueId(first as u32))).is_some_and(|(_, period, _)| n >= 2 * period)
+    graph.values.iter().position(|v| v.is_matrix_weight()).and_then(|first| weight_period(graph, ValueId(first as u32))).is_some_and(|(_, period, n)| n >= 2 * period)
 }
 
 /// A rank-2 weight's place among them (declaration order), the shortest period of their
@@ -1634,18 +1633,19 @@ impl<'a> Builder<'a> {
                         let left = repeats - repeat;
                         let count = |base: usize, row: usize| (0..left).filter(|r| (base + r) % nm == row).count() as u64;
                         let load = Arc::make_mut(&mut self.home_load);
-                        if let Some(&most) = tiles.iter().max() {
-                            if load.len() <= most as usize {
-                                load.resize(most as usize + 1, 0);
-                            }
+                        let most = tiles.iter().max().map_or(0, |&t| t as usize);
+                        if load.len() <= most {
+                            load.resize(most + 1, 0);
                         }
                         let fullest = |base: usize| (0..nm).map(|row| load[tiles[row] as usize] + count(base, row) * bytes).max().unwrap_or(0);
                         let base = (0..nm).map(|d| (first + d) % nm).min_by_key(|&b| fullest(b)).unwrap_or(first);
                         for row in 0..nm {
                             load[tiles[row] as usize] += count(base, row) * bytes;
                         }
-                        Arc::make_mut(&mut self.home_bases).insert(key, (base + nm - repeat % nm) % nm);
-                        (base + nm - repeat % nm) % nm
+                        // Stored as the first repeat's row, whichever repeat met the cell first.
+                        let first_row = (base + nm - repeat % nm) % nm;
+                        Arc::make_mut(&mut self.home_bases).insert(key, first_row);
+                        first_row
                     }
                 };
                 plan.tile_of(0, (base + repeat) % nm, i_n, ik)

@@ -1583,7 +1583,7 @@ fn arrangements(oriented: &Oriented, target: &Target, mut first: Option<(Attempt
     // A program the beam already lowered with (some) home-tile weights found replicated ones
     // too big. Home tiles aligned to the program's period come first (repeated blocks then
     // share their multicast patterns); rotating with every weight, when those do not fit.
-    // (home_from, aligned, rounds).
+    // (home_from, homes, rounds).
     let beam_from = first.as_ref().map_or(usize::MAX, |f| f.1);
     let mut modes: Vec<(usize, Homes, usize)> = match beam_from {
         0 => vec![(0, Homes::Aligned, ROUNDS), (0, Homes::Period, ROUNDS), (0, Homes::Rotated, ROUNDS)],
@@ -2938,8 +2938,6 @@ mod tests {
         assert!(fullest(&period) < fullest(&aligned), "period {} aligned {}", fullest(&period), fullest(&aligned));
         assert!(distinct(&period) < distinct(&rotated), "period {} rotated {}", distinct(&period), distinct(&rotated));
         assert!(distinct(&period) > distinct(&aligned), "period {} aligned {}", distinct(&period), distinct(&aligned));
-        // Block j's phases repeat block j + rows' exactly, rows being the row partitions of the
-        // program's products (here all alike: each repeat's phases are the same count).
         // Block j's two phases (after the input's at step 0; the last block's second product
         // writes the output in place) repeat block j + rows', rows being a row period.
         let all = patterns(&period);

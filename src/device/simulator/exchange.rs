@@ -132,7 +132,7 @@ fn check_port(phase: u32, port: &str, ports: BTreeMap<u32, Vec<PortUse>>) -> Res
 
 /// Cycles one entry of `words` words holds its port: at `per_cycle` words a cycle, or the
 /// paired rate for a paired entry.
-fn entry_cycles(target: &Target, words: u32, paired: bool, per_cycle: u32) -> u64 {
+pub(crate) fn entry_cycles(target: &Target, words: u32, paired: bool, per_cycle: u32) -> u64 {
     let rate = if paired { target.exchange.paired_words_per_cycle } else { per_cycle };
     (words as u64).div_ceil(rate.max(1) as u64)
 }

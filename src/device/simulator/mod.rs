@@ -15,7 +15,7 @@
 
 mod compute;
 mod elements;
-mod exchange;
+pub(crate) mod exchange;
 mod host;
 mod kernels;
 mod memory;
