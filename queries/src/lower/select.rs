@@ -292,9 +292,10 @@ fn cost_placed(
     let placement = place_storage_memoized(target, l, &code, &ExchangeRules::default(), stats_memo.as_ref().map(|(m, scope)| (*m, scope))).map_err(|e| match host_bytes_shortfall(target, l, &code) {
         Some(short) => Failure { message: format!("{e}{tables}; {short}"), blamed: None, conflicts: Vec::new() },
         None => {
+            let reserve = code_over_reserve(&code, e.tile).unwrap_or_default();
             let message = match host_bytes_on_tile(target, l, &code, e.tile) {
-                Some(over) => format!("{e}{tables}; {over}"),
-                None => format!("{e}{tables}"),
+                Some(over) => format!("{e}{tables}{reserve}; {over}"),
+                None => format!("{e}{tables}{reserve}"),
             };
             Failure { message, blamed: owner_plan(l, &e.label), conflicts: Vec::new() }
         }
@@ -420,6 +421,17 @@ fn host_bytes_shortfall(target: &Target, l: &Lowered, code: &[u32]) -> Option<St
     ))
 }
 
+/// What a placement error on `tile` adds where the tile's code and exchange tables (`code`, per
+/// tile) outgrew the code reserve the planner sets aside on every tile (`CODE_RESERVE_BYTES`):
+/// the planner laid the program's data out beside the reserve, and the bytes past it are memory
+/// the data had there. Fifteen full-size encoder layers fail so on tile 2 (71,088 bytes of code
+/// and tables, 21,936 past the reserve); the error named only the regions' bytes.
+fn code_over_reserve(code: &[u32], tile: u32) -> Option<String> {
+    let c = *code.get(tile as usize)?;
+    let reserve = super::build::CODE_RESERVE_BYTES;
+    (c as u64 > reserve).then(|| format!(" (the code and exchange tables beside it take {c} bytes on tile {tile}, {} more than the {reserve} the planner set aside for them on every tile)", c as u64 - reserve))
+}
+
 /// Why `tile` cannot hold `l`'s placement when the bytes the host writes there before the run
 /// (buffers of host tensors live from the first step, weights kept on home tiles) alone exceed
 /// what the tile has for data beside its code and exchange tables (`code`, per tile), in words
@@ -509,7 +521,7 @@ pub fn steer_away(plan: &super::OperationPlan, user: Option<&crate::ir::PlanCons
 
 #[cfg(test)]
 mod tests {
-    use super::{half_duplex, host_bytes_on_tile, host_bytes_shortfall, owner_plan, steer_away};
+    use super::{code_over_reserve, half_duplex, host_bytes_on_tile, host_bytes_shortfall, owner_plan, steer_away};
     use crate::ir::{DType, PlanConstraint};
     use crate::lower::OperationPlan;
 
@@ -569,6 +581,16 @@ mod tests {
         assert_eq!(owner_plan(&l, "l0.ln2.statistics"), None);
         assert_eq!(owner_plan(&l, "l0.mlp.partials"), None);
         assert_eq!(owner_plan(&l, "w2_3"), None);
+    }
+
+    /// Code and tables past the planner's code reserve are named with the tile and the bytes
+    /// past it; at the reserve, nothing is added.
+    #[test]
+    fn code_past_the_planners_reserve_is_named() {
+        let reserve = super::super::build::CODE_RESERVE_BYTES as u32;
+        assert_eq!(code_over_reserve(&[reserve, 0], 0), None);
+        assert_eq!(code_over_reserve(&[0, reserve + 21_936], 1).as_deref(), Some(" (the code and exchange tables beside it take 71088 bytes on tile 1, 21936 more than the 49152 the planner set aside for them on every tile)"));
+        assert_eq!(code_over_reserve(&[reserve + 1], 3), None, "no such tile");
     }
 
     /// Two tiles and one host tensor of `elements` f16 values split over them, written at step
