@@ -10,6 +10,11 @@
 //! waits on delays or on one tile; receive cycles the run's phases leave idle (the load-time
 //! phases of the "initialize" call not counted) are what a transfer moved into earlier phases
 //! (a weight prefetch) could use.
+//!
+//! Memory is also given live (`memoryPeak`): the most bytes any tile holds at one program step,
+//! each allocation counted from its first step to its last (host-written weights from the
+//! start of the run to their last read, code throughout), and what holds them there, by label
+//! prefix (a layer's `l3`) and the largest labels.
 
 use std::path::Path;
 
@@ -67,6 +72,31 @@ pub fn describe(p: &Package) -> Result<String, String> {
         }
     }
     line(format!("memory largestAllocatedBytes={} onTile={} largestCodeBytes={} vertexCalls={calls}", peak.0, peak.1, code));
+    // The most bytes live at one step on one tile (allocations over their lifetimes, code
+    // included), and what holds them: by label prefix (a layer, `l3`), then the largest labels.
+    let live = live_peak(p.tiles.iter().map(|t| (t.tile, &t.allocations[..])), p.steps.len() as u32);
+    if let Some(live) = live {
+        let step = match p.steps.get(live.step as usize) {
+            Some(Step::Compute { index }) => format!("compute:{index}"),
+            Some(Step::Exchange { phase }) => format!("exchange:{phase}"),
+            None => "after".to_string(),
+        };
+        let held = p.tiles.iter().find(|t| t.tile == live.tile).map(|t| t.allocations.iter().filter(|a| a.live_at(live.step)).map(|a| (p.labels.get(a.label as usize).map_or("?", |l| l.as_str()), a.end.saturating_sub(a.start) as u64)).collect::<Vec<_>>()).unwrap_or_default();
+        let grouped = |key: &dyn Fn(&str) -> String| {
+            let mut by: BTreeMap<String, u64> = BTreeMap::new();
+            for &(label, bytes) in &held {
+                *by.entry(key(label)).or_insert(0) += bytes;
+            }
+            let mut v: Vec<(String, u64)> = by.into_iter().collect();
+            v.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+            v
+        };
+        let words = |v: &[(String, u64)]| v.iter().map(|(k, b)| format!("{k}={b}")).collect::<Vec<_>>().join(" ");
+        line(format!("memoryPeak liveBytes={} onTile={} atStep={} step={step} allocations={}", live.bytes, live.tile, live.step, held.len()));
+        line(format!("memoryPeakByPrefix {}", words(&grouped(&|l| l.split('.').next().unwrap_or(l).to_string()))));
+        let largest = grouped(&|l| l.to_string());
+        line(format!("memoryPeakLargest {}", words(&largest[..largest.len().min(8)])));
+    }
     // Calls per vertex kind, by name.
     line(format!("vertices {}", kinds.iter().map(|(k, n)| format!("{k}={n}")).collect::<Vec<_>>().join(" ")));
     // Exchange-table bytes per tile, as the runtime headers state them (shared copies count per tile).
@@ -197,6 +227,42 @@ pub fn port_use(target: &Target, tile_count: u32, tiles: &[&PackedTile]) -> Resu
     Ok(PortUse { receive: receive.into_iter().map(union).collect(), send: send.into_iter().map(union).collect() })
 }
 
+/// The most bytes live at one step on one tile, the lowest tile and step among equals.
+#[derive(Debug, PartialEq)]
+struct LivePeak {
+    bytes: u64,
+    tile: u32,
+    step: u32,
+}
+
+/// [`LivePeak`] over `tiles` (tile, allocations) of a program of `steps` steps: an allocation
+/// holds its bytes from its first step to its last, inclusive (`steps` itself: the host reads
+/// it after the run). None without allocations.
+fn live_peak<'a>(tiles: impl Iterator<Item = (u32, &'a [ipuq_queries::package::Allocation])>, steps: u32) -> Option<LivePeak> {
+    let mut best: Option<LivePeak> = None;
+    for (tile, allocations) in tiles {
+        let mut delta = vec![0i64; steps as usize + 2];
+        for a in allocations {
+            let bytes = a.end.saturating_sub(a.start) as i64;
+            let (first, last) = (a.first_step.min(steps), a.last_step.min(steps));
+            if first > last {
+                continue;
+            }
+            delta[first as usize] += bytes;
+            delta[last as usize + 1] -= bytes;
+        }
+        let mut live = 0i64;
+        for (step, d) in delta.iter().take(steps as usize + 1).enumerate() {
+            live += d;
+            let better = best.as_ref().is_none_or(|b| live as u64 > b.bytes || (live as u64 == b.bytes && (tile, step as u32) < (b.tile, b.step)));
+            if live > 0 && better {
+                best = Some(LivePeak { bytes: live as u64, tile, step: step as u32 });
+            }
+        }
+    }
+    best
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -209,6 +275,27 @@ mod tests {
 
     fn send(cycle: u32, words: u32, paired: bool, count: u32, cycle_stride: u32) -> SendRun {
         SendRun { cycle, slot: 0, address: 0, words, paired, count, cycle_stride, address_stride: 4 * words }
+    }
+
+    /// Bytes count over their lifetimes only: two buffers that follow each other are never
+    /// live together, a host-read one lives past the last step, and equal peaks name the
+    /// lowest tile and step.
+    #[test]
+    fn the_live_peak_counts_allocations_over_their_lifetimes() {
+        use ipuq_queries::package::Allocation;
+        let a = |start: u32, end: u32, first_step: u32, last_step: u32| Allocation { start, end, kind: AllocationKind::Data, label: 0, first_step, last_step };
+        // Tile 0: 100 bytes at steps 0..=1 and 300 at 2..=3 reuse one range; 50 live throughout.
+        let t0 = vec![a(0, 100, 0, 1), a(0, 300, 2, 3), a(400, 450, 0, 4)];
+        // Tile 1: 200 and 150 together at step 3 only; 0 bytes at step 4 (the host's read).
+        let t1 = vec![a(0, 200, 1, 3), a(200, 350, 3, 4)];
+        let peak = live_peak([(0, &t0[..]), (1, &t1[..])].into_iter(), 4).unwrap();
+        assert_eq!(peak, LivePeak { bytes: 350, tile: 0, step: 2 });
+        let t1 = vec![a(0, 200, 1, 3), a(200, 351, 3, 4)];
+        assert_eq!(live_peak([(0, &t0[..]), (1, &t1[..])].into_iter(), 4).unwrap(), LivePeak { bytes: 351, tile: 1, step: 3 });
+        // A buffer the host reads after a 4-step run is live at step 4.
+        let t2 = vec![a(0, 500, 4, 4)];
+        assert_eq!(live_peak([(2, &t2[..])].into_iter(), 4).unwrap(), LivePeak { bytes: 500, tile: 2, step: 4 });
+        assert_eq!(live_peak(std::iter::empty(), 4), None);
     }
 
     #[test]

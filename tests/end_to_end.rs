@@ -109,6 +109,20 @@ fn bad_input_gets_one_clear_error_and_exit_code_2() {
             assert!(number(phase, "receivePortBusyMax") > 0.0 && number(phase, "sendPortBusyMax") > 0.0, "{phase}");
         }
     }
+    // The live peak: at most a tile's memory, its bytes those of the prefixes and at least
+    // the largest label's, the code among them.
+    let live = inspected.stdout.lines().find(|l| l.starts_with("memoryPeak ")).expect("a memoryPeak line");
+    let bytes = number(live, "liveBytes");
+    assert!(bytes > 0.0 && bytes <= 638_976.0 && number(live, "allocations") > 0.0, "{live}");
+    let pairs = |prefix: &str| -> Vec<(String, f64)> {
+        let line = inspected.stdout.lines().find_map(|l| l.strip_prefix(prefix)).unwrap_or_else(|| panic!("a {prefix}line"));
+        line.split(' ').map(|kv| kv.rsplit_once('=').map(|(k, v)| (k.to_string(), v.parse::<f64>().unwrap())).unwrap()).collect()
+    };
+    let by_prefix = pairs("memoryPeakByPrefix ");
+    assert_eq!(by_prefix.iter().map(|p| p.1).sum::<f64>(), bytes, "{by_prefix:?}");
+    assert!(by_prefix.iter().any(|p| p.0 == "code"), "{by_prefix:?}");
+    let largest = pairs("memoryPeakLargest ");
+    assert!(!largest.is_empty() && largest.len() <= 8 && largest.windows(2).all(|w| w[0].1 >= w[1].1) && largest[0].1 <= bytes, "{largest:?}");
     let ports = inspected.stdout.lines().find(|l| l.starts_with("exchangePorts ")).expect("an exchangePorts line");
     assert_eq!(number(ports, "horizonCycles"), horizons, "{ports}");
     let busy = number(ports, "receiveBusyPercent");
