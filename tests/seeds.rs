@@ -281,7 +281,7 @@ fn fourteen_full_size_encoder_layers_fit_at_f16_unsteered_with_their_tables_in_t
 /// code reserve (measured: 31 s release, 6.4 GB: the MLP up product's gathered block of a
 /// LayerNorm output, on tile 2, whose code and tables take 71,088 bytes, 21,936 past the
 /// reserve). Planning again with 32 KiB more set aside on every tile was tried and did not
-/// help: the homes rotated with every weight and tile 0's tables grew to 92,680 bytes.
+/// help: the re-plan took another weight arrangement and tile 0's tables grew to 92,680 bytes.
 #[test]
 fn fifteen_full_size_encoder_layers_do_not_fit_and_say_where() {
     let dir = tempfile::tempdir().unwrap();
