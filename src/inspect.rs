@@ -20,6 +20,7 @@ use std::path::Path;
 
 use std::collections::BTreeMap;
 
+use ipuq_queries::emit::HOST_RECORD_BYTES;
 use ipuq_queries::image;
 use ipuq_queries::package::{AllocationKind, Package, Step};
 use ipuq_queries::tables::{PackedTile, MAX_PHASE_ENTRIES};
@@ -72,6 +73,27 @@ pub fn describe(p: &Package) -> Result<String, String> {
         }
     }
     line(format!("memory largestAllocatedBytes={} onTile={} largestCodeBytes={} vertexCalls={calls}", peak.0, peak.1, code));
+    // What a tile's code allocation holds, as its runtime header states it: on the tile whose
+    // header states the most bytes, and the mean over the tiles (a deep stack's code grows with
+    // its layers: which part grows is what a fix must shrink).
+    let headers: Vec<(u32, image::Header)> = p.tiles.iter().filter_map(|t| image::header_of(&p.shared_segments, t).map(|h| (t.tile, h))).collect();
+    if let Some((tile, h)) = headers.iter().max_by_key(|(t, h)| (h.end(), std::cmp::Reverse(*t))) {
+        let parts = |h: &image::Header| [h.vertex_offset() - h.host_records as u64 * HOST_RECORD_BYTES as u64, h.host_records as u64 * HOST_RECORD_BYTES as u64, h.vertex_bytes as u64, h.table_bytes as u64];
+        let mut sum = [0u64; 4];
+        for (_, h) in &headers {
+            for (s, v) in sum.iter_mut().zip(parts(h)) {
+                *s += v;
+            }
+        }
+        let n = headers.len() as u64;
+        let [a, b, c, d] = parts(h);
+        line(format!(
+            "code onTile={tile} headerBytes={a} hostRecordBytes={b} vertexStateBytes={c} exchangeTableBytes={d} meanHostRecordBytes={} meanVertexStateBytes={} meanExchangeTableBytes={}",
+            sum[1] / n,
+            sum[2] / n,
+            sum[3] / n
+        ));
+    }
     // The most bytes live at one step on one tile (allocations over their lifetimes, code
     // included), and what holds them: by label prefix (a layer, `l3`), then the largest labels.
     let live = live_peak(p.tiles.iter().map(|t| (t.tile, &t.allocations[..])), p.steps.len() as u32);

@@ -123,6 +123,18 @@ fn bad_input_gets_one_clear_error_and_exit_code_2() {
     assert!(by_prefix.iter().any(|p| p.0 == "code"), "{by_prefix:?}");
     let largest = pairs("memoryPeakLargest ");
     assert!(!largest.is_empty() && largest.len() <= 8 && largest.windows(2).all(|w| w[0].1 >= w[1].1) && largest[0].1 <= bytes, "{largest:?}");
+    // What the code holds: its parts fit in the largest code allocation, the header is the
+    // runtime header, and the mean table bytes are the total over the tiles.
+    let code = inspected.stdout.lines().find(|l| l.starts_with("code ")).expect("a code line");
+    let parts: f64 = ["headerBytes", "hostRecordBytes", "vertexStateBytes", "exchangeTableBytes"].iter().map(|k| number(code, k)).sum();
+    assert!(parts > 0.0 && parts <= number(inspected.stdout.lines().find(|l| l.starts_with("memory ")).unwrap(), "largestCodeBytes"), "{code}");
+    assert_eq!(number(code, "headerBytes"), 64.0, "{code}");
+    assert!(number(code, "vertexStateBytes") > 0.0 && number(code, "meanVertexStateBytes") > 0.0 && number(code, "hostRecordBytes") > 0.0, "{code}");
+    let tables = inspected.stdout.lines().find(|l| l.starts_with("exchangeTables ")).expect("an exchangeTables line");
+    let mean_tables = number(code, "meanExchangeTableBytes");
+    assert!(mean_tables > 0.0 && mean_tables <= number(tables, "largestBytes"), "{code} / {tables}");
+    let tiles = number(inspected.stdout.lines().find(|l| l.starts_with("program ")).unwrap(), "tiles");
+    assert_eq!((number(tables, "totalBytes") / tiles).floor(), mean_tables, "{code} / {tables}");
     let ports = inspected.stdout.lines().find(|l| l.starts_with("exchangePorts ")).expect("an exchangePorts line");
     assert_eq!(number(ports, "horizonCycles"), horizons, "{ports}");
     let busy = number(ports, "receiveBusyPercent");
