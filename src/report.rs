@@ -209,7 +209,7 @@ pub fn run_and_verify_cached(package: &Package, package_path: &Path, request: &R
 }
 
 fn dump(dir: &Path, graph: &Graph, data: &BTreeMap<String, crate::workload::TensorData>, package: &Package, outputs: &BTreeMap<String, Vec<u8>>) -> Result<(), String> {
-    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    std::fs::create_dir_all(dir).map_err(|e| format!("--dump {}: cannot create the directory: {e}", dir.display()))?;
     for v in &graph.values {
         if let Producer::Tensor { .. } = v.producer {
             let d = &data[&v.name];

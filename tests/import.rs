@@ -327,6 +327,9 @@ fn a_siglip_checkpoint_imports_runs_on_an_npy_input_and_matches_the_reference() 
     assert_pass(&out);
     let second = read_npy(&dir.path().join("dump2/last_hidden_state.npy")).unwrap();
     assert_ne!(second.values, output.values);
+    // A dump directory that cannot be made (under a file) exits 2 naming the option and path.
+    let out = run(&workload, &["--input", "hidden_states=y.npy", "--dump", "x.npy/dump"]);
+    assert_error(&out, &["--dump", "x.npy/dump", "cannot create the directory"]);
 
     // --layers imports a prefix of the stack.
     let one = dir.path().join("one.toml");
