@@ -442,6 +442,9 @@ fn bad_configs_exit_2_naming_the_file_and_the_field() {
     assert_eq!(out.code, 0, "{}", out.stderr);
     let out = import(&dir.path().join("layers"), &dir.path().join("three.toml"), &["--layers", "3"]);
     assert_error(&out, &["config.json", "num_hidden_layers", "--layers"]);
+    // Dimensions past what ipuq supports name the tokens and layers they came with.
+    let out = import(&dir.path().join("layers"), &dir.path().join("huge.toml"), &["--tokens", "100000000"]);
+    assert_error(&out, &["layers/config.json", "field '(dimensions)'", "more than the 2147483648 ipuq supports", "with 100000000 tokens and 2 layers"]);
     let out = case("json", "{ not json");
     assert_error(&out, &["json/config.json", "not valid JSON"]);
     let empty = dir.path().join("empty");

@@ -118,7 +118,7 @@ pub fn import(request: &ImportRequest) -> Result<Imported, ImportError> {
         Ok((tensor, Init::Safetensors { path, tensor: found.tensor, digest: found.digest }))
     })
     .map_err(|e| match e {
-        encoder::BuildError::Spec(message) => ImportError::Field { file: config_path.display().to_string(), field: "(dimensions)".into(), message },
+        encoder::BuildError::Spec(message) => ImportError::Field { file: config_path.display().to_string(), field: "(dimensions)".into(), message: format!("{message} (with {tokens} tokens and {layers} layers)") },
         encoder::BuildError::Parameter(e) => e,
     })?;
     let name = workload_name(&config, tokens, layers);
