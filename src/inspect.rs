@@ -80,18 +80,22 @@ pub fn describe(p: &Package) -> Result<String, String> {
     if let Some((tile, h)) = headers.iter().max_by_key(|(t, h)| (h.end(), std::cmp::Reverse(*t))) {
         let parts = |h: &image::Header| [h.vertex_offset() - h.host_records as u64 * HOST_RECORD_BYTES as u64, h.host_records as u64 * HOST_RECORD_BYTES as u64, h.vertex_bytes as u64, h.table_bytes as u64];
         let mut sum = [0u64; 4];
+        let mut bindings = 0u64;
         for (_, h) in &headers {
             for (s, v) in sum.iter_mut().zip(parts(h)) {
                 *s += v;
             }
+            bindings += h.bindings as u64;
         }
         let n = headers.len() as u64;
         let [a, b, c, d] = parts(h);
         line(format!(
-            "code onTile={tile} headerBytes={a} hostRecordBytes={b} vertexStateBytes={c} exchangeTableBytes={d} meanHostRecordBytes={} meanVertexStateBytes={} meanExchangeTableBytes={}",
+            "code onTile={tile} headerBytes={a} hostRecordBytes={b} vertexStateBytes={c} exchangeTableBytes={d} tableBindings={} meanHostRecordBytes={} meanVertexStateBytes={} meanExchangeTableBytes={} meanTableBindings={}",
+            h.bindings,
             sum[1] / n,
             sum[2] / n,
-            sum[3] / n
+            sum[3] / n,
+            bindings / n
         ));
     }
     // The most bytes live at one step on one tile (allocations over their lifetimes, code

@@ -129,6 +129,9 @@ fn bad_input_gets_one_clear_error_and_exit_code_2() {
     let parts: f64 = ["headerBytes", "hostRecordBytes", "vertexStateBytes", "exchangeTableBytes"].iter().map(|k| number(code, k)).sum();
     assert!(parts > 0.0 && parts <= number(inspected.stdout.lines().find(|l| l.starts_with("memory ")).unwrap(), "largestCodeBytes"), "{code}");
     assert_eq!(number(code, "headerBytes"), 64.0, "{code}");
+    // A binding is 16 bytes of the tables (phase, segment, base list, base count).
+    assert!(number(code, "tableBindings") >= 1.0 && number(code, "tableBindings") * 16.0 < number(code, "exchangeTableBytes"), "{code}");
+    assert!(number(code, "meanTableBindings") * 16.0 <= number(code, "meanExchangeTableBytes"), "{code}");
     assert!(number(code, "vertexStateBytes") > 0.0 && number(code, "meanVertexStateBytes") > 0.0 && number(code, "hostRecordBytes") > 0.0, "{code}");
     let tables = inspected.stdout.lines().find(|l| l.starts_with("exchangeTables ")).expect("an exchangeTables line");
     let mean_tables = number(code, "meanExchangeTableBytes");
