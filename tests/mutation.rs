@@ -433,8 +433,14 @@ fn every_mutation_is_caught() {
     // tile and the address; none is executed.
     let mut p = base.clone();
     let tile = patch_code(&mut p, |h, code| {
-        code[h.vertex_offset() as usize + image::SET_RECORD_BYTES as usize] = 0xEE;
-        h.sets > 0
+        // The first record's segment (its offset the record's second word), past its call count.
+        let v = h.vertex_offset() as usize;
+        if h.sets == 0 {
+            return false;
+        }
+        let segment = u32::from_le_bytes(code[v + 4..v + 8].try_into().unwrap()) as usize;
+        code[v + segment + 4] = 0xEE;
+        true
     });
     let out = run(d, "corrupt-vertex-record", &p, &[]);
     assert_error(&out, "unknown vertex kind 238");

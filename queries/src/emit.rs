@@ -66,21 +66,28 @@ fn host_segments_per_tile(lowered: &Lowered) -> Vec<u32> {
     n
 }
 
-/// Support memory per tile, from the calls' vertex records, encoded exchange-table bytes and
-/// host segments. Vertex records do not depend on addresses, so this is exact before placement.
+/// Support memory per tile, from the calls' vertex state, encoded exchange-table bytes and
+/// host segments. The vertex state's size does not depend on addresses (its segments hold
+/// none, and every set has a base list of its own), so this is exact before placement.
 pub fn support_memory(lowered: &Lowered, table_bytes: &[u32]) -> Vec<SupportMemory> {
-    let mut vertex = vec![0u32; lowered.tiles as usize];
-    let mut last_set = vec![u32::MAX; lowered.tiles as usize];
+    // Each tile's calls per compute set, in set order, as segments (`image::segment_words`).
+    let mut calls: Vec<Vec<(u32, Vec<&crate::lower::Call>)>> = vec![Vec::new(); lowered.tiles as usize];
     for (index, set) in lowered.compute_sets.iter().enumerate() {
         for (tile, call) in set.iter() {
-            let t = *tile as usize;
-            if last_set[t] != index as u32 {
-                last_set[t] = index as u32;
-                vertex[t] += image::SET_RECORD_BYTES;
+            let sets = &mut calls[*tile as usize];
+            match sets.last_mut() {
+                Some((i, c)) if *i == index as u32 => c.push(call),
+                _ => sets.push((index as u32, vec![call])),
             }
-            vertex[t] += image::record_bytes(call);
         }
     }
+    let vertex: Vec<u32> = calls
+        .iter()
+        .map(|sets| {
+            let segments: Vec<(Vec<u32>, u32)> = sets.iter().map(|(_, c)| image::segment_words(c.iter().copied(), |l: &crate::lower::Loc| l.row_stride)).collect();
+            image::vertex_state_bytes(&segments)
+        })
+        .collect();
     let host = host_segments_per_tile(lowered);
     (0..lowered.tiles as usize)
         .map(|tile| SupportMemory {

@@ -6,10 +6,14 @@
 //!   records, compute sets, vertex-state bytes, table bindings, table bytes, then zeros;
 //! - the host-exchange records (`HOST_RECORD_BYTES` each; the host's own tables drive the
 //!   transfers, the device does not read these);
-//! - the vertex state: per compute set the tile takes part in, `[set index, call count]`, then
-//!   one variable-length record per call: `kind | scalars << 8 | operands << 16`, the scalar
-//!   words (shapes, flags, f32 bits of factors), then `address, row stride` per operand in the
-//!   order of `VertexCall::operands`;
+//! - the vertex state: per compute set the tile takes part in, a record `[set index, segment
+//!   offset]`; then the sets' base lists back to back, in record order (every operand's
+//!   address, in call order and the order of `VertexCall::operands`); then the distinct
+//!   segments, each `[call count]` and per call `kind | scalars << 8 | operands << 16`, the
+//!   scalar words (shapes, flags, f32 bits of factors) and each operand's row stride. A
+//!   segment holds no address, so the same compute set of repeated layers (the same calls
+//!   over other buffers) shares one, each set supplying its own addresses; its size is known
+//!   before placement;
 //! - the exchange tables (`tables::encode_tile`: bindings, then base lists, then run-descriptor
 //!   segments with addresses relative to their buffers' bases).
 //!
@@ -24,7 +28,7 @@ use crate::tables::{self, PackedTile};
 
 /// "IPUT", the first word of every runtime header.
 pub const IMAGE_MAGIC: u32 = u32::from_le_bytes(*b"IPUT");
-/// Bytes of a compute-set record (set index, call count) in the vertex state.
+/// Bytes of a compute-set record (set index, segment offset) in the vertex state.
 pub const SET_RECORD_BYTES: u32 = 8;
 
 /// The runtime header's fields.
@@ -222,36 +226,87 @@ fn decode_call(kind: u32, s: &[u32], o: &[Operand]) -> Result<VertexCall, String
     })
 }
 
-/// Encoded bytes of one call's record.
-pub fn record_bytes<O>(call: &VertexCall<O>) -> u32 {
-    4 * (1 + scalars(call).1.len() as u32 + 2 * call.operands().len() as u32)
+/// A compute set's segment on a tile, as words: its call count, then per call
+/// `kind | scalars << 8 | operands << 16`, the scalar words and each operand's row stride.
+/// Everything of the calls but their operands' addresses (`stride` gives an operand's row
+/// stride), so that the same compute set of repeated layers, whose calls differ only in where
+/// their buffers lie, has the same segment: before placement as after it.
+pub fn segment_words<'a, O: 'a>(calls: impl IntoIterator<Item = &'a VertexCall<O>>, stride: impl Fn(&O) -> u32) -> (Vec<u32>, u32) {
+    let mut words = vec![0u32];
+    let mut operands = 0u32;
+    for call in calls {
+        let (kind, s) = scalars(call);
+        let o = call.operands();
+        words[0] += 1;
+        words.push(kind | (s.len() as u32) << 8 | (o.len() as u32) << 16);
+        words.extend_from_slice(&s);
+        words.extend(o.iter().map(|x| stride(x)));
+        operands += o.len() as u32;
+    }
+    (words, operands)
 }
 
-fn encode_call(call: &VertexCall, out: &mut Vec<u8>) {
-    let (kind, s) = scalars(call);
-    let operands = call.operands();
-    let mut words = Vec::with_capacity(1 + s.len() + 2 * operands.len());
-    words.push(kind | (s.len() as u32) << 8 | (operands.len() as u32) << 16);
-    words.extend_from_slice(&s);
-    for o in operands {
-        words.push(o.address);
-        words.push(o.row_stride);
+/// Bytes of a tile's vertex state whose compute sets hold these segments (`segment_words`:
+/// the words and the operand count of each set, in set order): a record per set, a base per
+/// operand and each distinct segment once. Exact before placement, since none of it depends
+/// on addresses.
+pub fn vertex_state_bytes(sets: &[(Vec<u32>, u32)]) -> u32 {
+    let mut distinct: std::collections::HashSet<&[u32]> = std::collections::HashSet::new();
+    let mut bytes = 0u32;
+    for (words, operands) in sets {
+        bytes += SET_RECORD_BYTES + 4 * operands;
+        if distinct.insert(words) {
+            bytes += 4 * words.len() as u32;
+        }
     }
+    bytes
+}
+
+fn to_bytes(words: &[u32], out: &mut Vec<u8>) {
     for w in words {
         out.extend_from_slice(&w.to_le_bytes());
     }
 }
 
-/// A tile's vertex state: per compute set its record, then its calls' records.
+/// A tile's vertex state: a record per compute set (set index, segment offset), then the
+/// sets' base lists back to back in record order (each operand's address, in call order; a
+/// list's length is its segment's operand count), then the distinct segments
+/// (`segment_words`); offsets from the start of the vertex state. Sets whose segments are
+/// equal (the same compute set of repeated layers) share one.
 pub fn encode_vertex_state(sets: &[ComputeSet]) -> Vec<u8> {
-    let mut out = Vec::new();
+    let mut segments: Vec<Vec<u32>> = Vec::new();
+    let mut index: std::collections::HashMap<Vec<u32>, usize> = std::collections::HashMap::new();
+    let mut records: Vec<(u32, usize)> = Vec::with_capacity(sets.len());
+    let mut bases: Vec<u32> = Vec::new();
     for set in sets {
-        for w in [set.index, set.calls.len() as u32] {
-            out.extend_from_slice(&w.to_le_bytes());
-        }
-        for call in &set.calls {
-            encode_call(call, &mut out);
-        }
+        let (words, _) = segment_words(&set.calls, |o: &Operand| o.row_stride);
+        let i = match index.get(&words) {
+            Some(&i) => i,
+            None => {
+                segments.push(words.clone());
+                index.insert(words, segments.len() - 1);
+                segments.len() - 1
+            }
+        };
+        bases.extend(set.calls.iter().flat_map(|c| c.operands().into_iter().map(|o| o.address)));
+        records.push((set.index, i));
+    }
+    let mut at = sets.len() as u32 * SET_RECORD_BYTES + 4 * bases.len() as u32;
+    let segment_offsets: Vec<u32> = segments
+        .iter()
+        .map(|s| {
+            let o = at;
+            at += 4 * s.len() as u32;
+            o
+        })
+        .collect();
+    let mut out = Vec::with_capacity(at as usize);
+    for (set, segment) in &records {
+        to_bytes(&[*set, segment_offsets[*segment]], &mut out);
+    }
+    to_bytes(&bases, &mut out);
+    for segment in &segments {
+        to_bytes(segment, &mut out);
     }
     out
 }
@@ -276,40 +331,91 @@ impl Words<'_> {
     }
 }
 
-/// Decode `sets` compute sets from the vertex state `bytes` at `address`: every byte must
-/// belong to a record.
+/// Decode `sets` compute sets from the vertex state `bytes` at `address`
+/// (`encode_vertex_state`): every byte must belong to the records, the base lists or a
+/// segment, each once. Errors name the address and the record; segments that several sets
+/// share are decoded once.
 pub fn decode_vertex_state(bytes: &[u8], address: u32, sets: u32) -> Result<Vec<ComputeSet>, String> {
-    let mut r = Words { bytes, at: 0, address };
-    let mut out: Vec<ComputeSet> = Vec::new();
+    let records = sets as u64 * SET_RECORD_BYTES as u64;
+    if records > bytes.len() as u64 {
+        return Err(format!("compute-set records at {address:#x}: {sets} records need {records} bytes, the vertex state holds {}", bytes.len()));
+    }
+    let word = |at: u64| -> u32 { u32::from_le_bytes(bytes[at as usize..at as usize + 4].try_into().unwrap()) };
+    // A segment: per call the address of its record, its kind, scalar words and operand row
+    // strides; and the operands of all its calls.
+    type Call = (u32, u32, Vec<u32>, Vec<u32>);
+    let mut segments: std::collections::HashMap<u32, (Vec<Call>, u64, u64)> = std::collections::HashMap::new();
+    let mut read: Vec<(u32, u32)> = Vec::with_capacity(sets as usize);
+    let mut seen: std::collections::HashSet<u32> = std::collections::HashSet::new();
+    let mut operands = 0u64;
     for i in 0..sets {
-        let at = r.here();
-        let index = r.next("compute-set record")?;
-        let count = r.next("compute-set record")?;
-        if out.iter().any(|s| s.index == index) {
-            return Err(format!("compute-set record {i} at {at:#x}: compute set {index} appears twice"));
+        let at = i as u64 * SET_RECORD_BYTES as u64;
+        let (index, offset) = (word(at), word(at + 4));
+        let fail = |m: String| format!("compute-set record {i} (compute set {index}) at {:#x}: {m}", address as u64 + at);
+        if !seen.insert(index) {
+            return Err(fail(format!("compute set {index} appears twice")));
         }
-        let mut calls = Vec::new();
-        for c in 0..count {
-            let at = r.here();
-            let fail = |m: String| format!("vertex record {c} of compute set {index} at {at:#x}: {m}");
-            let head = r.next("vertex record").map_err(fail)?;
-            let (kind, ns, no) = (head & 0xFF, (head >> 8) & 0xFF, head >> 16);
-            let mut s = Vec::with_capacity(ns as usize);
-            for _ in 0..ns {
-                s.push(r.next("scalar word").map_err(fail)?);
+        if (offset as u64) < records {
+            return Err(fail(format!("segment offset {offset} points into the {sets} records")));
+        }
+        if !segments.contains_key(&offset) {
+            let mut r = Words { bytes, at: offset as usize, address };
+            let calls = r.next("segment header").map_err(fail)?;
+            let mut decoded = Vec::new();
+            let mut count = 0u64;
+            for c in 0..calls {
+                let here = r.here();
+                let call_fail = |m: String| format!("vertex record {c} of compute set {index} at {here:#x}: {m}");
+                let head = r.next("vertex record").map_err(call_fail)?;
+                let (kind, ns, no) = (head & 0xFF, (head >> 8) & 0xFF, head >> 16);
+                let mut s = Vec::with_capacity(ns as usize);
+                for _ in 0..ns {
+                    s.push(r.next("scalar word").map_err(call_fail)?);
+                }
+                let mut strides = Vec::new();
+                for _ in 0..no {
+                    strides.push(r.next("operand row stride").map_err(call_fail)?);
+                }
+                if no == 0 {
+                    return Err(call_fail("a call without operands".into()));
+                }
+                count += no as u64;
+                decoded.push((here, kind, s, strides));
             }
-            let mut o = Vec::new();
-            for _ in 0..no {
-                let address = r.next("operand").map_err(fail)?;
-                let row_stride = r.next("operand").map_err(fail)?;
-                o.push(Operand { address, row_stride });
+            segments.insert(offset, (decoded, count, r.at as u64));
+        }
+        operands += segments[&offset].1;
+        read.push((index, offset));
+    }
+    // The base lists follow the records, one per record in record order, then the segments,
+    // back to back, each once, to the end.
+    let lists_end = records + 4 * operands;
+    if lists_end > bytes.len() as u64 {
+        return Err(format!("vertex state at {address:#x}: its {sets} compute sets' calls have {operands} operands, whose base addresses need {} bytes after the records, of {}", 4 * operands, bytes.len() as u64 - records));
+    }
+    let mut spans: Vec<(u64, u64)> = segments.iter().map(|(&o, s)| (o as u64, s.2)).collect();
+    spans.sort_unstable();
+    let mut at = lists_end;
+    for &(start, end) in spans.iter().chain([(bytes.len() as u64, bytes.len() as u64)].iter()) {
+        if start != at {
+            return Err(format!("vertex state at {address:#x}: bytes {} to {start} of {} do not hold exactly the base lists ({records} to {lists_end}) and the segments", at.min(start), bytes.len()));
+        }
+        at = end;
+    }
+    let mut next = records;
+    let mut out: Vec<ComputeSet> = Vec::with_capacity(sets as usize);
+    for (index, offset) in read {
+        let segment = &segments[&offset].0;
+        let mut calls = Vec::with_capacity(segment.len());
+        for (c, (here, kind, s, strides)) in segment.iter().enumerate() {
+            let mut o = Vec::with_capacity(strides.len());
+            for &row_stride in strides {
+                o.push(Operand { address: word(next), row_stride });
+                next += 4;
             }
-            calls.push(decode_call(kind, &s, &o).map_err(fail)?);
+            calls.push(decode_call(*kind, s, &o).map_err(|m| format!("vertex record {c} of compute set {index} at {here:#x}: {m}"))?);
         }
         out.push(ComputeSet { index, calls });
-    }
-    if r.at != bytes.len() {
-        return Err(format!("vertex state at {address:#x}: {} bytes after the last of its {sets} compute sets", bytes.len() - r.at));
     }
     Ok(out)
 }
@@ -552,9 +658,41 @@ mod tests {
     fn every_kind_round_trips_with_its_size() {
         let sets = vec![ComputeSet { index: 4, calls: every_kind() }, ComputeSet { index: 9, calls: vec![every_kind()[2].clone()] }];
         let bytes = encode_vertex_state(&sets);
-        let expected: u32 = 2 * SET_RECORD_BYTES + sets.iter().flat_map(|s| s.calls.iter()).map(record_bytes).sum::<u32>();
-        assert_eq!(bytes.len() as u32, expected);
+        let segments: Vec<(Vec<u32>, u32)> = sets.iter().map(|s| segment_words(&s.calls, |o: &Operand| o.row_stride)).collect();
+        let operands: u32 = sets.iter().flat_map(|s| &s.calls).map(|c| c.operands().len() as u32).sum();
+        let words: u32 = segments.iter().map(|s| s.0.len() as u32).sum();
+        assert_eq!(bytes.len() as u32, 2 * SET_RECORD_BYTES + 4 * operands + 4 * words);
+        assert_eq!(bytes.len() as u32, vertex_state_bytes(&segments));
         assert_eq!(decode_vertex_state(&bytes, 0x4C040, 2).unwrap(), sets);
+    }
+
+    /// The same compute set of repeated layers: the same calls over buffers elsewhere.
+    fn moved(sets: &[ComputeSet], index: u32, by: u32) -> ComputeSet {
+        ComputeSet { index, calls: sets[0].calls.iter().map(|c| c.map(|o| Operand { address: o.address + by, ..*o })).collect() }
+    }
+
+    #[test]
+    fn repeated_sets_share_one_segment_and_keep_their_own_addresses() {
+        let first = vec![ComputeSet { index: 0, calls: every_kind() }];
+        let sets = vec![first[0].clone(), moved(&first, 1, 0x1000), moved(&first, 2, 0x2000)];
+        let bytes = encode_vertex_state(&sets);
+        let segments: Vec<(Vec<u32>, u32)> = sets.iter().map(|s| segment_words(&s.calls, |o: &Operand| o.row_stride)).collect();
+        assert!(segments.windows(2).all(|w| w[0] == w[1]), "moved calls have the same segment");
+        let (words, operands) = (segments[0].0.len() as u32, segments[0].1);
+        assert_eq!(bytes.len() as u32, 3 * SET_RECORD_BYTES + 3 * 4 * operands + 4 * words);
+        assert_eq!(bytes.len() as u32, vertex_state_bytes(&segments));
+        assert_eq!(decode_vertex_state(&bytes, 0x4C040, 3).unwrap(), sets);
+        // Records that need more base addresses than the bytes hold.
+        let e = decode_vertex_state(&bytes[..3 * SET_RECORD_BYTES as usize + 8], 0x4C040, 3).unwrap_err();
+        assert!(e.contains("runs past the end") || e.contains("base addresses need"), "{e}");
+        // Two records of one compute set are refused.
+        let mut twice = bytes.clone();
+        twice[SET_RECORD_BYTES as usize..SET_RECORD_BYTES as usize + 4].copy_from_slice(&0u32.to_le_bytes());
+        assert!(decode_vertex_state(&twice, 0x4C040, 3).unwrap_err().contains("compute set 0 appears twice"));
+        // Bytes no record reaches are refused.
+        let mut extra = bytes.clone();
+        extra.extend_from_slice(&[0; 4]);
+        assert!(decode_vertex_state(&extra, 0x4C040, 3).unwrap_err().contains("do not hold exactly"));
     }
 
     #[test]
@@ -593,16 +731,19 @@ mod tests {
     fn malformed_records_are_errors_naming_the_record() {
         let sets = vec![ComputeSet { index: 2, calls: every_kind() }];
         let good = encode_vertex_state(&sets);
+        // The first call's record: after the segment's call count.
+        let first = u32::from_le_bytes(good[4..8].try_into().unwrap()) as usize + 4;
         let mut bad = good.clone();
-        bad[8] = 77; // first record's kind
+        bad[first] = 77; // first record's kind
         let e = decode_vertex_state(&bad, 0x1000, 1).unwrap_err();
-        assert!(e.contains("vertex record 0 of compute set 2 at 0x1008") && e.contains("unknown vertex kind 77"), "{e}");
+        assert!(e.contains(&format!("vertex record 0 of compute set 2 at {:#x}", 0x1000 + first)) && e.contains("unknown vertex kind 77"), "{e}");
         let e = decode_vertex_state(&good[..good.len() - 4], 0x1000, 1).unwrap_err();
         assert!(e.contains("runs past the end"), "{e}");
+        // A second record read from the base lists' bytes: refused, naming a compute set.
         let e = decode_vertex_state(&good, 0x1000, 2).unwrap_err();
-        assert!(e.contains("compute-set record"), "{e}");
+        assert!(e.contains("compute set"), "{e}");
         let mut flags = good.clone();
-        flags[8 + 4 * 6..8 + 4 * 7].copy_from_slice(&32u32.to_le_bytes()); // MatMul flags word
+        flags[first + 4 * 6..first + 4 * 7].copy_from_slice(&32u32.to_le_bytes()); // MatMul flags word
         assert!(decode_vertex_state(&flags, 0x1000, 1).unwrap_err().contains("flags"));
         // Any single corrupted byte is an error or a call, never a panic.
         for i in 0..good.len() {

@@ -16,8 +16,9 @@ use crate::hash::Digest;
 use crate::ir::DType;
 
 pub const PACKAGE_MAGIC: [u8; 8] = *b"IPUQPKG\0";
-/// Bump when the layout of anything below changes.
-pub const PACKAGE_FORMAT_VERSION: u32 = 10;
+/// Bump when the layout of anything below changes, or of the tile images it carries (v11: vertex
+/// state shared by repeated compute sets, `image::encode_vertex_state`).
+pub const PACKAGE_FORMAT_VERSION: u32 = 11;
 /// rkyv's format flags this build writes (little endian, aligned, 32-bit offsets).
 pub const RKYV_FLAGS: u32 = 0x0000_0001;
 pub const HEADER_BYTES: usize = 96;

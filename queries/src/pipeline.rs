@@ -45,11 +45,11 @@ pub const PHASES: &[&str] = &["lower_mid", "select_finalist", "lower_exchanges_p
 const LOWER_VERSION: u32 = 39;
 const SELECT_VERSION: u32 = 28;
 const SCHEDULE_VERSION: u32 = 9;
-const CODE_VERSION: u32 = 14;
-const PLACE_VERSION: u32 = 11;
-const OPTIMIZE_PLACEMENT_VERSION: u32 = 12;
+const CODE_VERSION: u32 = 15;
+const PLACE_VERSION: u32 = 12;
+const OPTIMIZE_PLACEMENT_VERSION: u32 = 13;
 const TABLES_VERSION: u32 = 11;
-const PACKAGE_VERSION: u32 = 20;
+const PACKAGE_VERSION: u32 = 21;
 
 /// Run one phase by name (the driver's entry point); returns the digest of its output.
 pub fn run_phase(db: &dyn Db, sources: Sources, phase: &str) -> Result<Digest, CompileError> {
