@@ -486,8 +486,17 @@ fn run_mutants(package: &Package, inputs: &std::collections::BTreeMap<String, Ve
     for (i, mutate) in mutants.iter().enumerate() {
         let mut p = package.clone();
         let mut programs = ipuq_queries::image::Programs::of(&p).unwrap();
-        let done = programs.compute_sets.iter_mut().flatten().flat_map(|s| s.calls.iter_mut()).any(mutate);
-        assert!(done, "mutant {i} found no call to change");
+        // The first call it changes, and on that tile every call of the same form (the same
+        // call of another compute set that shares its segment in the vertex state), so that
+        // the vertex state keeps its size.
+        let form = |c: &VertexCall| c.map(|o| o.row_stride);
+        let found = programs.compute_sets.iter().enumerate().find_map(|(t, sets)| sets.iter().flat_map(|s| &s.calls).find(|c| mutate(&mut (*c).clone())).map(|c| (t, form(c))));
+        let (tile, original) = found.unwrap_or_else(|| panic!("mutant {i} found no call to change"));
+        for call in programs.compute_sets[tile].iter_mut().flat_map(|s| s.calls.iter_mut()) {
+            if form(call) == original {
+                mutate(call);
+            }
+        }
         programs.write(&mut p).unwrap();
         let outcome = catch_unwind(AssertUnwindSafe(|| ipuq::runtime::execute(&p, inputs, &options)));
         outcomes.push(outcome.unwrap_or_else(|_| panic!("mutant {i} panicked the device")).map_err(|e| e.to_string()));
