@@ -431,12 +431,17 @@ fn an_operand_outside_its_allocation_is_rejected_naming_the_tile() {
 #[test]
 fn corrupted_image_records_are_load_errors_naming_tile_and_address() {
     // The calls are decoded from the image bytes: tile 9's first vertex record gets kind 99.
+    // (No host records here: the vertex state starts after the 64-byte header, with the first
+    // compute set's record, whose second word is its segment's offset; the first call's record
+    // follows the segment's call count.)
     let (mut package, _) = pipeline();
     let image = package.tiles.iter_mut().find(|t| t.tile == 9).unwrap();
-    image.segments.iter_mut().find(|s| s.address == 0x4C000).unwrap().bytes[64 + 8] = 99;
+    let code = &mut image.segments.iter_mut().find(|s| s.address == 0x4C000).unwrap().bytes;
+    let first = 64 + u32::from_le_bytes(code[64 + 4..64 + 8].try_into().unwrap()) as usize + 4;
+    code[first] = 99;
     let err = load(&package).err().expect("an unknown vertex kind must be rejected");
     assert!(matches!(err, DeviceError::Load { tile: 9, .. }), "{err}");
-    assert!(err.to_string().contains("vertex record 0 of compute set 2 at 0x4c048") && err.to_string().contains("unknown vertex kind 99"), "{err}");
+    assert!(err.to_string().contains(&format!("vertex record 0 of compute set 2 at {:#x}", 0x4C000 + first)) && err.to_string().contains("unknown vertex kind 99"), "{err}");
     // A tile without a code allocation has no program to start from.
     let (mut package, _) = pipeline();
     package.tiles.iter_mut().find(|t| t.tile == 9).unwrap().allocations.retain(|a| a.kind != AllocationKind::Code);
