@@ -280,14 +280,7 @@ pub fn encode_vertex_state(sets: &[ComputeSet]) -> Vec<u8> {
     let mut bases: Vec<u32> = Vec::new();
     for set in sets {
         let (words, _) = segment_words(&set.calls, |o: &Operand| o.row_stride);
-        let i = match index.get(&words) {
-            Some(&i) => i,
-            None => {
-                segments.push(words.clone());
-                index.insert(words, segments.len() - 1);
-                segments.len() - 1
-            }
-        };
+        let i = tables::intern(&mut segments, &mut index, words);
         bases.extend(set.calls.iter().flat_map(|c| c.operands().into_iter().map(|o| o.address)));
         records.push((set.index, i));
     }
@@ -394,13 +387,8 @@ pub fn decode_vertex_state(bytes: &[u8], address: u32, sets: u32) -> Result<Vec<
         return Err(format!("vertex state at {address:#x}: its {sets} compute sets' calls have {operands} operands, whose base addresses need {} bytes after the records, of {}", 4 * operands, bytes.len() as u64 - records));
     }
     let mut spans: Vec<(u64, u64)> = segments.iter().map(|(&o, s)| (o as u64, s.2)).collect();
-    spans.sort_unstable();
-    let mut at = lists_end;
-    for &(start, end) in spans.iter().chain([(bytes.len() as u64, bytes.len() as u64)].iter()) {
-        if start != at {
-            return Err(format!("vertex state at {address:#x}: bytes {} to {start} of {} do not hold exactly the base lists ({records} to {lists_end}) and the segments", at.min(start), bytes.len()));
-        }
-        at = end;
+    if let Err((from, to)) = tables::spans_cover(&mut spans, lists_end, bytes.len() as u64) {
+        return Err(format!("vertex state at {address:#x}: bytes {from} to {to} of {} do not hold exactly the base lists ({records} to {lists_end}) and the segments", bytes.len()));
     }
     let mut next = records;
     let mut out: Vec<ComputeSet> = Vec::with_capacity(sets as usize);

@@ -498,14 +498,7 @@ pub fn encode_tile(phases: &[(u32, &PackedTile)]) -> Result<Vec<u8>, String> {
     let mut bindings: Vec<(u32, usize, usize)> = Vec::with_capacity(phases.len());
     for (phase, t) in phases {
         let bytes = encode_segment(t).map_err(|m| format!("exchange phase {phase}: {m}"))?;
-        let s = match segment_index.get(&bytes) {
-            Some(&i) => i,
-            None => {
-                segments.push(bytes.clone());
-                segment_index.insert(bytes, segments.len() - 1);
-                segments.len() - 1
-            }
-        };
+        let s = intern(&mut segments, &mut segment_index, bytes);
         let l = *list_index.entry(&t.bases).or_insert_with(|| {
             lists.push(&t.bases);
             lists.len() - 1
@@ -647,15 +640,34 @@ pub fn decode_tile(bytes: &[u8], address: u32, tile: u32, bindings: u32) -> Resu
     }
     // The bindings' base lists and segments follow the bindings back to back, each once, to
     // the end (an empty base list is an empty span).
-    spans.sort_unstable();
-    let mut at = binding_bytes;
-    for &(start, end) in spans.iter().chain([(bytes.len() as u64, bytes.len() as u64)].iter()) {
-        if start != at {
-            return Err(format!("exchange tables at {address:#x}: bytes {} to {start} of {} do not hold exactly the bindings' base lists and segments", at.min(start), bytes.len()));
-        }
-        at = end;
+    if let Err((from, to)) = spans_cover(&mut spans, binding_bytes, bytes.len() as u64) {
+        return Err(format!("exchange tables at {address:#x}: bytes {from} to {to} of {} do not hold exactly the bindings' base lists and segments", bytes.len()));
     }
     Ok(out)
+}
+
+/// The index of `value` in `values`, appended (and indexed) where it is not there yet.
+pub(crate) fn intern<T: std::hash::Hash + Eq + Clone>(values: &mut Vec<T>, index: &mut std::collections::HashMap<T, usize>, value: T) -> usize {
+    if let Some(&i) = index.get(&value) {
+        return i;
+    }
+    values.push(value.clone());
+    index.insert(value, values.len() - 1);
+    values.len() - 1
+}
+
+/// Whether `spans` (start, end), sorted here, lie back to back from `from` to `end`, each
+/// once; else the first stretch where they do not (a gap, or where two overlap).
+pub(crate) fn spans_cover(spans: &mut [(u64, u64)], from: u64, end: u64) -> Result<(), (u64, u64)> {
+    spans.sort_unstable();
+    let mut at = from;
+    for &(start, stop) in spans.iter().chain([(end, end)].iter()) {
+        if start != at {
+            return Err((at.min(start), start));
+        }
+        at = stop;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
