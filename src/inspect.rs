@@ -20,7 +20,7 @@ use std::path::Path;
 
 use std::collections::BTreeMap;
 
-use ipuq_queries::emit::HOST_RECORD_BYTES;
+use ipuq_queries::emit::{HOST_RECORD_BYTES, RUNTIME_HEADER_BYTES};
 use ipuq_queries::image;
 use ipuq_queries::package::{AllocationKind, Package, Step};
 use ipuq_queries::tables::{PackedTile, MAX_PHASE_ENTRIES};
@@ -78,24 +78,19 @@ pub fn describe(p: &Package) -> Result<String, String> {
     // its layers: which part grows is what a fix must shrink).
     let headers: Vec<(u32, image::Header)> = p.tiles.iter().filter_map(|t| image::header_of(&p.shared_segments, t).map(|h| (t.tile, h))).collect();
     if let Some((tile, h)) = headers.iter().max_by_key(|(t, h)| (h.end(), std::cmp::Reverse(*t))) {
-        let parts = |h: &image::Header| [h.vertex_offset() - h.host_records as u64 * HOST_RECORD_BYTES as u64, h.host_records as u64 * HOST_RECORD_BYTES as u64, h.vertex_bytes as u64, h.table_bytes as u64];
+        // Host-record, vertex-state and table bytes, and table bindings (the rest of the code
+        // is the runtime header).
+        let parts = |h: &image::Header| [h.host_records as u64 * HOST_RECORD_BYTES as u64, h.vertex_bytes as u64, h.table_bytes as u64, h.bindings as u64];
         let mut sum = [0u64; 4];
-        let mut bindings = 0u64;
         for (_, h) in &headers {
             for (s, v) in sum.iter_mut().zip(parts(h)) {
                 *s += v;
             }
-            bindings += h.bindings as u64;
         }
-        let n = headers.len() as u64;
-        let [a, b, c, d] = parts(h);
+        let [mean_host, mean_vertex, mean_tables, mean_bindings] = sum.map(|s| s / headers.len() as u64);
+        let [host, vertex, tables, bindings] = parts(h);
         line(format!(
-            "code onTile={tile} headerBytes={a} hostRecordBytes={b} vertexStateBytes={c} exchangeTableBytes={d} tableBindings={} meanHostRecordBytes={} meanVertexStateBytes={} meanExchangeTableBytes={} meanTableBindings={}",
-            h.bindings,
-            sum[1] / n,
-            sum[2] / n,
-            sum[3] / n,
-            bindings / n
+            "code onTile={tile} headerBytes={RUNTIME_HEADER_BYTES} hostRecordBytes={host} vertexStateBytes={vertex} exchangeTableBytes={tables} tableBindings={bindings} meanHostRecordBytes={mean_host} meanVertexStateBytes={mean_vertex} meanExchangeTableBytes={mean_tables} meanTableBindings={mean_bindings}"
         ));
     }
     // The most bytes live at one step on one tile (allocations over their lifetimes, code

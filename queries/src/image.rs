@@ -341,6 +341,10 @@ pub fn decode_vertex_state(bytes: &[u8], address: u32, sets: u32) -> Result<Vec<
     let mut read: Vec<(u32, u32)> = Vec::with_capacity(sets as usize);
     let mut seen: std::collections::HashSet<u32> = std::collections::HashSet::new();
     let mut operands = 0u64;
+    // Bytes of the distinct segments decoded so far: they must lie apart after the records,
+    // so more than that means overlapping segments (refused before decoding more, which keeps
+    // the work linear in the bytes however many records point into them).
+    let mut decoded_bytes = 0u64;
     for i in 0..sets {
         let at = i as u64 * SET_RECORD_BYTES as u64;
         let (index, offset) = (word(at), word(at + 4));
@@ -358,7 +362,7 @@ pub fn decode_vertex_state(bytes: &[u8], address: u32, sets: u32) -> Result<Vec<
             let mut count = 0u64;
             for c in 0..calls {
                 let here = r.here();
-                let call_fail = |m: String| format!("vertex record {c} of compute set {index} at {here:#x}: {m}");
+                let call_fail = |m: String| fail(format!("vertex record {c} of compute set {index} at {here:#x}: {m}"));
                 let head = r.next("vertex record").map_err(call_fail)?;
                 let (kind, ns, no) = (head & 0xFF, (head >> 8) & 0xFF, head >> 16);
                 let mut s = Vec::with_capacity(ns as usize);
@@ -374,6 +378,10 @@ pub fn decode_vertex_state(bytes: &[u8], address: u32, sets: u32) -> Result<Vec<
                 }
                 count += no as u64;
                 decoded.push((here, kind, s, strides));
+            }
+            decoded_bytes += r.at as u64 - offset as u64;
+            if decoded_bytes > bytes.len() as u64 - records {
+                return Err(fail(format!("its segment at offset {offset} overlaps another: the distinct segments decoded so far take {decoded_bytes} bytes of the {} after the records", bytes.len() as u64 - records)));
             }
             segments.insert(offset, (decoded, count, r.at as u64));
         }
@@ -392,7 +400,7 @@ pub fn decode_vertex_state(bytes: &[u8], address: u32, sets: u32) -> Result<Vec<
     }
     let mut next = records;
     let mut out: Vec<ComputeSet> = Vec::with_capacity(sets as usize);
-    for (index, offset) in read {
+    for (i, (index, offset)) in read.into_iter().enumerate() {
         let segment = &segments[&offset].0;
         let mut calls = Vec::with_capacity(segment.len());
         for (c, (here, kind, s, strides)) in segment.iter().enumerate() {
@@ -401,7 +409,8 @@ pub fn decode_vertex_state(bytes: &[u8], address: u32, sets: u32) -> Result<Vec<
                 o.push(Operand { address: word(next), row_stride });
                 next += 4;
             }
-            calls.push(decode_call(*kind, s, &o).map_err(|m| format!("vertex record {c} of compute set {index} at {here:#x}: {m}"))?);
+            let record = address as u64 + i as u64 * SET_RECORD_BYTES as u64;
+            calls.push(decode_call(*kind, s, &o).map_err(|m| format!("compute-set record {i} (compute set {index}) at {record:#x}: vertex record {c} of compute set {index} at {here:#x}: {m}"))?);
         }
         out.push(ComputeSet { index, calls });
     }
@@ -684,6 +693,25 @@ mod tests {
     }
 
     #[test]
+    fn records_pointing_into_one_another_s_segments_are_refused_after_linear_work() {
+        // Every word 0x0001_0000: read as a segment's call count, 65,536 calls; read as a
+        // call, one operand and no scalars, two words. A thousand records each point at their
+        // own word of one long run, each a valid segment by itself; decoding them all would be
+        // a thousand half-megabyte segments. The second already overlaps past what the bytes
+        // hold, and is refused there.
+        let sets = 1000u32;
+        let records = sets * SET_RECORD_BYTES;
+        let run = 2 * 65_536 + 1 + 2 * sets;
+        let mut bytes = Vec::new();
+        for i in 0..sets {
+            to_bytes(&[i, records + 8 * i], &mut bytes);
+        }
+        to_bytes(&vec![0x0001_0000; run as usize], &mut bytes);
+        let e = decode_vertex_state(&bytes, 0x4C040, sets).unwrap_err();
+        assert!(e.contains("compute-set record 1 (compute set 1)") && e.contains("overlaps another"), "{e}");
+    }
+
+    #[test]
     fn a_program_round_trips_through_its_code_bytes() {
         let run = PackedTile {
             tile: 5,
@@ -727,9 +755,9 @@ mod tests {
         assert!(e.contains(&format!("vertex record 0 of compute set 2 at {:#x}", 0x1000 + first)) && e.contains("unknown vertex kind 77"), "{e}");
         let e = decode_vertex_state(&good[..good.len() - 4], 0x1000, 1).unwrap_err();
         assert!(e.contains("runs past the end"), "{e}");
-        // A second record read from the base lists' bytes: refused, naming a compute set.
+        // A second record read from the base lists' bytes: refused, naming the record.
         let e = decode_vertex_state(&good, 0x1000, 2).unwrap_err();
-        assert!(e.contains("compute set"), "{e}");
+        assert!(e.contains("compute-set record"), "{e}");
         let mut flags = good.clone();
         flags[first + 4 * 6..first + 4 * 7].copy_from_slice(&32u32.to_le_bytes()); // MatMul flags word
         assert!(decode_vertex_state(&flags, 0x1000, 1).unwrap_err().contains("flags"));

@@ -559,6 +559,10 @@ pub fn decode_tile(bytes: &[u8], address: u32, tile: u32, bindings: u32) -> Resu
     let mut segments: std::collections::HashMap<u32, std::rc::Rc<Segment>> = std::collections::HashMap::new();
     let mut lists: std::collections::HashMap<u32, std::rc::Rc<Vec<u32>>> = std::collections::HashMap::new();
     let mut spans: Vec<(u64, u64)> = Vec::new();
+    // Bytes of the distinct segments decoded so far: they must lie apart within the tables, so
+    // more than the tables hold means overlapping segments (refused before decoding more, which
+    // keeps the work linear in the bytes however many bindings point into them).
+    let mut decoded = 0u64;
     let mut out = Vec::with_capacity(bindings as usize);
     for b in 0..bindings {
         let at = b as u64 * BINDING_BYTES as u64;
@@ -623,6 +627,10 @@ pub fn decode_tile(bytes: &[u8], address: u32, tile: u32, bindings: u32) -> Resu
                     } else {
                         receive_runs.push(ReceiveRun { cycle, source, slot, address: offset, words, paired, count, cycle_stride, address_stride });
                     }
+                }
+                decoded += at - offset as u64;
+                if decoded > bytes.len() as u64 {
+                    return Err(fail(format!("its segment at offset {offset} overlaps another: the distinct segments decoded so far take {decoded} bytes of {}", bytes.len())));
                 }
                 spans.push((offset as u64, at));
                 let s = std::rc::Rc::new((send_runs, receive_runs, slots));
@@ -852,5 +860,24 @@ mod tests {
         assert!(unpack_phase(&run(101, 0, 1), 100).unwrap_err().1.contains("exceeds"));
         assert!(unpack_phase(&run(3, u32::MAX - 1, 1), 100).unwrap_err().1.contains("passes cycle"));
         assert_eq!(unpack_phase(&run(3, 5, 2), 100).unwrap().tiles[0].sends.len(), 3);
+    }
+
+    #[test]
+    fn bindings_pointing_into_one_another_s_segments_are_refused() {
+        // Words of 1: at any word a segment of one send and one receive (32 bytes). Sixty-four
+        // bindings each point one word further into the run; once the distinct segments
+        // decoded take more bytes than the tables hold, decoding stops there.
+        let n = 64u32;
+        let mut bytes = Vec::new();
+        for i in 0..n {
+            for w in [i, n * BINDING_BYTES + 4 * i, n * BINDING_BYTES, 1] {
+                bytes.extend_from_slice(&w.to_le_bytes());
+            }
+        }
+        for _ in 0..n + 8 {
+            bytes.extend_from_slice(&1u32.to_le_bytes());
+        }
+        let e = decode_tile(&bytes, 0x60000, 3, n).unwrap_err();
+        assert!(e.contains("overlaps another"), "{e}");
     }
 }
