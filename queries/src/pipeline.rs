@@ -195,6 +195,22 @@ fn steering_did_not_help(first: &str, steered: &[crate::ir::PlanConstraint], las
     format!("{first}; planning again with {} {what} steered away from {from} did not help: {last} (steered: {})", plans.len(), plans.join(", "))
 }
 
+/// Plan constraints in the order of their operations' names (a re-plan reads them as a set).
+fn sorted_by_operation(constraints: &[crate::ir::PlanConstraint]) -> Vec<crate::ir::PlanConstraint> {
+    let mut sorted = constraints.to_vec();
+    sorted.sort_by(|a, b| a.operation.cmp(&b.operation));
+    sorted
+}
+
+/// The constraints a re-plan runs with when `c` steers its operation: `steered` with that
+/// operation's earlier constraint (if any) replaced by `c`, at the end; None where that set, in
+/// any order, is one of those `tried` (sorted by operation).
+fn steered_with(steered: &[crate::ir::PlanConstraint], c: &crate::ir::PlanConstraint, tried: &[Vec<crate::ir::PlanConstraint>]) -> Option<Vec<crate::ir::PlanConstraint>> {
+    let mut next: Vec<crate::ir::PlanConstraint> = steered.iter().filter(|s| s.operation != c.operation).cloned().collect();
+    next.push(c.clone());
+    (!tried.contains(&sorted_by_operation(&next))).then_some(next)
+}
+
 /// A program `selection` made placeable with half-duplex tiles, and the memo entries of its
 /// round (for the stages after selection, should it be the one chosen: its placement search,
 /// sizing, baseline placement and schedules).
@@ -220,7 +236,8 @@ const HALF_DUPLEX_ROUNDS: usize = 3;
 /// memory-element conflicts are all that is wrong with a finalist, the conflicting tiles are
 /// also made half-duplex in their phases (`HALF_DUPLEX_ROUNDS`), and that program is kept
 /// where it runs in fewer cycles than the steered one (or where steering finds none); steering
-/// stops at the first steered program that needs half-duplex tiles too and runs no faster.
+/// stops at the first steered program that needs half-duplex tiles too and runs no faster, and
+/// never plans again with a set of constraints it has planned with before.
 #[salsa::tracked(returns(clone))]
 pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
     // The selection view: the lowering view and the host link rate, which the host pass
@@ -322,6 +339,13 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
         }
         let _cleared = Cleared(&db.relative_memo, db.keeps_beam_states());
         let mut steered: Vec<crate::ir::PlanConstraint> = Vec::new();
+        // Every set of constraints a re-plan has run with (sorted by operation): planning again
+        // with one of them would give the program that failed then. (Measured with an
+        // experiment that also blamed the product gathering a LayerNorm's output block:
+        // fifteen full-size layers' MLP up product, blamed round after round, cycled
+        // [1,4,90,4] -> [1,8,90,2] -> [1,16,90,1] -> [1,8,45,4] -> [1,8,90,2] ..., about a
+        // minute a round; with this check the fourth round is not planned.)
+        let mut tried: Vec<Vec<crate::ir::PlanConstraint>> = Vec::new();
         // Why lower_mid's finalists could not be placed, for the error should steering not help
         // (a steered program can fail for another reason, which would hide the cause).
         let mut first_failure: Option<String> = None;
@@ -480,10 +504,16 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
                     break;
                 }
                 let [b, r, col, i] = p.partitions;
+                let Some(next) = steered_with(&steered, &c, &tried) else {
+                    tracing::info!(operation = %p.value, partitions = %format!("[{b},{r},{col},{i}]"), constraint = %c.describe(), "no finalist can be placed; steering this operation so would plan again with constraints already tried: not steered");
+                    continue;
+                };
                 tracing::info!(operation = %p.value, partitions = %format!("[{b},{r},{col},{i}]"), reason = %why, constraint = %c.describe(), "no finalist can be placed: planning the operation again, steered away from its plan");
-                steered.retain(|s| s.operation != c.operation);
-                steered.push(c);
+                steered = next;
                 changed = true;
+            }
+            if changed {
+                tried.push(sorted_by_operation(&steered));
             }
             if !changed {
                 return match half.take() {
@@ -1152,6 +1182,23 @@ mod tests {
             steering_did_not_help("tile 0: full", &[steer("a", 4), steer("b", 2)], "tile 3: tables"),
             "tile 0: full; planning again with 2 operations steered away from their plans did not help: tile 3: tables (steered: a (inner_partitions=4), b (inner_partitions=2))"
         );
+    }
+
+    /// A steer replaces its operation's earlier constraint and goes last; a set of constraints
+    /// already planned with, in whatever order it was built, is not planned with again (a
+    /// product whose steers cycle back to an earlier constraint ends the steering).
+    #[test]
+    fn a_set_of_constraints_already_tried_is_not_planned_again() {
+        let steer = |operation: &str, inner| crate::ir::PlanConstraint { operation: operation.into(), orientation: None, row_partitions: None, column_partitions: None, inner_partitions: Some(inner), weight_memory: None, weights: None };
+        let tried = vec![sorted_by_operation(&[steer("up", 2)])];
+        assert_eq!(steered_with(&[], &steer("up", 2), &tried), None, "the first round's set again");
+        assert_eq!(steered_with(&[steer("up", 1)], &steer("up", 2), &tried), None, "back to it from a later steer of the same product");
+        assert_eq!(steered_with(&[steer("up", 2)], &steer("up", 1), &tried), Some(vec![steer("up", 1)]));
+        assert_eq!(steered_with(&[steer("up", 2), steer("q", 4)], &steer("up", 1), &tried), Some(vec![steer("q", 4), steer("up", 1)]), "replaced, and last");
+        let tried = vec![sorted_by_operation(&[steer("up", 2), steer("q", 4)])];
+        assert_eq!(tried[0], vec![steer("q", 4), steer("up", 2)]);
+        assert_eq!(steered_with(&[steer("up", 2)], &steer("q", 4), &tried), None, "the same set built in another order");
+        assert_eq!(steered_with(&[steer("up", 2)], &steer("q", 2), &tried), Some(vec![steer("up", 2), steer("q", 2)]));
     }
 
     /// Takes the memo's entry under `key` away (it must be there) and puts `altered` under each
