@@ -468,15 +468,14 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
                             tracing::info!(round, half_duplex_cycles = chosen_cycles(&h.selection), steered_cycles = chosen_cycles(&s), "the steered program needs half-duplex tiles too and runs no faster: steering no further");
                             return Ok(take_half(h));
                         }
-                        if half.as_ref().is_none_or(|h| chosen_cycles(&s) < chosen_cycles(&h.selection)) {
-                            half = Some(HalfDuplexed {
-                                selection: s,
-                                placements: memo.lock().expect("placement memo lock").clone(),
-                                sizings: sized.lock().expect("sizing memo lock").clone(),
-                                baselines: baselines.lock().expect("baseline memo lock").clone(),
-                                schedules: db.schedule_memo.lock().expect("phase memo lock").clone(),
-                            });
-                        }
+                        // (Faster than the one in hand, or the first.)
+                        half = Some(HalfDuplexed {
+                            selection: s,
+                            placements: memo.lock().expect("placement memo lock").clone(),
+                            sizings: sized.lock().expect("sizing memo lock").clone(),
+                            baselines: baselines.lock().expect("baseline memo lock").clone(),
+                            schedules: db.schedule_memo.lock().expect("phase memo lock").clone(),
+                        });
                         break;
                     }
                     Err(e) => {
@@ -512,15 +511,13 @@ pub fn selection(db: &dyn Db, sources: Sources) -> StageResult<Selection> {
                 steered = next;
                 changed = true;
             }
-            if changed {
-                tried.push(sorted_by_operation(&steered));
-            }
             if !changed {
                 return match half.take() {
                     Some(h) => Ok(take_half(h)),
                     None => Err(fail(&steered, &failure.message)),
                 };
             }
+            tried.push(sorted_by_operation(&steered));
             let mut graph = (*g.value).clone();
             graph.file.constraints.retain(|c| !steered.iter().any(|s| s.operation == c.operation));
             graph.file.constraints.extend(steered.iter().cloned());
